@@ -1,0 +1,223 @@
+"""Typed configuration: one documented field per setting, validated at load time.
+
+Configs are pydantic models; every field carries a description (a test enforces it). A YAML file and
+dotted command-line overrides (``algo.clip_high=0.28``) are merged into one dict and validated once; a
+wrong key or type raises `ConfigError` naming the field.
+
+Shape: `SFTConfig` and `RLConfig` share the run sections (`model`, `data`, `eval`, `out`, `seed`) and add
+their stage sections; `DemoConfig` holds both stages under ``sft`` and ``rl``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the field."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------------------------------------- run sections
+class ModelConfig(Section):
+    path: str = Field(
+        "tiny-qwen2-vl",
+        description="Policy to start from: a tiny preset (tiny-qwen2-vl, tiny-qwen2-vl-20m, tiny-qwen2.5-vl, "
+        "tiny-qwen2), a local directory in the transformers layout, or a hub id.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype. bfloat16 on GPUs; float32 on CPU."
+    )
+    device: str = Field("cpu", description="Torch device for the policy, e.g. 'cpu' or 'cuda'.")
+    init_seed: int = Field(0, description="Seed of the random initialisation of a tiny preset.")
+
+
+class DataConfig(Section):
+    train: str | None = Field(
+        None, description="Training samples: a .jsonl/.parquet file or a directory of them. "
+        "Unset: generate `n_train` samples of the procedural `suite`."
+    )
+    test: str | None = Field(None, description="Held-out samples (same formats). Unset: generate `n_test` of `suite`.")
+    suite: str = Field("shapes", description="Procedural task suite used when train/test are unset: shapes or arith.")
+    tasks: list[str] = Field(
+        default_factory=lambda: ["count", "color"],
+        description="Sub-tasks of the suite (shapes: count, color, locate, ocr; arith: add, sub, mul, two_step).",
+    )
+    suite_options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra options of the suite generator, e.g. {template: think, max_shapes: 4}."
+    )
+    n_train: int = Field(2000, ge=1, description="Number of procedural training samples.")
+    n_test: int = Field(200, ge=1, description="Number of procedural held-out samples.")
+    seed: int = Field(0, description="Seed of the procedural data (train and test use separate streams).")
+    on_error: Literal["raise", "skip"] = Field(
+        "raise", description="Bad records in data files: 'raise' stops with file:line; 'skip' skips and counts them."
+    )
+
+
+class EvalConfig(Section):
+    samples: int = Field(4, ge=1, description="Samples per prompt for sampled accuracy (pass@1) and pass@k.")
+    temperature: float = Field(1.0, ge=0, description="Temperature of the sampled evaluation (the training temperature).")
+    max_new_tokens: int = Field(16, ge=1, description="Generation budget per evaluation response.")
+    max_batch_size: int = Field(256, ge=1, description="Sequences generated at once during evaluation.")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate (peak). LLaVA-OV-1.5 RL: 2e-6 for 8B; tiny presets: ~1e-3 SFT, ~5e-4 RL.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (LLaVA-OV-1.5 RL: 0.01).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then constant learning rate.")
+
+
+# ----------------------------------------------------------------------------------------------- SFT stage
+class SFTTrainConfig(Section):
+    steps: int = Field(500, ge=0, description="Optimizer steps (the run may stop earlier at `max_seconds`).")
+    batch_size: int = Field(32, ge=1, description="Samples per optimizer step.")
+    micro_batch_size: int = Field(32, ge=1, description="Samples per forward/backward; gradients accumulate to batch_size.")
+    max_samples: int | None = Field(None, ge=1, description="Train on only the first N training samples (a small labelled set).")
+    max_seconds: float | None = Field(None, gt=0, description="Wall-clock budget of the stage; stops after the step that crosses it.")
+    log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
+
+
+class SFTStage(Section):
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer of the SFT stage.")
+    train: SFTTrainConfig = Field(default_factory=SFTTrainConfig, description="Loop settings of the SFT stage.")
+
+
+# ----------------------------------------------------------------------------------------------- RL stage
+class RolloutConfig(Section):
+    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size; LLaVA-OV-1.5: 16).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (LLaVA-OV-1.5: 1.0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold; 1 disables.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+    max_new_tokens: int = Field(16, ge=1, description="Response budget; longer responses are TRUNCATED.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
+    max_batch_size: int = Field(256, ge=1, description="Sequences generated at once by the in-process engine.")
+
+
+class AlgoConfig(Section):
+    advantage: str = Field("grpo", description="Advantage estimator: a registered name (see README) or 'pkg.mod:fn'.")
+    advantage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options of the estimator, e.g. {norm_by_std: false} for grpo."
+    )
+    policy_loss: str = Field("ppo_clip", description="Policy loss: a registered name (see README) or 'pkg.mod:fn'.")
+    clip_low: float = Field(0.2, ge=0, description="PPO ε_low: ratio floor 1 − ε_low (LLaVA-OV-1.5 and DAPO: 0.2).")
+    clip_high: float = Field(0.28, ge=0, description="PPO ε_high: ratio ceiling 1 + ε_high; DAPO clip-higher 0.28.")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
+        "token_mean", description="Loss aggregation: token_mean (DAPO eq. 12), seq_mean_token_mean (GRPO), seq_mean_token_sum (Dr.GRPO)."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term; 0 removes the reference model (LLaVA-OV-1.5: 0).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the KL term (k3: low variance, ≥ 0).")
+
+
+class RLTrainConfig(Section):
+    steps: int = Field(100, ge=0, description="RL steps (rollout + update); the run may stop earlier at `max_seconds`.")
+    prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step (LLaVA-OV-1.5: 32); each gets rollout.n responses.")
+    minibatches: int = Field(1, ge=1, description="Optimizer steps per RL step per epoch (the rollout batch is split in this many).")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    micro_batch_size: int = Field(128, ge=1, description="Sequences per forward/backward; gradients accumulate to a minibatch.")
+    max_samples: int | None = Field(None, ge=1, description="Draw prompts from only the first N training samples.")
+    max_seconds: float | None = Field(None, gt=0, description="Wall-clock budget of the stage; stops after the step that crosses it.")
+    log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+
+
+class RLStage(Section):
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="How responses are sampled.")
+    algo: AlgoConfig = Field(default_factory=AlgoConfig, description="Advantage, loss, clipping and KL.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4), description="Optimizer of the RL stage.")
+    train: RLTrainConfig = Field(default_factory=RLTrainConfig, description="Loop settings of the RL stage.")
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> RLStage:
+        total = self.train.prompts_per_step * self.rollout.n
+        if total % self.train.minibatches:
+            raise ValueError(
+                f"train.prompts_per_step × rollout.n = {total} responses per step do not split into "
+                f"train.minibatches = {self.train.minibatches} equal minibatches"
+            )
+        return self
+
+
+# ----------------------------------------------------------------------------------------------- whole runs
+class RunConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy to train.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training and held-out data.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+    out: str = Field("runs/latest", description="Run directory: config.yaml, metrics.jsonl, checkpoints/, summary.json.")
+    seed: int = Field(0, description="Seed of sampling, shuffling and dropout.")
+
+
+class SFTConfig(RunConfig, SFTStage):
+    """`vlrl sft`: supervised fine-tuning on the reference responses (assistant tokens only)."""
+
+
+class RLConfig(RunConfig, RLStage):
+    """`vlrl rl`: synchronous GRPO-family RL with verifiable rewards."""
+
+
+class DemoConfig(RunConfig):
+    """`vlrl demo`: SFT warm start → eval → RL → eval, plus an equal-time SFT control."""
+
+    sft: SFTStage = Field(default_factory=SFTStage, description="The SFT warm-start stage.")
+    rl: RLStage = Field(default_factory=RLStage, description="The RL stage, started from the SFT checkpoint.")
+    control: bool = Field(True, description="Also train the SFT checkpoint by SFT for the RL stage's wall time (the control).")
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.clip_high=0.28")
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    return raw
+
+
+def load_config(cls: type[Section], path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
+    """Read YAML (optional), apply dotted overrides, validate into ``cls``."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: invalid YAML ({err})") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    apply_overrides(raw, overrides or [])
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_explain(err, path)) from None
+
+
+def _explain(err: ValidationError, path: Path | None) -> str:
+    where = f"{path}: " if path else ""
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        message = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{where}config field '{field}': {message}")
+    return "\n".join(lines)
+
+
+def dump_config(config: Section) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,222 @@
+"""Read and write Sample files: jsonl (images as relative files or data URLs) and parquet (images as bytes).
+
+Bad input never disappears silently: with ``on_error="raise"`` the first bad record raises a `DataError`
+naming the file and line (or row); with ``on_error="skip"`` it is skipped and counted in the returned
+`ReadReport`, which the recipes log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from PIL import Image
+
+from vlrl.data.sample import (
+    Sample,
+    SampleError,
+    image_to_png_bytes,
+    load_image,
+    sample_from_json,
+    sample_to_json,
+)
+
+log = logging.getLogger(__name__)
+
+OnError = Literal["raise", "skip"]
+_PARQUET_MARKER = b"vlrl.sample.v1"
+
+
+class DataError(ValueError):
+    """A data file (or one record in it) that cannot be used; the message names file and line."""
+
+
+@dataclass
+class ReadReport:
+    """What a read produced: the samples, and every skipped record with its reason."""
+
+    samples: list[Sample]
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (file:line, reason)
+
+    def summary(self) -> str:
+        text = f"{len(self.samples)} samples"
+        if self.skipped:
+            text += f", {len(self.skipped)} skipped (first: {self.skipped[0][0]}: {self.skipped[0][1]})"
+        return text
+
+
+def read_samples(
+    path: str | Path,
+    *,
+    on_error: OnError = "raise",
+    check: Callable[[Sample], None] | None = None,
+    verify_images: bool = True,
+) -> ReadReport:
+    """Read samples from a ``.jsonl`` or ``.parquet`` file, or every such file in a directory.
+
+    Args:
+        on_error: ``"raise"`` stops at the first bad record; ``"skip"`` skips and counts it.
+        check: an extra per-sample validation (e.g. that reward names are registered); it raises
+            ``ValueError``/``KeyError`` with a message, which is reported with the file and line.
+        verify_images: open every image once at read time so a missing or corrupt file is reported here
+            (with its line) rather than in the middle of training.
+    """
+    path = Path(path)
+    if path.is_dir():
+        files = sorted([*path.glob("*.jsonl"), *path.glob("*.parquet")])
+        if not files:
+            raise DataError(f"{path}: no .jsonl or .parquet files in this directory")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise DataError(f"{path}: no such file or directory")
+    report = ReadReport(samples=[])
+    seen_ids: dict[str, str] = {}
+    for file in files:
+        if file.suffix == ".jsonl":
+            records = _jsonl_records(file)
+        elif file.suffix == ".parquet":
+            records = _parquet_records(file)
+        else:
+            raise DataError(f"{file}: unsupported file type (use .jsonl or .parquet)")
+        for where, record in records:
+            try:
+                if isinstance(record, Exception):
+                    raise record
+                sample = sample_from_json(record, file.parent)
+                sample.source = where
+                if sample.id in seen_ids:
+                    raise SampleError(f"duplicate id {sample.id!r} (first seen at {seen_ids[sample.id]})")
+                if verify_images:
+                    for k, image in enumerate(sample.images):
+                        try:
+                            load_image(image)
+                        except SampleError as err:
+                            raise SampleError(f"field 'images[{k}]': {err}") from err
+                if check is not None:
+                    check(sample)
+            except (ValueError, KeyError) as err:
+                message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+                if on_error == "raise":
+                    raise DataError(f"{where}: {message}") from err
+                report.skipped.append((where, message))
+                continue
+            seen_ids[sample.id] = where
+            report.samples.append(sample)
+    if report.skipped:
+        log.warning("%s: skipped %d bad record(s); first: %s: %s", path, len(report.skipped), *report.skipped[0])
+    return report
+
+
+def _jsonl_records(file: Path) -> Iterable[tuple[str, Any]]:
+    with open(file, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{file}:{number}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as err:
+                yield where, SampleError(f"malformed JSON ({err.msg} at column {err.colno})")
+
+
+def _parquet_records(file: Path) -> Iterable[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(file)
+    except Exception as err:
+        raise DataError(f"{file}: cannot read parquet ({err})") from err
+    ours = (table.schema.metadata or {}).get(b"vlrl") == _PARQUET_MARKER
+    for row_number, row in enumerate(table.to_pylist()):
+        where = f"{file}:row {row_number}"
+        try:
+            yield where, _decode_parquet_row(row, ours)
+        except (ValueError, TypeError) as err:
+            yield where, SampleError(str(err))
+
+
+def _decode_parquet_row(row: dict[str, Any], ours: bool) -> dict[str, Any]:
+    record = {k: v for k, v in row.items() if v is not None}
+    for key in ("messages", "metadata", "reward") + (("answer",) if ours else ()):
+        value = record.get(key)
+        if isinstance(value, str) and (ours or key in ("messages", "metadata")):
+            try:
+                record[key] = json.loads(value)
+            except json.JSONDecodeError as err:
+                if key != "reward":
+                    raise ValueError(f"field {key!r}: not valid JSON ({err.msg})") from err
+    images = []
+    for k, image in enumerate(record.get("images") or []):
+        if isinstance(image, dict):  # the HF `datasets` Image feature: {"bytes": ..., "path": ...}
+            image = image.get("bytes") or image.get("path")
+        if isinstance(image, bytes):
+            import base64
+
+            image = "data:image/png;base64," + base64.b64encode(image).decode()
+        if not isinstance(image, str):
+            raise ValueError(f"field 'images[{k}]': expected bytes or a path")
+        images.append(image)
+    record["images"] = images
+    return record
+
+
+def write_samples(samples: Iterable[Sample], out: str | Path) -> Path:
+    """Write samples to ``out`` (``.jsonl`` with images under ``images/`` beside it, or ``.parquet``)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".parquet":
+        return _write_parquet(list(samples), out)
+    if out.suffix != ".jsonl":
+        raise DataError(f"{out}: choose a .jsonl or .parquet file name")
+    image_dir = out.parent / "images"
+    with open(out, "w", encoding="utf-8") as handle:
+        for sample in samples:
+            paths = []
+            for k, image in enumerate(sample.images):
+                if isinstance(image, str) and not image.startswith("data:"):
+                    source = Path(image)
+                    try:
+                        paths.append(str(source.resolve().relative_to(out.parent.resolve())))
+                        continue
+                    except ValueError:
+                        image = load_image(image)
+                if not isinstance(image, Image.Image):
+                    image = load_image(image)
+                image_dir.mkdir(exist_ok=True)
+                name = f"images/{_safe(sample.id)}_{k}.png"
+                image.save(out.parent / name)
+                paths.append(name)
+            handle.write(json.dumps(sample_to_json(sample, paths), ensure_ascii=False) + "\n")
+    return out
+
+
+def _write_parquet(samples: list[Sample], out: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns: dict[str, list[Any]] = {k: [] for k in ("id", "task", "messages", "images", "answer", "reward", "response", "metadata")}
+    for sample in samples:
+        columns["id"].append(sample.id)
+        columns["task"].append(sample.task)
+        columns["messages"].append(json.dumps(sample.messages, ensure_ascii=False))
+        columns["images"].append([image_to_png_bytes(load_image(image)) for image in sample.images])
+        columns["answer"].append(json.dumps(sample.answer, ensure_ascii=False))
+        columns["reward"].append(json.dumps(sample.reward))
+        columns["response"].append(sample.response)
+        columns["metadata"].append(json.dumps(sample.metadata, ensure_ascii=False))
+    table = pa.table(columns, schema=pa.schema(
+        [("id", pa.string()), ("task", pa.string()), ("messages", pa.string()), ("images", pa.list_(pa.binary())),
+         ("answer", pa.string()), ("reward", pa.string()), ("response", pa.string()), ("metadata", pa.string())],
+        metadata={b"vlrl": _PARQUET_MARKER},
+    ))
+    pq.write_table(table, out)
+    return out
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

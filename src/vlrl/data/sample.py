@@ -1,0 +1,221 @@
+"""The `Sample` record: one prompt (with its images), its ground truth and how to verify it.
+
+A Sample is what crosses from `vlrl.data` to rollout and SFT. Its jsonl form is documented in the README
+("Data format"); `to_json` / `sample_from_json` are the only code that knows that form.
+
+Messages follow the chat format that transformers' chat templates take: a list of
+``{"role": "user" | "system" | "assistant", "content": str | list[part]}`` where a part is
+``{"type": "text", "text": ...}`` or ``{"type": "image"}``. Image parts are placeholders, matched in order
+to ``images``. A plain ``"prompt"`` string with ``<image>`` markers is accepted on input as a shorthand.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+# An image source: a path on disk, encoded bytes (PNG/JPEG/...), or an already decoded PIL image.
+ImageSource = str | bytes | Image.Image
+
+IMAGE_MARKER = "<image>"
+_DATA_URL = re.compile(r"^data:image/[a-zA-Z0-9.+-]+;base64,")
+
+
+class SampleError(ValueError):
+    """A sample that cannot be used; the message names the field (the reader adds file and line)."""
+
+
+@dataclass
+class Sample:
+    """One training or evaluation item.
+
+    Attributes:
+        id: unique id within its dataset.
+        task: free-form task name used to group metrics (e.g. ``"shapes/count"``).
+        messages: the prompt as chat messages (no final assistant turn).
+        images: one source per ``{"type": "image"}`` part, in order of appearance.
+        answer: the ground truth handed to the verifier (string, number, list, or dict).
+        reward: a verifier name (``"number"``) or weights of several (``{"bbox_iou": 0.8, "format": 0.2}``).
+        response: a reference response for SFT (the assistant text), or None.
+        metadata: anything else; passed to the verifier as keyword arguments under ``meta``.
+        source: ``file:line`` the sample was read from (not serialised), for error messages.
+    """
+
+    id: str
+    task: str
+    messages: list[dict[str, Any]]
+    images: list[ImageSource] = field(default_factory=list)
+    answer: Any = None
+    reward: str | dict[str, float] = ""
+    response: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False, repr=False)
+
+    def num_image_parts(self) -> int:
+        return sum(1 for m in self.messages for p in _parts(m) if p.get("type") == "image")
+
+    def validate(self) -> None:
+        """Raise `SampleError` naming the field if the record is inconsistent."""
+        if not isinstance(self.id, str) or not self.id:
+            raise SampleError("field 'id': must be a non-empty string")
+        if not isinstance(self.task, str) or not self.task:
+            raise SampleError("field 'task': must be a non-empty string")
+        if not isinstance(self.messages, list) or not self.messages:
+            raise SampleError("field 'messages': must be a non-empty list of chat messages")
+        for i, message in enumerate(self.messages):
+            if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
+                raise SampleError(f"field 'messages[{i}]': needs a 'role' of system/user/assistant/tool")
+            content = message.get("content")
+            if not isinstance(content, (str, list)):
+                raise SampleError(f"field 'messages[{i}].content': must be a string or a list of parts")
+            for j, part in enumerate(_parts(message)):
+                if part.get("type") not in ("text", "image"):
+                    raise SampleError(f"field 'messages[{i}].content[{j}].type': must be 'text' or 'image'")
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    raise SampleError(f"field 'messages[{i}].content[{j}].text': must be a string")
+        if self.num_image_parts() != len(self.images):
+            raise SampleError(
+                f"field 'images': {len(self.images)} image(s) given but the messages hold "
+                f"{self.num_image_parts()} image placeholder(s)"
+            )
+        if isinstance(self.reward, dict):
+            if not self.reward or not all(isinstance(w, (int, float)) for w in self.reward.values()):
+                raise SampleError("field 'reward': a dict must map verifier names to numeric weights")
+        elif not isinstance(self.reward, str) or not self.reward:
+            raise SampleError("field 'reward': must name a verifier (e.g. 'number') or map names to weights")
+
+    def reward_names(self) -> list[str]:
+        return list(self.reward) if isinstance(self.reward, dict) else [self.reward]
+
+    def prompt_text(self) -> str:
+        """The text of all prompt messages, image parts shown as ``<image>`` (for logs and reports)."""
+        out = []
+        for m in self.messages:
+            out.append("".join(p["text"] if p["type"] == "text" else IMAGE_MARKER for p in _parts(m)))
+        return "\n".join(out)
+
+
+def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [p if isinstance(p, dict) else {"type": None} for p in (content or [])]
+
+
+def messages_from_prompt(prompt: str, role: str = "user") -> list[dict[str, Any]]:
+    """Turn the shorthand ``"<image>How many ...?"`` into chat messages with image parts."""
+    parts: list[dict[str, Any]] = []
+    for k, chunk in enumerate(prompt.split(IMAGE_MARKER)):
+        if k > 0:
+            parts.append({"type": "image"})
+        if chunk:
+            parts.append({"type": "text", "text": chunk})
+    return [{"role": role, "content": parts}]
+
+
+def load_image(source: ImageSource) -> Image.Image:
+    """Decode an image source into an RGB PIL image; raise `SampleError` saying what is wrong."""
+    if isinstance(source, Image.Image):
+        return source if source.mode == "RGB" else source.convert("RGB")
+    try:
+        if isinstance(source, bytes):
+            image = Image.open(io.BytesIO(source))
+        elif isinstance(source, str) and _DATA_URL.match(source):
+            image = Image.open(io.BytesIO(base64.b64decode(_DATA_URL.sub("", source, count=1))))
+        elif isinstance(source, str):
+            if not Path(source).is_file():
+                raise SampleError(f"image file not found: {source}")
+            image = Image.open(source)
+        else:
+            raise SampleError(f"unsupported image source of type {type(source).__name__}")
+        image.load()
+    except SampleError:
+        raise
+    except Exception as err:  # PIL raises many types for corrupt data
+        where = source if isinstance(source, str) and len(source) < 300 else "<bytes>"
+        raise SampleError(f"cannot decode image {where}: {err}") from err
+    return image.convert("RGB")
+
+
+def image_to_png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def sample_from_json(record: Any, base_dir: Path) -> Sample:
+    """Build a Sample from one decoded jsonl object; relative image paths resolve against ``base_dir``."""
+    if not isinstance(record, dict):
+        raise SampleError(f"expected a JSON object, got {type(record).__name__}")
+    known = {"id", "task", "messages", "prompt", "images", "answer", "reward", "response", "metadata"}
+    unknown = sorted(set(record) - known)
+    if unknown:
+        raise SampleError(f"unknown field(s) {unknown}; known fields: {sorted(known)}")
+    if "messages" in record and "prompt" in record:
+        raise SampleError("give either 'messages' or 'prompt', not both")
+    if "messages" in record:
+        messages = record["messages"]
+    elif isinstance(record.get("prompt"), str):
+        messages = messages_from_prompt(record["prompt"])
+    else:
+        raise SampleError("field 'messages' (or the shorthand 'prompt' string) is required")
+    response = record.get("response")
+    if (
+        response is None
+        and isinstance(messages, list)
+        and messages
+        and isinstance(messages[-1], dict)
+        and messages[-1].get("role") == "assistant"
+    ):
+        # The common SFT layout: the last assistant turn is the reference response.
+        last = messages[-1]
+        messages = messages[:-1]
+        response = last["content"] if isinstance(last.get("content"), str) else "".join(
+            p.get("text", "") for p in _parts(last)
+        )
+    images: list[ImageSource] = []
+    for k, image in enumerate(record.get("images") or []):
+        if isinstance(image, str) and not _DATA_URL.match(image):
+            path = Path(image)
+            images.append(str(path if path.is_absolute() else base_dir / path))
+        elif isinstance(image, str):
+            images.append(image)
+        else:
+            raise SampleError(f"field 'images[{k}]': expected a path or a data:image/...;base64 URL")
+    if "id" not in record:
+        raise SampleError("field 'id' is required")
+    sample = Sample(
+        id=str(record["id"]),
+        task=record.get("task", ""),
+        messages=messages,
+        images=images,
+        answer=record.get("answer"),
+        reward=record.get("reward", ""),
+        response=response,
+        metadata=record.get("metadata") or {},
+    )
+    sample.validate()
+    return sample
+
+
+def sample_to_json(sample: Sample, image_paths: list[str]) -> dict[str, Any]:
+    """The jsonl object for ``sample`` with its images already written at ``image_paths`` (relative)."""
+    record: dict[str, Any] = {
+        "id": sample.id,
+        "task": sample.task,
+        "messages": sample.messages,
+        "images": image_paths,
+        "answer": sample.answer,
+        "reward": sample.reward,
+    }
+    if sample.response is not None:
+        record["response"] = sample.response
+    if sample.metadata:
+        record["metadata"] = sample.metadata
+    return record

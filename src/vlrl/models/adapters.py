@@ -1,0 +1,173 @@
+"""Family adapters: the only place that knows a model family's quirks.
+
+An adapter turns chat messages + images into prompt token ids and processor outputs, and turns a padded
+batch of token ids into the keyword arguments of the model's forward pass (position ids included, so
+that a teacher-forced pass sees exactly the positions `generate` used). Everything above this file is
+family-agnostic.
+
+Families:
+- ``text``: any causal LM (Qwen2, Llama, ...): 1-D positions from the attention mask.
+- ``qwen2_vl``: Qwen2-VL and Qwen2.5-VL: ``<|image_pad|>`` expanded to ``prod(grid_thw) / merge²`` tokens
+  per image, M-RoPE 3-D positions from the model's own ``get_rope_index``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+
+@dataclass
+class VisionInputs:
+    """Processor outputs of the images of one sequence (all turns, in order of appearance)."""
+
+    pixel_values: torch.Tensor  # (num_patches, patch_dim)
+    image_grid_thw: torch.Tensor  # (num_images, 3)
+
+    def to(self, device) -> VisionInputs:
+        return VisionInputs(self.pixel_values.to(device), self.image_grid_thw.to(device))
+
+    @staticmethod
+    def concat(items: list[VisionInputs | None]) -> VisionInputs | None:
+        present = [v for v in items if v is not None]
+        if not present:
+            return None
+        return VisionInputs(
+            pixel_values=torch.cat([v.pixel_values for v in present]),
+            image_grid_thw=torch.cat([v.image_grid_thw for v in present]),
+        )
+
+
+@dataclass
+class EncodedPrompt:
+    """A prompt ready for generation: token ids (image placeholders expanded) and vision inputs."""
+
+    input_ids: list[int]
+    vision: VisionInputs | None
+
+
+class TextAdapter:
+    """Causal language models without vision input."""
+
+    family = "text"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode_prompt(self, messages: list[dict[str, Any]], images: list[Image.Image]) -> EncodedPrompt:
+        if images:
+            raise ValueError(f"a text-only model cannot take images ({len(images)} given)")
+        return EncodedPrompt(self.encode_text(self.render(messages)), None)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_images(self, images: list[Image.Image]) -> VisionInputs | None:
+        if images:
+            raise ValueError(f"a text-only model cannot take images ({len(images)} given)")
+        return None
+
+    def forward_inputs(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: VisionInputs | None
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``model(**kwargs)`` on a (B, L) batch, positions from the mask."""
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+    def generate_inputs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: VisionInputs | None
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``model.generate`` (positions are derived by transformers itself)."""
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def special_token_ids(self) -> list[int]:
+        return sorted(set(self.tokenizer.all_special_ids))
+
+
+class Qwen2VLAdapter(TextAdapter):
+    """Qwen2-VL / Qwen2.5-VL (and any model with the same processor and M-RoPE interface)."""
+
+    family = "qwen2_vl"
+
+    def __init__(self, tokenizer: Any, image_processor: Any, model_config: Any) -> None:
+        super().__init__(tokenizer)
+        self.image_processor = image_processor
+        self.image_token = "<|image_pad|>"
+        self.image_token_id = model_config.image_token_id
+        self.merge_size = image_processor.merge_size
+
+    def encode_images(self, images: list[Image.Image]) -> VisionInputs | None:
+        if not images:
+            return None
+        out = self.image_processor(images=images, return_tensors="pt")
+        return VisionInputs(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+
+    def expand_image_tokens(self, text: str, vision: VisionInputs | None) -> str:
+        """Replace the k-th ``<|image_pad|>`` by as many copies as image k has vision tokens."""
+        pieces = text.split(self.image_token)
+        n_images = 0 if vision is None else len(vision.image_grid_thw)
+        if len(pieces) - 1 != n_images:
+            raise ValueError(f"the prompt holds {len(pieces) - 1} image placeholder(s) but {n_images} image(s) were given")
+        out = [pieces[0]]
+        for k in range(n_images):
+            n_tokens = int(vision.image_grid_thw[k].prod()) // self.merge_size**2
+            out.append(self.image_token * n_tokens + pieces[k + 1])
+        return "".join(out)
+
+    def encode_prompt(self, messages: list[dict[str, Any]], images: list[Image.Image]) -> EncodedPrompt:
+        vision = self.encode_images(images)
+        text = self.expand_image_tokens(self.render(messages), vision)
+        return EncodedPrompt(self.encode_text(text), vision)
+
+    def _mm_token_type_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return (input_ids == self.image_token_id).int()  # text 0, image 1
+
+    def forward_inputs(self, model, input_ids, attention_mask, vision):
+        if vision is None:
+            position_ids = super().forward_inputs(model, input_ids, attention_mask, None)["position_ids"]
+            return {"input_ids": input_ids, "attention_mask": attention_mask,
+                    "position_ids": position_ids.unsqueeze(0).expand(3, -1, -1)}
+        mm_token_type_ids = self._mm_token_type_ids(input_ids)
+        inner = model.model if hasattr(model, "model") else model
+        position_ids, _ = inner.get_rope_index(
+            input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=vision.image_grid_thw,
+            attention_mask=attention_mask,
+        )  # (3, B, L)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "pixel_values": vision.pixel_values,
+            "image_grid_thw": vision.image_grid_thw,
+            "mm_token_type_ids": mm_token_type_ids,
+        }
+
+    def generate_inputs(self, input_ids, attention_mask, vision):
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if vision is not None:
+            kwargs.update(pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
+                          mm_token_type_ids=self._mm_token_type_ids(input_ids))
+        return kwargs
+
+
+def adapter_for(model_config: Any, tokenizer: Any, image_processor: Any | None) -> TextAdapter:
+    """Pick the adapter for a transformers model config."""
+    model_type = getattr(model_config, "model_type", "")
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+        if image_processor is None:
+            raise ValueError(f"{model_type} needs an image processor next to the model (preprocessor_config.json)")
+        return Qwen2VLAdapter(tokenizer, image_processor, model_config)
+    if hasattr(model_config, "vision_config"):
+        raise ValueError(
+            f"model family {model_type!r} has a vision tower but no vlrl adapter yet; "
+            "add one in vlrl/models/adapters.py (image-token expansion and position ids)"
+        )
+    return TextAdapter(tokenizer)

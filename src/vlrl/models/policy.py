@@ -1,0 +1,104 @@
+"""A policy = a transformers model + its tokenizer (+ image processor) + the family adapter.
+
+`load_policy` takes a tiny preset name (``tiny-qwen2-vl``), a local directory written by `save_pretrained`,
+or a hub id (when a hub is reachable); `Policy.save` writes the transformers layout (safetensors) that
+plain transformers, vLLM and SGLang load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlrl.models.adapters import TextAdapter, adapter_for
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Policy:
+    model: torch.nn.Module
+    tokenizer: Any
+    image_processor: Any | None
+    adapter: TextAdapter
+    source: str
+
+    @classmethod
+    def from_parts(cls, model, tokenizer, image_processor, *, source: str) -> Policy:
+        return cls(model, tokenizer, image_processor, adapter_for(model.config, tokenizer, image_processor), source)
+
+    @property
+    def is_vision(self) -> bool:
+        return self.image_processor is not None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.eos_token_ids[0]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write model (safetensors), tokenizer and image processor in the transformers layout."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out_dir)
+        self.tokenizer.save_pretrained(out_dir)
+        if self.image_processor is not None:
+            self.image_processor.save_pretrained(out_dir)
+        return out_dir
+
+
+def load_policy(name_or_path: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> Policy:
+    """Load a policy from a preset name, a local directory, or a hub id."""
+    from vlrl.models.presets import PRESETS, build_preset
+
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype: unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+    name = name_or_path.removeprefix("preset:")
+    if name in PRESETS and not Path(name_or_path).exists():
+        policy = build_preset(name, seed=seed)
+    else:
+        policy = _load_pretrained(name_or_path, DTYPES[dtype])
+    policy.model.to(device=device, dtype=DTYPES[dtype])
+    return policy
+
+
+def _load_pretrained(path: str, dtype: torch.dtype) -> Policy:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    local = Path(path)
+    if local.exists() and not (local / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
+    config = AutoConfig.from_pretrained(path)
+    is_vision = hasattr(config, "vision_config")
+    model_cls = AutoModelForImageTextToText if is_vision else AutoModelForCausalLM
+    model = model_cls.from_pretrained(path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    image_processor = None
+    if is_vision:
+        image_processor = _load_image_processor(path)
+    return Policy.from_parts(model, tokenizer, image_processor, source=str(path))
+
+
+def _load_image_processor(path: str):
+    """The PIL image processor (no torchvision needed); falls back to AutoProcessor's."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(path, use_fast=False)
+    except (OSError, ValueError):
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(path).image_processor

@@ -1,0 +1,5 @@
+"""Reporting: metric sinks (jsonl + console)."""
+
+from vlrl.report.metrics import MetricsLogger
+
+__all__ = ["MetricsLogger"]

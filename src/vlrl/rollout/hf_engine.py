@@ -1,0 +1,121 @@
+"""The in-process engine: sampling with transformers' `generate` on the trainer's own model.
+
+Behaviour log-probs come from the logits `generate` already computed (``output_logits``), divided by the
+temperature — the same quantity the trainer's teacher-forced pass computes — so no extra forward pass is
+spent. Special tokens other than EOS (e.g. ``<|image_pad|>``) are suppressed while sampling: a random tiny
+model would otherwise emit image placeholders that break re-scoring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from vlrl.data.sample import Sample, load_image
+from vlrl.models.adapters import VisionInputs
+from vlrl.models.policy import Policy
+from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
+
+
+class HFEngine:
+    """Generate with a `Policy` living in this process (colocated with the trainer, weights shared)."""
+
+    def __init__(self, policy: Policy, *, max_batch_size: int = 256) -> None:
+        self.policy = policy
+        self.max_batch_size = max_batch_size
+        self.weight_version = 0
+        eos = set(policy.eos_token_ids)
+        self._suppress = [t for t in policy.adapter.special_token_ids() if t not in eos]
+
+    def encode(self, sample: Sample) -> Request:
+        """Render, tokenize and process the images of ``sample`` into a `Request`."""
+        images = [load_image(src) for src in sample.images]
+        encoded = self.policy.adapter.encode_prompt(sample.messages, images)
+        return Request(sample=sample, prompt_ids=encoded.input_ids, vision=encoded.vision, images=images)
+
+    def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        if state_dict is not None:
+            self.policy.model.load_state_dict(state_dict)
+        self.weight_version = version
+
+    @torch.no_grad()
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        rows = [(i, request) for i, request in enumerate(requests) for _ in range(sampling.n)]
+        out: list[Trajectory] = []
+        model = self.policy.model
+        was_training = model.training
+        model.eval()
+        try:
+            for start in range(0, len(rows), self.max_batch_size):
+                out.extend(self._generate_rows(rows[start : start + self.max_batch_size], sampling))
+        finally:
+            model.train(was_training)
+        return out
+
+    def _generate_rows(self, rows: list[tuple[int, Request]], sampling: SamplingParams) -> list[Trajectory]:
+        policy = self.policy
+        device = next(policy.model.parameters()).device
+        P = max(len(r.prompt_ids) for _, r in rows)
+        input_ids = torch.full((len(rows), P), policy.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), P), dtype=torch.long)
+        for k, (_, request) in enumerate(rows):
+            n = len(request.prompt_ids)
+            input_ids[k, P - n :] = torch.as_tensor(request.prompt_ids)
+            attention_mask[k, P - n :] = 1
+        vision = VisionInputs.concat([r.vision for _, r in rows])
+        kwargs = policy.adapter.generate_inputs(
+            input_ids.to(device), attention_mask.to(device), vision.to(device) if vision is not None else None
+        )
+        greedy = sampling.temperature <= 0
+        gen = policy.model.generate(
+            **kwargs,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy or sampling.top_p >= 1 else sampling.top_p,
+            top_k=None if greedy or sampling.top_k <= 0 else sampling.top_k,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=policy.eos_token_ids,
+            pad_token_id=policy.pad_token_id,
+            suppress_tokens=self._suppress or None,
+            stop_strings=sampling.stop or None,
+            tokenizer=policy.tokenizer if sampling.stop else None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new_tokens = gen.sequences[:, P:].cpu()  # (N, T)
+        logits = torch.stack(gen.logits, dim=1).float().cpu()  # (N, T, V), raw (before temperature)
+        temperature = 1.0 if greedy else sampling.temperature
+        logp_all = F.log_softmax(logits / temperature, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        eos = torch.tensor(policy.eos_token_ids)
+        stop_texts = sampling.stop
+        trajectories = []
+        for k, (group_index, request) in enumerate(rows):
+            tokens = new_tokens[k]
+            is_eos = torch.isin(tokens, eos)
+            if is_eos.any():
+                length, status = int(is_eos.nonzero()[0]) + 1, Status.COMPLETED
+            else:
+                length, status = len(tokens), Status.TRUNCATED
+            response = tokens[:length]
+            text = policy.tokenizer.decode(response, skip_special_tokens=True)
+            if status is Status.TRUNCATED and stop_texts and any(text.endswith(s) for s in stop_texts):
+                status = Status.COMPLETED
+            trajectories.append(
+                Trajectory(
+                    sample=request.sample,
+                    prompt_ids=torch.as_tensor(request.prompt_ids, dtype=torch.long),
+                    response_ids=response.clone(),
+                    loss_mask=torch.ones(length, dtype=torch.long),
+                    behaviour_logp=logp_all[k, :length].clone(),
+                    vision=request.vision,
+                    images=request.images,
+                    weight_version=self.weight_version,
+                    status=status,
+                    response_text=text,
+                    group_index=group_index,
+                )
+            )
+        return trajectories
+

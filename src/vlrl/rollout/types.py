@@ -1,0 +1,107 @@
+"""The records and the protocol of rollout: `Trajectory`, `SamplingParams`, `Request`, `Engine`.
+
+`Trajectory` is the one record that crosses from rollout to training. Its tensors are aligned with the
+response: ``response_ids[j]``, ``loss_mask[j]`` and ``behaviour_logp[j]`` all describe response token j.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from PIL import Image
+
+from vlrl.data.sample import Sample
+from vlrl.models.adapters import VisionInputs
+
+
+class Status(str, enum.Enum):
+    COMPLETED = "completed"  # the model stopped by itself (EOS or a stop string)
+    TRUNCATED = "truncated"  # hit max_new_tokens (or a multi-turn token budget)
+    FAILED = "failed"  # an environment/tool error exhausted its retries; excluded from the loss
+    ABORTED = "aborted"  # cancelled (e.g. by a weight update); re-queued, never trained on
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy."""
+
+    n: int = 1  # samples per prompt (the GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 32
+    stop: list[str] = field(default_factory=list)  # extra stop strings besides EOS
+
+
+@dataclass
+class Request:
+    """One prompt to sample from: the sample, its prompt token ids and its vision inputs."""
+
+    sample: Sample
+    prompt_ids: list[int]
+    vision: VisionInputs | None = None
+    images: list[Image.Image] = field(default_factory=list)
+
+
+@dataclass
+class Trajectory:
+    """One sampled response with everything training needs.
+
+    Attributes:
+        sample: the prompt's Sample (answer, reward name, metadata).
+        prompt_ids: (P,) prompt token ids.
+        response_ids: (R,) everything after the prompt (model tokens, and in multi-turn, observations).
+        loss_mask: (R,) 1 = the model's own token (trained on), 0 = observation / tool output.
+        behaviour_logp: (R,) log-prob of each response token under the policy that sampled it, recorded at
+            sampling time (temperature applied); 0 where ``loss_mask`` is 0.
+        vision: processor outputs of every image of the sequence, all turns, in order.
+        images: the decoded images (for reports and for re-encoding by another engine).
+        weight_version: version of the weights that produced the trajectory.
+        status: see `Status`.
+        response_text: the decoded response (model tokens only, special tokens skipped).
+        group_index: index of the prompt within its batch; the n samples of a prompt share it.
+        reward: scalar reward (filled by the reward stage).
+        reward_parts: named sub-scores of the reward (``overall``, ``accuracy``, ``format``, ...).
+    """
+
+    sample: Sample
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    behaviour_logp: torch.Tensor
+    vision: VisionInputs | None = None
+    images: list[Image.Image] = field(default_factory=list)
+    weight_version: int = 0
+    status: Status = Status.COMPLETED
+    response_text: str = ""
+    group_index: int = 0
+    reward: float | None = None
+    reward_parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def response_length(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Generates trajectories. In-process (`HFEngine`) or remote (an SGLang-compatible server)."""
+
+    weight_version: int
+
+    def encode(self, sample: Sample) -> Request:
+        """Render, tokenize and process the images of a sample into a `Request`."""
+        ...
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        """Sample ``sampling.n`` responses per request; returns ``len(requests) * n`` trajectories in
+        request order, the n samples of request i carrying ``group_index == i``."""
+        ...
+
+    def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Load new weights (or, for an engine sharing the trainer's model, just adopt ``version``)."""
+        ...

@@ -1,0 +1,110 @@
+"""Pieces every recipe uses: seeding, the optimizer, data loading, the prompt cursor, the run directory."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlrl.config import DataConfig, OptimConfig, Section, dump_config
+from vlrl.data import Sample, generate, read_samples
+from vlrl.report import MetricsLogger
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over trainable parameters, with linear warm-up to a constant learning rate."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    warmup = cfg.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+    return optimizer, scheduler
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float) -> float:
+    """Clip the global gradient norm (if > 0), step, zero the gradients; return the pre-clip norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])) if params else torch.tensor(0.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def reward_names_check(sample: Sample) -> None:
+    """Reject a sample whose reward names are not registered (the reader adds file and line)."""
+    from vlrl.rewards import get_reward
+
+    for name in sample.reward_names():
+        get_reward(name)
+
+
+def load_split(cfg: DataConfig, split: str, logger: MetricsLogger | None = None) -> list[Sample]:
+    """The ``train`` or ``test`` samples: read from the configured file, or generated procedurally."""
+    path = cfg.train if split == "train" else cfg.test
+    if path is None:
+        n = cfg.n_train if split == "train" else cfg.n_test
+        return generate(cfg.suite, n, split=split, seed=cfg.seed, tasks=cfg.tasks, **cfg.suite_options)
+    report = read_samples(path, on_error=cfg.on_error, check=reward_names_check)
+    if logger is not None:
+        logger.info(f"data {split}: {path}: {report.summary()}")
+        if report.skipped:
+            logger.log("data", 0, {f"data/{split}_skipped": len(report.skipped), f"data/{split}_read": len(report.samples)})
+    if not report.samples:
+        raise ValueError(f"{path}: no usable samples ({len(report.skipped)} skipped)")
+    return report.samples
+
+
+class PromptCursor:
+    """Endless shuffled passes over a dataset; each epoch's order is fixed by (seed, epoch)."""
+
+    def __init__(self, samples: list[Sample], seed: int) -> None:
+        if not samples:
+            raise ValueError("no samples to draw prompts from")
+        self.samples, self.seed = samples, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(len(self.samples), generator=generator).tolist()
+
+    def next(self, count: int) -> list[Sample]:
+        out = []
+        while len(out) < count:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation()
+            out.append(self.samples[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+
+def prepare_run_dir(out: str | Path, config: Section) -> tuple[Path, MetricsLogger]:
+    """Create the run directory, write the resolved ``config.yaml``, open ``metrics.jsonl``."""
+    run_dir = Path(out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    return run_dir, MetricsLogger(metrics)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
