@@ -10,10 +10,12 @@ from pathlib import Path
 import typer
 
 from vlrl.config import ConfigError, DemoConfig, EvalConfig, RLConfig, SFTConfig, load_config
+from vlrl.rewards.cli import app as reward_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="vlrl: RL from verifiable rewards for VLMs and LLMs.")
 data_app = typer.Typer(no_args_is_help=True, help="Generate and inspect data.")
 app.add_typer(data_app, name="data")
+app.add_typer(reward_app, name="reward")
 
 CONFIG = typer.Option(None, "--config", "-c", help="YAML config file (see configs/).")
 OVERRIDES = typer.Argument(None, help="Dotted overrides, e.g. rl.algo.clip_high=0.28 data.n_train=500")

@@ -1,21 +1,31 @@
-"""Rewards: pure verifier functions in one registry, and their composition.
+"""Rewards: pure verifier functions in one registry, their composition, and deadline-safe batch scoring.
 
-Call a verifier as ``get_reward(name)(response, answer, **meta)``; see the README for the registered names.
+Call a verifier as ``get_reward(name)(response, answer, **meta)``; score a batch with `score_trajectories`
+(the RL loop) or `RewardExecutor` (anything else). See the README ("Rewards") for the registered names.
+
+Modules: ``extract`` (answer extraction), ``answers`` (number, multiple_choice, bool, string_match, ocr),
+``math_equiv`` (math), ``boxes`` (bbox_iou, ovd_map), ``markup`` (html, svg), ``code_exec`` + ``sandbox``
+(code), ``format`` (format, answer_format, cot_format, overlong), ``plan`` (json_plan, plan_prefix),
+``judge`` (critic), ``execution`` (the batch scorer), ``cli`` (``vlrl reward score``).
 """
 
-from vlrl.rewards import basic  # noqa: F401  (registers the built-in verifiers)
+from vlrl.rewards import answers, boxes, code_exec, format, judge, markup, math_equiv, plan  # noqa: F401  (register)
 from vlrl.rewards.base import (
     REWARDS,
     RewardOutput,
-    ScoreReport,
+    RewardSpec,
+    combine,
     compose,
     get_reward,
     register_reward,
-    score_trajectories,
+    spec_of,
 )
-from vlrl.rewards.extract import extract_answer
+from vlrl.rewards.execution import RewardExecutor, RewardItem, ScoreReport, score_trajectories, summarize
+from vlrl.rewards.extract import extract_answer, final_answer
+from vlrl.rewards.judge import JudgeReward
 
 __all__ = [
-    "REWARDS", "RewardOutput", "ScoreReport", "compose", "extract_answer", "get_reward", "register_reward",
-    "score_trajectories",
+    "REWARDS", "JudgeReward", "RewardExecutor", "RewardItem", "RewardOutput", "RewardSpec", "ScoreReport",
+    "combine", "compose", "extract_answer", "final_answer", "get_reward", "register_reward", "score_trajectories",
+    "spec_of", "summarize",
 ]

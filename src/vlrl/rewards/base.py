@@ -1,34 +1,70 @@
-"""The reward registry, the `RewardOutput` record, and composition of several verifiers.
+"""The reward registry, the `RewardOutput` record, how a verifier runs (`RewardSpec`), and composition.
 
 A verifier is a pure function ``f(response: str, answer, **meta) -> float | RewardOutput``: ``response``
 is the model's text, ``answer`` the sample's ground truth, ``meta`` the sample's metadata. A verifier that
 checks correctness reports an ``accuracy`` part (1.0 correct / 0.0 wrong), which evaluation uses; one that
 scores something else (e.g. format) does not.
+
+Each registered verifier also carries a `RewardSpec`: where the batch scorer runs it (``inline`` in the
+caller's thread — only for verifiers whose cost is bounded by construction — or ``pool``, a worker
+process with a hard per-item deadline), its deadline, and the range of its ``overall`` score.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from vlrl.registry import Registry
-
-log = logging.getLogger(__name__)
 
 RewardFn = Callable[..., "float | RewardOutput"]
 REWARDS: Registry[RewardFn] = Registry("reward", signature="f(response: str, answer, **meta) -> float | RewardOutput")
 
 
-def register_reward(name: str):
-    """Decorator: register a verifier under ``name`` (``@register_reward("bbox_iou")``)."""
-    return REWARDS.register(name)
+@dataclass(frozen=True)
+class RewardSpec:
+    """How the batch scorer runs a verifier.
+
+    Attributes:
+        mode: ``inline`` — called in the scoring thread (cheap, bounded-time pure Python);
+            ``pool`` — run in a worker process killed at ``deadline`` (untrusted or possibly slow work:
+            SymPy, rendering, running code); ``judge`` — scored in one batched call to a judge engine.
+        deadline: seconds one item may take. Enforced for ``pool``; for ``inline`` measured, and an
+            item over it is counted as slow.
+        low, high: the range of ``overall``.
+    """
+
+    mode: Literal["inline", "pool", "judge"] = "inline"
+    deadline: float = 1.0
+    low: float = 0.0
+    high: float = 1.0
+
+
+DEFAULT_SPEC = RewardSpec()  # a user's function without a spec runs inline (documented in the README)
+
+
+def register_reward(name: str, *, mode: Literal["inline", "pool", "judge"] = "inline", deadline: float | None = None,
+                    low: float = 0.0, high: float = 1.0):
+    """Decorator: register a verifier under ``name`` (``@register_reward("bbox_iou")``) with its `RewardSpec`."""
+    spec = RewardSpec(mode=mode, deadline=deadline if deadline is not None else (1.0 if mode == "inline" else 10.0),
+                      low=low, high=high)
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        fn.reward_spec = spec  # type: ignore[attr-defined]
+        return REWARDS.register(name)(fn)
+
+    return decorator
 
 
 def get_reward(name: str) -> RewardFn:
     """Look up a verifier by registered name or dotted path ``pkg.mod:fn``."""
     return REWARDS.get(name)
+
+
+def spec_of(name: str) -> RewardSpec:
+    """The `RewardSpec` of a registered verifier or dotted path (`DEFAULT_SPEC` when it declares none)."""
+    return getattr(get_reward(name), "reward_spec", DEFAULT_SPEC)
 
 
 @dataclass
@@ -49,16 +85,20 @@ def as_output(value: float | RewardOutput) -> RewardOutput:
     return RewardOutput(overall=float(value))
 
 
-def compose(response: str, answer: Any, reward: str | Mapping[str, float], meta: Mapping[str, Any]) -> RewardOutput:
-    """Score ``response`` with one verifier or a weighted sum of several.
+def reward_weights(reward: str | Mapping[str, float]) -> dict[str, float]:
+    """``"number"`` → ``{"number": 1.0}``; a mapping of names to weights is copied."""
+    return {reward: 1.0} if isinstance(reward, str) else {k: float(v) for k, v in reward.items()}
 
-    overall = Σ_i w_i · overall_i. Parts: each verifier's ``overall`` under its name, its own parts under
-    ``name/part``, and ``accuracy`` = the weight-normalised mean of the accuracies that verifiers report.
+
+def combine(weights: Mapping[str, float], outputs: Mapping[str, RewardOutput]) -> RewardOutput:
+    """overall = Σ_i w_i · overall_i (e.g. 0.8 · accuracy + 0.2 · format, as in the embodied seed).
+
+    Parts: with one verifier, its parts; with several, each verifier's ``overall`` under its name and its
+    parts under ``name/part``. ``accuracy`` = the weight-normalised mean of the accuracies reported.
     """
-    weights = {reward: 1.0} if isinstance(reward, str) else dict(reward)
     overall, parts, acc_sum, acc_weight = 0.0, {}, 0.0, 0.0
     for name, weight in weights.items():
-        out = as_output(get_reward(name)(response, answer, **meta))
+        out = outputs[name]
         overall += weight * out.overall
         if len(weights) > 1:
             parts[name] = out.overall
@@ -73,26 +113,11 @@ def compose(response: str, answer: Any, reward: str | Mapping[str, float], meta:
     return RewardOutput(overall=overall, parts=parts)
 
 
-@dataclass
-class ScoreReport:
-    """Outcome of scoring a batch: failures are counted and kept, never silently zeroed."""
+def compose(response: str, answer: Any, reward: str | Mapping[str, float], meta: Mapping[str, Any]) -> RewardOutput:
+    """Score ``response`` with one verifier or a weighted sum of several, in this thread (see `combine`).
 
-    failures: list[tuple[str, str]] = field(default_factory=list)  # (sample id, error)
-
-
-def score_trajectories(trajectories: list, *, fallback: float = 0.0) -> ScoreReport:
-    """Fill ``reward`` and ``reward_parts`` of each trajectory; a verifier that raises gets ``fallback``,
-    and the failure is recorded in the returned report (and logged)."""
-    report = ScoreReport()
-    for trajectory in trajectories:
-        sample = trajectory.sample
-        try:
-            out = compose(trajectory.response_text, sample.answer, sample.reward, sample.metadata)
-        except Exception as err:  # a verifier bug must not kill the run, nor vanish
-            report.failures.append((sample.id, f"{type(err).__name__}: {err}"))
-            out = RewardOutput(overall=fallback, parts={"reward_failed": 1.0})
-        trajectory.reward = out.overall
-        trajectory.reward_parts = out.parts
-    if report.failures:
-        log.warning("%d reward failure(s); first: %s: %s", len(report.failures), *report.failures[0])
-    return report
+    No deadline: use `RewardExecutor` / `score_trajectories` for untrusted verifiers.
+    """
+    weights = reward_weights(reward)
+    outputs = {name: as_output(get_reward(name)(response, answer, **meta)) for name in weights}
+    return combine(weights, outputs)

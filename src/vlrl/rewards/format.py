@@ -1,0 +1,87 @@
+"""Format and length rewards: they score the shape of a response, not its correctness.
+
+A format reward alone is the classic hack target (a well-formed wrong answer), so use it as a small
+weight next to an accuracy verifier (``{"math": 0.8, "cot_format": 0.2}``); none of these reports an
+``accuracy`` part. All are linear-time string checks and run inline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlrl.rewards.base import register_reward
+from vlrl.rewards.extract import boxed_contents, strip_special
+
+
+def _one_block(text: str, tag: str) -> tuple[int, int] | None:
+    """(start, end) of the single ``<tag>…</tag>`` in ``text``; None unless each tag occurs exactly once,
+    opening before closing."""
+    open_tag, close_tag = f"<{tag}>", f"</{tag}>"
+    if text.count(open_tag) != 1 or text.count(close_tag) != 1:
+        return None
+    start, end = text.find(open_tag), text.find(close_tag)
+    return (start, end + len(close_tag)) if start < end else None
+
+
+@register_reward("format")
+def think_answer_format(response: str, answer: Any = None, **meta: Any) -> float:
+    """1 if the response is exactly one ``<think>…</think>`` followed by one ``<answer>…</answer>`` and
+    nothing else (trailing special tokens aside), else 0 — LLaVA-OV-1.5's stage-2 prompt template."""
+    text = strip_special(response)
+    think, ans = _one_block(text, "think"), _one_block(text, "answer")
+    if think is None or ans is None:
+        return 0.0
+    ok = think[0] == 0 and not text[think[1] : ans[0]].strip() and ans[1] == len(text)
+    return 1.0 if ok else 0.0
+
+
+@register_reward("answer_format")
+def answer_format(response: str, answer: Any = None, **meta: Any) -> float:
+    """1 if the response is exactly one ``<answer>…</answer>`` block and nothing else, else 0 —
+    LLaVA-OV-1.5's stage-1 template ("Put ONLY your final answer within <answer></answer>")."""
+    text = strip_special(response)
+    block = _one_block(text, "answer")
+    return 1.0 if block == (0, len(text)) else 0.0
+
+
+@register_reward("cot_format")
+def cot_format(response: str, answer: Any = None, *, max_boxed_fraction: float = 0.2, **meta: Any) -> float:
+    """1 if the response has exactly one ``<think>…</think>`` block, at least one ``\\boxed{}``, and the
+    boxed content is at most 20 % of the response's length; else 0.
+
+    LLaVA-OV-1.5 ``reward/format.py`` (cross-cutting format reward): Σ len(boxed contents) ≤
+    ``max_boxed_fraction`` · len(response), so boxing the whole reasoning does not pay.
+    """
+    text = strip_special(response)
+    boxes = boxed_contents(text)
+    if _one_block(text, "think") is None or not boxes:
+        return 0.0
+    return 1.0 if sum(len(b) for b in boxes) <= max_boxed_fraction * len(text) else 0.0
+
+
+@register_reward("overlong", low=-1.0, high=0.0)
+def overlong(response: str, answer: Any = None, *, max_length: int, cache_length: int,
+             response_length: int | None = None, unit: str = "tokens", **meta: Any) -> float:
+    """DAPO soft overlong punishment (eq. 13), in [−1, 0]:
+
+        R_length(y) = 0                               if |y| ≤ L_max − L_cache
+                    = ((L_max − L_cache) − |y|) / L_cache   if L_max − L_cache < |y| ≤ L_max
+                    = −1                              if L_max < |y|
+
+    ``max_length`` = L_max, ``cache_length`` = L_cache (DAPO: 20,480 and 4,096 tokens). |y| is
+    ``response_length`` (tokens; the batch scorer passes each trajectory's), or with ``unit="chars"``
+    the response's character count. Add it to an accuracy reward: ``{"math": 1.0, "overlong": 1.0}``.
+    """
+    if unit == "chars":
+        length = len(response)
+    elif response_length is not None:
+        length = int(response_length)
+    else:
+        raise ValueError("overlong: needs meta 'response_length' (tokens) or the option unit='chars'")
+    if not 0 < cache_length <= max_length:
+        raise ValueError(f"overlong: need 0 < cache_length ≤ max_length, got {cache_length} and {max_length}")
+    if length <= max_length - cache_length:
+        return 0.0
+    if length <= max_length:
+        return ((max_length - cache_length) - length) / cache_length
+    return -1.0
