@@ -10,4 +10,4 @@ TEST_DEADLINES = {"math": 3.0, "code": 8.0, "svg": 8.0, "html": 5.0}
 def executor():
     """One worker pool for the whole rewards test session (starting one costs ~1-2 s)."""
     with RewardExecutor(workers=2, deadlines=TEST_DEADLINES) as ex:
-        yield ex
+        yield ex.start()

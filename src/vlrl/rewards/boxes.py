@@ -21,23 +21,32 @@ from vlrl.rewards.extract import extract_json, final_answer
 MAX_BOXES = 1000  # detections beyond this are not matched (they still count in N_pred)
 
 _NUM = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
-_GAP_COMMA = re.compile(r"\s*,\s*")
-_GAP_POINTS = re.compile(r"\s*\)\s*,?\s*\(\s*")  # "(x1, y1), (x2, y2)"
+
+
+def _gap_kind(gap: str) -> int:
+    """1 for a comma gap (``, ``), 2 for a point gap (``), (``), 0 otherwise."""
+    if len(gap) > 12:
+        return 0
+    squeezed = "".join(gap.split())
+    return 1 if squeezed == "," else 2 if squeezed in ("),(", ")(") else 0
 
 
 def parse_boxes(text: str, limit: int = MAX_BOXES) -> list[list[float]]:
-    """Every ``x1, y1, x2, y2`` run of four numbers in ``text`` (see the module docstring), in order."""
-    tokens = list(_NUM.finditer(text))
-    boxes, i = [], 0
-    while i + 3 < len(tokens) and len(boxes) < limit:
-        window = tokens[i : i + 4]
-        gaps = [text[a.end() : b.start()] for a, b in zip(window, window[1:], strict=False)]
-        if all(len(g) <= 12 for g in gaps) and _GAP_COMMA.fullmatch(gaps[0]) and _GAP_COMMA.fullmatch(gaps[2]) \
-                and (_GAP_COMMA.fullmatch(gaps[1]) or _GAP_POINTS.fullmatch(gaps[1])):
+    """Every ``x1, y1, x2, y2`` run of four numbers in ``text`` (see the module docstring), in order;
+    one pass over the number tokens, stopping at ``limit`` boxes."""
+    boxes: list[list[float]] = []
+    window: list[re.Match] = []  # the last ≤ 4 tokens, each joined to the previous by an allowed gap
+    for token in _NUM.finditer(text):
+        if window:
+            kind = _gap_kind(text[window[-1].end() : token.start()])
+            if not (kind == 1 or (kind == 2 and len(window) == 2)):
+                window = []
+        window.append(token)
+        if len(window) == 4:
             boxes.append([float(t.group()) for t in window])
-            i += 4
-        else:
-            i += 1
+            window = []
+            if len(boxes) >= limit:
+                break
     return boxes
 
 

@@ -116,6 +116,10 @@ def _init_worker(memory_mb: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
 
 
+def _ping() -> int:
+    return os.getpid()
+
+
 def _run_unit(fn, response: str, answer: Any, meta: Mapping[str, Any]) -> tuple[float, dict[str, float], float]:
     """Worker side: call the verifier, return (overall, parts, seconds)."""
     start = time.perf_counter()
@@ -195,6 +199,14 @@ class RewardExecutor:
             if failures_path is not None:
                 _append_failures(Path(failures_path), report.details, items)
         return results, report
+
+    def start(self) -> RewardExecutor:
+        """Start the worker pool now and wait until every worker answers (otherwise it starts lazily at
+        the first ``pool`` unit, and that batch pays the start-up: ~1-3 s with the heavy imports)."""
+        pool = self._ensure_pool()
+        for future in [pool.schedule(_ping) for _ in range(self.workers)]:
+            future.result()
+        return self
 
     def close(self) -> None:
         """Stop the worker pool (idempotent)."""

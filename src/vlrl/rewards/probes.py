@@ -120,7 +120,7 @@ def probes() -> list[Probe]:
         "huge_power": "print(10**10**10)",
     }
     for name, program in hostile.items():
-        out.append(Probe(f"code/{name}", "code", fence.format(program), CODE_TESTS, meta=dict(FAST_CODE)))
+        out.append(Probe(f"code/{name}", "code", fence.format(program), CODE_TESTS[:1], meta=dict(FAST_CODE)))
     out.append(Probe("code/exit_before_asserts", "code", fence.format("import sys\nsys.exit(0)"),
                      ["assert add(1, 2) == 3"], meta=dict(FAST_CODE)))
     # format-type rewards reward format by design (bounded by 1); the probes check they stay fast
