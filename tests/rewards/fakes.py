@@ -8,7 +8,7 @@ class FakeJudgeEngine:
     """Speaks the Engine protocol: answers True when the prompt's response equals its reference answer."""
 
     def __init__(self, p=0.9):
-        self.calls, self.p = [], p
+        self.calls, self.prompts, self.p = [], [], p
 
     def encode(self, sample):
         return SimpleNamespace(sample=sample)
@@ -18,6 +18,7 @@ class FakeJudgeEngine:
         out = []
         for r in requests:
             prompt = r.sample.messages[0]["content"]
+            self.prompts.append(prompt)
             response = prompt.split("Response: ")[1].split("\n")[0]
             answer = prompt.split("Reference answer: ")[1].split("\n")[0]
             verdict = "True" if response.strip() == answer.strip() else "False"

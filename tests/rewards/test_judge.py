@@ -1,6 +1,9 @@
+from types import SimpleNamespace
+
 import pytest
 
-from vlrl.rewards import JudgeReward, RewardExecutor, RewardItem, get_reward
+from vlrl.data import Sample
+from vlrl.rewards import JudgeReward, RewardExecutor, RewardItem, get_reward, score_trajectories
 from vlrl.rewards.judge import parse_verdict
 
 from .fakes import FakeJudgeEngine
@@ -39,3 +42,14 @@ def test_executor_batches_judge_calls():
     assert engine.calls == [(3, 0.0, 8)]  # one greedy generate call for the whole batch
     assert [o.overall for o in outputs] == [1.0, 0.0, 1.0]
     assert report.counts["judge_units"] == 3 and not report.failures
+
+
+def test_score_trajectories_gives_the_judge_the_question():
+    sample = Sample(id="q", task="t", messages=[{"role": "user", "content": "What is 3+4?"}], answer="7",
+                    reward="critic")
+    trajectory = SimpleNamespace(sample=sample, response_text="7", response_length=1, reward=None, reward_parts={})
+    engine = FakeJudgeEngine()
+    with RewardExecutor(judge=JudgeReward(engine)) as ex:
+        report = score_trajectories([trajectory], executor=ex)
+    assert trajectory.reward == 1.0 and not report.failures
+    assert "Question: What is 3+4?\nReference answer: 7\nResponse: 7" in engine.prompts[0]

@@ -171,31 +171,43 @@ def greedy_precision_recall(predicted, truth, *, iou_threshold: float = 0.5) -> 
     return (matched / len(predicted) if predicted else 0.0), (matched / len(truth) if truth else 0.0)
 
 
+_RECALL_POINTS = np.linspace(0, 1, 101)  # COCO's 101 recall thresholds
+
+
+def _true_positives(iou: np.ndarray, iou_threshold: float) -> np.ndarray:
+    """(P,) 1.0 where prediction p (in rank order) claims the unmatched ground truth of highest IoU ≥ t."""
+    used = np.zeros(iou.shape[1], dtype=bool)
+    tp = np.zeros(iou.shape[0])
+    for p in range(iou.shape[0]):
+        candidates = np.where(~used & (iou[p] >= iou_threshold), iou[p], -1.0)  # (G,)
+        g = int(np.argmax(candidates))
+        if candidates[g] >= 0:
+            used[g], tp[p] = True, 1.0
+    return tp
+
+
+def _ap_from_tp(tp: np.ndarray, n_truth: int) -> float:
+    """COCO 101-point interpolated AP from the (P,) TP flags of predictions in rank order."""
+    if len(tp) == 0 or n_truth == 0:
+        return 0.0
+    cum_tp = np.cumsum(tp)
+    recall = cum_tp / n_truth  # (P,) non-decreasing
+    precision = cum_tp / np.arange(1, len(tp) + 1)
+    envelope = np.maximum.accumulate(precision[::-1])[::-1]  # best precision at this recall or beyond
+    reached = np.searchsorted(recall, _RECALL_POINTS, side="left")  # (101,) first rank reaching each recall
+    return float(np.concatenate([envelope, [0.0]])[reached].mean())
+
+
 def average_precision(predicted: list[list[float]], truth: list[list[float]], iou_threshold: float) -> float:
     """AP of one class at one IoU threshold, COCO-style (101-point interpolated precision).
 
     Predictions are ranked in output order (a VLM gives no confidences): each, in turn, matches the
     unmatched ground-truth box of highest IoU ≥ threshold (TP) or is a false positive (FP).
     """
-    if not truth:
+    if not truth or not predicted:
         return 0.0
     iou = iou_matrix(np.array(predicted).reshape(-1, 4), np.array(truth).reshape(-1, 4))  # (P, G)
-    used = np.zeros(len(truth), dtype=bool)
-    tp = np.zeros(len(predicted))
-    for p in range(len(predicted)):
-        candidates = np.where(~used & (iou[p] >= iou_threshold), iou[p], -1.0)  # (G,)
-        g = int(np.argmax(candidates))
-        if candidates[g] >= 0:
-            used[g], tp[p] = True, 1.0
-    cum_tp = np.cumsum(tp)
-    recall = cum_tp / len(truth)
-    precision = cum_tp / np.arange(1, len(predicted) + 1)
-    precision = np.maximum.accumulate(precision[::-1])[::-1] if len(precision) else precision  # envelope
-    ap = 0.0
-    for r in np.linspace(0, 1, 101):
-        reached = np.searchsorted(recall, r, side="left")
-        ap += precision[reached] if reached < len(precision) else 0.0
-    return ap / 101
+    return _ap_from_tp(_true_positives(iou, iou_threshold), len(truth))
 
 
 def mean_average_precision(predicted: list[tuple[list[float], str]], truth: list[tuple[list[float], str]], *,
@@ -206,9 +218,10 @@ def mean_average_precision(predicted: list[tuple[list[float], str]], truth: list
         return 0.0
     total = 0.0
     for label in classes:
-        preds = [b for b, lab in predicted if lab == label]
-        gts = [b for b, lab in truth if lab == label]
-        total += sum(average_precision(preds, gts, t) for t in iou_thresholds) / len(iou_thresholds)
+        preds = np.array([b for b, lab in predicted if lab == label]).reshape(-1, 4)
+        gts = np.array([b for b, lab in truth if lab == label]).reshape(-1, 4)
+        iou = iou_matrix(preds, gts)  # (P, G), shared by every threshold
+        total += sum(_ap_from_tp(_true_positives(iou, t), len(gts)) for t in iou_thresholds) / len(iou_thresholds)
     return total / len(classes)
 
 

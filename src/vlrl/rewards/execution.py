@@ -213,6 +213,8 @@ class RewardExecutor:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
+            pool.close()  # graceful first: stopping while a worker is being replaced makes it print errors
+            pool.join(timeout=5)
             pool.stop()
             pool.join()
 
@@ -323,11 +325,14 @@ def _check_finite(out: RewardOutput) -> None:
         raise ValueError(f"non-finite reward {out.overall!r}")
 
 
+_failures_lock = threading.Lock()
+
+
 def _append_failures(path: Path, failures: list[Failure], items: Sequence[RewardItem]) -> None:
     """Append one JSON line per failure with the input that caused it (response capped at 64 KiB)."""
     by_id = {item.id: item for item in items}
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
+    with _failures_lock, path.open("a", encoding="utf-8") as f:
         for failure in failures:
             item = by_id.get(failure.id)
             record = {**failure.__dict__, "time": time.time()}
@@ -359,13 +364,16 @@ def score_trajectories(trajectories: list, *, fallback: float = 0.0, failures_pa
     """Fill ``reward`` and ``reward_parts`` of each trajectory; returns the `ScoreReport`.
 
     The verifier metadata is the sample's ``metadata`` plus ``response_length`` (the trajectory's number
-    of model tokens, for ``overlong``). A unit that fails gives its item ``fallback`` and is recorded in
-    the report (and in ``failures_path``, e.g. ``<run dir>/reward_failures.jsonl``).
+    of model tokens, for ``overlong``) and, for judge verifiers, ``question`` (the prompt's text). A unit
+    that fails gives its item ``fallback`` and is recorded in the report (and in ``failures_path``, e.g.
+    ``<run dir>/reward_failures.jsonl``).
     """
     items = []
     for t in trajectories:
         meta = dict(t.sample.metadata)
         meta.setdefault("response_length", t.response_length)
+        if any(spec_of(name).mode == "judge" for name in reward_weights(t.sample.reward)):
+            meta.setdefault("question", t.sample.prompt_text())
         items.append(RewardItem(t.response_text, t.sample.answer, t.sample.reward, meta, t.sample.id, t.sample.task))
     outputs, report = (executor or default_executor()).score(items, fallback=fallback, failures_path=failures_path)
     for t, out in zip(trajectories, outputs, strict=True):

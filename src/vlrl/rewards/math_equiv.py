@@ -36,7 +36,7 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_NoTimeoutWarning())
 
 
-@register_reward("math", mode="pool", deadline=10.0)
+@register_reward("math", mode="pool", deadline=5.0)
 def math_equal(response: str, answer: Any, *, strict: bool = True, rel_tol: float = 1e-4, **meta: Any) -> RewardOutput:
     """1 if the final answer is mathematically equal to ``answer``, else 0.
 
