@@ -38,18 +38,21 @@ CONTRACT = {
 
 def test_every_registered_reward_honours_the_contract():
     """f(response, answer, **meta) -> float | RewardOutput, finite, within its spec's range, on a correct
-    answer and on garbage; and a correct answer earns the top of the range (overlong: 0 = no penalty)."""
-    assert set(REWARDS.names()) == set(CONTRACT), "add the new verifier to CONTRACT"
+    answer and on garbage; a correct answer earns the top of the range (overlong: 0 = no penalty).
+    Verifiers registered elsewhere (other tests, plug-ins) are held to the first part on garbage."""
+    builtin = {name for name, fn in REWARDS.items() if fn.__module__.startswith("vlrl.rewards")}
+    assert builtin == set(CONTRACT), "add the new verifier to CONTRACT"
     for name, fn in REWARDS.items():
         spec = spec_of(name)
-        response, answer, meta = CONTRACT[name]
+        response, answer, meta = CONTRACT.get(name, ("<answer>1</answer>", "1", {}))
         for text in (response, "", "garbage " * 50):
             out = fn(text, answer, **meta)
             value = out.overall if isinstance(out, RewardOutput) else out
             assert isinstance(value, float) and math.isfinite(value), name
             assert spec.low <= value <= spec.high, (name, value)
-        best = fn(response, answer, **meta)
-        assert (best.overall if isinstance(best, RewardOutput) else best) == pytest.approx(spec.high), name
+        if name in CONTRACT:
+            best = fn(response, answer, **meta)
+            assert (best.overall if isinstance(best, RewardOutput) else best) == pytest.approx(spec.high), name
 
 
 def test_specs_say_where_verifiers_run():

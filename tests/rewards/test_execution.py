@@ -49,7 +49,7 @@ def test_pool_timeout_gets_the_fallback_and_is_logged(executor, tmp_path):
     items[0].meta = {"sleep": 0}
     start = time.perf_counter()
     outputs, report = executor.score(items, fallback=-0.5, failures_path=failures)
-    assert time.perf_counter() - start < 3  # the slow unit is cut at its 0.5 s deadline
+    assert time.perf_counter() - start < 4  # the 30 s unit is cut at its 0.5 s deadline
     assert outputs[0].overall == pytest.approx(1.0)
     assert outputs[1].overall == -0.5 and outputs[1].parts == {"reward_failed": 1.0}
     assert report.counts["timeouts"] == 1 and report.failures == [("id1", f"{HERE}:sleepy: no result within 0.5 s")]
@@ -100,7 +100,7 @@ def test_deadlines_hold_when_scoring_from_another_thread(executor):
     start = time.perf_counter()
     thread.start()
     thread.join(10)
-    assert not thread.is_alive() and time.perf_counter() - start < 3
+    assert not thread.is_alive() and time.perf_counter() - start < 4
     outputs, report = result["out"]
     assert report.counts["timeouts"] == 1 and outputs[0].overall == 0.0
 

@@ -40,7 +40,7 @@ def test_escaped_helper_does_not_hold_the_run():
     source = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(100)\nprint('done')"
     start = time.perf_counter()
     (run,) = run_python(source, [{"stdin": ""}], FAST)
-    assert run.ok and run.stdout == "done\n" and time.perf_counter() - start < 2
+    assert run.ok and run.stdout == "done\n" and time.perf_counter() - start < 4  # not the 100 s sleep
 
 
 def test_namespaced_sandbox_hides_the_machine():
