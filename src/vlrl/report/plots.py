@@ -69,7 +69,7 @@ def render_panel(panel: Panel, *, width: float = 4.4, height: float = 2.7, dpi: 
         ax.spines[side].set_visible(False)
     if len(panel.lines) > 1 or (panel.lines and panel.lines[0].label):
         ax.legend(fontsize=6.5, frameon=False, loc="best", ncol=2 if len(panel.lines) > 4 else 1)
-    fig.tight_layout(pad=0.4)
+    fig.subplots_adjust(left=0.14, right=0.97, top=0.89, bottom=0.17)  # fixed margins: tight_layout costs a draw
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
