@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import re
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,7 +194,8 @@ def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]
                 report.problem("data.tasks", str(err))
             continue
         try:
-            read = read_samples(path, on_error="skip", check=reward_names_check)
+            with _quiet("vlrl.data.io"):  # its "skipped N records" warning: every record is listed below instead
+                read = read_samples(path, on_error="skip", check=reward_names_check)
         except DataError as err:
             report.problem(f"data.{split}", str(err))
             continue
@@ -205,6 +208,17 @@ def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]
             report.problem(f"data.{split}", f"{path}: no usable samples")
         out[split] = read.samples
     return out
+
+
+@contextmanager
+def _quiet(logger_name: str):
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_sft_responses(report: CheckReport, train: list[Sample], sft) -> None:

@@ -157,7 +157,7 @@ class WandbOptions(Section):
 
 class MlflowOptions(Section):
     tracking_uri: str | None = Field(
-        None, description="MLflow tracking URI; unset: a local file store under RUN_DIR/mlruns (no server needed)."
+        None, description="MLflow tracking URI; unset: a local store in the run directory (RUN_DIR/mlflow.db, or RUN_DIR/mlruns without SQLAlchemy)."
     )
     experiment: str = Field("vlrl", description="MLflow experiment name.")
 

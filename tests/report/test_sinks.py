@@ -74,7 +74,10 @@ def test_mlflow_uses_a_local_store_and_legal_names(tmp_path, monkeypatch):
     sink = make_sink("mlflow", tmp_path, run_name="r", config={"algo": {"clip_high": 0.28}})
     sink.write(RECORDS[0])
     sink.close()
-    assert calls[0] == ("set_tracking_uri", ((tmp_path.resolve() / "mlruns").as_uri(),), {})
+    from vlrl.report.sinks import local_mlflow_uri
+
+    assert calls[0] == ("set_tracking_uri", (local_mlflow_uri(tmp_path),), {})
+    assert str(tmp_path.resolve()) in calls[0][1][0]  # the store lives in the run directory
     assert ("log_params", ({"algo.clip_high": "0.28"},), {}) in calls
     assert ("log_metrics", {"rl/reward/mean": 0.5, "rl/pass_4/mean": 0.25}, 1) in calls
     assert mlflow_name("pass@4/shapes/count") == "pass_4/shapes/count"

@@ -191,13 +191,25 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def local_mlflow_uri(run_dir: Path) -> str:
+    """A store inside the run directory: ``sqlite:///RUN_DIR/mlflow.db`` when SQLAlchemy is installed (MLflow 3
+    puts its file store in maintenance mode), else the file store ``RUN_DIR/mlruns`` (mlflow-skinny)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("sqlalchemy") is not None:
+        return f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow ≥ 3.x refuses the file store without it
+    return (run_dir.resolve() / "mlruns").as_uri()
+
+
 class MlflowSink:
-    """An MLflow run; without ``tracking_uri`` a local file store ``RUN_DIR/mlruns`` (``mlflow ui`` reads it)."""
+    """An MLflow run; without ``tracking_uri`` a local store inside the run directory (see `local_mlflow_uri`)."""
 
     def __init__(self, run_dir: Path, *, run_name: str, config: dict, tracking_uri: str | None = None,
                  experiment: str = "vlrl") -> None:
         self.mlflow = _require("mlflow", "mlflow")
-        self.mlflow.set_tracking_uri(tracking_uri or (run_dir.resolve() / "mlruns").as_uri())
+        self.mlflow.set_tracking_uri(tracking_uri or local_mlflow_uri(run_dir))
         self.mlflow.set_experiment(experiment)
         self.run = self.mlflow.start_run(run_name=run_name)
         params = {mlflow_name(k): str(v)[:500] for k, v in flatten(config).items()}
