@@ -94,9 +94,13 @@ def eval_(
     from vlrl.rollout import HFEngine
     from vlrl.train.common import load_split
 
-    policy = load_policy(model)
+    progress = _progress()
+    with progress.task(f"load {model}"):
+        policy = load_policy(model)
     test = load_split(DataConfig(test=data, n_test=n), "test")
-    result = evaluate(HFEngine(policy), test, EvalConfig(samples=samples, temperature=temperature, max_new_tokens=max_new_tokens))
+    with progress.task(f"eval {len(test)} prompts × {samples}"):
+        result = evaluate(HFEngine(policy), test,
+                          EvalConfig(samples=samples, temperature=temperature, max_new_tokens=max_new_tokens))
     result.pop("examples")
     text = json.dumps(result, indent=2)
     if out:

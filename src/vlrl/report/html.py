@@ -337,7 +337,7 @@ def config_differences(runs: list[Run]) -> list[tuple[str, list[str]]]:
     flat = [flatten(run.config) for run in runs]
     keys = sorted({k for f in flat for k in f} - {"out"})
     missing = "—"
-    return [(k, [json.dumps(f.get(k, missing)) if k in f else missing for f in flat])
+    return [(k, [json.dumps(f[k], default=str) if k in f else missing for f in flat])
             for k in keys if len({json.dumps(f.get(k, missing), default=str) for f in flat}) > 1]
 
 

@@ -100,6 +100,8 @@ class WatchedEngine:
             self._record(version)
 
     def __getattr__(self, name: str):  # anything else the wrapped engine offers
+        if name == "engine":  # not set yet (e.g. while copying): no recursion
+            raise AttributeError(name)
         return getattr(self.engine, name)
 
     # -- what the recipes use
