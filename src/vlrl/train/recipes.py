@@ -113,13 +113,25 @@ def _eval(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, st
 def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: int, name: str = "sft",
          max_seconds: float | None = None) -> dict:
     with logger.progress.task(name, total=stage.train.steps, stage=name):
-        return train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds)
+        stats = train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds)
+    _log_last_step(logger, name, stats)
+    return stats
 
 
 def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger) -> dict:
     with logger.progress.task("rl", total=stage.train.steps, stage="rl"), \
             engine.training("rl", total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
-        return train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed)
+        stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed)
+    _log_last_step(logger, "rl", stats)
+    return stats
+
+
+def _log_last_step(logger: MetricsLogger, stage: str, stats: dict) -> None:
+    """A stage stopped by its time budget between two ``log_every`` steps: log its last step, so the curves
+    (and metrics.jsonl) end where training ended. The loops return that step's metrics in ``stats``."""
+    logged = [r["step"] for r in logger.records if r["stage"] == stage]
+    if stats.get("steps") and (not logged or logged[-1] != stats["steps"]):
+        logger.log(stage, stats["steps"], {k: v for k, v in stats.items() if "/" in k})
 
 
 def _samples(cfg: RunConfig, run_dir: Path) -> SampleLog:
