@@ -43,3 +43,48 @@ def test_sft_on_a_user_file_then_eval(tmp_path):
                                  "--out", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output
     assert "pass@k" in json.loads((tmp_path / "eval.json").read_text())
+
+
+def test_check_lists_every_problem_and_exits_1(tmp_path):
+    config = tmp_path / "rl.yaml"
+    config.write_text("rollout: {n: 4, max_new_tokens: 4000}\ntrain: {prompts_per_step: 4, micro_batch_size: 6}\n"
+                      "data: {n_train: 16, n_test: 8}\n")
+    result = runner.invoke(app, ["check", str(config), "algo.advantage=nope"])
+    assert result.exit_code == 1, result.output
+    assert "(as a `vlrl rl` config)" in result.output
+    for field in ("rollout.max_new_tokens", "train.micro_batch_size", "algo.advantage"):
+        assert f"✗ {field}:" in result.output, field
+    assert "preflight: 3 problem(s)" in result.output
+
+
+def test_check_passes_a_shipped_config_and_reports_bad_keys():
+    result = runner.invoke(app, ["check", "configs/shapes_sft.yaml", "data.n_train=16", "data.n_test=8"])
+    assert result.exit_code == 0, result.output
+    assert "(as a `vlrl sft` config)" in result.output and "preflight: ok" in result.output
+    result = runner.invoke(app, ["check", "configs/demo.yaml", "rl.algo.clip_hgh=0.3"])
+    assert result.exit_code == 1 and "config field 'rl.algo.clip_hgh': unknown field" in result.output
+
+
+def test_a_recipe_stops_at_the_preflight(tmp_path):
+    result = runner.invoke(app, ["rl", f"out={tmp_path}", "data.n_train=16", "data.n_test=8", "eval.max_new_tokens=4000"])
+    assert result.exit_code == 1
+    assert "eval.max_new_tokens:" in result.output and "exceeds the model context of 2048 tokens" in result.output
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_rl_writes_a_report_and_report_compares_runs(tmp_path):
+    import shutil
+
+    run = tmp_path / "text_rl"
+    result = runner.invoke(app, ["rl", f"out={run}", "model.path=tiny-qwen2", "data.suite=arith", "data.tasks=[add]",
+                                 "data.n_train=16", "data.n_test=4", "train.steps=2", "train.prompts_per_step=2",
+                                 "rollout.n=2", "rollout.max_new_tokens=4", "eval.samples=2", "eval.max_new_tokens=4"])
+    assert result.exit_code == 0, result.output
+    html = (run / "report.html").read_text()
+    assert 'id="dynamics"' in html and 'data-stage="eval/final"' in html and 'data-stage="rl step 2"' in html
+    shutil.copytree(run, tmp_path / "copy")
+    result = runner.invoke(app, ["report", str(run), str(tmp_path / "copy"), "--out", str(tmp_path / "cmp.html")])
+    assert result.exit_code == 0, result.output
+    assert '[&#34;text_rl&#34;, &#34;copy&#34;]' in (tmp_path / "cmp.html").read_text()  # data-runs of the charts
+    result = runner.invoke(app, ["report", str(tmp_path / "nowhere")])
+    assert result.exit_code == 2 and "not a run directory" in result.output

@@ -29,6 +29,18 @@ def _load(cls, config: Path | None, overrides: list[str] | None, extra: list[str
         raise typer.Exit(2) from None
 
 
+def _run(recipe, cfg) -> None:
+    """Run a recipe; a failed preflight check exits 1 with its list of problems (nothing was loaded)."""
+    from vlrl.check import PreflightError
+
+    try:
+        recipe(cfg)
+    except PreflightError as err:
+        typer.secho(f"vlrl: the preflight check failed for {cfg.out}:\n{err}", fg="red", err=True)
+        typer.secho("(`vlrl check` runs the same check alone; check.enabled=false skips it)", err=True)
+        raise typer.Exit(1) from None
+
+
 @app.command()
 def demo(
     config: Path | None = CONFIG,
@@ -40,7 +52,7 @@ def demo(
 
     default = Path(__file__).parent / "configs" / "demo.yaml"
     cfg = _load(DemoConfig, config or default, overrides, [f"out={out or 'runs/demo'}"])
-    run_demo(cfg)
+    _run(run_demo, cfg)
 
 
 @app.command()
@@ -52,7 +64,7 @@ def sft(
     """Supervised fine-tuning on reference responses."""
     from vlrl.train.recipes import run_sft
 
-    run_sft(_load(SFTConfig, config, overrides, [f"data.train={data}"] if data else []))
+    _run(run_sft, _load(SFTConfig, config, overrides, [f"data.train={data}"] if data else []))
 
 
 @app.command()
@@ -64,7 +76,7 @@ def rl(
     """Synchronous GRPO-family RL with verifiable rewards."""
     from vlrl.train.recipes import run_rl
 
-    run_rl(_load(RLConfig, config, overrides, [f"data.train={data}"] if data else []))
+    _run(run_rl, _load(RLConfig, config, overrides, [f"data.train={data}"] if data else []))
 
 
 @app.command("eval")
@@ -84,14 +96,72 @@ def eval_(
     from vlrl.rollout import HFEngine
     from vlrl.train.common import load_split
 
-    policy = load_policy(model)
+    progress = _progress()
+    with progress.task(f"load {model}"):
+        policy = load_policy(model)
     test = load_split(DataConfig(test=data, n_test=n), "test")
-    result = evaluate(HFEngine(policy), test, EvalConfig(samples=samples, temperature=temperature, max_new_tokens=max_new_tokens))
+    with progress.task(f"eval {len(test)} prompts × {samples}"):
+        result = evaluate(HFEngine(policy), test,
+                          EvalConfig(samples=samples, temperature=temperature, max_new_tokens=max_new_tokens))
     result.pop("examples")
     text = json.dumps(result, indent=2)
     if out:
         out.write_text(text + "\n")
     typer.echo(text)
+
+
+@app.command()
+def report(
+    run_dirs: list[Path] = typer.Argument(..., help="One run directory, or several to overlay in one report."),
+    out: Path | None = typer.Option(None, "--out", help="Output file (default RUN_DIR/report.html; compare.html for several)."),
+    title: str | None = typer.Option(None, "--title", help="Page title."),
+) -> None:
+    """Write a self-contained HTML report (curves, sampled responses, eval, config) of one or several runs."""
+    from vlrl.report.html import ReportError, write_report
+
+    try:
+        path = write_report(run_dirs, out, title=title)
+    except ReportError as err:
+        typer.secho(f"vlrl report: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path}")
+
+
+RECIPES = {"demo": DemoConfig, "rl": RLConfig, "sft": SFTConfig}
+
+
+@app.command()
+def check(
+    config: Path = typer.Argument(..., help="The YAML config of the run to check."),
+    overrides: list[str] | None = OVERRIDES,
+    recipe: str = typer.Option("auto", "--recipe", help="auto (from the file's sections), sft, rl or demo."),
+    data: str | None = typer.Option(None, "--data", help="Training samples file/dir (sets data.train)."),
+) -> None:
+    """Preflight: processor, vision tokens, context length, batch sizes, names and data files — no weights loaded."""
+    import yaml
+
+    from vlrl.check import detect_recipe, preflight
+
+    if recipe == "auto":
+        try:
+            raw = yaml.safe_load(config.read_text()) if config.is_file() else {}
+        except yaml.YAMLError:
+            raw = {}  # load_config below reports the YAML error with the file name
+        recipe = detect_recipe(raw if isinstance(raw, dict) else {}, config)
+    if recipe not in RECIPES:
+        typer.secho(f"vlrl check: --recipe must be auto, sft, rl or demo (got {recipe!r})", fg="red", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"vlrl check {config} (as a `vlrl {recipe}` config)")
+    try:
+        cfg = load_config(RECIPES[recipe], config, [*([f"data.train={data}"] if data else []), *(overrides or [])])
+    except ConfigError as err:
+        typer.secho("\n".join(f"  ✗ {line}" for line in str(err).splitlines()), fg="red")
+        typer.secho("preflight: the config does not load", fg="red")
+        raise typer.Exit(1) from None
+    result = preflight(cfg)
+    typer.secho(result.format(), fg=None if result.ok else "red")
+    if not result.ok:
+        raise typer.Exit(1)
 
 
 @data_app.command("gen")
@@ -108,14 +178,27 @@ def data_gen(
     from vlrl.data import TASK_SUITES, generate, write_samples
     from vlrl.registry import RegistryError
 
+    progress = _progress()
     try:
-        samples = generate(suite, n, split=split, seed=seed, tasks=tasks.split(",") if tasks else None, template=template)
+        with progress.task(f"generate {n} {suite} samples"):
+            samples = generate(suite, n, split=split, seed=seed, tasks=tasks.split(",") if tasks else None,
+                               template=template)
     except (RegistryError, ValueError) as err:
         typer.secho(f"vlrl data gen: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
     target = out if out.suffix in (".jsonl", ".parquet") else out / f"{split}.jsonl"
-    path = write_samples(samples, target)
+    with progress.task(f"write {target}"):
+        path = write_samples(samples, target)
     typer.echo(f"wrote {len(samples)} {suite} samples to {path} (suites: {', '.join(TASK_SUITES.names())})")
+
+
+def _progress():
+    """Progress bars on stderr (only when it is a terminal)."""
+    from rich.console import Console
+
+    from vlrl.report.progress import LiveProgress
+
+    return LiveProgress(Console(file=sys.stderr))
 
 
 def main() -> None:

@@ -146,6 +146,49 @@ class RLStage(Section):
         return self
 
 
+# ----------------------------------------------------------------------------------------------- report + check
+class WandbOptions(Section):
+    project: str = Field("vlrl", description="Weights & Biases project name.")
+    entity: str | None = Field(None, description="Weights & Biases entity (user or team); unset: your default.")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline (default) writes under RUN_DIR/wandb for a later `wandb sync`; online needs a login."
+    )
+
+
+class MlflowOptions(Section):
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; unset: a local store in the run directory (RUN_DIR/mlflow.db, or RUN_DIR/mlruns without SQLAlchemy)."
+    )
+    experiment: str = Field("vlrl", description="MLflow experiment name.")
+
+
+class ReportConfig(Section):
+    sinks: list[str] = Field(
+        default_factory=list,
+        description="Metric sinks besides metrics.jsonl (always written): tensorboard, wandb, mlflow, or 'pkg.mod:factory'.",
+    )
+    wandb: WandbOptions = Field(default_factory=WandbOptions, description="Options of the wandb sink.")
+    mlflow: MlflowOptions = Field(default_factory=MlflowOptions, description="Options of the mlflow sink.")
+    sink_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Keyword options of custom (dotted-path) sinks, keyed by the sink's name."
+    )
+    html: bool = Field(True, description="Write RUN_DIR/report.html (curves, sampled responses, eval) when the run ends.")
+    samples_per_task: int = Field(
+        2, ge=0, description="Prompts per task whose responses (with rewards and images) go to samples.jsonl per snapshot."
+    )
+    rl_snapshots: int = Field(4, ge=0, description="Training batches of the RL stage recorded to samples.jsonl over the run.")
+    progress: Literal["auto", "on", "off"] = Field(
+        "auto", description="Live progress bars: auto shows them only when stderr is a terminal (CI logs stay plain)."
+    )
+
+
+class CheckConfig(Section):
+    enabled: bool = Field(True, description="Run the preflight check (`vlrl check`) before any model weights are loaded.")
+    samples_per_task: int = Field(
+        4, ge=1, description="Samples per task (per split) encoded by the preflight check, plus the longest prompts."
+    )
+
+
 # ----------------------------------------------------------------------------------------------- whole runs
 class RunConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy to train.")
@@ -153,6 +196,8 @@ class RunConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     out: str = Field("runs/latest", description="Run directory: config.yaml, metrics.jsonl, checkpoints/, summary.json.")
     seed: int = Field(0, description="Seed of sampling, shuffling and dropout.")
+    report: ReportConfig = Field(default_factory=ReportConfig, description="Metric sinks, progress and the HTML report.")
+    check: CheckConfig = Field(default_factory=CheckConfig, description="The preflight check run before loading weights.")
 
 
 class SFTConfig(RunConfig, SFTStage):

@@ -1,30 +1,107 @@
-"""The runnable recipes behind `vlrl sft`, `vlrl rl` and `vlrl demo`: load, train, evaluate, save."""
+"""The runnable recipes behind `vlrl sft`, `vlrl rl` and `vlrl demo`: check, load, train, evaluate, save, report.
+
+Every recipe reads the same way:
+
+    run directory + metric sinks → data → preflight check (no weights yet) → policy → train / eval → report.html
+
+``report.html`` is written at the end even when the run fails part-way (then it shows what was logged).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from vlrl.check import PreflightError, preflight
 from vlrl.config import DemoConfig, RLConfig, RunConfig, SFTConfig
+from vlrl.data import Sample
 from vlrl.eval import evaluate
 from vlrl.models import Policy, load_policy
-from vlrl.report import MetricsLogger
+from vlrl.report import MetricsLogger, make_sink
+from vlrl.report.progress import LiveProgress
+from vlrl.report.samples import SampleLog
+from vlrl.report.watch import WatchedEngine
 from vlrl.rollout import HFEngine
 from vlrl.train.common import load_split, prepare_run_dir, seed_everything, write_json
 from vlrl.train.grpo import train_grpo
 from vlrl.train.sft import train_sft
 
 
-def _setup(cfg: RunConfig) -> tuple[Path, MetricsLogger, Policy]:
+# ----------------------------------------------------------------------------------------------- set-up
+def _open_run(cfg: RunConfig) -> tuple[Path, MetricsLogger]:
+    """The run directory (resolved config.yaml, metrics.jsonl) and a logger with the configured sinks."""
     run_dir, logger = prepare_run_dir(cfg.out, cfg)
+    logger.progress = LiveProgress(logger.console, mode=cfg.report.progress)
+    options = {"wandb": cfg.report.wandb.model_dump(), "mlflow": cfg.report.mlflow.model_dump()}
+    for name in cfg.report.sinks:
+        logger.add_sink(make_sink(name, run_dir, run_name=run_dir.resolve().name, config=cfg.model_dump(mode="json"),
+                                  options=options.get(name, cfg.report.sink_options.get(name, {}))))
+    return run_dir, logger
+
+
+@contextmanager
+def _reporting(cfg: RunConfig, run_dir: Path, logger: MetricsLogger) -> Iterator[None]:
+    """Close the sinks and write report.html when the block ends, also when it fails."""
+    try:
+        yield
+    finally:
+        logger.close()
+        if cfg.report.html and (run_dir / "metrics.jsonl").exists():
+            _write_report(run_dir, logger)
+
+
+def _write_report(run_dir: Path, logger: MetricsLogger) -> None:
+    from vlrl.report.html import write_report
+
+    try:
+        with logger.progress.task("report.html"):
+            path = write_report([run_dir])
+        logger.progress.stop()
+        logger.info(f"report: {path}")
+    except Exception as err:  # the run's results are saved; a report bug must not hide them, nor pass unseen
+        logger.warn(f"report.html not written ({type(err).__name__}: {err}); retry with `vlrl report {run_dir}`")
+
+
+def _data(cfg: RunConfig, logger: MetricsLogger) -> tuple[list[Sample], list[Sample]]:
+    with logger.progress.task("data"):
+        return load_split(cfg.data, "train", logger), load_split(cfg.data, "test", logger)
+
+
+def _check(cfg: RunConfig, logger: MetricsLogger, train: list[Sample], test: list[Sample]) -> None:
+    """The preflight check on the loaded data; raises `PreflightError` listing every problem."""
+    if not cfg.check.enabled:
+        return
+    with logger.progress.task("preflight check"):
+        report = preflight(cfg, splits={"train": train, "test": test})
+    if not report.ok:
+        raise PreflightError(report)
+    for warning in report.warnings:
+        logger.warn(str(warning))
+
+
+def _load(cfg: RunConfig, logger: MetricsLogger) -> Policy:
     seed_everything(cfg.seed)
-    policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, seed=cfg.model.init_seed)
+    with logger.progress.task("load policy"):
+        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, seed=cfg.model.init_seed)
     logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}")
-    return run_dir, logger, policy
+    return policy
 
 
-def _eval(engine: HFEngine, test, cfg: RunConfig, logger: MetricsLogger, stage: str) -> dict:
-    result = evaluate(engine, test, cfg.eval)
+def _engine(policy: Policy, cfg: RunConfig, logger: MetricsLogger, samples: SampleLog, max_batch_size: int = 256):
+    return WatchedEngine(HFEngine(policy, max_batch_size=max_batch_size), logger, samples)
+
+
+def _save(policy: Policy, target: Path, logger: MetricsLogger) -> Path:
+    with logger.progress.task(f"save {target.parent.name}/{target.name}"):
+        return policy.save(target)
+
+
+def _eval(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, stage: str) -> dict:
+    with logger.progress.task(f"eval/{stage}"), engine.capture() as batches:
+        result = evaluate(engine, test, cfg.eval)
+    engine.samples.write(f"eval/{stage}", 0, batches)
     logger.log(f"eval/{stage}", 0, {
         **{f"accuracy/{k}": v for k, v in result["accuracy"].items()},
         **{f"greedy/{k}": v for k, v in result["greedy"].items()},
@@ -33,52 +110,92 @@ def _eval(engine: HFEngine, test, cfg: RunConfig, logger: MetricsLogger, stage: 
     return result
 
 
+def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: int, name: str = "sft",
+         max_seconds: float | None = None) -> dict:
+    with logger.progress.task(name, total=stage.train.steps, stage=name):
+        stats = train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds)
+    _log_last_step(logger, name, stats)
+    return stats
+
+
+def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger) -> dict:
+    with logger.progress.task("rl", total=stage.train.steps, stage="rl"), \
+            engine.training("rl", total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
+        stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed)
+    _log_last_step(logger, "rl", stats)
+    return stats
+
+
+def _log_last_step(logger: MetricsLogger, stage: str, stats: dict) -> None:
+    """A stage stopped by its time budget between two ``log_every`` steps: log its last step, so the curves
+    (and metrics.jsonl) end where training ended. The loops return that step's metrics in ``stats``."""
+    logged = [r["step"] for r in logger.records if r["stage"] == stage]
+    if stats.get("steps") and (not logged or logged[-1] != stats["steps"]):
+        logger.log(stage, stats["steps"], {k: v for k, v in stats.items() if "/" in k})
+
+
+def _samples(cfg: RunConfig, run_dir: Path) -> SampleLog:
+    return SampleLog(run_dir, per_task=cfg.report.samples_per_task)
+
+
+# ----------------------------------------------------------------------------------------------- recipes
 def run_sft(cfg: SFTConfig) -> dict:
-    run_dir, logger, policy = _setup(cfg)
-    train, test = load_split(cfg.data, "train", logger), load_split(cfg.data, "test", logger)
-    stats = train_sft(policy, train, cfg, logger=logger, seed=cfg.seed)
-    policy.save(run_dir / "checkpoints" / "final")
-    summary = {"sft": _eval(HFEngine(policy), test, cfg, logger, "final"), "train": stats}
-    write_json(run_dir / "summary.json", summary)
+    run_dir, logger = _open_run(cfg)
+    with _reporting(cfg, run_dir, logger):
+        train, test = _data(cfg, logger)
+        _check(cfg, logger, train, test)
+        policy = _load(cfg, logger)
+        stats = _sft(policy, train, cfg, cfg, logger, seed=cfg.seed)
+        _save(policy, run_dir / "checkpoints" / "final", logger)
+        engine = _engine(policy, cfg, logger, _samples(cfg, run_dir))
+        summary = {"sft": _eval(engine, test, cfg, logger, "final"), "train": stats}
+        write_json(run_dir / "summary.json", summary)
     return summary
 
 
 def run_rl(cfg: RLConfig) -> dict:
-    run_dir, logger, policy = _setup(cfg)
-    train, test = load_split(cfg.data, "train", logger), load_split(cfg.data, "test", logger)
-    engine = HFEngine(policy, max_batch_size=cfg.rollout.max_batch_size)
-    before = _eval(engine, test, cfg, logger, "initial")
-    stats = train_grpo(policy, engine, train, cfg, logger=logger, seed=cfg.seed)
-    policy.save(run_dir / "checkpoints" / "final")
-    summary = {"initial": before, "rl": _eval(engine, test, cfg, logger, "final"), "train": stats}
-    write_json(run_dir / "summary.json", summary)
+    run_dir, logger = _open_run(cfg)
+    with _reporting(cfg, run_dir, logger):
+        train, test = _data(cfg, logger)
+        _check(cfg, logger, train, test)
+        policy = _load(cfg, logger)
+        engine = _engine(policy, cfg, logger, _samples(cfg, run_dir), cfg.rollout.max_batch_size)
+        before = _eval(engine, test, cfg, logger, "initial")
+        stats = _rl(policy, engine, train, cfg, cfg, logger)
+        _save(policy, run_dir / "checkpoints" / "final", logger)
+        summary = {"initial": before, "rl": _eval(engine, test, cfg, logger, "final"), "train": stats}
+        write_json(run_dir / "summary.json", summary)
     return summary
 
 
 def run_demo(cfg: DemoConfig) -> dict:
     """SFT warm start → eval → RL → eval, and the equal-time SFT control from the same checkpoint."""
     start = time.time()
-    run_dir, logger, policy = _setup(cfg)
-    train, test = load_split(cfg.data, "train", logger), load_split(cfg.data, "test", logger)
-    engine = HFEngine(policy, max_batch_size=cfg.rl.rollout.max_batch_size)
-    sft_stats = train_sft(policy, train, cfg.sft, logger=logger, seed=cfg.seed)
-    sft_dir = policy.save(run_dir / "checkpoints" / "sft")
-    sft_eval = _eval(engine, test, cfg, logger, "sft")
-    rl_stats = train_grpo(policy, engine, train, cfg.rl, logger=logger, seed=cfg.seed)
-    policy.save(run_dir / "checkpoints" / "rl")
-    rl_eval = _eval(engine, test, cfg, logger, "rl")
-    summary = {"sft": sft_eval, "rl": rl_eval, "sft_train": sft_stats, "rl_train": rl_stats}
-    if cfg.control:
-        # The control: the same SFT checkpoint, trained by more SFT for the RL stage's wall time.
-        control = load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device)
-        control_stats = train_sft(control, train, cfg.sft, logger=logger, seed=cfg.seed + 1, stage_name="sft_control",
-                                  max_seconds=rl_stats["seconds"])
-        control.save(run_dir / "checkpoints" / "sft_control")
-        summary["sft_control"] = _eval(HFEngine(control), test, cfg, logger, "sft_control")
-        summary["sft_control_train"] = control_stats
-    summary["wall_seconds"] = round(time.time() - start, 1)
-    write_json(run_dir / "summary.json", summary)
-    _print_summary(logger, summary)
+    run_dir, logger = _open_run(cfg)
+    with _reporting(cfg, run_dir, logger):
+        train, test = _data(cfg, logger)
+        _check(cfg, logger, train, test)
+        policy = _load(cfg, logger)
+        samples = _samples(cfg, run_dir)
+        engine = _engine(policy, cfg, logger, samples, cfg.rl.rollout.max_batch_size)
+        sft_stats = _sft(policy, train, cfg.sft, cfg, logger, seed=cfg.seed)
+        sft_dir = _save(policy, run_dir / "checkpoints" / "sft", logger)
+        sft_eval = _eval(engine, test, cfg, logger, "sft")
+        rl_stats = _rl(policy, engine, train, cfg.rl, cfg, logger)
+        _save(policy, run_dir / "checkpoints" / "rl", logger)
+        rl_eval = _eval(engine, test, cfg, logger, "rl")
+        summary = {"sft": sft_eval, "rl": rl_eval, "sft_train": sft_stats, "rl_train": rl_stats}
+        if cfg.control:
+            # The control: the same SFT checkpoint, trained by more SFT for the RL stage's wall time.
+            control = load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device)
+            control_stats = _sft(control, train, cfg.sft, cfg, logger, seed=cfg.seed + 1, name="sft_control",
+                                 max_seconds=rl_stats["seconds"])
+            _save(control, run_dir / "checkpoints" / "sft_control", logger)
+            summary["sft_control"] = _eval(_engine(control, cfg, logger, samples), test, cfg, logger, "sft_control")
+            summary["sft_control_train"] = control_stats
+        summary["wall_seconds"] = round(time.time() - start, 1)
+        write_json(run_dir / "summary.json", summary)
+        _print_summary(logger, summary)
     return summary
 
 

@@ -1,0 +1,379 @@
+"""Preflight (`vlrl check CONFIG`, and automatically at the start of every recipe): find what would break a run
+before any model weights are loaded.
+
+It reads the model's config, tokenizer and image processor (a tiny preset is built on the ``meta`` device:
+no weights exist), reads the data files (every record must parse) and encodes a handful of samples — the
+first few of every task and the longest prompts — to check:
+
+- every image's vision-token count in the prompt equals the number of features the vision tower will
+  produce (``prod(grid_thw) / spatial_merge_size²`` of the *model*), the mismatch that otherwise stops
+  training with "Image features and image tokens do not match";
+- prompt + ``max_new_tokens`` (rollout and eval) and prompt + reference response (SFT) fit the context;
+- batch, group and micro-batch sizes divide;
+- every reward name, estimator, policy loss, metric sink and dotted path (``pkg.mod:fn``, e.g. an
+  environment) resolves; the procedural suite and its tasks exist; data files exist and parse.
+
+Every problem names the config field or the ``file:line``; all of them are listed at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import re
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlrl.config import DemoConfig, RLConfig, RLStage, RunConfig, SFTConfig, SFTStage
+from vlrl.data import DataError, Sample, generate, load_image, read_samples
+from vlrl.registry import RegistryError
+
+_DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_SHOWN_RECORDS = 10  # bad data records listed one by one; the rest are counted
+
+
+@dataclass
+class Problem:
+    where: str  # a config field ("rollout.max_new_tokens"), "file:line", or a sample
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+@dataclass
+class CheckReport:
+    """Problems stop the run; warnings are printed; facts say what was checked."""
+
+    problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
+    facts: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def problem(self, where: str, message: str) -> None:
+        self.problems.append(Problem(where, message))
+
+    def warn(self, where: str, message: str) -> None:
+        self.warnings.append(Problem(where, message))
+
+    def format(self) -> str:
+        lines = [f"  · {fact}" for fact in self.facts]
+        lines += [f"  ! {w}" for w in self.warnings]
+        lines += [f"  ✗ {p}" for p in self.problems]
+        verdict = (f"preflight: {len(self.problems)} problem(s) — the run would fail; nothing was loaded onto a device"
+                   if self.problems else "preflight: ok" + (f" ({len(self.warnings)} warning(s))" if self.warnings else ""))
+        return "\n".join([*lines, verdict])
+
+
+class PreflightError(RuntimeError):
+    """Raised by the recipes when the preflight check finds problems; the message lists them all."""
+
+    def __init__(self, report: CheckReport) -> None:
+        super().__init__(report.format())
+        self.report = report
+
+
+def preflight(cfg: RunConfig, *, splits: dict[str, list[Sample]] | None = None) -> CheckReport:
+    """Check ``cfg`` (and its data: ``splits`` if already loaded, else read/generated here)."""
+    report = CheckReport()
+    sft, rl = _stages(cfg)
+    _check_sizes(report, sft, rl)
+    _check_names(report, cfg, rl)
+    if splits is None:
+        splits = _read_splits(report, cfg)
+    _check_sft_responses(report, splits.get("train", []), sft)
+    bundle = _load_processor(report, cfg.model)
+    if bundle is not None:
+        picks = {split: _pick(samples, cfg.check.samples_per_task) for split, samples in splits.items()}
+        _check_samples(report, bundle, picks, sft, rl, cfg)
+    return report
+
+
+def _stages(cfg: RunConfig) -> tuple[list[tuple[str, SFTStage]], list[tuple[str, RLStage]]]:
+    """(field prefix, stage) of the SFT and RL stages of a config: ``("sft.", ...)`` in a demo, ``("", cfg)``."""
+    if isinstance(cfg, DemoConfig):
+        return [("sft.", cfg.sft)], [("rl.", cfg.rl)]
+    return ([("", cfg)] if isinstance(cfg, SFTConfig) else []), ([("", cfg)] if isinstance(cfg, RLConfig) else [])
+
+
+# ----------------------------------------------------------------------------------------------- sizes
+def _check_sizes(report: CheckReport, sft, rl) -> None:
+    for p, stage in sft:
+        batch, micro = stage.train.batch_size, stage.train.micro_batch_size
+        if micro < batch and batch % micro:
+            report.problem(f"{p}train.micro_batch_size", f"{micro} does not divide {p}train.batch_size = {batch}")
+    for p, stage in rl:
+        per_step = stage.train.prompts_per_step * stage.rollout.n
+        minibatch = per_step // stage.train.minibatches  # the config already requires an exact split
+        micro = stage.train.micro_batch_size
+        if micro < minibatch and minibatch % micro:
+            report.problem(f"{p}train.micro_batch_size",
+                           f"{micro} does not divide the minibatch of {minibatch} responses ({p}train.prompts_per_step "
+                           f"{stage.train.prompts_per_step} × {p}rollout.n {stage.rollout.n} / {p}train.minibatches "
+                           f"{stage.train.minibatches})")
+        if stage.rollout.n == 1:
+            report.warn(f"{p}rollout.n", "1 response per prompt: every group-normalised advantage (grpo) is 0")
+
+
+# ----------------------------------------------------------------------------------------------- names
+def _check_names(report: CheckReport, cfg: RunConfig, rl) -> None:
+    from vlrl.algos import get_advantage, get_policy_loss
+    from vlrl.report.sinks import SINKS, sink_requirement
+
+    checked = set()
+    for p, stage in rl:
+        for name, lookup, value in (("algo.advantage", get_advantage, stage.algo.advantage),
+                                    ("algo.policy_loss", get_policy_loss, stage.algo.policy_loss)):
+            checked.add(f"{p}{name}")
+            try:
+                lookup(value)
+            except RegistryError as err:
+                report.problem(f"{p}{name}", str(err))
+    for k, name in enumerate(cfg.report.sinks):
+        checked.add(f"report.sinks.{k}")
+        try:
+            SINKS.get(name)
+        except RegistryError as err:
+            report.problem("report.sinks", str(err))
+            continue
+        package = sink_requirement(name)
+        if package and importlib.util.find_spec(package) is None:
+            report.problem("report.sinks", f"the {name} sink needs the '{package}' package: pip install 'vlrl[{name}]'")
+    for where, value in _strings(cfg.model_dump(mode="json")):
+        if where not in checked and _DOTTED.match(value):
+            problem = _import_problem(value)
+            if problem:
+                report.problem(where, problem)
+
+
+def _strings(node: Any, prefix: str = ""):
+    """(dotted field, value) of every string in a nested config dump."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _strings(value, f"{prefix}{key}.")
+    elif isinstance(node, list):
+        for k, value in enumerate(node):
+            yield from _strings(value, f"{prefix}{k}.")
+    elif isinstance(node, str):
+        yield prefix.rstrip("."), node
+
+
+def _import_problem(path: str) -> str | None:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, or the module failing at import
+        return f"{path!r}: cannot import module {module_name!r} ({type(err).__name__}: {err})"
+    if not hasattr(module, attr):
+        return f"{path!r}: module {module_name!r} has no {attr!r}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- data
+def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]:
+    from vlrl.train.common import reward_names_check
+
+    data, out = cfg.data, {}
+    for split, path, count in (("train", data.train, data.n_train), ("test", data.test, data.n_test)):
+        if path is None:
+            n = min(count, cfg.check.samples_per_task * max(1, len(data.tasks)) * 2)
+            try:
+                out[split] = generate(data.suite, n, split=split, seed=data.seed, tasks=data.tasks, **data.suite_options)
+            except RegistryError as err:
+                report.problem("data.suite", str(err))
+            except TypeError as err:
+                report.problem("data.suite_options", str(err))
+            except ValueError as err:
+                report.problem("data.tasks", str(err))
+            continue
+        try:
+            with _quiet("vlrl.data.io"):  # its "skipped N records" warning: every record is listed below instead
+                read = read_samples(path, on_error="skip", check=reward_names_check)
+        except DataError as err:
+            report.problem(f"data.{split}", str(err))
+            continue
+        for where, reason in read.skipped[:_SHOWN_RECORDS]:
+            (report.problem if data.on_error == "raise" else report.warn)(where, reason)
+        if len(read.skipped) > _SHOWN_RECORDS:
+            more = f"{len(read.skipped) - _SHOWN_RECORDS} more bad record(s) in {path}"
+            (report.problem if data.on_error == "raise" else report.warn)(f"data.{split}", more)
+        if not read.samples:
+            report.problem(f"data.{split}", f"{path}: no usable samples")
+        out[split] = read.samples
+    return out
+
+
+@contextmanager
+def _quiet(logger_name: str):
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _check_sft_responses(report: CheckReport, train: list[Sample], sft) -> None:
+    for _prefix, stage in sft:
+        used = train[: stage.train.max_samples] if stage.train.max_samples else train
+        missing = [s for s in used if s.response is None]
+        if missing:
+            report.problem("data.train", f"{len(missing)} of {len(used)} samples have no reference 'response' "
+                           f"(SFT needs one; first: {_where(missing[0], 'train')})")
+
+
+def _pick(samples: list[Sample], per_task: int) -> list[Sample]:
+    """The first ``per_task`` samples of every task, plus the two longest prompts (most images, longest text)."""
+    taken: dict[str, int] = defaultdict(int)
+    picks: dict[str, Sample] = {}
+    for s in samples:
+        if taken[s.task] < per_task:
+            taken[s.task] += 1
+            picks[s.id] = s
+    for s in sorted(samples, key=lambda s: (s.num_image_parts(), len(s.prompt_text())), reverse=True)[:2]:
+        picks.setdefault(s.id, s)
+    return list(picks.values())
+
+
+def _where(sample: Sample, split: str) -> str:
+    return sample.source or f"{split} sample {sample.id!r}"
+
+
+# ----------------------------------------------------------------------------------------------- model
+@dataclass
+class _Processor:
+    """Everything about the model that is needed without its weights."""
+
+    config: Any
+    tokenizer: Any
+    adapter: Any
+    source: str
+
+
+def _load_processor(report: CheckReport, model) -> _Processor | None:
+    """Config, tokenizer, image processor and adapter of ``model.path``; no weights are materialised."""
+    import torch
+
+    from vlrl.models import PRESETS, build_preset
+    from vlrl.models.adapters import adapter_for
+
+    path = model.path
+    name = path.removeprefix("preset:")
+    if name in PRESETS and not Path(path).exists():
+        with torch.device("meta"):  # parameters get shapes, no storage: nothing is loaded onto a device
+            policy = build_preset(name, seed=model.init_seed)
+        return _Processor(policy.model.config, policy.tokenizer, policy.adapter, f"preset {name}")
+    local = Path(path)
+    if local.exists() and not (local / "config.json").is_file():
+        report.problem("model.path", f"{path}: not a model directory (no config.json)")
+        return None
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from vlrl.models.policy import _load_image_processor
+
+        config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        image_processor = _load_image_processor(path) if hasattr(config, "vision_config") else None
+        adapter = adapter_for(config, tokenizer, image_processor)
+    except Exception as err:  # OSError (missing files, no hub), ValueError (unsupported family), ...
+        report.problem("model.path", f"cannot load the config/tokenizer/processor of {path!r}: {_first_line(err)}")
+        return None
+    return _Processor(config, tokenizer, adapter, str(path))
+
+
+def _context_length(config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+# ----------------------------------------------------------------------------------------------- samples
+def _check_samples(report: CheckReport, proc: _Processor, picks: dict[str, list[Sample]], sft, rl,
+                   cfg: RunConfig) -> None:
+    context = _context_length(proc.config)
+    longest: dict[str, tuple[int, Sample]] = {}
+    longest_sft: tuple[int, Sample] | None = None
+    n_images = 0
+    for split, samples in picks.items():
+        for sample in samples:
+            where = _where(sample, split)
+            try:
+                encoded = proc.adapter.encode_prompt(sample.messages, [load_image(src) for src in sample.images])
+            except Exception as err:
+                report.problem(where, f"cannot encode the prompt for {proc.source}: {err}")
+                continue
+            n_images += _check_vision_tokens(report, proc, encoded, where)
+            length = len(encoded.input_ids)
+            if length > longest.get(split, (-1, None))[0]:
+                longest[split] = (length, sample)
+            if split == "train" and sft and sample.response is not None:
+                total = length + len(proc.adapter.encode_text(sample.response)) + 1  # + EOS
+                if longest_sft is None or total > longest_sft[0]:
+                    longest_sft = (total, sample)
+    checked = sum(len(s) for s in picks.values())
+    report.facts.append(f"model {proc.source}: family {proc.adapter.family}, context {context or '?'} tokens")
+    report.facts.append(f"encoded {checked} sample(s) ({n_images} image(s)); longest prompt: "
+                        + ", ".join(f"{split} {n} tokens" for split, (n, _) in longest.items()))
+    if context is None:
+        report.warn("model.path", "the model config states no max_position_embeddings: context length not checked")
+        return
+    budgets = [("train", f"{p}rollout.max_new_tokens", stage.rollout.max_new_tokens) for p, stage in rl]
+    budgets.append(("test", "eval.max_new_tokens", cfg.eval.max_new_tokens))
+    for split, field_name, new_tokens in budgets:
+        if split in longest and longest[split][0] + new_tokens > context:
+            length, sample = longest[split]
+            report.problem(field_name, f"a {length}-token prompt ({_where(sample, split)}) + {new_tokens} new tokens "
+                           f"= {length + new_tokens} exceeds the model context of {context} tokens")
+    if longest_sft is not None and longest_sft[0] > context:
+        total, sample = longest_sft
+        report.problem(_where(sample, "train"), f"prompt + reference response = {total} tokens exceeds the model "
+                       f"context of {context} tokens (SFT)")
+
+
+def _check_vision_tokens(report: CheckReport, proc: _Processor, encoded, where: str) -> int:
+    """Image tokens in the prompt vs features the model's vision tower outputs; returns the image count."""
+    vision = encoded.vision
+    token_id = getattr(proc.adapter, "image_token_id", None)
+    if vision is None or token_id is None:
+        return 0
+    grids = vision.image_grid_thw  # (num_images, 3): temporal, height, width patches
+    merge = getattr(getattr(proc.config, "vision_config", None), "spatial_merge_size", 1) or 1
+    features = sum(int(g.prod()) // merge**2 for g in grids)
+    tokens = sum(1 for t in encoded.input_ids if t == token_id)
+    patches = int(vision.pixel_values.shape[0])
+    if patches != sum(int(g.prod()) for g in grids):
+        report.problem(where, f"the image processor returned {patches} patches but its grids hold "
+                       f"{sum(int(g.prod()) for g in grids)}")
+    elif tokens != features:
+        report.problem(where, f"{tokens} image tokens in the prompt but the vision tower outputs {features} features "
+                       f"for {len(grids)} image(s) (image processor merge_size {getattr(proc.adapter, 'merge_size', '?')}, "
+                       f"model vision_config.spatial_merge_size {merge}): the forward pass would fail with "
+                       "'Image features and image tokens do not match'")
+    return len(grids)
+
+
+def detect_recipe(raw: dict[str, Any], path: str | Path | None = None) -> str:
+    """Which recipe a config file is for: ``demo`` (has sft/rl sections), ``rl`` (rollout/algo), else ``sft``
+    (train.batch_size or a file name with 'sft'), else ``rl``."""
+    if {"sft", "rl", "control"} & set(raw):
+        return "demo"
+    if {"rollout", "algo"} & set(raw):
+        return "rl"
+    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    if "batch_size" in train or (path is not None and "sft" in Path(path).stem):
+        return "sft"
+    return "rl"

@@ -1,0 +1,179 @@
+"""The preflight check: each failure mode is caught, naming the field or the file; good configs pass; the
+recipes stop before any model weights load."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vlrl.check import PreflightError, detect_recipe, preflight
+from vlrl.config import DemoConfig, RLConfig, SFTConfig, load_config
+
+SMALL = ["data.n_train=16", "data.n_test=8", "check.samples_per_task=2"]
+
+
+def _rl(*overrides):
+    return load_config(RLConfig, None, [*SMALL, *overrides])
+
+
+def _where(report):
+    return {p.where for p in report.problems}
+
+
+def _write_jsonl(path, records):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def _record(k, **fields):
+    return {"id": f"q{k}", "task": "t", "prompt": "What is 2+2?", "answer": "4", "reward": "number",
+            "response": "<answer>4</answer>", **fields}
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_configs_pass(path):
+    cls = {"demo": DemoConfig, "sft": SFTConfig, "rl": RLConfig}[detect_recipe(__import__("yaml").safe_load(path.read_text()), path)]
+    report = preflight(load_config(cls, path, ["check.samples_per_task=2"]))
+    assert report.ok, report.format()
+    assert any("context 2048 tokens" in fact for fact in report.facts)
+
+
+def test_detect_recipe():
+    assert detect_recipe({"sft": {}, "rl": {}}) == "demo"
+    assert detect_recipe({"rollout": {"n": 4}}) == "rl"
+    assert detect_recipe({"train": {"batch_size": 8}}) == "sft"
+    assert detect_recipe({"model": {}}, "configs/my_sft.yaml") == "sft"
+
+
+def test_vision_tokens_must_match_the_models_features(tmp_path):
+    """A processor whose merge size differs from the model's: 112×112 → 8×8 patches; merge 1 gives 64 image
+    tokens per prompt, while the model (spatial_merge_size 2) outputs 64 / 2² = 16 features."""
+    from vlrl.models import load_policy
+
+    load_policy("tiny-qwen2-vl").save(tmp_path / "model")
+    processor = tmp_path / "model" / "preprocessor_config.json"
+    settings = json.loads(processor.read_text())
+    settings["merge_size"] = 1
+    processor.write_text(json.dumps(settings))
+    report = preflight(_rl(f"model.path={tmp_path / 'model'}", "data.tasks=[count]"))
+    mismatches = [p for p in report.problems if "64 image tokens in the prompt" in p.message]
+    assert mismatches and "outputs 16 features" in mismatches[0].message
+    assert "spatial_merge_size 2" in mismatches[0].message
+    assert all(p.where.startswith(("train sample", "test sample")) for p in mismatches)
+
+
+def test_a_stray_image_token_in_the_text_names_the_line(tmp_path):
+    data = _write_jsonl(tmp_path / "train.jsonl", [
+        {"id": "a", "task": "t", "prompt": "<image>How many?", "images": [_image(tmp_path)], "answer": "1", "reward": "number"},
+        {"id": "b", "task": "t", "prompt": "<image>How many <|image_pad|> here?", "images": [_image(tmp_path)],
+         "answer": "1", "reward": "number"},
+    ])
+    report = preflight(_rl(f"data.train={data}"))
+    assert _where(report) == {f"{data}:2"}
+    assert "2 image placeholder(s) but 1 image(s)" in report.problems[0].message
+
+
+def _image(tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "img.png"
+    if not path.exists():
+        Image.new("RGB", (112, 112), "white").save(path)
+    return str(path)
+
+
+def test_prompt_plus_new_tokens_must_fit_the_context():
+    report = preflight(_rl("rollout.max_new_tokens=2040", "eval.max_new_tokens=4000"))
+    assert _where(report) == {"rollout.max_new_tokens", "eval.max_new_tokens"}
+    message = next(p.message for p in report.problems if p.where == "eval.max_new_tokens")
+    assert "+ 4000 new tokens" in message and "context of 2048 tokens" in message
+
+
+def test_sft_response_must_fit_the_context(tmp_path):
+    data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), _record(1, response="<answer>" + "4 " * 3000 + "</answer>")])
+    report = preflight(load_config(SFTConfig, None, [*SMALL, f"data.train={data}", "data.suite=arith", "data.tasks=[add]"]))
+    assert _where(report) == {f"{data}:2"}
+    assert "exceeds the model context of 2048 tokens (SFT)" in report.problems[0].message
+
+
+def test_batch_sizes_must_divide():
+    report = preflight(_rl("train.prompts_per_step=4", "rollout.n=4", "train.micro_batch_size=6"))
+    assert _where(report) == {"train.micro_batch_size"}
+    assert "6 does not divide the minibatch of 16 responses" in report.problems[0].message
+    report = preflight(load_config(SFTConfig, None, [*SMALL, "train.batch_size=32", "train.micro_batch_size=12"]))
+    assert _where(report) == {"train.micro_batch_size"}
+    demo = preflight(load_config(DemoConfig, None, [*SMALL, "rl.rollout.n=1", "rl.train.micro_batch_size=3"]))
+    assert _where(demo) == {"rl.train.micro_batch_size"}  # demo fields carry their section
+    assert {w.where for w in demo.warnings} == {"rl.rollout.n"}  # a group of one: advantages all 0
+
+
+def test_names_and_dotted_paths_must_resolve():
+    report = preflight(_rl("algo.advantage=grpoo", "algo.policy_loss=no_such_module:loss",
+                           "data.suite_options={env: 'vlrl.rewards:no_such_env'}", "data.suite=shapes"))
+    problems = {p.where: p.message for p in report.problems}
+    assert "unknown advantage 'grpoo'" in problems["algo.advantage"]
+    assert "cannot import module 'no_such_module'" in problems["algo.policy_loss"]
+    assert "has no 'no_such_env'" in problems["data.suite_options.env"]
+
+
+def test_unknown_suite_and_task():
+    assert _where(preflight(_rl("data.suite=juggling"))) == {"data.suite"}
+    report = preflight(_rl("data.tasks=[count, juggle]"))
+    assert _where(report) == {"data.tasks"} and "juggle" in report.problems[0].message
+
+
+def test_data_files_must_exist_and_parse(tmp_path):
+    report = preflight(_rl(f"data.train={tmp_path / 'missing.jsonl'}"))
+    assert _where(report) == {"data.train"} and "no such file" in report.problems[0].message
+    data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), "{broken", _record(2, reward="no_such_reward"),
+                                                   _record(3, images=["missing.png"], prompt="<image>x")])
+    report = preflight(_rl(f"data.train={data}", "data.suite=arith", "data.tasks=[add]", "model.path=tiny-qwen2"))
+    problems = {p.where: p.message for p in report.problems}
+    assert set(problems) == {f"{data}:2", f"{data}:3", f"{data}:4"}
+    assert "malformed JSON" in problems[f"{data}:2"]
+    assert "unknown reward 'no_such_reward'" in problems[f"{data}:3"]
+    assert "image file not found" in problems[f"{data}:4"]
+    skipping = preflight(_rl(f"data.train={data}", "data.suite=arith", "data.tasks=[add]", "model.path=tiny-qwen2", "data.on_error=skip"))
+    assert skipping.ok and len(skipping.warnings) == 3  # skipped and counted, not fatal
+
+
+def test_sft_needs_reference_responses(tmp_path):
+    data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), _record(1, response=None)])
+    report = preflight(load_config(SFTConfig, None, [*SMALL, f"data.train={data}", "data.suite=arith", "data.tasks=[add]", "model.path=tiny-qwen2"]))
+    assert _where(report) == {"data.train"}
+    assert "1 of 2 samples have no reference 'response'" in report.problems[0].message
+    assert f"{data}:2" in report.problems[0].message
+
+
+def test_model_path_must_be_a_model(tmp_path):
+    report = preflight(_rl(f"model.path={tmp_path}"))
+    assert _where(report) == {"model.path"} and "no config.json" in report.problems[0].message
+
+
+def test_text_model_with_images_is_caught():
+    report = preflight(_rl("model.path=tiny-qwen2"))  # shapes prompts carry images
+    assert report.problems and all(p.where.startswith(("train sample", "test sample")) for p in report.problems)
+    assert "a text-only model cannot take images" in report.problems[0].message
+
+
+def test_missing_sink_package_is_named(monkeypatch):
+    import vlrl.report.sinks as sinks
+
+    monkeypatch.setitem(sinks._REQUIREMENTS, "wandb", "vlrl_no_such_package")
+    report = preflight(_rl("report.sinks=[wandb, nope]"))
+    messages = [p.message for p in report.problems if p.where == "report.sinks"]
+    assert any("unknown metric sink 'nope'" in m for m in messages)
+    assert any("needs the 'vlrl_no_such_package' package: pip install 'vlrl[wandb]'" in m for m in messages)
+
+
+def test_recipes_stop_before_loading_weights(tmp_path, monkeypatch):
+    import vlrl.train.recipes as recipes
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded despite a failed preflight")
+
+    monkeypatch.setattr(recipes, "load_policy", no_weights)
+    cfg = load_config(RLConfig, None, [*SMALL, f"out={tmp_path}", "rollout.max_new_tokens=4000"])
+    with pytest.raises(PreflightError, match=r"rollout.max_new_tokens: .* exceeds the model context"):
+        recipes.run_rl(cfg)
+    assert not (tmp_path / "report.html").exists()  # nothing was logged, so no report either
