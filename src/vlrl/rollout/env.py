@@ -77,7 +77,14 @@ def env_factory(name: str, kwargs: dict[str, Any] | None = None, *, where: str =
     cls = get_env(name)
     kwargs = dict(kwargs or {})
     config = {"arbitrary_types_allowed": True}
-    if isinstance(cls, type):  # validate against __init__, then build instances through the validated call
+    if isinstance(cls, type) and cls.__init__ is object.__init__:  # no options at all
+        unknown = sorted(kwargs)
+
+        def build() -> Environment:
+            if unknown:
+                raise EnvConfigError(f"{where}.{unknown[0]}: unknown option (environment {name!r} takes none)")
+            return cls()
+    elif isinstance(cls, type):  # validate against __init__, then build instances through the validated call
         init = validate_call(cls.__init__, config=config)
 
         def build() -> Environment:
