@@ -354,3 +354,18 @@ def test_config_errors_name_the_field():
                                        "rollout.env_kwargs={zom: true}"])
     with pytest.raises(EnvConfigError, match=r"rollout.env_kwargs.zom: unknown option"):
         build_rollout(cfg.rollout)
+
+
+def test_a_prompt_longer_than_the_budget_is_truncated_before_generating():
+    (t,), engine = run(["wrong"], max_total_tokens=5)  # the prompt alone is 5 tokens
+    assert (t.status, t.stop_reason, len(t.response_ids)) == (Status.TRUNCATED, "token_budget", 0)
+    assert engine.calls == []
+
+
+def test_an_engine_without_observation_encoding_is_refused_clearly():
+    class PlainEngine(ScriptedEngine):
+        encode_observation = None
+
+    engine = PlainEngine(["x"])
+    with pytest.raises(TypeError, match="PlainEngine cannot run multi-turn episodes"):
+        multi_turn(engine, [engine.encode(sample())], SamplingParams(), agent=settings())

@@ -206,3 +206,38 @@ def test_a_tiny_preset_is_the_judge_of_a_multi_turn_rollout():
         [observation_message(observation)], close_turn=int(t.response_ids[t.turns[0].action_end - 1]) not in policy.eos_token_ids
     ).input_ids
     assert t.response_ids[t.turns[0].action_end : t.turns[0].observation_end].tolist() == expected
+
+
+class ScriptedVLMEngine(HFEngine):
+    """The tiny VLM's real encoders, but turn k's text is ``script[k]`` (k = index of the generate call)."""
+
+    def __init__(self, policy, script):
+        super().__init__(policy)
+        self.script, self.turn = script, 0
+
+    def generate(self, requests, sampling):
+        import torch
+
+        text = self.script[min(self.turn, len(self.script) - 1)]
+        self.turn += 1
+        ids = self.policy.adapter.encode_text(text) + [self.policy.eos_token_ids[0]]
+        return [Trajectory(sample=r.sample, prompt_ids=torch.tensor(r.prompt_ids), response_ids=torch.tensor(ids),
+                           loss_mask=torch.ones(len(ids), dtype=torch.long), behaviour_logp=torch.full((len(ids),), -1.0),
+                           response_text=text, group_index=i) for i, r in enumerate(requests)]
+
+
+def test_tool_zoom_through_the_agent_loop():
+    """Instructions join the prompt once; the zoom call's crop becomes image 2 with its 16 vision tokens in the
+    observation; the answer ends the episode and is what gets scored."""
+    policy = load_policy("tiny-qwen2-vl")
+    engine = ScriptedVLMEngine(policy, ["zoom(0, 0, 56, 56)", "<answer>B</answer>"])
+    agent = AgentSettings(env=env_factory("tool_zoom", {"zoom_size": 112}), max_turns=3)
+    (t,) = multi_turn(engine, [engine.encode(_color_sample())], SamplingParams(), agent=agent)
+    prompt = policy.tokenizer.decode(t.prompt_ids)
+    assert prompt.count("You may call zoom(x1, y1, x2, y2)") == 1 and prompt.endswith("<|im_start|>assistant\n")
+    assert (t.stop_reason, t.num_turns, t.response_text, len(t.images)) == ("done", 2, "<answer>B</answer>", 2)
+    assert t.vision.image_grid_thw.tolist() == [[1, 8, 8], [1, 8, 8]]
+    observation = t.response_ids[t.turns[0].action_end : t.turns[0].observation_end]
+    assert int((observation == policy.model.config.image_token_id).sum()) == 16
+    assert "zoom(0, 0, 56, 56):" in policy.tokenizer.decode(observation)
+    assert t.turns[0].num_images == 1 and t.loss_mask.sum() == len(t.response_ids) - len(observation)

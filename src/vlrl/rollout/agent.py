@@ -211,9 +211,14 @@ class Episode:
         self._retries = 0
         self._last_token: int | None = None
         self._turn_truncated = False
+        if not callable(getattr(engine, "encode_observation", None)):
+            raise TypeError(f"{type(engine).__name__} cannot run multi-turn episodes: it has no "
+                            "encode_observation(messages, *, last_token, tools) (see vlrl.rollout.types.AgentEngine)")
         first = self._call_env(lambda env: env.reset(request.sample), replay=False)
         if first is not _FAILED and first is not None:
             self._extend_prompt(first)
+        if self.active and self._over_budget(1):  # not even one model token fits after the prompt
+            self._stop(Status.TRUNCATED, "token_budget")
 
     def _extend_prompt(self, observation: Any) -> None:
         """An observation returned by ``reset`` (e.g. tool instructions) becomes a message of the prompt."""

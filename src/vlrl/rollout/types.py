@@ -140,3 +140,18 @@ class Engine(Protocol):
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Load new weights (or, for an engine sharing the trainer's model, just adopt ``version``)."""
         ...
+
+
+@runtime_checkable
+class AgentEngine(Engine, Protocol):
+    """An `Engine` that can also run multi-turn episodes (`vlrl.rollout.agent`): it encodes observations
+    for its own model family and decodes token ids."""
+
+    def encode_observation(self, messages: list[dict], *, last_token: int | None, tools: list[dict] | None = None):
+        """Token ids + vision inputs (an `EncodedPrompt`) of observation ``messages`` appended after a model turn
+        whose last token was ``last_token`` (a turn not ended by EOS is closed first)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens skipped."""
+        ...
