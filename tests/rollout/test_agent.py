@@ -369,3 +369,22 @@ def test_an_engine_without_observation_encoding_is_refused_clearly():
     engine = PlainEngine(["x"])
     with pytest.raises(TypeError, match="PlainEngine cannot run multi-turn episodes"):
         multi_turn(engine, [engine.encode(sample())], SamplingParams(), agent=settings())
+
+
+class MalformedEnv(RightEnv):
+    """Returns a 2-tuple from step (a bug), or an observation that cannot be formatted."""
+
+    def __init__(self, *, bad: str = "shape"):
+        self.bad = bad
+
+    def step(self, response_text):
+        if self.bad == "shape":
+            return Observation(text="no"), False
+        return 12345, False, {}
+
+
+def test_malformed_env_output_fails_the_episode_not_the_run():
+    (t,), _ = run(["wrong"], env=MalformedEnv, max_env_retries_per_turn=1)
+    assert (t.status, t.stop_reason) == (Status.FAILED, "env_failed") and "(observation, done, info)" in t.error
+    (t,), _ = run(["wrong"], env=lambda: MalformedEnv(bad="observation"))
+    assert (t.status, t.stop_reason) == (Status.FAILED, "observation_error") and "type int" in t.error

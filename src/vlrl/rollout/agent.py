@@ -216,7 +216,7 @@ class Episode:
                             "encode_observation(messages, *, last_token, tools) (see vlrl.rollout.types.AgentEngine)")
         first = self._call_env(lambda env: env.reset(request.sample), replay=False)
         if first is not _FAILED and first is not None:
-            self._extend_prompt(first)
+            self._guarded(self._extend_prompt, first)
         if self.active and self._over_budget(1):  # not even one model token fits after the prompt
             self._stop(Status.TRUNCATED, "token_budget")
 
@@ -281,24 +281,35 @@ class Episode:
         if not self.active:
             return
         self._retries = 0
-        result = self._call_env(lambda env: env.step(self.actions[-1]), replay=True)
+        result = self._call_env(lambda env: _unpack_step(env.step(self.actions[-1])), replay=True)
         self.turns[-1].env_retries = self._retries
         if result is _FAILED:
             return
-        observation, done, info = _unpack_step(result)
-        if isinstance(info, dict) and isinstance(info.get("reward"), (int, float)):
+        observation, done, info = result
+        if isinstance(info.get("reward"), (int, float)):
             self.turns[-1].reward = float(info["reward"])
         if done:
             self._stop(self._final_status(), "done")
         elif len(self.turns) >= self.agent.max_turns:
             self._stop(self._final_status(), "max_turns")
         else:
-            self._append_observation(observation, last_token=self._last_token)
+            self._guarded(self._append_observation, observation)
 
-    def _append_observation(self, observation: Any, *, last_token: int | None) -> None:
+    def _guarded(self, fn: Callable[[Any], None], observation: Any) -> None:
+        """Formatting and encoding an observation: an error there (a malformed message, an image the
+        processor rejects) fails this episode — counted, logged — instead of the run. Not retried: it would
+        fail the same way again."""
+        try:
+            fn(observation)
+        except Exception as err:
+            self.error = f"{type(err).__name__}: {err}"
+            log.warning("episode of sample %s failed: cannot encode the observation: %s", self.request.sample.id, self.error)
+            self._stop(Status.FAILED, "observation_error")
+
+    def _append_observation(self, observation: Any) -> None:
         messages = self.env.format_observation(observation)
         messages = messages if isinstance(messages, list) else [messages]
-        encoded = self.engine.encode_observation(messages, last_token=last_token, tools=self.agent.tools)
+        encoded = self.engine.encode_observation(messages, last_token=self._last_token, tools=self.agent.tools)
         if self._over_budget(len(encoded.input_ids) + 1):  # the observation and at least one more model token
             self._stop(Status.TRUNCATED, "token_budget")
             return
@@ -348,6 +359,8 @@ class Episode:
             log.debug("environment call failed (%s), retry %d: %s", reason, self._retries, error)
             if self._retries > self.agent.max_env_retries_per_turn:
                 self.error = error
+                log.warning("episode of sample %s failed after %d environment call(s): %s (%s)",
+                            self.request.sample.id, self._retries, reason, error)
                 self._stop(Status.FAILED, reason)
                 if self.turns:
                     self.turns[-1].env_retries = self._retries

@@ -86,9 +86,10 @@ class Trajectory:
         reward_parts: named sub-scores of the reward (``overall``, ``accuracy``, ``format``, ...).
         turns: multi-turn only: one `Turn` per model turn (boundaries, per-step rewards, retries); empty
             for a single-turn response.
-        stop_reason: why the rollout ended: ``eos`` / ``max_new_tokens`` (single turn), ``done`` (the
-            environment ended the episode), ``max_turns``, ``token_budget`` (TRUNCATED), ``env_failed``
-            (retries exhausted, FAILED) or ``env_timeout`` (FAILED after a hang).
+        stop_reason: multi-turn only (empty for a single-turn response): why the episode ended: ``done``
+            (the environment ended it), ``max_turns``, ``token_budget`` (TRUNCATED), ``env_failed`` (retries
+            exhausted, FAILED), ``env_timeout`` (FAILED after hangs), ``observation_error`` (an observation
+            that cannot be encoded, FAILED) or ``aborted``.
         error: what went wrong, for a FAILED trajectory.
     """
 
