@@ -31,9 +31,9 @@ def test_multi_turn_grpo_on_shapes_feedback_raises_the_reward(tiny_vlm):
     for s in samples:
         s.reward = "test_agent_short_answer"
     stage = RLStage.model_validate({
-        "optim": {"lr": 3e-3},
+        "optim": {"lr": 5e-3},
         "rollout": {"n": 8, "max_new_tokens": 6, "function": "multi_turn", "env": "shapes_feedback", "max_turns": 3},
-        "train": {"steps": 16, "prompts_per_step": 8, "micro_batch_size": 64},
+        "train": {"steps": 12, "prompts_per_step": 8, "micro_batch_size": 64},
     })
     engine = RolloutEngine(HFEngine(tiny_vlm), build_rollout(stage.rollout))
     logger = MetricsLogger(None, quiet=True)
