@@ -101,6 +101,45 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(16, ge=1, description="Response budget; longer responses are TRUNCATED.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
     max_batch_size: int = Field(256, ge=1, description="Sequences generated at once by the in-process engine.")
+    # multi-turn agents (vlrl.rollout.agent): README "Multi-turn agents"
+    function: str = Field(
+        "single_turn", description="Rollout function: single_turn (= engine.generate), multi_turn (the batched agent "
+        "loop over rollout.env), per_sample (rollout.generate per sample), or 'pkg.mod:fn' with the same signature.",
+    )
+    generate: str = Field(
+        "agent", description="Per-sample generate used by rollout.function=per_sample: agent (one episode of the "
+        "agent loop) or 'pkg.mod:fn' — slime's second plug-in level.",
+    )
+    function_options: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form options handed to a custom rollout function (AgentSettings.options).",
+    )
+    env: str | None = Field(
+        None, description="Environment of multi-turn rollouts: shapes_feedback, tool_zoom, judge, or 'pkg.mod:Class'.",
+    )
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Typed keyword options of the environment's constructor (checked at start-up), "
+        "e.g. {zoom: true} for shapes_feedback.",
+    )
+    max_turns: int = Field(1, ge=1, description="Model turns per episode at most (slime's geo3k: 3).")
+    max_total_tokens: int | None = Field(
+        None, ge=1, description="Token budget of a whole episode (prompt + turns + observations); hitting it marks "
+        "the trajectory TRUNCATED. Unset: only max_turns × max_new_tokens bound it.",
+    )
+    max_env_retries_per_turn: int = Field(
+        2, ge=0, description="Failed environment calls (raised or timed out) retried per turn; one more marks the "
+        "trajectory FAILED (excluded from the loss, counted in agent/failed).",
+    )
+    env_timeout_seconds: float = Field(
+        30.0, gt=0, description="An environment reset/step taking longer counts as failed (and is retried on a fresh instance).",
+    )
+
+    @model_validator(mode="after")
+    def _check_agent(self) -> RolloutConfig:
+        if self.function in ("multi_turn", "per_sample") and self.env is None:
+            raise ValueError(f"rollout.env must name an environment when rollout.function={self.function!r}")
+        if self.env is not None and self.function == "single_turn":
+            raise ValueError("rollout.env is set but rollout.function=single_turn would ignore it; use multi_turn")
+        return self
 
 
 class AlgoConfig(Section):

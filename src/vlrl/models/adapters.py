@@ -49,6 +49,27 @@ class EncodedPrompt:
     vision: VisionInputs | None
 
 
+# The fixed conversation an observation is rendered after (slime's DUMMY_MESSAGES): the observation's tokens
+# are what the chat template adds after the dummy assistant turn has ended, so the system prompt and the
+# tool preamble (which templates emit at the start) are never repeated.
+_DUMMY_USER = "vlrl-dummy-user-turn"
+_DUMMY_ASSISTANT = "vlrl-dummy-assistant-turn"
+DUMMY_MESSAGES = [{"role": "user", "content": _DUMMY_USER}, {"role": "assistant", "content": _DUMMY_ASSISTANT}]
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[Image.Image]:
+    """The images carried inline by ``{"type": "image", "image": PIL.Image}`` parts, in order."""
+    images = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "image":
+                if not isinstance(part.get("image"), Image.Image):
+                    raise ValueError(f"observation message {i} part {j}: an image part needs a PIL image under 'image'")
+                images.append(part["image"])
+    return images
+
+
 class TextAdapter:
     """Causal language models without vision input."""
 
@@ -56,6 +77,44 @@ class TextAdapter:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+
+    def observation_text(
+        self, messages: list[dict[str, Any]], *, close_turn: bool = False, tools: list[dict] | None = None
+    ) -> str:
+        """The chat-template text that ``messages`` add after an assistant turn, ending with the generation
+        prompt of the next assistant turn (slime's delta encoding over a fixed dummy conversation).
+
+        ``close_turn``: also include the end-of-turn marker of the assistant turn (for a turn the model did
+        not end itself, e.g. cut by its token budget). Image parts render as the template's placeholders.
+        """
+        eos = self.tokenizer.eos_token
+        full = self.tokenizer.apply_chat_template(
+            DUMMY_MESSAGES + list(messages), tokenize=False, add_generation_prompt=True,
+            **({"tools": tools} if tools else {}),
+        )
+        at = full.find(_DUMMY_ASSISTANT)
+        end = full.find(eos, at) if at >= 0 and eos else -1
+        if end < 0:
+            raise ValueError(
+                f"cannot delta-encode an observation: the chat template does not end the assistant turn with the "
+                f"tokenizer's eos_token {eos!r}; set tokenizer.eos_token to the template's end-of-turn marker"
+            )
+        delta = full[end:] if close_turn else full[end + len(eos):]
+        if _DUMMY_USER in delta or _DUMMY_ASSISTANT in delta:
+            raise ValueError("cannot delta-encode an observation: the chat template re-renders earlier turns")
+        return delta
+
+    def encode_observation(
+        self, messages: list[dict[str, Any]], *, close_turn: bool = False, tools: list[dict] | None = None
+    ) -> EncodedPrompt:
+        """Token ids (image placeholders expanded) and vision inputs of an observation appended to a
+        running conversation; images come inline in the messages' image parts (`message_images`)."""
+        vision = self.encode_images(message_images(messages))
+        text = self.expand_image_tokens(self.observation_text(messages, close_turn=close_turn, tools=tools), vision)
+        return EncodedPrompt(self.encode_text(text), vision)
+
+    def expand_image_tokens(self, text: str, vision: VisionInputs | None) -> str:
+        return text
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(

@@ -4,6 +4,11 @@ Behaviour log-probs come from the logits `generate` already computed (``output_l
 temperature — the same quantity the trainer's teacher-forced pass computes — so no extra forward pass is
 spent. Special tokens other than EOS (e.g. ``<|image_pad|>``) are suppressed while sampling: a random tiny
 model would otherwise emit image placeholders that break re-scoring.
+
+Multi-turn: to continue a conversation, pass a `Request` whose ``prompt_ids`` are the whole context so far
+(prompt, earlier turns, observations) and whose ``vision`` holds all its images in order; the model family's
+own code derives positions (M-RoPE for several images) from that context. `encode_observation` turns an
+environment's message into the tokens to append (`vlrl.rollout.agent` does both).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from vlrl.data.sample import Sample, load_image
-from vlrl.models.adapters import VisionInputs
+from vlrl.models.adapters import EncodedPrompt, VisionInputs
 from vlrl.models.policy import Policy
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
 
@@ -34,6 +39,17 @@ class HFEngine:
         images = [load_image(src) for src in sample.images]
         encoded = self.policy.adapter.encode_prompt(sample.messages, images)
         return Request(sample=sample, prompt_ids=encoded.input_ids, vision=encoded.vision, images=images)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.policy.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def encode_observation(
+        self, messages: list[dict], *, last_token: int | None, tools: list[dict] | None = None
+    ) -> EncodedPrompt:
+        """Tokens (and vision inputs) of observation ``messages`` appended after a model turn whose last
+        token was ``last_token``; a turn that did not end with EOS is closed by the template's end marker."""
+        close_turn = last_token is None or last_token not in self.policy.eos_token_ids
+        return self.policy.adapter.encode_observation(messages, close_turn=close_turn, tools=tools)
 
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         if state_dict is not None:

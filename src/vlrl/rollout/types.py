@@ -48,6 +48,24 @@ class Request:
 
 
 @dataclass
+class Turn:
+    """One model turn of a multi-turn trajectory and the environment's answer to it.
+
+    Spans index ``Trajectory.response_ids``: the model's tokens are ``[action_start, action_end)`` (loss mask
+    1), the observation appended after them is ``[action_end, observation_end)`` (loss mask 0; empty when
+    the episode ended on this turn).
+    """
+
+    action_start: int
+    action_end: int
+    observation_end: int
+    text: str = ""  # the model's text of this turn (special tokens skipped)
+    reward: float | None = None  # a per-step reward the environment reported in ``info["reward"]``
+    env_retries: int = 0  # failed environment calls (raised or timed out) before this turn's step succeeded
+    num_images: int = 0  # images the observation of this turn added
+
+
+@dataclass
 class Trajectory:
     """One sampled response with everything training needs.
 
@@ -66,6 +84,13 @@ class Trajectory:
         group_index: index of the prompt within its batch; the n samples of a prompt share it.
         reward: scalar reward (filled by the reward stage).
         reward_parts: named sub-scores of the reward (``overall``, ``accuracy``, ``format``, ...).
+        turns: multi-turn only: one `Turn` per model turn (boundaries, per-step rewards, retries); empty
+            for a single-turn response.
+        stop_reason: multi-turn only (empty for a single-turn response): why the episode ended: ``done``
+            (the environment ended it), ``max_turns``, ``token_budget`` (TRUNCATED), ``env_failed`` (retries
+            exhausted, FAILED), ``env_timeout`` (FAILED after hangs), ``observation_error`` (an observation
+            that cannot be encoded, FAILED) or ``aborted``.
+        error: what went wrong, for a FAILED trajectory.
     """
 
     sample: Sample
@@ -81,6 +106,17 @@ class Trajectory:
     group_index: int = 0
     reward: float | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)
+    turns: list[Turn] = field(default_factory=list)
+    stop_reason: str = ""
+    error: str = ""
+
+    @property
+    def num_turns(self) -> int:
+        return max(1, len(self.turns))
+
+    @property
+    def env_retries(self) -> int:
+        return sum(t.env_retries for t in self.turns)
 
     @property
     def response_length(self) -> int:
@@ -104,4 +140,19 @@ class Engine(Protocol):
 
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Load new weights (or, for an engine sharing the trainer's model, just adopt ``version``)."""
+        ...
+
+
+@runtime_checkable
+class AgentEngine(Engine, Protocol):
+    """An `Engine` that can also run multi-turn episodes (`vlrl.rollout.agent`): it encodes observations
+    for its own model family and decodes token ids."""
+
+    def encode_observation(self, messages: list[dict], *, last_token: int | None, tools: list[dict] | None = None):
+        """Token ids + vision inputs (an `EncodedPrompt`) of observation ``messages`` appended after a model turn
+        whose last token was ``last_token`` (a turn not ended by EOS is closed first)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens skipped."""
         ...
