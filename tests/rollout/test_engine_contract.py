@@ -9,6 +9,8 @@ from vlrl.models import collate, response_logprobs
 from vlrl.rollout import Engine, HFEngine, SamplingParams, Status
 from vlrl.rollout.server import ThreadedEngine
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ENGINES = ["hf", "http", "threaded"]
 
 

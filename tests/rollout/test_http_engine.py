@@ -12,6 +12,8 @@ from vlrl.rollout.server import WeightSyncError
 
 from .test_server import _Gate
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _requests(engine, n=6):
     return [engine.encode(s) for s in generate("shapes", n, tasks=["count"])]

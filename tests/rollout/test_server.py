@@ -20,6 +20,8 @@ from vlrl.rollout.server import (
 
 from .conftest import API_KEY, running_server
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 

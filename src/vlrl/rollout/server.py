@@ -102,6 +102,17 @@ def _sampling_key(sampling: SamplingParams) -> tuple:
     return (sampling.n, sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens, tuple(sampling.stop))
 
 
+def _resolve(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Set a job's outcome unless its caller already cancelled it."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 def aborted_trajectories(requests: Sequence[Request], n: int, version: int) -> list[Trajectory]:
     """``len(requests) * n`` empty ABORTED trajectories (never trained on; the caller re-queues the prompt)."""
     return [
@@ -187,7 +198,7 @@ class ContinuousBatcher:
             old_version = self._active.weight_version
             self._cond.notify_all()
         for job in dropped:
-            job.future.set_result(aborted_trajectories(job.requests, job.sampling.n, old_version))
+            _resolve(job.future, aborted_trajectories(job.requests, job.sampling.n, old_version))
         return checksum
 
     def close(self) -> None:
@@ -197,7 +208,7 @@ class ContinuousBatcher:
             self._pending.clear()
             self._cond.notify_all()
         for job in dropped:
-            job.future.set_exception(RuntimeError("the batcher was closed"))
+            _resolve(job.future, error=RuntimeError("the batcher was closed"))
         self._thread.join(timeout=60)
 
     def _take(self) -> tuple[HFEngine, list[_Job]] | None:
@@ -236,18 +247,18 @@ class ContinuousBatcher:
         except Exception as err:  # a bad batch fails its own requests, never the server
             log.exception("generation failed")
             for job in jobs:
-                job.future.set_exception(err)
+                _resolve(job.future, error=err)
             return
         n, start = jobs[0].sampling.n, 0
         for job in jobs:
             count = len(job.requests) * n
             if job.aborted:
-                job.future.set_result(aborted_trajectories(job.requests, n, engine.weight_version))
+                _resolve(job.future, aborted_trajectories(job.requests, n, engine.weight_version))
             else:
                 trajectories = out[start : start + count]
                 for t in trajectories:
                     t.group_index -= start // n  # index within the job
-                job.future.set_result(trajectories)
+                _resolve(job.future, trajectories)
             start += count
 
 
@@ -539,6 +550,8 @@ def _explain(err) -> str:
         if e["type"] == "extra_forbidden":
             hint = f" (sampling parameters: {', '.join(_SAMPLING_NAMES)})" if field.startswith("sampling_params") else ""
             lines.append(f"field '{field}': not supported by vlrl's server{hint}")
+        elif field == "(body)":
+            lines.append("the body must be a JSON object sent with Content-Type: application/json")
         elif e["type"] == "json_invalid":
             lines.append(f"invalid JSON: {e['msg']}")
         else:

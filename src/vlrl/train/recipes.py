@@ -9,7 +9,8 @@ from vlrl.config import DemoConfig, RLConfig, RunConfig, SFTConfig
 from vlrl.eval import evaluate
 from vlrl.models import Policy, load_policy
 from vlrl.report import MetricsLogger
-from vlrl.rollout import HFEngine
+from vlrl.rollout import Engine, HFEngine
+from vlrl.train.async_grpo import make_engine, train_async_grpo
 from vlrl.train.common import load_split, prepare_run_dir, seed_everything, write_json
 from vlrl.train.grpo import train_grpo
 from vlrl.train.sft import train_sft
@@ -23,7 +24,7 @@ def _setup(cfg: RunConfig) -> tuple[Path, MetricsLogger, Policy]:
     return run_dir, logger, policy
 
 
-def _eval(engine: HFEngine, test, cfg: RunConfig, logger: MetricsLogger, stage: str) -> dict:
+def _eval(engine: Engine, test, cfg: RunConfig, logger: MetricsLogger, stage: str) -> dict:
     result = evaluate(engine, test, cfg.eval)
     logger.log(f"eval/{stage}", 0, {
         **{f"accuracy/{k}": v for k, v in result["accuracy"].items()},
@@ -46,11 +47,16 @@ def run_sft(cfg: SFTConfig) -> dict:
 def run_rl(cfg: RLConfig) -> dict:
     run_dir, logger, policy = _setup(cfg)
     train, test = load_split(cfg.data, "train", logger), load_split(cfg.data, "test", logger)
-    engine = HFEngine(policy, max_batch_size=cfg.rollout.max_batch_size)
-    before = _eval(engine, test, cfg, logger, "initial")
-    stats = train_grpo(policy, engine, train, cfg, logger=logger, seed=cfg.seed)
-    policy.save(run_dir / "checkpoints" / "final")
-    summary = {"initial": before, "rl": _eval(engine, test, cfg, logger, "final"), "train": stats}
+    engine = make_engine(cfg.rollout, policy, run_dir=run_dir)  # in-process, or rollout.servers over HTTP
+    loop = train_async_grpo if cfg.rollout.mode == "async" else train_grpo
+    try:
+        before = _eval(engine, test, cfg, logger, "initial")
+        stats = loop(policy, engine, train, cfg, logger=logger, seed=cfg.seed)
+        policy.save(run_dir / "checkpoints" / "final")
+        summary = {"initial": before, "rl": _eval(engine, test, cfg, logger, "final"), "train": stats}
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
     write_json(run_dir / "summary.json", summary)
     return summary
 
