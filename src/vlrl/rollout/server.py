@@ -279,8 +279,10 @@ class WeightSyncError(RuntimeError):
 class ThreadedEngine:
     """The reference server's batcher in this process, on a private copy of the trainer's policy.
 
-    Implements `Engine` and the asynchronous `agenerate`; `update_weights` copies the trainer's weights into
-    a fresh private copy, checks its checksum and swaps it in at the next batch boundary.
+    Implements `Engine` and the asynchronous `agenerate`. The `agenerate` calls made in one iteration of an
+    event loop (e.g. one per prompt, started together) are submitted as one job, so they decode as one batch
+    exactly as `HFEngine.generate` would decode the same requests. `update_weights` copies the trainer's
+    weights into a fresh private copy, checks its checksum and swaps it in at the next batch boundary.
     """
 
     def __init__(self, policy: Policy, *, max_batch_size: int = 256, abort_on_update: bool = False) -> None:
@@ -289,6 +291,7 @@ class ThreadedEngine:
         self._encoder = HFEngine(policy)
         self._batcher = ContinuousBatcher(private_copy(policy), max_batch_size=max_batch_size,
                                           max_queued_requests=1 << 30)
+        self._gathering: dict[tuple, list[tuple[list[Request], asyncio.Future]]] = {}
         self.weight_version = 0
 
     def encode(self, sample: Sample) -> Request:
@@ -298,7 +301,34 @@ class ThreadedEngine:
         return self._batcher.submit(requests, sampling).result()
 
     async def agenerate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
-        return await asyncio.wrap_future(self._batcher.submit(requests, sampling))
+        loop = asyncio.get_running_loop()
+        key = (id(loop), _sampling_key(sampling))
+        if key not in self._gathering:
+            self._gathering[key] = []
+            loop.call_soon(self._flush, key, sampling)  # after every call already scheduled in this iteration
+        future = loop.create_future()
+        self._gathering[key].append((list(requests), future))
+        return await future
+
+    def _flush(self, key: tuple, sampling: SamplingParams) -> None:
+        calls = self._gathering.pop(key)
+        job = asyncio.wrap_future(self._batcher.submit([r for requests, _ in calls for r in requests], sampling))
+
+        def distribute(done: asyncio.Future) -> None:
+            start = 0
+            for requests, future in calls:
+                count = len(requests) * sampling.n
+                if not future.done():
+                    if done.cancelled() or done.exception() is not None:
+                        future.set_exception(done.exception() or asyncio.CancelledError())
+                    else:
+                        trajectories = done.result()[start : start + count]
+                        for t in trajectories:
+                            t.group_index -= start // sampling.n
+                        future.set_result(trajectories)
+                start += count
+
+        job.add_done_callback(distribute)
 
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         fresh = private_copy(self.policy)

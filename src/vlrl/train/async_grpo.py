@@ -257,10 +257,10 @@ class AsyncRollout:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            draws = [self._draw() for _ in range(capacity)]
-            task = asyncio.create_task(self._rollout(draws))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            for _ in range(capacity):  # one task per prompt; started together, they share one engine batch
+                task = asyncio.create_task(self._rollout(self._draw()))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
         for task in list(tasks):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -289,28 +289,24 @@ class AsyncRollout:
             self.started -= 1
             self.requeued += 1
 
-    async def _rollout(self, draws: list[Draw]) -> None:
-        """Generate n responses for each drawn prompt, score each group, push it (or re-queue the prompt)."""
+    async def _rollout(self, draw: Draw) -> None:
+        """Generate n responses to one drawn prompt, score the group and push it (or re-queue the prompt)."""
         try:
-            requests = [self._requests.setdefault(d.sample.id, self.engine.encode(d.sample)) for d in draws]
-            trajectories = await self.engine.agenerate(requests, self.sampling)
+            if draw.sample.id not in self._requests:  # encoded once (tokens + image processor outputs)
+                self._requests[draw.sample.id] = self.engine.encode(draw.sample)
+            group = await self.engine.agenerate([self._requests[draw.sample.id]], self.sampling)
         except asyncio.CancelledError:
-            for draw in reversed(draws):
-                self._give_back(draw)
+            self._give_back(draw)
             raise
         except Exception as err:  # e.g. every server gone: stop the run, loudly
             log.exception("rollout failed")
             self.error = err
-            for draw in reversed(draws):
-                self._give_back(draw)
+            self._give_back(draw)
             self._notify()
             return
-        n = self.sampling.n
-        for i, draw in enumerate(draws):
-            group = trajectories[i * n : (i + 1) * n]
-            if any(t.status is Status.ABORTED for t in group):  # a weight update aborted it: generate it again
-                self._give_back(draw)
-                continue
+        if any(t.status is Status.ABORTED for t in group):  # a weight update aborted it: generate it again
+            self._give_back(draw)
+        else:
             report = score_trajectories(group)
             self.buffer.put(Group(group, draw, report.failures))  # never blocks: admission bounds what is outstanding
             with self._lock:
