@@ -77,6 +77,8 @@ def serve(
     device: str = typer.Option("cpu", "--device", help="Torch device, e.g. cpu or cuda."),
     max_batch_size: int = typer.Option(256, "--max-batch-size", help="Sequences decoded at once."),
     max_queued_requests: int = typer.Option(1024, "--max-queued-requests", help="Queue bound; further requests get 503."),
+    batch_window_ms: float = typer.Option(10.0, "--batch-window-ms",
+                                          help="Wait while requests keep arriving at most this far apart before decoding."),
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     init_seed: int = typer.Option(0, "--init-seed", help="Seed of a tiny preset's random initialisation."),
 ) -> None:
@@ -89,7 +91,8 @@ def serve(
         torch.set_num_threads(threads)
     try:
         run_server(model, host=host, port=port, api_key=api_key, no_auth=no_auth, dtype=dtype, device=device,
-                   max_batch_size=max_batch_size, max_queued_requests=max_queued_requests, init_seed=init_seed)
+                   max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
+                   batch_window_ms=batch_window_ms, init_seed=init_seed)
     except ValueError as err:
         typer.secho(f"vlrl serve: {err}", fg="red", err=True)
         raise typer.Exit(2) from None

@@ -1,6 +1,7 @@
 """vlrl's rollout server: SGLang's response shape, auth, 4xx errors, continuous batching, weight swaps."""
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -101,6 +102,8 @@ def test_image_count_mismatch_and_invalid_json(served, tiny_vlm):
     assert response.status_code == 400 and "image" in response.json()["error"]
     response = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]
+    response = client.post("/generate", data={"text": "hi"})  # form-encoded, as `curl -d` sends it
+    assert response.status_code == 400 and "Content-Type: application/json" in response.json()["error"]
 
 
 class _Gate:
@@ -130,6 +133,21 @@ def test_requests_arriving_during_a_batch_join_the_next_one(tiny_vlm):
     gate.release.set()
     assert len(first.result(30)) == 2 and all(len(f.result(30)) == 2 for f in later)
     assert batcher.batches == 2  # the five joined one batch
+    batcher.close()
+
+
+def test_a_burst_of_requests_gathers_into_one_batch(tiny_vlm):
+    """With a batch window, requests arriving less than the window apart decode together; without it the
+    first request of the burst would start alone."""
+    batcher = ContinuousBatcher(private_copy(tiny_vlm), max_batch_size=64, batch_window=0.5)
+    request = HFEngine(tiny_vlm).encode(generate("shapes", 1)[0])
+    sampling = SamplingParams(max_new_tokens=3)
+    futures = []
+    for _ in range(4):
+        futures.append(batcher.submit([request], sampling))
+        time.sleep(0.02)  # 20 ms apart, well inside the 0.5 s window
+    assert all(len(f.result(30)) == 1 for f in futures)
+    assert batcher.batches == 1 and batcher.rows == 4
     batcher.close()
 
 

@@ -178,3 +178,30 @@ def test_a_plain_engine_is_refused():
     policy = load_policy("tiny-qwen2-vl")
     with pytest.raises(TypeError, match="agenerate"):
         train_async_grpo(policy, HFEngine(policy), _samples(4), _stage(), logger=MetricsLogger(None, quiet=True), seed=0)
+
+
+def test_config_fields_and_the_demo_refusing_async():
+    from vlrl.config import ConfigError, DemoConfig, RLConfig, load_config
+
+    cfg = load_config(RLConfig, None, ["rollout.mode=async", "rollout.servers=[http://127.0.0.1:30000]",
+                                       "staleness.eta=2", "rollout.on_weight_update=abort"])
+    assert cfg.rollout.servers == ["http://127.0.0.1:30000"] and cfg.staleness.eta == 2
+    with pytest.raises(ConfigError, match="staleness.eta"):
+        load_config(RLConfig, None, ["staleness.eta=-1"])
+    with pytest.raises(ConfigError, match="rollout.on_weight_update"):
+        load_config(RLConfig, None, ["rollout.on_weight_update=later"])
+    with pytest.raises(ConfigError, match="use `vlrl rl`"):
+        load_config(DemoConfig, None, ["rl.rollout.mode=async"])
+
+
+def test_run_rl_dispatches_to_the_async_loop(tmp_path):
+    from vlrl.config import RLConfig, load_config
+    from vlrl.train.recipes import run_rl
+
+    cfg = load_config(RLConfig, None, [
+        "rollout.mode=async", "rollout.n=2", "rollout.max_new_tokens=4", "staleness.eta=1", "train.steps=2",
+        "train.prompts_per_step=2", "data.n_train=8", "data.n_test=2", "eval.samples=1", "eval.max_new_tokens=4",
+        f"out={tmp_path}"])
+    summary = run_rl(cfg)
+    assert summary["train"]["steps"] == 2 and "staleness/mean" in summary["train"]
+    assert (tmp_path / "checkpoints" / "final" / "model.safetensors").is_file()

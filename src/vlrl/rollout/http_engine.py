@@ -40,7 +40,13 @@ import torch
 from vlrl.data.sample import Sample
 from vlrl.models.policy import DTYPES, Policy
 from vlrl.rollout.hf_engine import HFEngine
-from vlrl.rollout.server import API_KEY_ENV, WeightSyncError, encode_image, weight_checksum
+from vlrl.rollout.server import (
+    API_KEY_ENV,
+    WeightSyncError,
+    encode_image,
+    quiet_transformers,
+    weight_checksum,
+)
 from vlrl.rollout.types import Engine, Request, SamplingParams, Status, Trajectory
 
 log = logging.getLogger(__name__)
@@ -281,7 +287,8 @@ class HTTPEngine:
         """Save the weights, have every live server load them, check checksums, then adopt ``version``."""
         path = self.weights_dir / f"v{version:06d}"
         model = self.policy.model
-        model.save_pretrained(path, state_dict=state_dict)
+        with quiet_transformers():
+            model.save_pretrained(path, state_dict=state_dict)
         weights = state_dict if state_dict is not None else model
         checksums: dict[str | None, str] = {}
         for server in self.live_servers():  # predicted checksum per server dtype

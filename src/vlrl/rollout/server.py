@@ -35,6 +35,7 @@ import base64
 import binascii
 import collections
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -129,14 +130,17 @@ class ContinuousBatcher:
 
     `submit` queues a job (some requests sharing one `SamplingParams`) and returns a future of its
     trajectories. The worker takes every queued job that fits in ``max_batch_size`` rows, generates (one
-    `HFEngine.generate` per distinct sampling setting), resolves the futures, and repeats. `load` installs new
+    `HFEngine.generate` per distinct sampling setting), resolves the futures, and repeats. With
+    ``batch_window > 0`` it first waits while requests keep arriving (at most that many seconds apart), so
+    the requests of one burst decode together instead of the first one alone. `load` installs new
     weights beside the active ones; the worker swaps them in before its next batch.
     """
 
     def __init__(self, policy: Policy, *, max_batch_size: int = 256, max_queued_requests: int = 1024,
-                 version: int = 0) -> None:
+                 batch_window: float = 0.0, version: int = 0) -> None:
         self.max_batch_size = max_batch_size
         self.max_queued_requests = max_queued_requests
+        self.batch_window = batch_window
         self._active = self._engine(policy, version)
         self._active_checksum = weight_checksum(policy.model)
         self._standby: tuple[HFEngine, str] | None = None
@@ -145,6 +149,7 @@ class ContinuousBatcher:
         self._cond = threading.Condition()
         self._closed = False
         self.batches = 0  # batches decoded so far (for tests and metrics)
+        self.rows = 0  # sequences decoded so far
         self._thread = threading.Thread(target=self._loop, name="vlrl-batcher", daemon=True)
         self._thread.start()
 
@@ -213,20 +218,36 @@ class ContinuousBatcher:
 
     def _take(self) -> tuple[HFEngine, list[_Job]] | None:
         with self._cond:
-            while not self._pending and not self._closed:
-                self._cond.wait()
-            if self._closed:
-                return None
+            while True:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return None
+                self._gather()
+                if self._pending:  # (an abort may have emptied the queue meanwhile)
+                    break
             if self._standby is not None:  # batch boundary: swap in the new weights
                 self._active, self._active_checksum = self._standby
                 self._standby = None
-            jobs, rows = [self._pending.popleft()], 0
+            jobs = [self._pending.popleft()]
             rows = jobs[0].rows
             while self._pending and rows + self._pending[0].rows <= self.max_batch_size:
                 rows += self._pending[0].rows
                 jobs.append(self._pending.popleft())
             self._running = jobs
+            self.rows += rows
             return self._active, jobs
+
+    def _gather(self) -> None:
+        """Dynamic batching: while less than a full batch is queued, wait for more requests as long as they
+        keep arriving less than ``batch_window`` seconds apart (requests of one client burst join one batch)."""
+        while self.batch_window > 0 and not self._closed:
+            queued = len(self._pending)
+            if not queued or sum(job.rows for job in self._pending) >= self.max_batch_size:
+                return
+            self._cond.wait(self.batch_window)
+            if len(self._pending) <= queued:
+                return
 
     def _loop(self) -> None:
         while (taken := self._take()) is not None:
@@ -534,7 +555,7 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
                 "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch."),
                 "vocab_size": policy.model.get_input_embeddings().num_embeddings,
                 "max_batch_size": batcher.max_batch_size, "max_queued_requests": batcher.max_queued_requests,
-                "queued_requests": batcher.queued(), "server": "vlrl"}
+                "queued_requests": batcher.queued(), "batches": batcher.batches, "rows": batcher.rows, "server": "vlrl"}
 
     @app.get("/get_weight_version")
     async def get_weight_version():
@@ -589,6 +610,20 @@ def _explain(err) -> str:
     return "; ".join(lines)
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """No progress bars while weights are saved or loaded every step."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _load_weights(current: Policy, path: str) -> Policy:
     """A new policy object: ``current``'s tokenizer and processors, the weights of the directory ``path``."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -596,7 +631,8 @@ def _load_weights(current: Policy, path: str) -> Policy:
     model_cls = AutoModelForImageTextToText if current.is_vision else AutoModelForCausalLM
     dtype = next(current.model.parameters()).dtype
     device = next(current.model.parameters()).device
-    model = model_cls.from_pretrained(path, dtype=dtype).to(device).eval()
+    with quiet_transformers():
+        model = model_cls.from_pretrained(path, dtype=dtype).to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return Policy(model, current.tokenizer, current.image_processor, current.adapter, path)
@@ -647,7 +683,7 @@ class ServerThread:
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           no_auth: bool = False, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 256,
-          max_queued_requests: int = 1024, init_seed: int = 0) -> None:
+          max_queued_requests: int = 1024, batch_window_ms: float = 10.0, init_seed: int = 0) -> None:
     """`vlrl serve`: load the policy and serve it until interrupted."""
     import uvicorn
 
@@ -664,7 +700,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: st
         print(f"vlrl serve: no --api-key and no ${API_KEY_ENV}; generated key: {api_key}", flush=True)
     policy = load_policy(model, dtype=dtype, device=device, seed=init_seed)
     policy.model.eval()
-    batcher = ContinuousBatcher(policy, max_batch_size=max_batch_size, max_queued_requests=max_queued_requests)
+    batcher = ContinuousBatcher(policy, max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
+                                batch_window=batch_window_ms / 1000)
     app = create_app(batcher, api_key=api_key, model_path=model)
     sock = bind_socket(host, port)
     print(f"vlrl serve: listening on http://{host}:{sock.getsockname()[1]} ({policy.source}, "
