@@ -283,13 +283,15 @@ class ContinuousBatcher:
             start += count
 
 
-def private_copy(policy: Policy) -> Policy:
-    """A copy of ``policy`` with its own weights (frozen, eval mode) and its own tokenizer."""
+def private_copy(policy: Policy, *, tokenizer: Any = None) -> Policy:
+    """A copy of ``policy`` with its own weights (frozen, eval mode) and its own tokenizer (a copy, or the
+    given one): tokenizers must not be shared between threads that encode and decode concurrently."""
     model = copy.deepcopy(policy.model).eval()
     for p in model.parameters():
         p.grad = None
         p.requires_grad_(False)
-    return Policy(model, copy.deepcopy(policy.tokenizer), policy.image_processor, policy.adapter, policy.source)
+    tokenizer = tokenizer if tokenizer is not None else copy.deepcopy(policy.tokenizer)
+    return Policy(model, tokenizer, policy.image_processor, policy.adapter, policy.source)
 
 
 # ----------------------------------------------------------------------------------------------- in-process
@@ -352,7 +354,7 @@ class ThreadedEngine:
         job.add_done_callback(distribute)
 
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        fresh = private_copy(self.policy)
+        fresh = private_copy(self.policy, tokenizer=self._batcher.policy.tokenizer)
         if state_dict is not None:
             fresh.model.load_state_dict(state_dict)
         expected = weight_checksum(state_dict if state_dict is not None else self.policy.model)
