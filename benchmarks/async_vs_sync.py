@@ -14,7 +14,7 @@ similar time (both are measured and printed first). Then, against the same serve
 
 Prints the samples/s of each mode (trajectories trained per second of loop wall time) and their ratio.
 Both runs start from the same weights; the machine's load average is printed because other processes on
-the same cores distort the figures.
+the same cores distort the figures. The server runs in its own session (see `start_server`).
 """
 
 from __future__ import annotations
@@ -138,8 +138,12 @@ def start_server(args, key: str):
     """`vlrl serve` pinned to ``args.server_core`` with one torch thread; returns (process, url, log file)."""
     log = tempfile.TemporaryFile(mode="w+")
     command = ["taskset", "-c", str(args.server_core), sys.executable, "-m", "vlrl.cli", "serve", "--model", args.model,
-               "--port", "0", "--threads", "1", "--max-batch-size", str(args.prompts * args.n)]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLRL_API_KEY": key})
+               "--port", "0", "--threads", "1", "--max-batch-size", str(args.prompts * args.n), "--batch-window-ms", "25"]
+    # Its own session: with the kernel's autogroup scheduling (on here) all processes of one session share one
+    # CPU share, so under load from other users a server in the trainer's session would take its CPU from the
+    # trainer instead of from its own core. A separate session is what a separate device pool is.
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLRL_API_KEY": key},
+                               start_new_session=True)
     deadline = time.time() + 180
     while time.time() < deadline:
         log.seek(0)

@@ -205,3 +205,10 @@ def test_run_rl_dispatches_to_the_async_loop(tmp_path):
     summary = run_rl(cfg)
     assert summary["train"]["steps"] == 2 and "staleness/mean" in summary["train"]
     assert (tmp_path / "checkpoints" / "final" / "model.safetensors").is_file()
+
+
+def test_a_rollout_error_stops_the_run_naming_it():
+    samples = _samples(4)
+    samples[2].images = ["/nonexistent/image.png"]  # undecodable: encoding it fails on the rollout thread
+    with pytest.raises(RuntimeError, match="rollout failed: .*image file not found"):
+        _run_async(_stage(train={"steps": 3}), samples)

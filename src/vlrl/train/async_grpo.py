@@ -242,7 +242,11 @@ class AsyncRollout:
 
     # --- the workers, on the rollout thread
     def _run_thread(self) -> None:
-        asyncio.run(self._main())
+        try:
+            asyncio.run(self._main())
+        except BaseException as err:  # never die silently: the trainer's `check` re-raises it
+            self.error = self.error or err
+            self._started.set()
 
     async def _main(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
@@ -257,8 +261,14 @@ class AsyncRollout:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            for _ in range(capacity):  # one task per prompt; started together, they share one engine batch
-                task = asyncio.create_task(self._rollout(self._draw()))
+            draws = [self._draw() for _ in range(capacity)]
+            try:
+                requests = [self._encode(draw.sample) for draw in draws]  # first, so that the requests leave together
+            except Exception as err:  # e.g. an undecodable image: stop the run, naming it
+                self._fail(err, draws)
+                break
+            for draw, request in zip(draws, requests, strict=True):  # one task per prompt, sharing one engine batch
+                task = asyncio.create_task(self._rollout(draw, request))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         for task in list(tasks):
@@ -289,20 +299,27 @@ class AsyncRollout:
             self.started -= 1
             self.requeued += 1
 
-    async def _rollout(self, draw: Draw) -> None:
+    def _fail(self, err: BaseException, draws: list[Draw]) -> None:
+        log.error("rollout failed: %s: %s", type(err).__name__, err)
+        self.error = err
+        for draw in reversed(draws):
+            self._give_back(draw)
+        self._notify()
+
+    def _encode(self, sample: Sample) -> Request:
+        if sample.id not in self._requests:  # encoded once (tokens + image processor outputs)
+            self._requests[sample.id] = self.engine.encode(sample)
+        return self._requests[sample.id]
+
+    async def _rollout(self, draw: Draw, request: Request) -> None:
         """Generate n responses to one drawn prompt, score the group and push it (or re-queue the prompt)."""
         try:
-            if draw.sample.id not in self._requests:  # encoded once (tokens + image processor outputs)
-                self._requests[draw.sample.id] = self.engine.encode(draw.sample)
-            group = await self.engine.agenerate([self._requests[draw.sample.id]], self.sampling)
+            group = await self.engine.agenerate([request], self.sampling)
         except asyncio.CancelledError:
             self._give_back(draw)
             raise
         except Exception as err:  # e.g. every server gone: stop the run, loudly
-            log.exception("rollout failed")
-            self.error = err
-            self._give_back(draw)
-            self._notify()
+            self._fail(err, [draw])
             return
         if any(t.status is Status.ABORTED for t in group):  # a weight update aborted it: generate it again
             self._give_back(draw)
