@@ -23,6 +23,7 @@ import argparse
 import logging
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,7 @@ def main() -> None:
 
     key = secrets.token_urlsafe(16)
     server, url, log = start_server(args, key)
+    weights = Path(tempfile.mkdtemp(prefix="vlrl-bench-"))
     try:
         samples = generate("shapes", 256, tasks=["count", "color"])
         stage = RLStage.model_validate({
@@ -67,7 +69,6 @@ def main() -> None:
             "staleness": {"eta": args.eta}, "optim": {"lr": 5e-4},
         })
         sampling = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens)
-        weights = Path(tempfile.mkdtemp(prefix="vlrl-bench-"))
 
         def fresh():
             policy = load_policy(args.model)
@@ -131,6 +132,7 @@ def main() -> None:
         server.terminate()
         server.wait(30)
         log.close()
+        shutil.rmtree(weights, ignore_errors=True)
 
 
 def server_info(url: str, key: str) -> dict:
