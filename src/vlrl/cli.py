@@ -73,10 +73,43 @@ def rl(
     data: str | None = typer.Option(None, "--data", help="Training prompts file/dir (sets data.train)."),
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
-    """Synchronous GRPO-family RL with verifiable rewards."""
+    """GRPO-family RL with verifiable rewards (synchronous, or asynchronous with rollout.mode=async)."""
     from vlrl.train.recipes import run_rl
 
     _run(run_rl, _load(RLConfig, config, overrides, [f"data.train={data}"] if data else []))
+
+
+@app.command()
+def serve(
+    model: str = typer.Option(..., "--model", help="Model directory (transformers layout), preset name or hub id."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address; loopback by default."),
+    port: int = typer.Option(30000, "--port", help="Port; 0 picks a free one (the address is printed)."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="VLRL_API_KEY", show_envvar=True,
+                                       help="Bearer token clients must send; unset: a random one is generated and printed."),
+    no_auth: bool = typer.Option(False, "--no-auth", help="Accept requests without a token (loopback addresses only)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", "--device", help="Torch device, e.g. cpu or cuda."),
+    max_batch_size: int = typer.Option(256, "--max-batch-size", help="Sequences decoded at once."),
+    max_queued_requests: int = typer.Option(1024, "--max-queued-requests", help="Queue bound; further requests get 503."),
+    batch_window_ms: float = typer.Option(10.0, "--batch-window-ms",
+                                          help="Wait while requests keep arriving at most this far apart before decoding."),
+    threads: int | None = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
+    init_seed: int = typer.Option(0, "--init-seed", help="Seed of a tiny preset's random initialisation."),
+) -> None:
+    """Serve a policy over SGLang's native HTTP API (/generate, /update_weights_from_disk, /health, /get_model_info)."""
+    import torch
+
+    from vlrl.rollout.server import serve as run_server
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        run_server(model, host=host, port=port, api_key=api_key, no_auth=no_auth, dtype=dtype, device=device,
+                   max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
+                   batch_window_ms=batch_window_ms, init_seed=init_seed)
+    except ValueError as err:
+        typer.secho(f"vlrl serve: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("eval")

@@ -133,6 +133,33 @@ class RolloutConfig(Section):
         30.0, gt=0, description="An environment reset/step taking longer counts as failed (and is retried on a fresh instance).",
     )
 
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate a batch, then train on it (on-policy). async: rollout workers generate "
+        "continuously into a buffer while the trainer trains (AReaL-style decoupled PPO; see the `staleness` section)."
+    )
+    servers: list[str] = Field(
+        default_factory=list, description="Rollout server base URLs (`vlrl serve` or SGLang, e.g. "
+        "http://127.0.0.1:30000). Empty: generate in this process (async mode uses a private copy of the policy)."
+    )
+    api_key_env: str = Field(
+        "VLRL_API_KEY", description="Environment variable holding the servers' bearer token (never put the key itself in a config)."
+    )
+    max_concurrent_rollouts: int | None = Field(
+        None, ge=1, description="Async mode: prompts (each with n samples) in flight at once. Unset: 2 × train.prompts_per_step."
+    )
+    on_weight_update: Literal["finish", "abort"] = Field(
+        "finish", description="Async mode, requests in flight during a weight update: 'finish' them on the old weights "
+        "(tagged with the old version) or 'abort' them and re-queue their prompts."
+    )
+    request_timeout: float = Field(300.0, gt=0, description="Seconds a server may take for one /generate before it counts as stalled.")
+    max_retries: int = Field(3, ge=0, description="Times a failed request is retried on another server before the run stops.")
+    max_server_failures: int = Field(
+        2, ge=1, description="Consecutive failures (errors or timeouts) after which a server is dropped from the pool."
+    )
+    weights_dir: str | None = Field(
+        None, description="Where weights are saved for the servers to load (must be visible to them). Unset: <out>/rollout_weights."
+    )
+
     @model_validator(mode="after")
     def _check_agent(self) -> RolloutConfig:
         if self.function in ("multi_turn", "per_sample") and self.env is None:
@@ -140,6 +167,20 @@ class RolloutConfig(Section):
         if self.env is not None and self.function == "single_turn":
             raise ValueError("rollout.env is set but rollout.function=single_turn would ignore it; use multi_turn")
         return self
+
+
+class StalenessConfig(Section):
+    eta: int = Field(
+        4, ge=0, description="Async mode: max staleness η (AReaL max_head_offpolicyness; LLaVA-OV-1.5: 4). A sample generated "
+        "by weights more than η updates older than the trainer's is discarded; 0 = on-policy."
+    )
+    behaviour_weight_cap: float = Field(
+        5.0, gt=0, description="Cap of the behaviour importance weight min(π_prox / π_behave, cap) (LLaVA-OV-1.5: 5.0)."
+    )
+    apply_behaviour_weight: bool = Field(
+        True, description="Async mode: multiply the per-token policy loss by the behaviour weight (the decoupled PPO "
+        "objective). Set false if `algo.policy_loss` applies it itself."
+    )
 
 
 class AlgoConfig(Section):
@@ -173,6 +214,9 @@ class RLStage(Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig, description="Advantage, loss, clipping and KL.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4), description="Optimizer of the RL stage.")
     train: RLTrainConfig = Field(default_factory=RLTrainConfig, description="Loop settings of the RL stage.")
+    staleness: StalenessConfig = Field(
+        default_factory=StalenessConfig, description="Async mode: staleness bound and off-policy correction."
+    )
 
     @model_validator(mode="after")
     def _check_sizes(self) -> RLStage:
@@ -244,7 +288,7 @@ class SFTConfig(RunConfig, SFTStage):
 
 
 class RLConfig(RunConfig, RLStage):
-    """`vlrl rl`: synchronous GRPO-family RL with verifiable rewards."""
+    """`vlrl rl`: GRPO-family RL with verifiable rewards, synchronous or asynchronous (``rollout.mode``)."""
 
 
 class DemoConfig(RunConfig):
@@ -253,6 +297,13 @@ class DemoConfig(RunConfig):
     sft: SFTStage = Field(default_factory=SFTStage, description="The SFT warm-start stage.")
     rl: RLStage = Field(default_factory=RLStage, description="The RL stage, started from the SFT checkpoint.")
     control: bool = Field(True, description="Also train the SFT checkpoint by SFT for the RL stage's wall time (the control).")
+
+    @model_validator(mode="after")
+    def _check_in_process(self) -> DemoConfig:
+        if self.rl.rollout.mode != "sync" or self.rl.rollout.servers:
+            raise ValueError("rl.rollout.mode / rl.rollout.servers: the demo runs the synchronous in-process recipe; "
+                             "use `vlrl rl` for asynchronous training or rollout servers")
+        return self
 
 
 # ----------------------------------------------------------------------------------------------- loading

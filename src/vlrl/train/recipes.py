@@ -24,6 +24,7 @@ from vlrl.report.progress import LiveProgress
 from vlrl.report.samples import SampleLog
 from vlrl.report.watch import WatchedEngine
 from vlrl.rollout import HFEngine
+from vlrl.train.async_grpo import make_engine, train_async_grpo
 from vlrl.train.common import load_split, prepare_run_dir, seed_everything, write_json
 from vlrl.train.grpo import train_grpo
 from vlrl.train.sft import train_sft
@@ -121,7 +122,8 @@ def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: i
 def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger) -> dict:
     with logger.progress.task("rl", total=stage.train.steps, stage="rl"), \
             engine.training("rl", total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
-        stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed)
+        loop = train_async_grpo if stage.rollout.mode == "async" else train_grpo
+        stats = loop(policy, engine, train, stage, logger=logger, seed=cfg.seed)
     _log_last_step(logger, "rl", stats)
     return stats
 
@@ -159,11 +161,16 @@ def run_rl(cfg: RLConfig) -> dict:
         train, test = _data(cfg, logger)
         _check(cfg, logger, train, test)
         policy = _load(cfg, logger)
-        engine = _engine(policy, cfg, logger, _samples(cfg, run_dir), cfg.rollout.max_batch_size)
-        before = _eval(engine, test, cfg, logger, "initial")
-        stats = _rl(policy, engine, train, cfg, cfg, logger)
-        _save(policy, run_dir / "checkpoints" / "final", logger)
-        summary = {"initial": before, "rl": _eval(engine, test, cfg, logger, "final"), "train": stats}
+        # in-process, or rollout.servers over HTTP (rollout.mode=async)
+        engine = WatchedEngine(make_engine(cfg.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
+        try:
+            before = _eval(engine, test, cfg, logger, "initial")
+            stats = _rl(policy, engine, train, cfg, cfg, logger)
+            _save(policy, run_dir / "checkpoints" / "final", logger)
+            summary = {"initial": before, "rl": _eval(engine, test, cfg, logger, "final"), "train": stats}
+        finally:
+            if hasattr(engine.engine, "close"):
+                engine.engine.close()
         write_json(run_dir / "summary.json", summary)
     return summary
 

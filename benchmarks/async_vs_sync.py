@@ -1,0 +1,169 @@
+"""Trained samples per second: synchronous vs asynchronous RL on separate "device pools".
+
+Emulates a rollout partition and a trainer partition on one machine: a `vlrl serve` process pinned to one
+core (``taskset``) generates, this process (the trainer) is pinned to the other; both use one torch thread.
+The workload (tiny Qwen2-VL, shapes tasks) is sized so that one generation batch and one training step take
+similar time (both are measured and printed first). Then, against the same server:
+
+- sync:  `train_grpo` with the HTTP engine — generate a batch, train on it, publish the weights, repeat;
+         each partition idles while the other works.
+- async: `train_async_grpo` (η = 1 by default) — the server generates the next batch while the trainer trains.
+
+    python benchmarks/async_vs_sync.py                       # 8 prompts x 6 samples, <= 40 tokens, 20 steps, 2 repeats
+    python benchmarks/async_vs_sync.py --steps 40 --eta 2    # longer, more staleness allowed
+
+Prints the samples/s of each mode (trajectories trained per second of loop wall time) and their ratio.
+Both runs start from the same weights; the machine's load average is printed because other processes on
+the same cores distort the figures. The server runs in its own session (see `start_server`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-qwen2-vl")
+    parser.add_argument("--steps", type=int, default=20, help="RL steps per mode")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--n", type=int, default=6, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--eta", type=int, default=1, help="max staleness of the async run")
+    parser.add_argument("--server-core", type=int, default=0)
+    parser.add_argument("--trainer-core", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2, help="alternate sync/async this many times")
+    args = parser.parse_args()
+
+    os.sched_setaffinity(0, {args.trainer_core})  # this process = the trainer partition
+    import torch
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    from vlrl.config import RLStage
+    from vlrl.data import generate
+    from vlrl.models import collate, load_policy, response_logprobs
+    from vlrl.report import MetricsLogger
+    from vlrl.rollout import SamplingParams
+    from vlrl.rollout.http_engine import HTTPEngine
+    from vlrl.train.async_grpo import train_async_grpo
+    from vlrl.train.grpo import train_grpo
+
+    key = secrets.token_urlsafe(16)
+    server, url, log = start_server(args, key)
+    weights = Path(tempfile.mkdtemp(prefix="vlrl-bench-"))
+    try:
+        samples = generate("shapes", 256, tasks=["count", "color"])
+        stage = RLStage.model_validate({
+            "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens, "max_concurrent_rollouts": 2 * args.prompts},
+            "train": {"steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": args.prompts * args.n},
+            "staleness": {"eta": args.eta}, "optim": {"lr": 5e-4},
+        })
+        sampling = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens)
+
+        def fresh():
+            policy = load_policy(args.model)
+            engine = HTTPEngine(policy, [url], weights_dir=weights, api_key=key)
+            engine.update_weights(version=0)
+            return policy, engine
+
+        # --- the workload: one generation batch vs one training step
+        policy, engine = fresh()
+        requests = [engine.encode(s) for s in samples[: args.prompts]]
+        for _ in range(2):
+            t0 = time.perf_counter()
+            batch = engine.generate(requests, sampling)
+            t_gen = time.perf_counter() - t0
+        tokens = collate([t.prompt_ids for t in batch], [t.response_ids for t in batch], [t.vision for t in batch],
+                         pad_token_id=policy.pad_token_id)
+        for _ in range(2):
+            t0 = time.perf_counter()
+            logp, _ = response_logprobs(policy.model, policy.adapter, tokens)
+            logp.sum().backward()
+            t_train = time.perf_counter() - t0
+        engine.close()
+        print(f"workload: {args.model}, {args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens; "
+              f"one generation batch {t_gen:.3f} s (server core {args.server_core}), one forward+backward "
+              f"{t_train:.3f} s (trainer core {args.trainer_core})", flush=True)
+
+        results: dict[str, list[float]] = {"sync": [], "async": []}
+        for _ in range(args.repeats):
+            for mode in ("sync", "async"):
+                policy, engine = fresh()
+                torch.manual_seed(0)
+                logger = MetricsLogger(None, quiet=True)
+                loop = train_grpo if mode == "sync" else train_async_grpo
+                load = os.getloadavg()[0]
+                before = server_info(url, key)
+                stats = loop(policy, engine, samples, stage, logger=logger, seed=0)
+                engine.close()
+                after = server_info(url, key)
+                per_batch = (after["rows"] - before["rows"]) / max(1, after["batches"] - before["batches"])
+                rate = stats["steps"] * args.prompts * args.n / stats["seconds"]
+                results[mode].append(rate)
+                extra = ""
+                if mode == "sync":
+                    gen = sum(r["perf/gen_seconds"] for r in logger.records) / len(logger.records)
+                    extra = f", the trainer waits {gen:.2f} s/step for generation"
+                if mode == "async":
+                    stale = [r["staleness/mean"] for r in logger.records]
+                    extra = (f", mean staleness {sum(stale) / len(stale):.2f}, discarded "
+                             f"{logger.records[-1]['staleness/discarded_total']}")
+                    wait = sum(r["perf/wait_seconds"] for r in logger.records) / len(logger.records)
+                    sync_s = sum(r["perf/sync_seconds"] for r in logger.records) / len(logger.records)
+                    extra += f", the trainer waits {wait:.2f} s/step for data, weight sync {sync_s:.2f} s/step"
+                print(f"{mode:5s}: {stats['steps']} steps in {stats['seconds']:.1f} s -> {rate:.1f} trained samples/s "
+                      f"({per_batch:.0f} sequences per server batch{extra}; load average {load:.1f})", flush=True)
+        sync_rate = sum(results["sync"]) / len(results["sync"])
+        async_rate = sum(results["async"]) / len(results["async"])
+        pairs = " ".join(f"{a / b:.2f}x" for a, b in zip(results["async"], results["sync"], strict=True))
+        print(f"async / sync = {async_rate / sync_rate:.2f}x (mean rates; per repeat: {pairs}) "
+              "(goal >= 1.8x; AReaL reports 2.77x on GPUs)")
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+        shutil.rmtree(weights, ignore_errors=True)
+
+
+def server_info(url: str, key: str) -> dict:
+    import httpx
+
+    return httpx.get(f"{url}/get_model_info", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+
+
+def start_server(args, key: str):
+    """`vlrl serve` pinned to ``args.server_core`` with one torch thread; returns (process, url, log file)."""
+    log = tempfile.TemporaryFile(mode="w+")
+    command = ["taskset", "-c", str(args.server_core), sys.executable, "-m", "vlrl.cli", "serve", "--model", args.model,
+               "--port", "0", "--threads", "1", "--max-batch-size", str(args.prompts * args.n), "--batch-window-ms", "25"]
+    # Its own session: with the kernel's autogroup scheduling (on here) all processes of one session share one
+    # CPU share, so under load from other users a server in the trainer's session would take its CPU from the
+    # trainer instead of from its own core. A separate session is what a separate device pool is.
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLRL_API_KEY": key},
+                               start_new_session=True)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        log.seek(0)
+        for line in log.read().splitlines():
+            if "listening on " in line:
+                return process, line.split("listening on ")[1].split()[0], log
+        if process.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"vlrl serve exited:\n{log.read()}")
+        time.sleep(0.2)
+    process.terminate()
+    raise TimeoutError("vlrl serve did not start within 180 s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""`HTTPEngine`: the `Engine` protocol over HTTP, against one or more SGLang-compatible rollout servers.
+
+Prompts are encoded locally (tokenizer + image processor, exactly as `HFEngine` does) and sent as
+``input_ids`` + ``image_data`` (PNG data URLs) to SGLang's native ``/generate``; the answer's
+``output_token_logprobs`` become the behaviour log-probs and ``meta_info.weight_version`` the trajectory's
+weight version (a server that does not report it is tagged with the version current when the request
+started — the oldest weights it can have used, so staleness is never under-estimated).
+
+Reliability: each request goes to the live server with the fewest requests in flight. A transport error,
+timeout or 5xx answer counts as a failure of that server and the request is retried on another one (up to
+``max_retries`` times); a server with ``max_server_failures`` consecutive failures is dropped from the pool
+with a warning. A 503/429 (queue full) is waited out, not counted. A 4xx is a bug in the request and raises.
+
+Weight updates: `update_weights` saves the trainer's weights (``save_pretrained`` layout) under
+``weights_dir``, asks every live server to load them (``/update_weights_from_disk``), and bumps
+``weight_version`` only after every server confirmed. vlrl's servers answer with a checksum of what they
+loaded; a mismatch with the trainer's own checksum raises `WeightSyncError` (the run stops). A server that
+reports no checksum (e.g. SGLang) is warned about once.
+
+The engine owns an asyncio loop on a background thread: `generate` (the synchronous `Engine` method) and
+`agenerate` (awaitable from any other event loop) both run there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from vlrl.data.sample import Sample
+from vlrl.models.policy import DTYPES, Policy
+from vlrl.rollout.hf_engine import HFEngine
+from vlrl.rollout.server import (
+    API_KEY_ENV,
+    WeightSyncError,
+    encode_image,
+    quiet_transformers,
+    weight_checksum,
+)
+from vlrl.rollout.types import Engine, Request, SamplingParams, Status, Trajectory
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+@runtime_checkable
+class AsyncEngine(Engine, Protocol):
+    """An `Engine` that can also be awaited (what the asynchronous recipe needs)."""
+
+    async def agenerate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        """Same contract as `Engine.generate`; trajectories carry the version that produced them and
+        ``Status.ABORTED`` when a weight update aborted them."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class NoServersLeft(RuntimeError):
+    """Every rollout server failed and was dropped from the pool."""
+
+
+class RolloutRequestError(RuntimeError):
+    """A request failed on every server it was retried on, or a server answered with something unusable."""
+
+
+@dataclasses.dataclass
+class ServerState:
+    url: str
+    in_flight: int = 0
+    failures: int = 0  # consecutive
+    alive: bool = True
+    dtype: str | None = None
+    served: int = 0  # requests answered
+
+
+class HTTPEngine:
+    """Generate on SGLang-compatible servers; encode and decode locally with the trainer's `Policy`."""
+
+    def __init__(self, policy: Policy, servers: Sequence[str], *, weights_dir: str | Path, api_key: str | None = None,
+                 request_timeout: float = 300.0, connect_timeout: float = 10.0, max_retries: int = 3,
+                 max_server_failures: int = 2, abort_on_update: bool = False, startup_timeout: float = 60.0,
+                 keep_checkpoints: int = 2) -> None:
+        import httpx
+
+        if not servers:
+            raise ValueError("HTTPEngine needs at least one server URL")
+        self.policy = policy
+        self.weight_version = 0
+        self.weights_dir = Path(weights_dir)
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        self.max_server_failures = max_server_failures
+        self.abort_on_update = abort_on_update
+        self.keep_checkpoints = keep_checkpoints
+        self.servers = [ServerState(url.rstrip("/")) for url in servers]
+        self.dropped: list[str] = []  # "url: reason"
+        self._encoder = HFEngine(policy)
+        self._tokenizer_lock = threading.Lock()
+        self._images: collections.OrderedDict[int, tuple[Request, list[str]]] = collections.OrderedDict()
+        self._warned_no_checksum: set[str] = set()
+        self._saved: list[Path] = []
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vlrl-http-engine", daemon=True)
+        self._thread.start()
+        timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._client = self._call(self._make_client(timeout, limits))
+        self._call(self._wait_ready(startup_timeout))
+
+    # -------------------------------------------------------------------------------------------- plumbing
+    @staticmethod
+    async def _make_client(timeout, limits):
+        import httpx
+
+        return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    def _call(self, coro):
+        """Run ``coro`` on the engine's loop and wait for it (from a thread that is not that loop)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._call(self._client.aclose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def live_servers(self) -> list[ServerState]:
+        return [s for s in self.servers if s.alive]
+
+    async def _wait_ready(self, timeout: float) -> None:
+        """Wait until every server answers ``/get_model_info`` (servers may still be loading)."""
+        deadline = time.monotonic() + timeout
+        for server in self.servers:
+            while True:
+                try:
+                    response = await self._client.get(f"{server.url}/get_model_info", headers=self._headers)
+                    if response.status_code == 401:
+                        raise RolloutRequestError(f"{server.url}: 401 unauthorised: set ${API_KEY_ENV} to the "
+                                                  "server's --api-key")
+                    response.raise_for_status()
+                    server.dtype = response.json().get("dtype")
+                    break
+                except RolloutRequestError:
+                    raise
+                except Exception as err:
+                    if time.monotonic() > deadline:
+                        raise RolloutRequestError(f"rollout server {server.url} not ready after {timeout:.0f}s: {err}") from err
+                    await asyncio.sleep(0.25)
+
+    # -------------------------------------------------------------------------------------------- Engine
+    def encode(self, sample: Sample) -> Request:
+        with self._tokenizer_lock:
+            return self._encoder.encode(sample)
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        return self._call(self._generate(requests, sampling))
+
+    async def agenerate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._generate(requests, sampling), self._loop))
+
+    async def _generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        groups = await asyncio.gather(*(self._generate_one(r, sampling) for r in requests))
+        out = []
+        for i, group in enumerate(groups):
+            for t in group:
+                t.group_index = i
+            out.extend(group)
+        return out
+
+    def _payload(self, request: Request, sampling: SamplingParams) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "input_ids": list(request.prompt_ids),
+            "sampling_params": {"n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                                "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+                                "max_new_tokens": sampling.max_new_tokens, "stop": list(sampling.stop)},
+            "return_logprob": True,
+        }
+        if request.images:
+            payload["image_data"] = self._encoded_images(request)
+        return payload
+
+    def _encoded_images(self, request: Request) -> list[str]:
+        """PNG data URLs of a request's images, cached (LRU) because prompts recur every epoch."""
+        key = id(request)
+        if key in self._images and self._images[key][0] is request:
+            self._images.move_to_end(key)
+            return self._images[key][1]
+        encoded = [encode_image(image) for image in request.images]
+        self._images[key] = (request, encoded)
+        if len(self._images) > 4096:
+            self._images.popitem(last=False)
+        return encoded
+
+    def _pick(self, tried: set[str]) -> ServerState:
+        live = self.live_servers()
+        if not live:
+            raise NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
+        fresh = [s for s in live if s.url not in tried] or live
+        return min(fresh, key=lambda s: (s.in_flight, s.failures, s.served))
+
+    async def _generate_one(self, request: Request, sampling: SamplingParams) -> list[Trajectory]:
+        payload = self._payload(request, sampling)
+        tried: set[str] = set()
+        attempts, deadline = 0, time.monotonic() + 4 * self.request_timeout
+        while True:
+            server = self._pick(tried)
+            version_at_start = self.weight_version
+            server.in_flight += 1
+            try:
+                response = await self._client.post(f"{server.url}/generate", json=payload, headers=self._headers)
+            except Exception as err:  # connection refused/reset, timeout: the server is down or stalled
+                failure = f"{type(err).__name__}: {err}"
+            else:
+                if response.status_code in (429, 503) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)  # queue full: wait, not a failure
+                    continue
+                if response.status_code < 400:
+                    server.failures, server.served = 0, server.served + 1
+                    return self._parse(response.json(), request, sampling, version_at_start, server.url)
+                if response.status_code < 500:
+                    raise RolloutRequestError(f"{server.url}/generate rejected the request: "
+                                              f"{response.status_code} {response.text[:500]}")
+                failure = f"HTTP {response.status_code}: {response.text[:200]}"
+            finally:
+                server.in_flight -= 1
+            self._record_failure(server, failure)
+            tried.add(server.url)
+            attempts += 1
+            if attempts > self.max_retries:
+                raise RolloutRequestError(f"request failed {attempts} times; last on {server.url}: {failure}")
+
+    def _record_failure(self, server: ServerState, failure: str) -> None:
+        server.failures += 1
+        log.warning("rollout server %s failed (%d in a row): %s", server.url, server.failures, failure)
+        if server.alive and server.failures >= self.max_server_failures:
+            self._drop(server, failure)
+
+    def _drop(self, server: ServerState, reason: str) -> None:
+        server.alive = False
+        self.dropped.append(f"{server.url}: {reason}")
+        log.warning("dropping rollout server %s from the pool (%s); %d left", server.url, reason, len(self.live_servers()))
+
+    def _parse(self, body: Any, request: Request, sampling: SamplingParams, version_at_start: int, url: str) -> list[Trajectory]:
+        items = body if isinstance(body, list) else [body]
+        if len(items) != sampling.n:
+            raise RolloutRequestError(f"{url}: asked for n = {sampling.n} samples, got {len(items)}")
+        prompt_ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
+        out = []
+        for item in items:
+            meta = item.get("meta_info", {})
+            pairs = meta.get("output_token_logprobs")
+            if pairs is None:
+                raise RolloutRequestError(f"{url}: no meta_info.output_token_logprobs (does it support return_logprob?)")
+            ids = [int(p[1]) for p in pairs]
+            finish = (meta.get("finish_reason") or {}).get("type", "length")
+            if finish not in _FINISH:
+                raise RolloutRequestError(f"{url}: unknown finish_reason type {finish!r}")
+            version = meta.get("weight_version")
+            with self._tokenizer_lock:
+                text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
+            out.append(Trajectory(
+                sample=request.sample, prompt_ids=prompt_ids, response_ids=torch.tensor(ids, dtype=torch.long),
+                loss_mask=torch.ones(len(ids), dtype=torch.long),
+                behaviour_logp=torch.tensor([float(p[0]) for p in pairs], dtype=torch.float),
+                vision=request.vision, images=request.images,
+                weight_version=int(version) if version not in (None, "default") else version_at_start,
+                status=_FINISH[finish], response_text=text,
+            ))
+        return out
+
+    # -------------------------------------------------------------------------------------------- weights
+    def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Save the weights, have every live server load them, check checksums, then adopt ``version``."""
+        path = self.weights_dir / f"v{version:06d}"
+        model = self.policy.model
+        with quiet_transformers():
+            model.save_pretrained(path, state_dict=state_dict)
+        weights = state_dict if state_dict is not None else model
+        checksums: dict[str | None, str] = {}
+        for server in self.live_servers():  # predicted checksum per server dtype
+            if server.dtype not in checksums:
+                dtype = DTYPES.get(server.dtype or "")
+                checksums[server.dtype] = weight_checksum(weights, dtype=dtype)
+        self._call(self._load_everywhere(str(path.resolve()), version, checksums))
+        self.weight_version = version
+        self._saved.append(path)
+        while len(self._saved) > self.keep_checkpoints:
+            shutil.rmtree(self._saved.pop(0), ignore_errors=True)
+
+    async def _load_everywhere(self, path: str, version: int, checksums: dict[str | None, str]) -> None:
+        live = self.live_servers()
+        body = {"model_path": path, "weight_version": str(version), "abort_all_requests": self.abort_on_update}
+        results = await asyncio.gather(*(self._client.post(f"{s.url}/update_weights_from_disk", json=body,
+                                                           headers=self._headers) for s in live),
+                                       return_exceptions=True)
+        for server, result in zip(live, results, strict=True):
+            if isinstance(result, BaseException):
+                self._drop(server, f"weight update failed: {type(result).__name__}: {result}")
+                continue
+            answer = result.json() if result.headers.get("content-type", "").startswith("application/json") else {}
+            if result.status_code >= 400 or not answer.get("success", False):
+                raise WeightSyncError(f"{server.url} could not load {path}: {result.status_code} "
+                                      f"{answer.get('message', result.text[:300])}")
+            loaded = answer.get("weight_checksum")
+            if loaded is None:
+                if server.url not in self._warned_no_checksum:
+                    self._warned_no_checksum.add(server.url)
+                    log.warning("%s reports no weight checksum (not a vlrl server): its weights are not verified", server.url)
+            elif loaded != checksums[server.dtype]:
+                raise WeightSyncError(f"{server.url} loaded weights with checksum {loaded[:12]} for version {version}, "
+                                      f"the trainer's are {checksums[server.dtype][:12]}: stopping")
+        if not self.live_servers():
+            raise NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))

@@ -1,0 +1,721 @@
+"""vlrl's reference rollout server (`vlrl serve`): any transformers policy behind SGLang's native HTTP API.
+
+The server speaks the subset of SGLang's native API that RL training needs, so a real SGLang server can take
+its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
+
+- ``POST /generate``: one prompt as ``input_ids`` or ``text``; ``image_data`` (base64, data URL or path; one
+  or a list); ``sampling_params`` with SGLang's names (``n``, ``temperature``, ``top_p``, ``top_k``,
+  ``max_new_tokens``, ``stop``); ``return_logprob``. The answer has SGLang's shape: ``text``, ``output_ids``
+  and ``meta_info`` with ``finish_reason`` (``{"type": "stop" | "length" | "abort", ...}``),
+  ``output_token_logprobs`` (``[[logprob, token_id, null], ...]``, log-softmax of logits / temperature,
+  as SGLang returns by default), ``prompt_tokens``, ``completion_tokens`` and ``weight_version``; a list of
+  ``n`` such objects when ``n > 1``.
+- ``POST /update_weights_from_disk``: ``model_path`` (a transformers directory), ``weight_version``,
+  ``abort_all_requests``; answers ``success``, ``message``, and (vlrl extensions) the new
+  ``weight_version`` and a ``weight_checksum`` of the loaded weights that the trainer compares with its own.
+- ``GET /health``, ``GET /get_model_info``, ``GET /get_weight_version``.
+
+Batching: one worker thread decodes; requests that arrive while a batch decodes join the next batch
+(`ContinuousBatcher`). A weight load never waits for a batch: the new weights are loaded beside the old ones
+and swapped in at the next batch boundary, so a batch that was decoding finishes on the old weights and is
+tagged with the old version. With ``abort_all_requests`` the queued requests and the decoding batch are
+answered with ``finish_reason.type == "abort"`` instead (the client re-queues them).
+
+Safety: binds to loopback and requires ``Authorization: Bearer <key>`` (except ``/health``) by default; the
+queue is bounded (503 when full); malformed requests get a 400 naming the field.
+
+`ThreadedEngine` is the same batcher used in-process, on a private copy of the trainer's policy — the
+asynchronous recipe's engine when no server is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import collections
+import concurrent.futures
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import io
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
+
+from vlrl.data.sample import Sample, SampleError, load_image
+from vlrl.models.policy import DTYPES, Policy
+from vlrl.rollout.hf_engine import HFEngine
+from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "VLRL_API_KEY"
+
+
+# ----------------------------------------------------------------------------------------------- checksums
+def weight_checksum(weights: torch.nn.Module | Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> str:
+    """SHA-256 over (name, dtype, shape, bytes) of every tensor of a state dict, in name order.
+
+    ``dtype`` casts floating-point tensors first, so a trainer in float32 can predict the checksum of a
+    server that loaded the same weights in bfloat16.
+    """
+    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensor = tensor.cpu().contiguous().reshape(-1)
+        digest.update(f"{name}|{tensor.dtype}|{tuple(state[name].shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------- batching
+class QueueFullError(RuntimeError):
+    """The server's bounded queue is full; retry later."""
+
+
+@dataclasses.dataclass
+class _Job:
+    requests: list[Request]
+    sampling: SamplingParams
+    future: concurrent.futures.Future
+    aborted: bool = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.requests) * self.sampling.n
+
+
+def _sampling_key(sampling: SamplingParams) -> tuple:
+    return (sampling.n, sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens, tuple(sampling.stop))
+
+
+def _resolve(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Set a job's outcome unless its caller already cancelled it."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def aborted_trajectories(requests: Sequence[Request], n: int, version: int) -> list[Trajectory]:
+    """``len(requests) * n`` empty ABORTED trajectories (never trained on; the caller re-queues the prompt)."""
+    return [
+        Trajectory(sample=r.sample, prompt_ids=torch.as_tensor(r.prompt_ids, dtype=torch.long),
+                   response_ids=torch.zeros(0, dtype=torch.long), loss_mask=torch.zeros(0, dtype=torch.long),
+                   behaviour_logp=torch.zeros(0), vision=r.vision, images=r.images, weight_version=version,
+                   status=Status.ABORTED, group_index=i)
+        for i, r in enumerate(requests) for _ in range(n)
+    ]
+
+
+class ContinuousBatcher:
+    """Batch-level continuous batching over a `Policy` on one worker thread.
+
+    `submit` queues a job (some requests sharing one `SamplingParams`) and returns a future of its
+    trajectories. The worker takes every queued job that fits in ``max_batch_size`` rows, generates (one
+    `HFEngine.generate` per distinct sampling setting), resolves the futures, and repeats. With
+    ``batch_window > 0`` it first waits while requests keep arriving (at most that many seconds apart), so
+    the requests of one burst decode together instead of the first one alone. `load` installs new
+    weights beside the active ones; the worker swaps them in before its next batch.
+    """
+
+    def __init__(self, policy: Policy, *, max_batch_size: int = 256, max_queued_requests: int = 1024,
+                 batch_window: float = 0.0, version: int = 0) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_queued_requests = max_queued_requests
+        self.batch_window = batch_window
+        self._active = self._engine(policy, version)
+        self._active_checksum = weight_checksum(policy.model)
+        self._standby: tuple[HFEngine, str] | None = None
+        self._pending: collections.deque[_Job] = collections.deque()
+        self._running: list[_Job] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.batches = 0  # batches decoded so far (for tests and metrics)
+        self.rows = 0  # sequences decoded so far
+        self._thread = threading.Thread(target=self._loop, name="vlrl-batcher", daemon=True)
+        self._thread.start()
+
+    def _engine(self, policy: Policy, version: int) -> HFEngine:
+        engine = HFEngine(policy, max_batch_size=self.max_batch_size)
+        engine.weight_version = version
+        return engine
+
+    @property
+    def policy(self) -> Policy:
+        return self._active.policy
+
+    @property
+    def version(self) -> tuple[int, str]:
+        """(weight version, checksum) that every batch started from now on uses."""
+        with self._cond:
+            if self._standby is not None:
+                return self._standby[0].weight_version, self._standby[1]
+            return self._active.weight_version, self._active_checksum
+
+    def queued(self) -> int:
+        with self._cond:
+            return sum(len(job.requests) for job in self._pending)
+
+    def submit(self, requests: Sequence[Request], sampling: SamplingParams) -> concurrent.futures.Future:
+        job = _Job(list(requests), sampling, concurrent.futures.Future())
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
+            queued = sum(len(j.requests) for j in self._pending)
+            if queued and queued + len(job.requests) > self.max_queued_requests:
+                raise QueueFullError(f"{queued} requests queued (max_queued_requests = {self.max_queued_requests})")
+            self._pending.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    def load(self, policy: Policy, *, version: int, abort: bool = False) -> str:
+        """Install ``policy`` as the weights of ``version`` for every batch started from now on; return its
+        checksum. With ``abort``, queued jobs and the decoding batch are answered as aborted."""
+        checksum = weight_checksum(policy.model)
+        engine = self._engine(policy, version)
+        with self._cond:
+            self._standby = (engine, checksum)
+            if abort:
+                for job in self._running:
+                    job.aborted = True
+                dropped = list(self._pending)
+                self._pending.clear()
+            else:
+                dropped = []
+            old_version = self._active.weight_version
+            self._cond.notify_all()
+        for job in dropped:
+            _resolve(job.future, aborted_trajectories(job.requests, job.sampling.n, old_version))
+        return checksum
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            dropped = list(self._pending)
+            self._pending.clear()
+            self._cond.notify_all()
+        for job in dropped:
+            _resolve(job.future, error=RuntimeError("the batcher was closed"))
+        self._thread.join(timeout=60)
+
+    def _take(self) -> tuple[HFEngine, list[_Job]] | None:
+        with self._cond:
+            while True:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return None
+                self._gather()
+                if self._pending:  # (an abort may have emptied the queue meanwhile)
+                    break
+            if self._standby is not None:  # batch boundary: swap in the new weights
+                self._active, self._active_checksum = self._standby
+                self._standby = None
+            jobs = [self._pending.popleft()]
+            rows = jobs[0].rows
+            while self._pending and rows + self._pending[0].rows <= self.max_batch_size:
+                rows += self._pending[0].rows
+                jobs.append(self._pending.popleft())
+            self._running = jobs
+            self.rows += rows
+            return self._active, jobs
+
+    def _gather(self) -> None:
+        """Dynamic batching: while less than a full batch is queued, wait for more requests as long as they
+        keep arriving less than ``batch_window`` seconds apart (requests of one client burst join one batch)."""
+        while self.batch_window > 0 and not self._closed:
+            queued = len(self._pending)
+            if not queued or sum(job.rows for job in self._pending) >= self.max_batch_size:
+                return
+            self._cond.wait(self.batch_window)
+            if len(self._pending) <= queued:
+                return
+
+    def _loop(self) -> None:
+        while (taken := self._take()) is not None:
+            engine, jobs = taken
+            by_setting: dict[tuple, list[_Job]] = {}
+            for job in jobs:
+                by_setting.setdefault(_sampling_key(job.sampling), []).append(job)
+            for group in by_setting.values():
+                self._run(engine, group)
+            with self._cond:
+                self._running = []
+            self.batches += 1
+
+    def _run(self, engine: HFEngine, jobs: list[_Job]) -> None:
+        requests = [r for job in jobs for r in job.requests]
+        try:
+            out = engine.generate(requests, jobs[0].sampling)
+        except Exception as err:  # a bad batch fails its own requests, never the server
+            log.exception("generation failed")
+            for job in jobs:
+                _resolve(job.future, error=err)
+            return
+        n, start = jobs[0].sampling.n, 0
+        for job in jobs:
+            count = len(job.requests) * n
+            if job.aborted:
+                _resolve(job.future, aborted_trajectories(job.requests, n, engine.weight_version))
+            else:
+                trajectories = out[start : start + count]
+                for t in trajectories:
+                    t.group_index -= start // n  # index within the job
+                _resolve(job.future, trajectories)
+            start += count
+
+
+def private_copy(policy: Policy, *, tokenizer: Any = None) -> Policy:
+    """A copy of ``policy`` with its own weights (frozen, eval mode) and its own tokenizer (a copy, or the
+    given one): tokenizers must not be shared between threads that encode and decode concurrently."""
+    model = copy.deepcopy(policy.model).eval()
+    for p in model.parameters():
+        p.grad = None
+        p.requires_grad_(False)
+    tokenizer = tokenizer if tokenizer is not None else copy.deepcopy(policy.tokenizer)
+    return Policy(model, tokenizer, policy.image_processor, policy.adapter, policy.source)
+
+
+# ----------------------------------------------------------------------------------------------- in-process
+class WeightSyncError(RuntimeError):
+    """A rollout engine failed to load the trainer's weights, or loaded different ones (checksum mismatch)."""
+
+
+class ThreadedEngine:
+    """The reference server's batcher in this process, on a private copy of the trainer's policy.
+
+    Implements `Engine` and the asynchronous `agenerate`. The `agenerate` calls made in one iteration of an
+    event loop (e.g. one per prompt, started together) are submitted as one job, so they decode as one batch
+    exactly as `HFEngine.generate` would decode the same requests. `update_weights` copies the trainer's
+    weights into a fresh private copy, checks its checksum and swaps it in at the next batch boundary.
+    """
+
+    def __init__(self, policy: Policy, *, max_batch_size: int = 256, abort_on_update: bool = False) -> None:
+        self.policy = policy
+        self.abort_on_update = abort_on_update
+        self._encoder = HFEngine(policy)
+        self._batcher = ContinuousBatcher(private_copy(policy), max_batch_size=max_batch_size,
+                                          max_queued_requests=1 << 30)
+        self._gathering: dict[tuple, list[tuple[list[Request], asyncio.Future]]] = {}
+        self.weight_version = 0
+
+    def encode(self, sample: Sample) -> Request:
+        return self._encoder.encode(sample)
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        return self._batcher.submit(requests, sampling).result()
+
+    async def agenerate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        loop = asyncio.get_running_loop()
+        key = (id(loop), _sampling_key(sampling))
+        if key not in self._gathering:
+            self._gathering[key] = []
+            loop.call_soon(self._flush, key, sampling)  # after every call already scheduled in this iteration
+        future = loop.create_future()
+        self._gathering[key].append((list(requests), future))
+        return await future
+
+    def _flush(self, key: tuple, sampling: SamplingParams) -> None:
+        calls = self._gathering.pop(key)
+        job = asyncio.wrap_future(self._batcher.submit([r for requests, _ in calls for r in requests], sampling))
+
+        def distribute(done: asyncio.Future) -> None:
+            start = 0
+            for requests, future in calls:
+                count = len(requests) * sampling.n
+                if not future.done():
+                    if done.cancelled() or done.exception() is not None:
+                        future.set_exception(done.exception() or asyncio.CancelledError())
+                    else:
+                        trajectories = done.result()[start : start + count]
+                        for t in trajectories:
+                            t.group_index -= start // sampling.n
+                        future.set_result(trajectories)
+                start += count
+
+        job.add_done_callback(distribute)
+
+    def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        fresh = private_copy(self.policy, tokenizer=self._batcher.policy.tokenizer)
+        if state_dict is not None:
+            fresh.model.load_state_dict(state_dict)
+        expected = weight_checksum(state_dict if state_dict is not None else self.policy.model)
+        loaded = self._batcher.load(fresh, version=version, abort=self.abort_on_update)
+        if loaded != expected:
+            raise WeightSyncError(f"in-process rollout copy: checksum {loaded[:12]} != trainer's {expected[:12]}")
+        self.weight_version = version
+
+    def close(self) -> None:
+        self._batcher.close()
+
+
+# ----------------------------------------------------------------------------------------------- HTTP API
+_SAMPLING_NAMES = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop")
+
+
+class SamplingBody(BaseModel):
+    """SGLang's ``sampling_params`` (the subset vlrl's server implements; others are rejected by name)."""
+
+    model_config = ConfigDict(extra="forbid")
+    n: int = Field(1, ge=1, le=1024)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(128, ge=1)
+    stop: str | list[str] | None = None
+
+    def to_params(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+                              max_new_tokens=self.max_new_tokens, stop=stop)
+
+
+class GenerateBody(BaseModel):
+    """SGLang's ``GenerateReqInput`` for one prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = None
+    input_ids: list[int] | None = None
+    image_data: str | list[str] | None = None
+    sampling_params: SamplingBody = Field(default_factory=SamplingBody)
+    return_logprob: bool = False
+    rid: str | None = None
+    stream: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+class UpdateWeightsBody(BaseModel):
+    """SGLang's ``UpdateWeightFromDiskReqInput`` (fields vlrl does not need are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+
+
+class BadRequest(ValueError):
+    """A malformed request; the message names the field."""
+
+
+def _decode_image(item: str, k: int) -> Image.Image:
+    """An ``image_data`` item: a data URL, a path on the server, or plain base64 (SGLang's three forms)."""
+    where = f"field 'image_data[{k}]'"
+    if item.startswith(("http://", "https://")):
+        raise BadRequest(f"{where}: URLs are not fetched; send base64 or a path on the server")
+    try:
+        if item.startswith("data:") or (len(item) < 4096 and os.path.isfile(item)):
+            return load_image(item)
+        try:
+            data = base64.b64decode(item, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest(f"{where}: neither a file on the server nor valid base64") from None
+        return load_image(data)
+    except SampleError as err:
+        raise BadRequest(f"{where}: {err}") from None
+
+
+def build_request(policy: Policy, body: GenerateBody, rid: str) -> Request:
+    """Turn a `GenerateBody` into a `Request` (tokenize ``text``, process images, expand image tokens)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise BadRequest("give exactly one of 'text' or 'input_ids' (batched inputs are not supported: "
+                         "send one request per prompt)")
+    if body.stream:
+        raise BadRequest("field 'stream': streaming is not supported")
+    items = [body.image_data] if isinstance(body.image_data, str) else list(body.image_data or [])
+    images = [_decode_image(item, k) for k, item in enumerate(items)]
+    adapter = policy.adapter
+    try:
+        vision = adapter.encode_images(images)
+        if body.text is not None:
+            text = adapter.expand_image_tokens(body.text, vision) if images else body.text
+            ids = adapter.encode_text(text)
+        else:
+            ids = _expand_ids(policy, list(body.input_ids), vision)
+    except ValueError as err:
+        raise BadRequest(f"field 'image_data': {err}") from None
+    if not ids:
+        raise BadRequest("the prompt is empty")
+    vocab = policy.model.get_input_embeddings().num_embeddings
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise BadRequest(f"field 'input_ids': token ids must lie in [0, {vocab})")
+    sample = Sample(id=rid, task="serve", messages=[{"role": "user", "content": ""}])
+    return Request(sample=sample, prompt_ids=ids, vision=vision, images=images)
+
+
+def _expand_ids(policy: Policy, ids: list[int], vision) -> list[int]:
+    """Token ids with image tokens already expanded pass through; one placeholder per image is expanded."""
+    n_images = 0 if vision is None else len(vision.image_grid_thw)
+    image_token = getattr(policy.adapter, "image_token_id", None)
+    found = sum(1 for t in ids if t == image_token) if image_token is not None else 0
+    if n_images == 0:
+        if found:
+            raise ValueError(f"'input_ids' hold {found} image token(s) but no image was given")
+        return ids
+    merge = policy.adapter.merge_size ** 2
+    sizes = [int(g.prod()) // merge for g in vision.image_grid_thw]
+    if found == sum(sizes):
+        return ids
+    if found != n_images:
+        raise ValueError(f"'input_ids' hold {found} image token(s); expected {sum(sizes)} (expanded) or "
+                         f"{n_images} (one placeholder per image) for {n_images} image(s)")
+    out, k = [], 0
+    for t in ids:
+        if t == image_token:
+            out.extend([t] * sizes[k])
+            k += 1
+        else:
+            out.append(t)
+    return out
+
+
+def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, return_logprob: bool) -> dict[str, Any]:
+    """One trajectory in the shape of SGLang's ``/generate`` answer."""
+    ids = t.response_ids.tolist()
+    text = policy.tokenizer.decode(ids, skip_special_tokens=True)
+    if t.status is Status.ABORTED:
+        finish: dict[str, Any] = {"type": "abort", "message": "aborted by a weight update"}
+    elif t.status is Status.TRUNCATED:
+        finish = {"type": "length", "length": len(ids)}
+    elif ids and ids[-1] in policy.eos_token_ids:
+        finish = {"type": "stop", "matched": ids[-1]}
+    else:
+        matched = next((s for s in sampling.stop if s in text), "")
+        finish = {"type": "stop", "matched": matched}
+        if matched:
+            text = text[: text.rfind(matched)]  # SGLang trims the stop string from the text
+    meta: dict[str, Any] = {"id": t.sample.id, "finish_reason": finish, "prompt_tokens": len(t.prompt_ids),
+                            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": str(t.weight_version)}
+    if return_logprob:
+        meta["output_token_logprobs"] = [[float(lp), int(i), None] for lp, i in zip(t.behaviour_logp.tolist(), ids, strict=True)]
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: str = "") -> Any:
+    """The FastAPI application serving ``batcher``. ``api_key=None`` disables authentication."""
+    from fastapi import FastAPI
+    from fastapi import Request as HTTPRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="vlrl rollout server")
+    counter = iter(range(1 << 62))
+    update_lock = asyncio.Lock()
+
+    @app.middleware("http")
+    async def _auth(request: HTTPRequest, call_next):
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse({"error": "missing or wrong bearer token (Authorization: Bearer <key>)"}, 401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: HTTPRequest, err: RequestValidationError):
+        return JSONResponse({"error": _explain(err)}, 400)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: HTTPRequest, err: BadRequest):
+        return JSONResponse({"error": str(err)}, 400)
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/get_model_info")
+    async def model_info():
+        policy = batcher.policy
+        version, checksum = batcher.version
+        return {"model_path": model_path or policy.source, "tokenizer_path": model_path or policy.source,
+                "is_generation": True, "weight_version": str(version), "weight_checksum": checksum,
+                "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch."),
+                "vocab_size": policy.model.get_input_embeddings().num_embeddings,
+                "max_batch_size": batcher.max_batch_size, "max_queued_requests": batcher.max_queued_requests,
+                "queued_requests": batcher.queued(), "batches": batcher.batches, "rows": batcher.rows, "server": "vlrl"}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": str(batcher.version[0])}
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody):
+        rid = body.rid or f"req-{next(counter)}"
+        request = build_request(batcher.policy, body, rid)
+        sampling = body.sampling_params.to_params()
+        try:
+            future = batcher.submit([request], sampling)
+        except QueueFullError as err:
+            return JSONResponse({"error": f"server busy: {err}"}, 503, headers={"Retry-After": "1"})
+        trajectories = await asyncio.wrap_future(future)
+        policy = batcher.policy
+        out = [sglang_output(policy, t, sampling, return_logprob=body.return_logprob) for t in trajectories]
+        return out[0] if sampling.n == 1 else out
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights(body: UpdateWeightsBody):
+        try:
+            version = int(body.weight_version) if body.weight_version is not None else batcher.version[0] + 1
+        except ValueError:
+            raise BadRequest(f"field 'weight_version': vlrl versions are integers, got {body.weight_version!r}") from None
+        async with update_lock:
+            try:
+                policy = await asyncio.to_thread(_load_weights, batcher.policy, body.model_path)
+            except (OSError, ValueError) as err:
+                return JSONResponse({"success": False, "message": f"cannot load {body.model_path}: {err}"}, 400)
+            checksum = await asyncio.to_thread(batcher.load, policy, version=version, abort=body.abort_all_requests)
+        return {"success": True, "message": f"loaded {body.model_path} as version {version}",
+                "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum}
+
+    return app
+
+
+def _explain(err) -> str:
+    """One readable line per validation error, naming the field."""
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"] if p != "body") or "(body)"
+        if e["type"] == "extra_forbidden":
+            hint = f" (sampling parameters: {', '.join(_SAMPLING_NAMES)})" if field.startswith("sampling_params") else ""
+            lines.append(f"field '{field}': not supported by vlrl's server{hint}")
+        elif field == "(body)":
+            lines.append("the body must be a JSON object sent with Content-Type: application/json")
+        elif e["type"] == "json_invalid":
+            lines.append(f"invalid JSON: {e['msg']}")
+        else:
+            lines.append(f"field '{field}': {e['msg']}")
+    return "; ".join(lines)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """No progress bars while weights are saved or loaded every step."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load_weights(current: Policy, path: str) -> Policy:
+    """A new policy object: ``current``'s tokenizer and processors, the weights of the directory ``path``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    model_cls = AutoModelForImageTextToText if current.is_vision else AutoModelForCausalLM
+    dtype = next(current.model.parameters()).dtype
+    device = next(current.model.parameters()).device
+    with quiet_transformers():
+        model = model_cls.from_pretrained(path, dtype=dtype).to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return Policy(model, current.tokenizer, current.image_processor, current.adapter, path)
+
+
+# ----------------------------------------------------------------------------------------------- running
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (``port=0`` picks a free port: read it with ``sock.getsockname()[1]``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+class ServerThread:
+    """Serve an app with uvicorn on a background thread (tests, notebooks, benchmarks)."""
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        self._sock = bind_socket(host, port)
+        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+        self._thread.start()
+        for _ in range(500):
+            if self._server.started:
+                break
+            threading.Event().wait(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self._sock.close()
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
+          no_auth: bool = False, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 256,
+          max_queued_requests: int = 1024, batch_window_ms: float = 10.0, init_seed: int = 0) -> None:
+    """`vlrl serve`: load the policy and serve it until interrupted."""
+    import uvicorn
+
+    from vlrl.models import load_policy
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: choose from {sorted(DTYPES)}")
+    if no_auth:
+        if not is_loopback(host):
+            raise ValueError(f"--no-auth on a non-loopback address ({host}) would serve the model to anyone")
+        api_key = None
+    elif not api_key:
+        api_key = secrets.token_urlsafe(24)
+        print(f"vlrl serve: no --api-key and no ${API_KEY_ENV}; generated key: {api_key}", flush=True)
+    policy = load_policy(model, dtype=dtype, device=device, seed=init_seed)
+    policy.model.eval()
+    batcher = ContinuousBatcher(policy, max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
+                                batch_window=batch_window_ms / 1000)
+    app = create_app(batcher, api_key=api_key, model_path=model)
+    sock = bind_socket(host, port)
+    print(f"vlrl serve: listening on http://{host}:{sock.getsockname()[1]} ({policy.source}, "
+          f"{policy.num_parameters() / 1e6:.2f}M parameters, auth {'on' if api_key else 'off'})", flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off")).run(sockets=[sock])
+    finally:
+        batcher.close()
+
+
+def encode_image(image: Image.Image) -> str:
+    """A PNG data URL, the form the HTTP engine sends images in."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

@@ -1,0 +1,230 @@
+"""vlrl's rollout server: SGLang's response shape, auth, 4xx errors, continuous batching, weight swaps."""
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from vlrl.data import generate
+from vlrl.rollout import HFEngine, SamplingParams, Status
+from vlrl.rollout.server import (
+    ContinuousBatcher,
+    QueueFullError,
+    ServerThread,
+    create_app,
+    encode_image,
+    private_copy,
+    weight_checksum,
+)
+
+from .conftest import API_KEY, running_server
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture
+def served(tiny_vlm):
+    with running_server(tiny_vlm) as served:
+        with httpx.Client(base_url=served.url, headers=AUTH, timeout=60) as client:
+            yield client, served.batcher
+
+
+def _prompt(policy):
+    request = HFEngine(policy).encode(generate("shapes", 1, tasks=["count"])[0])
+    return request, {"input_ids": request.prompt_ids, "image_data": [encode_image(im) for im in request.images]}
+
+
+def test_generate_answers_in_sglangs_shape(served, tiny_vlm):
+    client, _ = served
+    request, body = _prompt(tiny_vlm)
+    one = client.post("/generate", json={**body, "return_logprob": True,
+                                         "sampling_params": {"max_new_tokens": 5, "temperature": 0}}).json()
+    assert set(one) == {"text", "output_ids", "meta_info"}
+    meta = one["meta_info"]
+    assert [pair[1] for pair in meta["output_token_logprobs"]] == one["output_ids"]
+    assert all(pair[0] <= 0 and pair[2] is None for pair in meta["output_token_logprobs"])
+    assert meta["finish_reason"]["type"] in ("stop", "length") and meta["weight_version"] == "0"
+    assert meta["prompt_tokens"] == len(request.prompt_ids) and meta["completion_tokens"] == len(one["output_ids"])
+    many = client.post("/generate", json={**body, "sampling_params": {"n": 3, "max_new_tokens": 4}}).json()
+    assert isinstance(many, list) and len(many) == 3
+    assert all("output_token_logprobs" not in m["meta_info"] for m in many)  # only with return_logprob
+
+
+def test_text_prompt_with_one_placeholder_per_image_equals_expanded_ids(served, tiny_vlm):
+    client, _ = served
+    sample = generate("shapes", 1, tasks=["color"])[0]
+    request, body = _prompt(tiny_vlm)
+    text = tiny_vlm.adapter.render(sample.messages)  # one <|image_pad|> per image, as a chat template writes it
+    greedy = {"max_new_tokens": 6, "temperature": 0}
+    images = [encode_image(im) for im in HFEngine(tiny_vlm).encode(sample).images]
+    by_text = client.post("/generate", json={"text": text, "image_data": images, "sampling_params": greedy}).json()
+    by_ids = client.post("/generate", json={"input_ids": HFEngine(tiny_vlm).encode(sample).prompt_ids,
+                                            "image_data": images, "sampling_params": greedy}).json()
+    assert by_text["output_ids"] == by_ids["output_ids"] and by_text["meta_info"]["prompt_tokens"] > 16
+
+
+def test_auth_is_required_except_for_health(served):
+    client, _ = served
+    bare = httpx.Client(base_url=str(client.base_url))
+    assert bare.get("/health").status_code == 200
+    assert bare.get("/get_model_info").status_code == 401
+    assert bare.post("/generate", json={"input_ids": [1]}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    info = client.get("/get_model_info").json()
+    assert info["weight_version"] == "0" and info["dtype"] == "float32" and info["server"] == "vlrl"
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"sampling_params": {"max_new_tokens": 2}}, "exactly one of 'text' or 'input_ids'"),
+    ({"input_ids": [1, 2], "text": "hi"}, "exactly one of 'text' or 'input_ids'"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_tokens": 2}}, "field 'sampling_params.max_tokens': not supported"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "field 'sampling_params.temperature'"),
+    ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "field 'sampling_params.n'"),
+    ({"input_ids": [1, 10**9]}, "field 'input_ids': token ids must lie in"),
+    ({"input_ids": [1, 2], "image_data": "not-base64!"}, "field 'image_data[0]': neither a file"),
+    ({"input_ids": [1, 2], "image_data": "https://example.com/a.png"}, "URLs are not fetched"),
+    ({"input_ids": [1, 2], "stream": True}, "streaming is not supported"),
+    ({"input_ids": [1, 2], "lora_path": "x"}, "field 'lora_path': not supported"),
+])
+def test_malformed_requests_get_a_400_naming_the_field(served, body, message):
+    client, _ = served
+    response = client.post("/generate", json=body)
+    assert response.status_code == 400 and message in response.json()["error"], response.text
+
+
+def test_image_count_mismatch_and_invalid_json(served, tiny_vlm):
+    client, _ = served
+    request, body = _prompt(tiny_vlm)
+    response = client.post("/generate", json={**body, "image_data": body["image_data"] * 2})
+    assert response.status_code == 400 and "image" in response.json()["error"]
+    response = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]
+    response = client.post("/generate", data={"text": "hi"})  # form-encoded, as `curl -d` sends it
+    assert response.status_code == 400 and "Content-Type: application/json" in response.json()["error"]
+
+
+class _Gate:
+    """Blocks the batcher's worker inside its next batch until released (to make timing deterministic)."""
+
+    def __init__(self, batcher):
+        self.entered, self.release = threading.Event(), threading.Event()
+        engine = batcher._active
+        original = engine.generate
+
+        def gated(requests, sampling):
+            self.entered.set()
+            self.release.wait(30)
+            return original(requests, sampling)
+
+        engine.generate = gated
+
+
+def test_requests_arriving_during_a_batch_join_the_next_one(tiny_vlm):
+    batcher = ContinuousBatcher(private_copy(tiny_vlm), max_batch_size=64)
+    gate = _Gate(batcher)
+    request = HFEngine(tiny_vlm).encode(generate("shapes", 1)[0])
+    sampling = SamplingParams(n=2, max_new_tokens=4)
+    first = batcher.submit([request], sampling)
+    assert gate.entered.wait(30)  # the first batch is decoding …
+    later = [batcher.submit([request], sampling) for _ in range(5)]  # … while five more requests arrive
+    gate.release.set()
+    assert len(first.result(30)) == 2 and all(len(f.result(30)) == 2 for f in later)
+    assert batcher.batches == 2  # the five joined one batch
+    batcher.close()
+
+
+def test_a_burst_of_requests_gathers_into_one_batch(tiny_vlm):
+    """With a batch window, requests arriving less than the window apart decode together; without it the
+    first request of the burst would start alone."""
+    batcher = ContinuousBatcher(private_copy(tiny_vlm), max_batch_size=64, batch_window=0.5)
+    request = HFEngine(tiny_vlm).encode(generate("shapes", 1)[0])
+    sampling = SamplingParams(max_new_tokens=3)
+    futures = []
+    for _ in range(4):
+        futures.append(batcher.submit([request], sampling))
+        time.sleep(0.02)  # 20 ms apart, well inside the 0.5 s window
+    assert all(len(f.result(30)) == 1 for f in futures)
+    assert batcher.batches == 1 and batcher.rows == 4
+    batcher.close()
+
+
+def test_bounded_queue_and_503(tiny_vlm):
+    batcher = ContinuousBatcher(private_copy(tiny_vlm), max_queued_requests=2)
+    gate = _Gate(batcher)
+    request = HFEngine(tiny_vlm).encode(generate("shapes", 1)[0])
+    sampling = SamplingParams(max_new_tokens=2)
+    futures = [batcher.submit([request], sampling)]
+    assert gate.entered.wait(30)
+    futures += [batcher.submit([request], sampling) for _ in range(2)]  # queue now full
+    with pytest.raises(QueueFullError):
+        batcher.submit([request], sampling)
+    server = ServerThread(create_app(batcher, api_key=None))
+    try:
+        response = httpx.post(f"{server.url}/generate", json={"input_ids": request.prompt_ids[:8]}, timeout=30)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    finally:
+        gate.release.set()
+        assert all(f.result(30) for f in futures)
+        server.stop()
+        batcher.close()
+
+
+def _moved(policy):
+    moved = private_copy(policy)
+    with torch.no_grad():
+        for p in moved.model.parameters():
+            p.add_(0.05)
+    return moved
+
+
+def test_a_weight_load_never_waits_and_the_decoding_batch_keeps_its_version(tiny_vlm):
+    batcher = ContinuousBatcher(private_copy(tiny_vlm))
+    gate = _Gate(batcher)
+    request = HFEngine(tiny_vlm).encode(generate("shapes", 1)[0])
+    sampling = SamplingParams(n=2, max_new_tokens=3)
+    old = batcher.submit([request], sampling)
+    assert gate.entered.wait(30)
+    new_weights = _moved(tiny_vlm)
+    checksum = batcher.load(new_weights, version=1)  # returns while the old batch is still decoding
+    assert checksum == weight_checksum(new_weights.model) and batcher.version == (1, checksum)
+    queued = batcher.submit([request], sampling)
+    gate.release.set()
+    assert {t.weight_version for t in old.result(30)} == {0}  # finished on the old weights, tagged so
+    assert {t.weight_version for t in queued.result(30)} == {1}
+    batcher.close()
+
+
+def test_abort_on_load_answers_queued_and_decoding_requests_as_aborted(tiny_vlm):
+    batcher = ContinuousBatcher(private_copy(tiny_vlm))
+    gate = _Gate(batcher)
+    request = HFEngine(tiny_vlm).encode(generate("shapes", 1)[0])
+    sampling = SamplingParams(n=2, max_new_tokens=3)
+    decoding = batcher.submit([request], sampling)
+    assert gate.entered.wait(30)
+    queued = batcher.submit([request], sampling)
+    batcher.load(_moved(tiny_vlm), version=1, abort=True)
+    assert all(t.status is Status.ABORTED for t in queued.result(30))  # answered at once
+    gate.release.set()
+    assert all(t.status is Status.ABORTED and len(t.response_ids) == 0 for t in decoding.result(30))
+    after = batcher.submit([request], sampling).result(30)
+    assert all(t.status is not Status.ABORTED and t.weight_version == 1 for t in after)
+    batcher.close()
+
+
+def test_update_weights_from_disk(served, tiny_vlm, tmp_path):
+    client, batcher = served
+    moved = _moved(tiny_vlm)
+    moved.model.save_pretrained(tmp_path / "v7")
+    answer = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "v7"), "weight_version": "7"}).json()
+    assert answer["success"] and answer["weight_version"] == "7"
+    assert answer["weight_checksum"] == weight_checksum(moved.model)
+    assert client.get("/get_weight_version").json() == {"weight_version": "7"}
+    request, body = _prompt(tiny_vlm)
+    out = client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 2}}).json()
+    assert out["meta_info"]["weight_version"] == "7"
+    missing = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
+    assert missing.status_code == 400 and not missing.json()["success"]
+    assert client.get("/get_weight_version").json() == {"weight_version": "7"}  # unchanged
