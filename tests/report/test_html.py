@@ -116,9 +116,9 @@ def test_demo_writes_a_report_that_renders(demo_run, parse):
         assert json.loads(dynamics[title]["data-stages"]) == ["rl"], title  # dynamics: the RL stage only
     assert json.loads(page.figure("sft/loss")["data-stages"]) == ["sft", "sft_control"]
     accuracy = next(t for t in page.tables if t["kind"] == "accuracy")
-    assert [row[0] for row in accuracy["rows"][1:]] == ["sft", "rl", "sft_control"]
+    assert [row[0] for row in accuracy["rows"][1:]] == ["base", "sft", "rl", "sft_control"]
     # samples: every eval plus the first and last RL batch, each with its shapes image inline
-    assert page.stages == ["eval/sft", "rl step 1", "rl step 3", "eval/rl", "eval/sft_control"]
+    assert page.stages == ["eval/base", "eval/sft", "rl step 1", "rl step 3", "eval/rl", "eval/sft_control"]
     rows = [json.loads(line) for line in (demo_run / "samples.jsonl").read_text().splitlines()]
     assert {r["task"] for r in rows if r["stage"] == "eval/rl"} == {"shapes/count", "shapes/color"}
     assert all((demo_run / r["images"][0]).is_file() and "accuracy" in r["reward_parts"] for r in rows)

@@ -113,7 +113,7 @@ def _eval(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, st
 
 def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: int, name: str = "sft",
          max_seconds: float | None = None) -> dict:
-    with logger.progress.task(name, total=stage.train.steps, stage=name):
+    with logger.progress.task(name, total=None if max_seconds else stage.train.steps, stage=name):
         stats = train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds)
     _log_last_step(logger, name, stats)
     return stats
@@ -185,17 +185,20 @@ def run_demo(cfg: DemoConfig) -> dict:
         policy = _load(cfg, logger)
         samples = _samples(cfg, run_dir)
         engine = _engine(policy, cfg, logger, samples, cfg.rl.rollout.max_batch_size)
+        base_eval = _eval(engine, test, cfg, logger, "base")
         sft_stats = _sft(policy, train, cfg.sft, cfg, logger, seed=cfg.seed)
         sft_dir = _save(policy, run_dir / "checkpoints" / "sft", logger)
         sft_eval = _eval(engine, test, cfg, logger, "sft")
         rl_stats = _rl(policy, engine, train, cfg.rl, cfg, logger)
         _save(policy, run_dir / "checkpoints" / "rl", logger)
         rl_eval = _eval(engine, test, cfg, logger, "rl")
-        summary = {"sft": sft_eval, "rl": rl_eval, "sft_train": sft_stats, "rl_train": rl_stats}
+        summary = {"base": base_eval, "sft": sft_eval, "rl": rl_eval, "sft_train": sft_stats, "rl_train": rl_stats}
         if cfg.control:
-            # The control: the same SFT checkpoint, trained by more SFT for the RL stage's wall time.
+            # The control: the same SFT checkpoint, trained by more SFT for the RL stage's wall time
+            # (bounded by time only, not by the SFT stage's step count).
             control = load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device)
-            control_stats = _sft(control, train, cfg.sft, cfg, logger, seed=cfg.seed + 1, name="sft_control",
+            unbounded = cfg.sft.model_copy(update={"train": cfg.sft.train.model_copy(update={"steps": 10**9})})
+            control_stats = _sft(control, train, unbounded, cfg, logger, seed=cfg.seed + 1, name="sft_control",
                                  max_seconds=rl_stats["seconds"])
             _save(control, run_dir / "checkpoints" / "sft_control", logger)
             summary["sft_control"] = _eval(_engine(control, cfg, logger, samples), test, cfg, logger, "sft_control")
@@ -207,7 +210,7 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 
 def _print_summary(logger: MetricsLogger, summary: dict) -> None:
-    rows = [("sft", "SFT checkpoint"), ("rl", "after RL"), ("sft_control", "SFT control (same time)")]
+    rows = [("base", "untrained"), ("sft", "SFT checkpoint"), ("rl", "after RL"), ("sft_control", "SFT control (same time)")]
     logger.info("held-out accuracy (sampled pass@1 / greedy):")
     for key, label in rows:
         if key in summary:
