@@ -114,6 +114,11 @@ def test_names_and_dotted_paths_must_resolve():
     assert "unknown advantage 'grpoo'" in problems["algo.advantage"]
     assert "cannot import module 'no_such_module'" in problems["algo.policy_loss"]
     assert "has no 'no_such_env'" in problems["data.suite_options.env"]
+    report = preflight(_rl("algo.reward_shaping=[{name: reward_scale}, {name: overlong_penaltyy}]",
+                           "algo.advantage_shaping=[{name: 'vlrl.algos:no_such_shaper'}]"))
+    problems = {p.where: p.message for p in report.problems}
+    assert set(problems) == {"algo.reward_shaping.1.name", "algo.advantage_shaping.0.name"}
+    assert "unknown reward shaping 'overlong_penaltyy'" in problems["algo.reward_shaping.1.name"]
 
 
 def test_unknown_suite_and_task():

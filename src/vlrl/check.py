@@ -124,13 +124,17 @@ def _check_sizes(report: CheckReport, sft, rl) -> None:
 
 # ----------------------------------------------------------------------------------------------- names
 def _check_names(report: CheckReport, cfg: RunConfig, rl) -> None:
-    from vlrl.algos import get_advantage, get_policy_loss
+    from vlrl.algos import get_advantage, get_advantage_shaping, get_policy_loss, get_reward_shaping
     from vlrl.report.sinks import SINKS, sink_requirement
 
     checked = set()
     for p, stage in rl:
-        for name, lookup, value in (("algo.advantage", get_advantage, stage.algo.advantage),
-                                    ("algo.policy_loss", get_policy_loss, stage.algo.policy_loss)):
+        shapers = [(f"algo.reward_shaping.{k}.name", get_reward_shaping, spec.name)
+                   for k, spec in enumerate(stage.algo.reward_shaping)]
+        shapers += [(f"algo.advantage_shaping.{k}.name", get_advantage_shaping, spec.name)
+                    for k, spec in enumerate(stage.algo.advantage_shaping)]
+        for name, lookup, value in [("algo.advantage", get_advantage, stage.algo.advantage),
+                                    ("algo.policy_loss", get_policy_loss, stage.algo.policy_loss), *shapers]:
             checked.add(f"{p}{name}")
             try:
                 lookup(value)

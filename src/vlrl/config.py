@@ -183,6 +183,25 @@ class StalenessConfig(Section):
     )
 
 
+class DynamicSamplingConfig(Section):
+    enabled: bool = Field(
+        False, description="DAPO dynamic sampling (eq. 11): drop groups whose rewards are all equal (zero advantage) "
+        "and back-fill with newly generated groups until the batch holds train.prompts_per_step prompts."
+    )
+    metric: Literal["reward", "accuracy"] = Field(
+        "reward", description="What must differ within a group: the scalar reward (before shaping), or the "
+        "'accuracy' sub-score (DAPO's is_equivalent; responses without it count as 0)."
+    )
+    oversample: float = Field(
+        1.0, ge=1.0, description="Prompts generated per round = ceil(missing prompts × oversample); surplus "
+        "informative groups are carried over to the next step."
+    )
+    max_extra_rounds: int = Field(
+        4, ge=0, description="Cap on extra generation rounds per step (verl max_num_gen_batches − 1); when reached, "
+        "the step trains on the informative groups it has (logged as sampling/prompts_used)."
+    )
+
+
 class ShapingSpec(Section):
     name: str = Field(description="A registered reward/advantage shaper (see README) or 'pkg.mod:fn'.")
     options: dict[str, Any] = Field(
@@ -203,6 +222,22 @@ class AlgoConfig(Section):
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term; 0 removes the reference model (LLaVA-OV-1.5: 0).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the KL term (k3: low variance, ≥ 0).")
+    policy_loss_options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword options of the policy loss, e.g. {clip_ratio_c: 3.0} for "
+        "dual_clip or {cap: 5.0} for decoupled.",
+    )
+    kl_mode: Literal["loss", "reward"] = Field(
+        "loss", description="Where the KL to the reference goes when kl_coef > 0: 'loss' adds β · KL to the loss "
+        "(GRPO eq. 5); 'reward' subtracts β · KL(π_old ‖ π_ref) from each token's reward before the estimator "
+        "(InstructGPT / REINFORCE++; verl use_kl_in_reward).",
+    )
+    mask_truncated: bool = Field(
+        False, description="DAPO overlong filtering: truncated responses get no loss (they still count in their "
+        "group's reward statistics).",
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig, description="DAPO dynamic sampling: drop zero-advantage groups, back-fill."
+    )
     reward_shaping: list[ShapingSpec] = Field(
         default_factory=list, description="Reward shapers applied in order to the scalar rewards before the advantage "
         "estimator (vlrl.algos.shaping), e.g. [{name: reward_scale, options: {scale: 10, bias: -0.5}}].",
@@ -210,6 +245,16 @@ class AlgoConfig(Section):
     advantage_shaping: list[ShapingSpec] = Field(
         default_factory=list, description="Advantage shapers applied in order to the (B, T) token advantages after the "
         "estimator (vlrl.algos.shaping), e.g. step-level credit of embodied plans.",
+    )
+
+
+class CriticConfig(Section):
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the critic (value model), used when the "
+                      "estimator needs values (gae). PPO practice: a few times the policy's.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of the critic.")
+    grad_clip: float = Field(1.0, ge=0, description="Max gradient norm of the critic; 0 disables clipping.")
+    value_clip: float = Field(
+        0.2, gt=0, description="ε_v of the clipped value loss ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)."
     )
 
 
@@ -231,6 +276,9 @@ class RLStage(Section):
     train: RLTrainConfig = Field(default_factory=RLTrainConfig, description="Loop settings of the RL stage.")
     staleness: StalenessConfig = Field(
         default_factory=StalenessConfig, description="Async mode: staleness bound and off-policy correction."
+    )
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig, description="The value model trained when algo.advantage needs values (gae / PPO)."
     )
 
     @model_validator(mode="after")

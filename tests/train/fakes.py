@@ -20,3 +20,41 @@ def fake_trajectories(rewards, groups, lengths, *, statuses=None, accuracy=None,
             response_text="x" * n, group_index=g, reward=float(r), reward_parts=parts,
         ))
     return out
+
+
+class ScriptedEngine:
+    """An `Engine` without a model: the responses to a sample are ``sample.metadata["responses"]`` (cycled),
+    and its greedy response (temperature 0) is ``sample.metadata["greedy"]``. Counts generated prompts."""
+
+    def __init__(self):
+        self.weight_version = 0
+        self.prompts_generated = 0
+
+    def encode(self, sample):
+        from vlrl.rollout import Request
+
+        return Request(sample=sample, prompt_ids=[1, 2, 3])
+
+    def generate(self, requests, sampling):
+        out = []
+        for i, request in enumerate(requests):
+            meta = request.sample.metadata
+            texts = [meta["greedy"]] * sampling.n if sampling.temperature == 0 else \
+                [meta["responses"][j % len(meta["responses"])] for j in range(sampling.n)]
+            for text in texts:
+                n = max(1, len(text))
+                out.append(Trajectory(sample=request.sample, prompt_ids=torch.tensor(request.prompt_ids),
+                                      response_ids=torch.arange(4, 4 + n), loss_mask=torch.ones(n, dtype=torch.long),
+                                      behaviour_logp=-torch.ones(n), response_text=text, group_index=i))
+        self.prompts_generated += len(requests)
+        return out
+
+    def update_weights(self, *, version, state_dict=None):
+        self.weight_version = version
+
+
+def scripted_samples(specs, reward="string_match"):
+    """``specs``: (answer, responses, greedy) per sample; rewarded by exact string match."""
+    return [Sample(id=f"q{k}", task="scripted", messages=[{"role": "user", "content": "q"}], answer=answer,
+                   reward=reward, metadata={"responses": list(responses), "greedy": greedy})
+            for k, (answer, responses, greedy) in enumerate(specs)]

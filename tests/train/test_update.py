@@ -15,6 +15,16 @@ from vlrl.train.common import make_optimizer
 from vlrl.train.update import UpdateSettings, minibatch_gradient, ppo_update
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second intra-op thread, and on a loaded 2-core machine two threads are
+    many times slower than one (measured ~15× at load 7): run torch single-threaded here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def rollout():
     """A tiny policy and 2 prompts × 3 sampled responses of different lengths, scored (shared by the module)."""

@@ -1,23 +1,29 @@
-"""Algorithms: pure tensor functions — advantages, policy losses, aggregation, KL estimators, shaping."""
+"""Algorithms: pure tensor functions — advantages, policy losses, aggregation, KL estimators, filters, shaping."""
 
 from vlrl.algos.advantages import (
     ADVANTAGES,
     AdvantageInputs,
     AdvantageOutput,
+    advantage_needs,
     get_advantage,
+    group_stats,
+    group_variance,
     register_advantage,
 )
-from vlrl.algos.kl import KL_ESTIMATORS, kl_estimate
+from vlrl.algos.filters import informative_groups, mask_truncated
+from vlrl.algos.kl import KL_ESTIMATORS, kl_estimate, kl_reward_penalty
 from vlrl.algos.losses import (
     AGGREGATIONS,
     POLICY_LOSSES,
     LossOutput,
     PolicyLossInputs,
     aggregate,
+    applies_behaviour_weight,
     get_policy_loss,
     masked_mean,
     normaliser_for,
     register_policy_loss,
+    value_loss,
 )
 from vlrl.algos.shaping import (
     ADVANTAGE_SHAPING,
@@ -34,7 +40,9 @@ from vlrl.algos.shaping import (
 __all__ = [
     "ADVANTAGES", "ADVANTAGE_SHAPING", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "REWARD_SHAPING",
     "AdvantageInputs", "AdvantageOutput", "AdvantageShapingInputs", "LossOutput", "PolicyLossInputs",
-    "RewardShapingInputs", "ShapingOutput", "aggregate", "get_advantage", "get_advantage_shaping", "get_policy_loss",
-    "get_reward_shaping", "kl_estimate", "masked_mean", "normaliser_for", "register_advantage",
-    "register_advantage_shaping", "register_policy_loss", "register_reward_shaping",
+    "RewardShapingInputs", "ShapingOutput", "advantage_needs", "aggregate", "applies_behaviour_weight",
+    "get_advantage", "get_advantage_shaping", "get_policy_loss", "get_reward_shaping", "group_stats",
+    "group_variance", "informative_groups", "kl_estimate", "kl_reward_penalty", "mask_truncated", "masked_mean",
+    "normaliser_for", "register_advantage", "register_advantage_shaping", "register_policy_loss",
+    "register_reward_shaping", "value_loss",
 ]

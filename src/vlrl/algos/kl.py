@@ -23,3 +23,16 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     if kind == "k3":
         return torch.exp(delta) - delta - 1.0
     raise ValueError(f"unknown KL estimator {kind!r}; choose from {KL_ESTIMATORS}")
+
+
+def kl_reward_penalty(token_rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, loss_mask: torch.Tensor,
+                      *, coef: float, kind: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """KL to the reference as a per-token reward penalty (InstructGPT; verl ``use_kl_in_reward``):
+
+        r_t ← r_t − β · KL_t(π_old ‖ π_ref)          on model tokens (mask 1); β = ``coef``
+
+    ``logp`` is the sampling-time policy π_old (no gradient flows: the penalty is part of the reward, and
+    so of the advantage). Returns ``(shaped token rewards, per-token KL)``, each (B, T).
+    """
+    kl = kl_estimate(logp.detach(), ref_logp.detach(), kind) * loss_mask.to(logp.dtype)  # (B, T)
+    return token_rewards - coef * kl, kl

@@ -106,3 +106,25 @@ def reward_scale(inputs: RewardShapingInputs, *, scale: float = 10.0, bias: floa
     without a std normalisation (dr_grpo, rloo, remax, gae) and a KL-in-reward penalty are not.
     """
     return ShapingOutput(values=(inputs.rewards + bias) * scale)
+
+
+@register_reward_shaping("overlong_penalty")
+def overlong_penalty(inputs: RewardShapingInputs, *, cache_length: int, max_length: int | None = None) -> ShapingOutput:
+    """DAPO soft overlong punishment (eq. 13) added to the reward: r′ = r + R_length(|y|),
+
+        R_length(y) = 0                                  |y| ≤ L_max − L_cache
+                    = ((L_max − L_cache) − |y|) / L_cache   L_max − L_cache < |y| ≤ L_max
+                    = −1                                 |y| > L_max
+
+    |y| = model tokens of the response; ``max_length`` = L_max (default: the rollout's ``max_new_tokens``),
+    ``cache_length`` = L_cache (DAPO: L_max 20,480 with L_cache 4,096 — so the expected length is 16,384).
+    The formula is the ``overlong`` verifier's (`vlrl.rewards.format.overlong`), applied to token counts.
+    Metric ``penalised_frac``: responses with a non-zero penalty.
+    """
+    from vlrl.rewards.format import overlong
+
+    L_max = inputs.max_new_tokens if max_length is None else max_length
+    penalty = torch.tensor([overlong("", max_length=L_max, cache_length=cache_length, response_length=int(n))
+                            for n in inputs.response_length.tolist()], dtype=inputs.rewards.dtype)  # (B,)
+    return ShapingOutput(values=inputs.rewards + penalty,
+                         metrics={"penalised_frac": float((penalty < 0).float().mean()) if len(penalty) else 0.0})

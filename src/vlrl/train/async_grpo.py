@@ -48,6 +48,7 @@ from vlrl.rollout.http_engine import AsyncEngine, HTTPEngine
 from vlrl.rollout.server import ThreadedEngine
 from vlrl.train.batch import build_algorithm, prepare_batch, step_metrics
 from vlrl.train.common import PromptCursor, make_optimizer
+from vlrl.train.sampling import group_is_informative
 from vlrl.train.update import ppo_update
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Group:
     trajectories: list[Trajectory]
     draw: Draw
     reward_failures: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    baseline_reward: float | None = None  # ReMax: the reward of the greedy response to the prompt
 
     @property
     def weight_version(self) -> int:
@@ -152,8 +154,9 @@ class AsyncRollout:
     """
 
     def __init__(self, engine: AsyncEngine, cursor: PromptCursor, sampling: SamplingParams, buffer: GroupBuffer, *,
-                 prompts_per_step: int, eta: int, max_concurrent: int) -> None:
+                 prompts_per_step: int, eta: int, max_concurrent: int, greedy_baseline: bool = False) -> None:
         self.engine, self.cursor, self.sampling, self.buffer = engine, cursor, sampling, buffer
+        self.greedy_baseline = greedy_baseline  # ReMax: also generate one greedy response per prompt
         self.prompts_per_step, self.eta, self.max_concurrent = prompts_per_step, eta, max_concurrent
         self.version = 0
         self.drawn = 0  # tickets issued (prompts drawn from the cursor)
@@ -297,6 +300,9 @@ class AsyncRollout:
         """Generate n responses to one drawn prompt, score the group and push it (or re-queue the prompt)."""
         try:
             group = await self.engine.agenerate([request], self.sampling)
+            if self.greedy_baseline and not any(t.status is Status.ABORTED for t in group):
+                greedy = dataclasses.replace(self.sampling, n=1, temperature=0.0)
+                group += await self.engine.agenerate([request], greedy)  # scored with the group, split off below
         except asyncio.CancelledError:
             self._give_back(draw)
             raise
@@ -307,7 +313,8 @@ class AsyncRollout:
             self._give_back(draw)
         else:
             report = score_trajectories(group)
-            self.buffer.put(Group(group, draw, report.failures))  # never blocks: admission bounds what is outstanding
+            baseline = group.pop().reward if self.greedy_baseline else None
+            self.buffer.put(Group(group, draw, report.failures, baseline))  # never blocks: admission bounds what is outstanding
             with self._lock:
                 self._in_flight.pop(draw.ticket, None)
         self._notify()
@@ -347,9 +354,10 @@ def train_async_grpo(
     buffer = GroupBuffer(capacity=(eta + 1) * P + max_concurrent)
     engine.update_weights(version=0, state_dict=model.state_dict())  # the rollout starts from the trainer's weights
     rollout = AsyncRollout(engine, PromptCursor(samples, seed), sampling, buffer, prompts_per_step=P, eta=eta,
-                           max_concurrent=max_concurrent).start()
+                           max_concurrent=max_concurrent, greedy_baseline="baseline_rewards" in algorithm.needs).start()
     trained: list[int] = []
     discarded: list[int] = []
+    filtered: list[int] = []  # dynamic sampling: groups dropped for equal rewards
     start, last, step = time.time(), {}, 0
     try:
         while step < train.steps and not (budget is not None and time.time() - start >= budget):
@@ -358,6 +366,10 @@ def train_async_grpo(
             groups, stale = buffer.prepare_batch(P, version=step, eta=eta, check=rollout.check)
             rollout.release(len(stale))
             discarded.extend(g.draw.ticket for g in stale)
+            dynamic = {}
+            if stage.algo.dynamic_sampling.enabled:  # DAPO: drop all-equal groups, wait for replacements
+                groups, dynamic = _drop_uninformative(groups, buffer, rollout, stage, step=step, discarded=discarded,
+                                                      filtered=filtered)
             trajectories = _flatten(groups)
             versions = torch.tensor([t.weight_version for t in trajectories])
             assert_fresh(versions, step, eta=eta)  # no sample older than η reaches the loss below
@@ -365,10 +377,13 @@ def train_async_grpo(
             # 2-3. π_prox = the current weights (one teacher-forced pass, only when the weights move within the
             #      step; otherwise the update's own forward pass), shaped rewards → advantages
             s = staleness(versions, step)  # (B,)
+            baseline = torch.tensor([g.baseline_reward for g in groups for _ in g.trajectories]) \
+                if rollout.greedy_baseline else None
             batch = prepare_batch(algorithm, policy, trajectories, step=step, max_new_tokens=rollout_cfg.max_new_tokens,
-                                  same_version=s == 0)
-            # 4. decoupled PPO update
-            stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step)
+                                  same_version=s == 0, baseline_rewards=baseline)
+            # 4. decoupled PPO update (and the critic's, when the estimator uses values)
+            stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
+                               critic=algorithm.critic)
             trained.extend(g.draw.ticket for g in groups)
             # 5-8. pause → update weights → set version → resume
             t_sync = time.time()
@@ -380,6 +395,7 @@ def train_async_grpo(
             step += 1
             last = step_metrics(batch, stats, [f for g in groups for f in g.reward_failures])
             last.update(_staleness_metrics(s, eta, len(stale), len(discarded), rollout, buffer))
+            last.update(dynamic)
             last.update({"perf/step_seconds": time.time() - t0, "perf/wait_seconds": t_wait, "perf/sync_seconds": t_sync,
                          "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
                          "data/epoch": max(g.draw.epoch for g in groups)})
@@ -390,6 +406,7 @@ def train_async_grpo(
     if state_out is not None:
         held = rollout.accounting()
         state_out.update({**rollout.state_dict(), "buffer": buffer.state_dict(), "trained": trained, "discarded": discarded,
+                          "filtered": filtered,
                           "buffered": buffer.tickets(), "pending": held["pending"] + held["in_flight"], "drawn": rollout.drawn,
                           "requeued": rollout.requeued})
     return {**last, "steps": step, "seconds": time.time() - start}
@@ -403,6 +420,30 @@ def _flatten(groups: list[Group]) -> list[Trajectory]:
             t.group_index = i
             out.append(t)
     return out
+
+
+def _drop_uninformative(groups: list[Group], buffer: GroupBuffer, rollout: AsyncRollout, stage: RLStage, *, step: int,
+                        discarded: list[int], filtered: list[int]) -> tuple[list[Group], dict[str, float]]:
+    """DAPO dynamic sampling on the async path: drop groups whose rewards are all equal (their admission quota
+    is returned, so the workers generate replacements) and dequeue more until ``prompts_per_step`` remain or
+    ``(max_extra_rounds + 1) × prompts_per_step`` groups were dropped this step."""
+    cfg, P, eta = stage.algo.dynamic_sampling, stage.train.prompts_per_step, stage.staleness.eta
+    kept, dropped = [], 0
+    while True:
+        flags = [group_is_informative(g.trajectories, cfg.metric) for g in groups]
+        dropped += flags.count(False)
+        filtered.extend(g.draw.ticket for g, ok in zip(groups, flags, strict=True) if not ok)
+        rollout.release(flags.count(False))
+        kept += [g for g, ok in zip(groups, flags, strict=True) if ok]
+        if len(kept) >= P or dropped >= (cfg.max_extra_rounds + 1) * P:
+            break
+        groups, stale = buffer.prepare_batch(P - len(kept), version=step, eta=eta, check=rollout.check)
+        rollout.release(len(stale))
+        discarded.extend(g.draw.ticket for g in stale)
+    if not kept:
+        raise RuntimeError(f"dynamic sampling: {dropped} groups in a row had equal rewards (zero advantage); raise "
+                           f"algo.dynamic_sampling.max_extra_rounds or check the reward")
+    return kept, {"sampling/groups_dropped": dropped, "sampling/prompts_used": len(kept)}
 
 
 def _staleness_metrics(s: torch.Tensor, eta: int, n_stale: int, n_discarded: int, rollout: AsyncRollout,

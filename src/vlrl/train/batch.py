@@ -1,9 +1,10 @@
 """From scored trajectories to an `UpdateBatch` — the part of an RL step that both recipes share:
 
-    tensors          right-padded (B, R) loss mask, behaviour log-probs, group index
-    extra passes     π_old / π_prox, π_ref (one no-grad pass each, only when needed)
+    tensors          right-padded (B, R) loss mask (overlong filtering), behaviour log-probs, group index
+    extra passes     π_old / π_prox, π_ref, critic values (one no-grad pass each, only when needed)
     reward shaping   algo.reward_shaping, in order                       (per group, before advantages)
-    advantages       algo.advantage                                      (the estimator)
+    KL in reward     r_t − β · KL_t(π_old ‖ π_ref)                        (algo.kl_mode = reward)
+    advantages       algo.advantage                                      (the estimator; returns for the critic)
     adv. shaping     algo.advantage_shaping, in order                    (token-level post-processing)
 
 `Algorithm` binds everything the step needs from config once (estimator, loss, shapers, reference model);
@@ -22,7 +23,11 @@ from typing import Any
 
 import torch
 
-from vlrl.algos import AdvantageInputs, get_advantage, get_policy_loss
+from vlrl.algos import AdvantageInputs, get_advantage, get_policy_loss, masked_mean
+from vlrl.algos.advantages import advantage_needs, group_variance
+from vlrl.algos.filters import mask_truncated
+from vlrl.algos.kl import kl_reward_penalty
+from vlrl.algos.losses import applies_behaviour_weight
 from vlrl.algos.shaping import (
     AdvantageShapingInputs,
     RewardShapingInputs,
@@ -31,7 +36,9 @@ from vlrl.algos.shaping import (
 )
 from vlrl.config import RLStage, ShapingSpec
 from vlrl.models import Policy, collate, response_logprobs
+from vlrl.report.watch import generation_prob
 from vlrl.rollout import Status, Trajectory
+from vlrl.train.critic import Critic
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
@@ -81,40 +88,59 @@ class Algorithm:
     reward_shaping: ShapingChain
     advantage_shaping: ShapingChain
     reference: torch.nn.Module | None  # frozen copy of the initial policy; None when kl_coef = 0
+    critic: Critic | None  # the value model, when the estimator needs values
     settings: UpdateSettings
+    kl_in_reward: float  # β of the KL reward penalty (0: the KL, if any, is a loss term)
+    kl_estimator: str
+    mask_truncated: bool  # DAPO overlong filtering
 
 
-def build_algorithm(stage: RLStage, policy: Policy, *, apply_behaviour_weight: bool) -> Algorithm:
+def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_weight: bool) -> Algorithm:
+    """Bind ``stage.algo`` (and ``stage.critic``) once. ``apply_behaviour_weight``: multiply the loss by
+    w = min(π_prox / π_behave, cap) — the async recipe's decoupled objective — unless the loss does it itself."""
     algo, train = stage.algo, stage.train
     estimator = get_advantage(algo.advantage)
-    loss_fn = functools.partial(get_policy_loss(algo.policy_loss), clip_low=algo.clip_low, clip_high=algo.clip_high)
+    needs = advantage_needs(estimator)
+    loss = get_policy_loss(algo.policy_loss)
+    loss_fn = functools.partial(loss, clip_low=algo.clip_low, clip_high=algo.clip_high, **algo.policy_loss_options)
+    kl_in_loss = algo.kl_coef if algo.kl_mode == "loss" else 0.0
     settings = UpdateSettings(
-        loss_fn=loss_fn, loss_agg=algo.loss_agg, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
+        loss_fn=loss_fn, loss_agg=algo.loss_agg, kl_coef=kl_in_loss, kl_estimator=algo.kl_estimator,
         temperature=stage.rollout.temperature, micro_batch_size=train.micro_batch_size, minibatches=train.minibatches,
         ppo_epochs=train.ppo_epochs, grad_clip=stage.optim.grad_clip,
-        behaviour_weight_cap=stage.staleness.behaviour_weight_cap, apply_behaviour_weight=apply_behaviour_weight,
+        behaviour_weight_cap=stage.staleness.behaviour_weight_cap,
+        apply_behaviour_weight=apply_behaviour_weight and not applies_behaviour_weight(loss),
     )
     return Algorithm(
         advantage_fn=functools.partial(estimator, **algo.advantage_options),
-        needs=frozenset(getattr(estimator, "needs", ())),
+        needs=needs,
         reward_shaping=ShapingChain(algo.reward_shaping, get_reward_shaping, "rewards"),
         advantage_shaping=ShapingChain(algo.advantage_shaping, get_advantage_shaping, "advantages"),
         reference=frozen_copy(policy.model) if algo.kl_coef > 0 else None,  # kl_coef = 0: no reference at all
+        critic=Critic(policy, stage.critic) if "values" in needs else None,
         settings=settings,
+        kl_in_reward=algo.kl_coef if algo.kl_mode == "reward" else 0.0,
+        kl_estimator=algo.kl_estimator,
+        mask_truncated=algo.mask_truncated,
     )
 
 
-def prepare_batch(algorithm: Algorithm, policy: Policy, trajectories: Sequence[Trajectory], *, step: int,
-                  max_new_tokens: int, same_version: torch.Tensor | None = None) -> UpdateBatch:
-    """Steps 4–5 of an RL step: tensors, the extra no-grad passes, shaped rewards, advantages."""
+def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Sequence[Trajectory], *, step: int,
+                  max_new_tokens: int, same_version: torch.Tensor | None = None,
+                  baseline_rewards: torch.Tensor | None = None) -> UpdateBatch:
+    """Steps 4–5 of an RL step: tensors, the extra no-grad passes, shaped rewards, advantages.
+    ``baseline_rewards`` (B,): the reward of the greedy response to each response's prompt (for ``remax``)."""
     settings = algorithm.settings
     tensors = batch_tensors(trajectories)
     B = len(trajectories)
-    # π_old (= π_prox in async) is needed only if the weights move before the last minibatch: with one update
-    # per batch the update uses logp.detach() of its own forward pass. π_ref only with a KL term.
+    loss_mask = mask_truncated(tensors["loss_mask"], tensors["truncated"]) if algorithm.mask_truncated else tensors["loss_mask"]
+    # π_old (= π_prox in async) is needed if the weights move before the last minibatch, or for a KL reward
+    # penalty; otherwise the update uses logp.detach() of its own forward pass. π_ref only with a KL term.
     n_updates = settings.ppo_epochs * settings.minibatches
-    old_logp = score(policy.model, policy, trajectories, settings.temperature) if n_updates > 1 else None
+    need_old = n_updates > 1 or (algorithm.kl_in_reward > 0 and algorithm.reference is not None)
+    old_logp = score(policy.model, policy, trajectories, settings.temperature) if need_old else None
     ref_logp = score(algorithm.reference, policy, trajectories, settings.temperature) if algorithm.reference is not None else None
+    values = algorithm.critic.values(trajectories) if algorithm.critic is not None else None  # (B, R)
     context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step)
     # reward shaping (per response, per group), then the reward sits on the last model token
     rewards, metrics = algorithm.reward_shaping.apply(RewardShapingInputs(
@@ -123,20 +149,28 @@ def prepare_batch(algorithm: Algorithm, policy: Policy, trajectories: Sequence[T
         context=context,
     ))
     token_rewards = place_rewards(rewards, tensors["loss_mask"], tensors["last_index"])  # (B, R)
+    if algorithm.kl_in_reward > 0:
+        token_rewards, kl = kl_reward_penalty(token_rewards, old_logp, ref_logp, tensors["loss_mask"],
+                                              coef=algorithm.kl_in_reward, kind=algorithm.kl_estimator)
+        metrics["policy/kl_ref"] = float(masked_mean(kl, tensors["loss_mask"]))
+    if "baseline_rewards" in algorithm.needs and baseline_rewards is None:
+        raise ValueError("the advantage estimator needs baseline_rewards (greedy responses); the recipe gave none")
     # advantages
     estimate = algorithm.advantage_fn(AdvantageInputs(
-        token_rewards=token_rewards, loss_mask=tensors["loss_mask"], group_index=tensors["group_index"],
+        token_rewards=token_rewards, loss_mask=loss_mask, group_index=tensors["group_index"], values=values,
+        baseline_rewards=baseline_rewards,
     ))
     advantages, shaping_metrics = algorithm.advantage_shaping.apply(AdvantageShapingInputs(
-        advantages=estimate.advantages, loss_mask=tensors["loss_mask"], group_index=tensors["group_index"],
+        advantages=estimate.advantages, loss_mask=loss_mask, group_index=tensors["group_index"],
         rewards=rewards, token_rewards=token_rewards, trajectories=trajectories, step=step, context=context,
     ))  # (B, R)
     metrics.update(shaping_metrics)
     return UpdateBatch(
-        trajectories=list(trajectories), loss_mask=tensors["loss_mask"], behaviour_logp=tensors["behaviour_logp"],
-        advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, group_index=tensors["group_index"],
-        rewards=rewards, token_rewards=token_rewards,
+        trajectories=list(trajectories), loss_mask=loss_mask, behaviour_logp=tensors["behaviour_logp"],
+        advantages=advantages, old_logp=old_logp, ref_logp=ref_logp if settings.kl_coef > 0 else None,
+        group_index=tensors["group_index"], rewards=rewards, token_rewards=token_rewards,
         same_version=same_version if same_version is not None else torch.ones(B, dtype=torch.bool), metrics=metrics,
+        old_values=values, returns=estimate.returns if values is not None else None,
     )
 
 
@@ -216,6 +250,8 @@ def step_metrics(batch: UpdateBatch, stats: dict[str, list[float]], failures: Se
     metrics["response/length_mean"] = float(lengths.mean())
     metrics["response/length_max"] = float(lengths.max())
     metrics["response/truncated_frac"] = sum(t.status is Status.TRUNCATED for t in trajectories) / len(trajectories)
+    metrics["rollout/gen_prob"] = generation_prob(trajectories)
+    metrics["rollout/diversity"] = diversity(trajectories, batch.group_index)
     seq_adv = (batch.advantages.abs() * batch.loss_mask).sum(-1)  # (B,)
     groups = batch.group_index
     zero = [bool((seq_adv[groups == g] == 0).all()) for g in groups.unique()]
@@ -224,3 +260,23 @@ def step_metrics(batch: UpdateBatch, stats: dict[str, list[float]], failures: Se
         metrics[name] = sum(values) / len(values)
     metrics.update(batch.metrics)
     return metrics
+
+
+def diversity(trajectories: Sequence[Trajectory], group_index: torch.Tensor) -> float:
+    """Syn-GRPO's diversity (eq. 4), batch mean: V(q) = var of the accuracy rewards within each group (the
+    ``accuracy`` sub-score when every response has one, else the scalar reward), averaged over groups."""
+    if all("accuracy" in t.reward_parts for t in trajectories):
+        scores = torch.tensor([float(t.reward_parts["accuracy"]) for t in trajectories])
+    else:
+        scores = torch.tensor([float(t.reward) for t in trajectories])
+    per_element = group_variance(scores, group_index)  # (B,)
+    _, first = unique_first(group_index)
+    return float(per_element[first].mean())
+
+
+def unique_first(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(distinct values, position of each one's first occurrence)."""
+    values, inverse = torch.unique(index, return_inverse=True)
+    first = torch.full((len(values),), len(index), dtype=torch.long).scatter_reduce(
+        0, inverse, torch.arange(len(index)), "amin")
+    return values, first

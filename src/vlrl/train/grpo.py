@@ -3,6 +3,8 @@
     1. draw prompts                    PromptCursor
     2. sample n responses per prompt   engine.generate        (behaviour log-probs recorded while sampling)
     3. score                           score_trajectories     (the reward registry)
+       (1–3: GroupSampler — with DAPO dynamic sampling it drops all-equal groups and back-fills; with ReMax
+        it also scores one greedy response per prompt)
     4. shaped rewards → advantages     prepare_batch          (algo.reward_shaping → algo.advantage → algo.advantage_shaping;
                                                                π_old / π_ref passes only when needed)
     5. minibatch updates               ppo_update             (algo.policy_loss → aggregate (+ KL term) → AdamW)
@@ -21,10 +23,10 @@ from vlrl.config import RLStage
 from vlrl.data import Sample
 from vlrl.models import Policy
 from vlrl.report import MetricsLogger
-from vlrl.rewards import score_trajectories
-from vlrl.rollout import Engine, Request, SamplingParams
+from vlrl.rollout import Engine, SamplingParams
 from vlrl.train.batch import build_algorithm, prepare_batch, step_metrics
 from vlrl.train.common import PromptCursor, make_optimizer
+from vlrl.train.sampling import GroupSampler
 from vlrl.train.update import ppo_update
 
 
@@ -44,34 +46,32 @@ def train_grpo(
     budget = max_seconds if max_seconds is not None else train.max_seconds
     if train.max_samples is not None:
         samples = samples[: train.max_samples]
-    cursor = PromptCursor(samples, seed)
     sampling = SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                               max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop))
     algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)  # sync: π_behave = π_old
+    sampler = GroupSampler(engine, PromptCursor(samples, seed), sampling, prompts_per_step=train.prompts_per_step,
+                           dynamic=stage.algo.dynamic_sampling, greedy_baseline="baseline_rewards" in algorithm.needs)
     model = policy.model
     optimizer, scheduler = make_optimizer(model, stage.optim)
-    requests: dict[str, Request] = {}
     start, last, step = time.time(), {}, 0
     while step < train.steps and not (budget is not None and time.time() - start >= budget):
         t0 = time.time()
-        # 1-2. prompts → n responses each
-        prompts = cursor.next(train.prompts_per_step)
-        batch_requests = [requests.setdefault(s.id, engine.encode(s)) for s in prompts]
-        trajectories = engine.generate(batch_requests, sampling)
+        # 1-3. prompts → n responses each → rewards
+        sampled = sampler.next_batch()
         t_gen = time.time() - t0
-        # 3. rewards
-        score_report = score_trajectories(trajectories)
         # 4. shaped rewards → advantages over the whole batch (B sequences, R response columns)
-        batch = prepare_batch(algorithm, policy, trajectories, step=step, max_new_tokens=rollout.max_new_tokens)
-        # 5. updates
-        stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step)
+        batch = prepare_batch(algorithm, policy, sampled.trajectories, step=step, max_new_tokens=rollout.max_new_tokens,
+                              baseline_rewards=sampled.baseline_rewards)
+        # 5. updates (and the critic's, when the estimator uses values)
+        stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
+                           critic=algorithm.critic)
         # 6. the engine samples from the new weights from now on
         step += 1
         engine.update_weights(version=step)
-        last = step_metrics(batch, stats, score_report.failures)
-        last.update({"perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
+        last = step_metrics(batch, stats, sampled.failures)
+        last.update({**sampled.metrics, "perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
                      "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
-                     "data/epoch": cursor.epoch})
+                     "data/epoch": sampler.cursor.epoch})
         if step % train.log_every == 0 or step == train.steps:
             logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds"))
     return {**last, "steps": step, "seconds": time.time() - start}

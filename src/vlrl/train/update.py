@@ -10,6 +10,7 @@
                 loss = aggregate(L, N) (+ β · aggregate(KL(πθ ‖ π_ref), N))
                 loss.backward()
             clip grad norm → optimizer step
+            critic (gae): Σ micro ½·max((V − R)², (V_clip − R)²) → backward → its own step
 
 `accumulate` (one minibatch's forward/backward over any set of rows, with the normaliser given explicitly) is
 the reusable piece: gradient accumulation over k micro-batches, or rows split over data-parallel ranks with
@@ -46,6 +47,8 @@ class UpdateBatch:
     token_rewards: torch.Tensor  # (B, R)
     same_version: torch.Tensor  # (B,) bool: sampled by the trainer's current weights (train–inference drift)
     metrics: dict[str, float] = field(default_factory=dict)  # from the shapers (logged with the step)
+    old_values: torch.Tensor | None = None  # (B, R) critic values when the batch was prepared (gae)
+    returns: torch.Tensor | None = None  # (B, R) the critic's regression targets
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,9 @@ class UpdateSettings:
 
 
 def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, optimizer, scheduler, *, seed: int,
-               step: int) -> dict[str, list[float]]:
-    """``ppo_epochs`` × ``minibatches`` optimizer steps on ``batch``; returns per-micro-batch statistics."""
+               step: int, critic: Any = None) -> dict[str, list[float]]:
+    """``ppo_epochs`` × ``minibatches`` optimizer steps on ``batch``; returns per-micro-batch statistics.
+    With a ``critic`` (`vlrl.train.critic.Critic`) its clipped value loss is minimised on the same minibatches."""
     model = policy.model
     model.train()
     stats: dict[str, list[float]] = defaultdict(list)
@@ -82,6 +86,11 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
             for name, values in accumulate(policy, batch, rows, settings, normaliser=normaliser).items():
                 (weights_seen if name == "behaviour_weights" else stats[name]).extend(values)
             stats["policy/grad_norm"].append(clip_and_step(model, optimizer, scheduler, settings.grad_clip))
+            if critic is not None:
+                for name, values in critic.accumulate(batch, rows, micro_batch_size=settings.micro_batch_size,
+                                                      loss_agg=settings.loss_agg, normaliser=normaliser).items():
+                    stats[name].extend(values)
+                stats["critic/grad_norm"].append(critic.step())
     model.eval()
     all_w = torch.cat(weights_seen) if weights_seen else torch.zeros(0)
     for name, value in behaviour_weight_stats(all_w, torch.ones_like(all_w), cap=settings.behaviour_weight_cap).items():

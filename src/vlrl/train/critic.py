@@ -1,0 +1,92 @@
+"""The critic of PPO with GAE: a value model built from the policy's backbone plus a scalar head.
+
+    V(s_t) = w · h_t + b          h_t = last hidden state of the backbone at the position that predicts token t
+
+The backbone is a copy of the policy's transformer (its own weights from the policy's current ones; the
+language-model head is dropped), the head is zero-initialised (V ≡ 0 at the start, so the first advantages
+are the returns). It has its own AdamW optimizer and is trained with the clipped value loss
+(`vlrl.algos.losses.value_loss`) on the GAE returns, minibatch by minibatch alongside the policy.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vlrl.algos import aggregate, masked_mean
+from vlrl.algos.losses import value_loss
+from vlrl.config import CriticConfig, OptimConfig
+from vlrl.models import Policy, collate
+from vlrl.train.common import clip_and_step, make_optimizer
+
+
+class ValueModel(torch.nn.Module):
+    """The policy's backbone (copied) + a linear head to one scalar per position."""
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__()
+        causal_lm = policy.model
+        self.backbone = copy.deepcopy(getattr(causal_lm, "model", causal_lm))  # without the LM head
+        config = causal_lm.config
+        hidden = getattr(getattr(config, "text_config", None), "hidden_size", None) or config.hidden_size
+        self.head = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+        self.head.to(device=next(causal_lm.parameters()).device, dtype=next(causal_lm.parameters()).dtype)
+        self.adapter = policy.adapter
+        self.pad_token_id = policy.pad_token_id
+
+    def forward(self, trajectories: Sequence[Any]) -> torch.Tensor:
+        """Values (B, R) of the response tokens (0 on padding), aligned with `response_logprobs`."""
+        tokens = collate([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+                         [t.vision for t in trajectories], pad_token_id=self.pad_token_id)
+        device = self.head.weight.device
+        kwargs = self.adapter.forward_inputs(self.backbone, tokens.input_ids.to(device), tokens.attention_mask.to(device),
+                                             tokens.vision.to(device) if tokens.vision is not None else None)
+        hidden = self.backbone(**kwargs, use_cache=False).last_hidden_state  # (B, P + R, H)
+        P, R = tokens.prompt_len, tokens.response_len
+        values = self.head(hidden[:, P - 1 : P + R - 1]).squeeze(-1).float()  # (B, R): state before token t
+        return values * tokens.response_mask.to(device).to(values.dtype)
+
+
+class Critic:
+    """A `ValueModel` with its optimizer; the update calls `accumulate` per minibatch, then `step`."""
+
+    def __init__(self, policy: Policy, cfg: CriticConfig) -> None:
+        self.model = ValueModel(policy)
+        self.cfg = cfg
+        self.optimizer, self.scheduler = make_optimizer(self.model, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay))
+
+    @torch.no_grad()
+    def values(self, trajectories: Sequence[Any]) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        values = self.model(trajectories).cpu()
+        self.model.train(was_training)
+        return values
+
+    def accumulate(self, batch: Any, rows: Sequence[int], *, micro_batch_size: int, loss_agg: str,
+                   normaliser: float) -> dict[str, list[float]]:
+        """Clipped value loss over ``rows`` in micro-batches, gradients accumulated (no step)."""
+        self.model.train()
+        stats: dict[str, list[float]] = defaultdict(list)
+        for start in range(0, len(rows), micro_batch_size):
+            micro = list(rows[start : start + micro_batch_size])
+            values = self.model([batch.trajectories[i] for i in micro])  # (b, R)
+            R = values.shape[1]
+            mask = batch.loss_mask[micro, :R].to(values.device)
+            out = value_loss(values, batch.old_values[micro, :R].to(values.device),
+                             batch.returns[micro, :R].to(values.device), clip=self.cfg.value_clip)
+            loss = aggregate(out.per_token_loss, mask, loss_agg, normaliser=normaliser)
+            loss.backward()
+            stats["critic/value_loss"].append(float(loss.detach()))
+            stats["critic/value_clip_frac"].append(float(masked_mean(out.metrics["value_clip"], mask)))
+            stats["critic/values_mean"].append(float(masked_mean(values.detach(), mask)))
+        return stats
+
+    def step(self) -> float:
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip)
