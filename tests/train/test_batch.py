@@ -1,5 +1,7 @@
 """The step's shared preparation: tensors, reward shaping → estimator → advantage shaping, selected by config."""
 
+import math
+
 import pytest
 import torch
 
@@ -75,3 +77,40 @@ def test_a_shaper_of_the_wrong_shape_and_unknown_names_are_refused():
         _algorithm(reward_shaping=[{"name": "nope"}])
     with pytest.raises(ConfigError, match="algo.reward_shaping.0.name"):
         load_config(RLConfig, None, ["algo.reward_shaping=[{options: {}}]"])
+
+
+def test_overlong_filtering_masks_truncated_responses_but_keeps_their_rewards_in_the_group():
+    # group rewards 1, 0, .5 (the third truncated): dr_grpo mean .5 → Â = .5, −.5, 0 — and the truncated row's
+    # tokens get no loss; without the filter its advantage would be 0 anyway, so use rewards where it is not:
+    # 1, 0, 0 (third truncated): mean 1/3 → Â = 2/3, −1/3, −1/3 → masked: 2/3, −1/3, 0
+    trajectories = fake_trajectories([1.0, 0.0, 0.0], [0, 0, 0], [2, 2, 2],
+                                     statuses=[Status.COMPLETED, Status.COMPLETED, Status.TRUNCATED])
+    plain = prepare_batch(_algorithm(advantage="dr_grpo"), None, trajectories, step=0, max_new_tokens=2)
+    assert torch.allclose(plain.advantages[:, 0], torch.tensor([2 / 3, -1 / 3, -1 / 3]))
+    filtered = prepare_batch(_algorithm(advantage="dr_grpo", mask_truncated=True), None, trajectories, step=0,
+                             max_new_tokens=2)
+    assert torch.allclose(filtered.advantages[:, 0], torch.tensor([2 / 3, -1 / 3, 0.0]))
+    assert filtered.loss_mask.tolist() == [[1, 1], [1, 1], [0, 0]]
+
+
+def test_an_estimator_needing_a_greedy_baseline_refuses_a_batch_without_one():
+    with pytest.raises(ValueError, match="needs baseline_rewards"):
+        prepare_batch(_algorithm(advantage="remax"), None, fake_trajectories([1.0, 0.0], [0, 0], [1, 1]), step=0,
+                      max_new_tokens=2)
+    batch = prepare_batch(_algorithm(advantage="remax"), None, fake_trajectories([1.0, 0.0], [0, 0], [1, 1]), step=0,
+                          max_new_tokens=2, baseline_rewards=torch.tensor([1.0, 1.0]))
+    assert batch.advantages[:, 0].tolist() == [0.0, -1.0]
+
+
+def test_step_metrics_diversity_and_generation_probability():
+    from vlrl.train.batch import step_metrics
+
+    # accuracies: group 0 → 1, 0 (V = .25), group 1 → 1, 1 (V = 0): batch mean V(q) = .125
+    # behaviour log-probs are −1 per token → generation probability e^−1
+    trajectories = fake_trajectories([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1], [2, 3, 1, 1], accuracy=[1, 0, 1, 1])
+    batch = prepare_batch(_algorithm(), None, trajectories, step=0, max_new_tokens=3)
+    metrics = step_metrics(batch, {"policy/loss": [1.0, 3.0]}, [])
+    assert metrics["rollout/diversity"] == pytest.approx(0.125)
+    assert metrics["rollout/gen_prob"] == pytest.approx(math.exp(-1))
+    assert metrics["policy/zero_adv_groups_frac"] == 0.5 and metrics["policy/loss"] == 2.0
+    assert metrics["response/length_mean"] == pytest.approx(7 / 4) and metrics["response/length_max"] == 3

@@ -93,3 +93,26 @@ def test_update_steps_once_per_minibatch_and_logs_its_statistics(rollout):
         assert key in stats, key
     assert stats["policy/approx_kl_old"][0] < 1e-10  # the first micro-batch is on-policy (π_θ = π_old)
     assert stats["policy/approx_kl_old"][-1] > 1e-8  # the last one is not: the weights moved 3 times
+
+
+def test_the_critic_regresses_on_the_returns_and_leaves_the_policy_alone(rollout):
+    """gae's critic: zero head → V ≡ 0 at first (Â = returns); a few steps of the clipped value loss move V
+    toward the returns; the policy's weights (whose backbone the critic copied) do not change."""
+    policy, trajectories = rollout
+    stage = RLStage.model_validate({"rollout": {"n": 3}, "train": {"prompts_per_step": 2},
+                                    "algo": {"advantage": "gae", "advantage_options": {"whiten": False}},
+                                    "critic": {"lr": 1e-3, "value_clip": 10.0}})
+    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)
+    batch = prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
+    assert batch.old_values.abs().max() == 0  # zero-initialised head
+    assert torch.allclose(batch.advantages, batch.returns)  # γ = λ = 1, V = 0: Â_t = R_t = the reward
+    policy_before = [p.detach().clone() for p in policy.model.parameters()]
+    critic, losses = algorithm.critic, []
+    for _ in range(8):
+        stats = critic.accumulate(batch, range(6), micro_batch_size=6, loss_agg="token_mean",
+                                  normaliser=float(batch.loss_mask.sum()))
+        losses.append(stats["critic/value_loss"][0])
+        critic.step()
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert all(torch.equal(p, b) for p, b in zip(policy.model.parameters(), policy_before, strict=True))
+    assert critic.values(trajectories).shape == batch.loss_mask.shape
