@@ -114,3 +114,14 @@ def test_step_metrics_diversity_and_generation_probability():
     assert metrics["rollout/gen_prob"] == pytest.approx(math.exp(-1))
     assert metrics["policy/zero_adv_groups_frac"] == 0.5 and metrics["policy/loss"] == 2.0
     assert metrics["response/length_mean"] == pytest.approx(7 / 4) and metrics["response/length_max"] == 3
+
+
+def test_kl_coef_zero_builds_no_reference_and_runs_no_extra_pass():
+    """kl_coef = 0 and one update per batch: no reference model, no π_old/π_ref pass — prepare_batch runs
+    without a policy at all (any forward pass would fail on ``None``)."""
+    algorithm = _algorithm(kl_coef=0.0)
+    assert algorithm.reference is None and algorithm.critic is None
+    batch = prepare_batch(algorithm, None, fake_trajectories([1.0, 0.0], [0, 0], [2, 2]), step=0, max_new_tokens=2)
+    assert batch.old_logp is None and batch.ref_logp is None
+    with pytest.raises(AttributeError):  # a KL term needs the reference: built from the policy
+        _algorithm(kl_coef=0.1)
