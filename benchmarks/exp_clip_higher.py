@@ -51,7 +51,7 @@ def rl_stage(args, changes: dict) -> RLStage:
         "algo": {"advantage": "grpo", "policy_loss": "ppo_clip", "loss_agg": "token_mean", "kl_coef": 0.0},
         "optim": {"lr": args.lr},
         "train": {"steps": args.steps, "prompts_per_step": args.prompts, "minibatches": args.minibatches,
-                  "ppo_epochs": 1, "micro_batch_size": 128, "log_every": 1},
+                  "ppo_epochs": args.epochs, "micro_batch_size": 128, "log_every": 1},
     }
     for section, values in changes.items():
         raw[section] = {**raw[section], **values}
@@ -71,6 +71,7 @@ def summarise(records: list[dict], window: int) -> dict[str, float]:
         "clip_high": mean("policy/clip_high", records),
         "reward_first": mean("reward/mean", records[:window]),
         "reward_last": mean("reward/mean", records[-window:]),
+        "kl_old_max": max(r["policy/approx_kl_old"] for r in records),
         "zero_adv_mean": mean("policy/zero_adv_groups_frac", records),
         "zero_adv_max": max(r["policy/zero_adv_groups_frac"] for r in records),
         "samples_per_step": mean("sampling/samples_generated", records) if "sampling/samples_generated" in records[0]
@@ -81,12 +82,12 @@ def summarise(records: list[dict], window: int) -> dict[str, float]:
 
 def print_table(title: str, rows: dict[str, dict[str, float]]) -> None:
     print(f"\n{title}")
-    header = ("run", "H first", "H last", "H mean", "clip lo", "clip hi", "R first", "R last", "zero-adv",
-              "zero-adv max", "samples/step", "seconds")
+    header = ("run", "H first", "H last", "H mean", "clip lo", "clip hi", "R first", "R last", "KL_old max",
+              "zero-adv", "zero-adv max", "samples/step", "seconds")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     keys = ("entropy_first", "entropy_last", "entropy_mean", "clip_low", "clip_high", "reward_first", "reward_last",
-            "zero_adv_mean", "zero_adv_max", "samples_per_step", "seconds")
+            "kl_old_max", "zero_adv_mean", "zero_adv_max", "samples_per_step", "seconds")
     for name, s in rows.items():
         cells = [f"{s[k]:.4f}" if k.startswith(("entropy", "clip")) else f"{s[k]:.3f}" for k in keys[:-2]]
         cells += [f"{s['samples_per_step']:.0f}", f"{s['seconds']:.0f}"]
@@ -101,30 +102,41 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
     parser.add_argument("--n", type=int, default=8, help="responses per prompt")
     parser.add_argument("--minibatches", type=int, default=4, help="optimizer steps per RL step")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over each rollout batch (ppo_epochs)")
     parser.add_argument("--lr", type=float, default=1e-3, help="RL learning rate")
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="which runs to do")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--window", type=int, default=10, help="steps averaged for 'first' and 'last'")
     parser.add_argument("--out", default=None, help="write every run's per-step records to this JSON file")
+    parser.add_argument("--warm-start", default=None,
+                        help="directory of the SFT checkpoint: loaded if it exists, else trained and saved there "
+                        "(default runs/exp_clip_higher/sft<steps>)")
     args = parser.parse_args()
     if args.quick:
         args.sft_steps, args.steps, args.prompts, args.n, args.seeds, args.window = 30, 4, 4, 4, [0], 2
 
     t0 = time.time()
     seed_everything(0)
-    policy = load_policy("tiny-qwen2-vl")
     train = generate("shapes", 4000, split="train", tasks=["count", "color"])
-    sft = SFTStage.model_validate({"optim": {"lr": 1e-3, "betas": [0.5, 0.9]},
-                                   "train": {"steps": args.sft_steps, "batch_size": 32, "micro_batch_size": 32,
-                                             "log_every": 10**9}})
-    sft_stats = train_sft(policy, train, sft, logger=MetricsLogger(None, quiet=True), seed=0)
+    warm_dir = Path(args.warm_start or f"runs/exp_clip_higher/sft{args.sft_steps}")
+    if not (warm_dir / "config.json").is_file():
+        policy = load_policy("tiny-qwen2-vl")
+        sft = SFTStage.model_validate({"optim": {"lr": 1e-3, "betas": [0.5, 0.9]},
+                                       "train": {"steps": args.sft_steps, "batch_size": 32, "micro_batch_size": 32,
+                                                 "log_every": 10**9}})
+        sft_stats = train_sft(policy, train, sft, logger=MetricsLogger(None, quiet=True), seed=0)
+        print(f"SFT warm start: {args.sft_steps} steps in {time.time() - t0:.0f}s, last loss "
+              f"{sft_stats.get('sft/loss', float('nan')):.3f}; saved to {warm_dir}", flush=True)
+        policy.save(warm_dir)
+    policy = load_policy(str(warm_dir))  # always from disk: the first run and later ones start identically
+    print(f"SFT warm start: {warm_dir}", flush=True)
     warm = copy.deepcopy(policy.model.state_dict())
-    print(f"SFT warm start: {args.sft_steps} steps in {time.time() - t0:.0f}s, last loss {sft_stats.get('sft/loss', float('nan')):.3f}")
 
     results: dict[int, dict[str, dict[str, float]]] = {}
     records_out: dict[str, list[dict]] = {}
     for seed in args.seeds:
         results[seed] = {}
-        for name, changes in RUNS.items():
+        for name, changes in ((n, RUNS[n]) for n in args.runs):
             policy.model.load_state_dict(warm)
             seed_everything(seed)
             logger = MetricsLogger(None, quiet=True)
@@ -135,14 +147,18 @@ def main() -> None:
             records_out[f"{name}/seed{seed}"] = logger.records
         print_table(f"seed {seed}: {args.steps} GRPO steps × {args.prompts} prompts × {args.n} samples, "
                     f"{args.minibatches} minibatches, lr {args.lr}", results[seed])
+        print(flush=True)
     if len(args.seeds) > 1:
         mean_rows = {name: {k: sum(results[s][name][k] for s in args.seeds) / len(args.seeds)
-                            for k in results[args.seeds[0]][name]} for name in RUNS}
+                            for k in results[args.seeds[0]][name]} for name in args.runs}
         print_table(f"mean over seeds {args.seeds}", mean_rows)
-    wins = sum(results[s]["clip-higher"]["entropy_mean"] > results[s]["symmetric"]["entropy_mean"] for s in args.seeds)
-    print(f"\nclip-higher entropy (mean over the run) above symmetric in {wins}/{len(args.seeds)} seeds; "
-          f"dynamic sampling max zero-advantage fraction in any update batch: "
-          f"{max(results[s]['dynamic']['zero_adv_max'] for s in args.seeds):.3f}; total {time.time() - t0:.0f}s")
+    if {"symmetric", "clip-higher"} <= set(args.runs):
+        wins = sum(results[s]["clip-higher"]["entropy_mean"] > results[s]["symmetric"]["entropy_mean"] for s in args.seeds)
+        print(f"\nclip-higher entropy (mean over the run) above symmetric in {wins}/{len(args.seeds)} seeds")
+    if "dynamic" in args.runs:
+        print(f"dynamic sampling: max zero-advantage fraction in any update batch "
+              f"{max(results[s]['dynamic']['zero_adv_max'] for s in args.seeds):.3f}")
+    print(f"total {time.time() - t0:.0f}s")
     if args.out:
         Path(args.out).write_text(json.dumps(records_out, indent=1))
 
