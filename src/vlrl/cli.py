@@ -59,12 +59,24 @@ def demo(
 def sft(
     config: Path | None = CONFIG,
     data: str | None = typer.Option(None, "--data", help="Training samples file/dir (sets data.train)."),
+    stages: str | None = typer.Option(None, "--stages", help="Run only these stages of a staged config, e.g. "
+                                      "midtrain,instruct (set model.path to the previous stage's checkpoint)."),
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
-    """Supervised fine-tuning on reference responses."""
+    """Supervised fine-tuning on reference responses (one stage, or the stages of the config in order)."""
     from vlrl.train.recipes import run_sft
 
-    _run(run_sft, _load(SFTConfig, config, overrides, [f"data.train={data}"] if data else []))
+    cfg = _load(SFTConfig, config, overrides, [f"data.train={data}"] if data else [])
+    if stages is not None:
+        wanted = [s.strip() for s in stages.split(",") if s.strip()]
+        known = [s.name for s in cfg.stages]
+        unknown = [s for s in wanted if s not in known]
+        if unknown or not wanted:
+            typer.secho(f"--stages: unknown stage(s) {unknown or wanted}; the config's stages: {known or 'none'}",
+                        fg="red", err=True)
+            raise typer.Exit(2)
+        cfg.stages = [s for s in cfg.stages if s.name in wanted]
+    _run(run_sft, cfg)
 
 
 @app.command()
@@ -223,6 +235,52 @@ def data_gen(
     with progress.task(f"write {target}"):
         path = write_samples(samples, target)
     typer.echo(f"wrote {len(samples)} {suite} samples to {path} (suites: {', '.join(TASK_SUITES.names())})")
+
+
+@data_app.command("pack")
+def data_pack(
+    data: Path = typer.Option(..., "--data", help="Sample file (.jsonl/.parquet) or directory to plan."),
+    out: Path = typer.Option(..., "--out", help="Plan file (.npz); the statistics go to the .json beside it."),
+    capacity: int = typer.Option(..., "--capacity", help="Tokens per packed sequence (e.g. 8192)."),
+    model: str = typer.Option("tiny-qwen2-vl", "--model", help="Model whose tokenizer/processor counts tokens (no weights loaded)."),
+    min_pixels: int | None = typer.Option(None, "--min-pixels", help="Native-resolution lower bound (as model.min_pixels)."),
+    max_pixels: int | None = typer.Option(None, "--max-pixels", help="Native-resolution upper bound (as model.max_pixels)."),
+    init_seed: int = typer.Option(0, "--init-seed", help="model.init_seed of a tiny preset."),
+    workers: int = typer.Option(1, "--workers", help="Processes counting tokens."),
+    seed: int = typer.Option(0, "--seed", help="The plan is deterministic for a seed."),
+    on_overlong: str = typer.Option("drop", "--on-overlong", help="Samples longer than the capacity: drop, truncate or raise."),
+    greedy_only: bool = typer.Option(False, "--greedy-only", help="Skip the diversity-first phase (fill greedily)."),
+    on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip (they are then not in the plan's file set)."),
+) -> None:
+    """Offline packing: count every sample's tokens, plan bins of --capacity tokens, write the plan once."""
+    from vlrl.data import DataError, read_samples
+    from vlrl.data.packing import PackingError, plan_samples
+    from vlrl.models.lengths import TokenCounter
+    from vlrl.models.policy import load_processor
+
+    if on_overlong not in ("drop", "truncate", "raise") or on_error not in ("raise", "skip"):
+        typer.secho("vlrl data pack: --on-overlong is drop, truncate or raise; --on-error is raise or skip", fg="red", err=True)
+        raise typer.Exit(2)
+    progress = _progress()
+    try:
+        with progress.task(f"read {data}"):
+            samples = read_samples(data, on_error=on_error, verify_images=False).samples
+        with progress.task(f"load the processor of {model}"):
+            processor = load_processor(model, seed=init_seed, min_pixels=min_pixels, max_pixels=max_pixels)
+        with progress.task(f"count tokens of {len(samples)} samples and pack"):
+            plan = plan_samples(samples, TokenCounter(processor), capacity, workers=workers, source=str(data),
+                                model={"path": model, "init_seed": init_seed, "min_pixels": min_pixels,
+                                       "max_pixels": max_pixels},
+                                seed=seed, on_overlong=on_overlong, diversity=not greedy_only)
+        path = plan.save(out)
+    except (DataError, PackingError, ValueError, OSError) as err:
+        typer.secho(f"vlrl data pack: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    s = plan.meta["stats"]
+    typer.echo(f"wrote {path} (+ {path.with_suffix('.json').name}): {s['packed_samples']} samples in {s['bins']} bins of "
+               f"{capacity} tokens (lower bound {s['lower_bound']}), fill {s['fill_ratio']:.2%}, padding compression "
+               f"vs one sample per sequence {s['compression_vs_naive']:.1f}x; {s['truncated']} truncated, "
+               f"{s['dropped']} dropped (longer than the capacity, listed in the .json)")
 
 
 def _progress():

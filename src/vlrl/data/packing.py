@@ -42,7 +42,7 @@ import bisect
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -137,6 +137,17 @@ class PackingPlan:
         plan.validate(str(path))
         return plan
 
+    def check_samples(self, ids: Sequence[str]) -> None:
+        """Raise unless ``ids`` (the training file's sample ids, in read order) are the ones the plan was made for."""
+        source = self.meta.get("data", "?")
+        if len(ids) != len(self.lengths):
+            raise PackingError(f"data.packing_plan: the plan covers {len(self.lengths)} samples of {source} but the "
+                               f"training data holds {len(ids)}; re-run `vlrl data pack` on the training file")
+        expected = self.meta.get("ids_sha256")
+        if expected is not None and ids_fingerprint(ids) != expected:
+            raise PackingError(f"data.packing_plan: the training data's sample ids (or their order) differ from those "
+                               f"of {source} the plan was made for; re-run `vlrl data pack` on the training file")
+
     def validate(self, where: str = "packing plan") -> None:
         """Every sample is planned at most once, indices are in range, and no bin exceeds the capacity."""
         n = len(self.lengths)
@@ -161,6 +172,7 @@ def pack_lengths(
     diversity: bool = True,
     greedy_below: float = 0.25,
     bucket_width: int = 64,
+    prompt_lengths: Sequence[int] | np.ndarray | None = None,
 ) -> PackingPlan:
     """Plan bins of at most ``capacity`` tokens for samples of the given token lengths.
 
@@ -173,6 +185,8 @@ def pack_lengths(
         diversity: fill from random coarse buckets first (True), or only greedily (False).
         greedy_below: switch to greedy completion once fewer than ``greedy_below · capacity`` tokens remain.
         bucket_width: width in tokens of the coarse buckets of the diversity phase.
+        prompt_lengths: prompt tokens of each sample; with ``truncate``, an overlong sample whose prompt alone
+            leaves no room for a target token within ``capacity`` is dropped instead (truncation cuts targets only).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.ndim != 1:
@@ -196,6 +210,10 @@ def pack_lengths(
     blocks, widths = _plan_patterns(counts, starts, order, capacity, rng=rng, diversity=diversity,
                                     greedy_below=greedy_below, bucket_width=bucket_width)
     truncated = overlong if on_overlong == "truncate" else np.zeros(0, np.int64)
+    dropped = overlong if on_overlong == "drop" else np.zeros(0, np.int64)
+    if len(truncated) and prompt_lengths is not None:
+        uncuttable = np.asarray(prompt_lengths, dtype=np.int64)[truncated] >= capacity
+        truncated, dropped = truncated[~uncuttable], truncated[uncuttable]
     if len(truncated):
         blocks.append(truncated.reshape(-1, 1))
         widths.append(np.ones(len(truncated), np.int64))
@@ -203,8 +221,7 @@ def pack_lengths(
     sizes = np.concatenate(widths) if widths else np.zeros(0, np.int64)
     bin_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     plan = PackingPlan(capacity=capacity, bin_offsets=bin_offsets, sample_index=sample_index.astype(np.int64),
-                       lengths=lengths, truncated=truncated.astype(np.int64),
-                       dropped=overlong.astype(np.int64) if on_overlong == "drop" else np.zeros(0, np.int64))
+                       lengths=lengths, truncated=truncated.astype(np.int64), dropped=dropped.astype(np.int64))
     plan.meta.update(settings={"seed": seed, "on_overlong": on_overlong, "diversity": diversity,
                                "greedy_below": greedy_below, "bucket_width": bucket_width},
                      stats=packing_stats(plan))
@@ -338,6 +355,75 @@ def online_pack(lengths: np.ndarray, capacity: int, *, buffer_size: int = 64, se
     tokens = int(sum(stream))
     return {"bins": bins, "tokens": tokens, "padding": bins * capacity - tokens,
             "fill_ratio": tokens / (bins * capacity) if bins else 0.0, "samples": len(stream)}
+
+
+def plan_samples(
+    samples: Sequence[Any],
+    count: Callable[[Any], tuple[int, int]],
+    capacity: int,
+    *,
+    workers: int = 1,
+    source: str = "",
+    model: dict[str, Any] | None = None,
+    **options: Any,
+) -> PackingPlan:
+    """Count every sample's tokens (`sample_lengths`), pack (`pack_lengths` with ``options``), and record in the
+    plan's sidecar the data file, the fingerprint of its ids, the model settings and the overlong samples."""
+    prompt, lengths = sample_lengths(samples, count, workers=workers)
+    plan = pack_lengths(lengths, capacity, prompt_lengths=prompt, **options)
+    ids = [s.id for s in samples]
+    plan.meta.update(
+        data=source, ids_sha256=ids_fingerprint(ids), model=model or {},
+        overlong=[{"id": ids[i], "tokens": int(lengths[i]), "action": action}
+                  for action, rows in (("truncated", plan.truncated), ("dropped", plan.dropped)) for i in rows[:1000]],
+    )
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------- lengths
+_COUNT_JOB: tuple[Sequence[Any], Callable[[Any], tuple[int, int]]] | None = None
+
+
+def sample_lengths(
+    samples: Sequence[Any], count: Callable[[Any], tuple[int, int]], *, workers: int = 1, chunk: int = 2048
+) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt_lengths, lengths) of every sample, computed by ``count(sample) -> (prompt, total)`` in
+    ``workers`` forked processes (the samples and the counter are inherited, not pickled). A sample that
+    cannot be counted raises `PackingError` naming its file and line."""
+    global _COUNT_JOB
+    n = len(samples)
+    spans = [(start, min(start + chunk, n)) for start in range(0, n, chunk)]
+    _COUNT_JOB = (samples, count)
+    try:
+        if workers <= 1 or len(spans) <= 1:
+            parts = [_count_span(span) for span in spans]
+        else:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                parts = list(pool.map(_count_span, spans))
+    finally:
+        _COUNT_JOB = None
+    for part in parts:
+        if isinstance(part, str):
+            raise PackingError(part)
+    prompt = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+    total = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
+    return prompt, total
+
+
+def _count_span(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | str:
+    samples, count = _COUNT_JOB  # type: ignore[misc]
+    prompt = np.zeros(span[1] - span[0], np.int64)
+    total = np.zeros(span[1] - span[0], np.int64)
+    for k in range(span[0], span[1]):
+        try:
+            prompt[k - span[0]], total[k - span[0]] = count(samples[k])
+        except (ValueError, KeyError) as err:  # SampleError, tokenizer/template errors
+            where = getattr(samples[k], "source", "") or f"sample {k}"
+            return f"{where}: cannot count the tokens of sample {getattr(samples[k], 'id', k)!r}: {err}"
+    return prompt, total
 
 
 def ids_fingerprint(ids: Sequence[str]) -> str:
