@@ -283,6 +283,58 @@ def data_pack(
                f"{s['dropped']} dropped (longer than the capacity, listed in the .json)")
 
 
+@data_app.command("balance")
+def data_balance(
+    data: Path = typer.Option(..., "--data", help="Sample file (.jsonl/.parquet) or directory to balance."),
+    vocabulary: Path = typer.Option(..., "--vocabulary", help="Concept vocabulary: one concept per line."),
+    out: Path = typer.Option(..., "--out", help="Output directory: index.json, report.json, coverage.png, train.jsonl."),
+    embedder: str = typer.Option("clip", "--embedder", help="Registered embedder (clip) or pkg.mod:factory."),
+    embedder_path: str = typer.Option(..., "--embedder-path", help="Local directory of the embedding model."),
+    template: str = typer.Option("a photo of {}.", "--template", help="Prompt each concept is embedded in ({} = the concept)."),
+    top_k: int = typer.Option(5, "--top-k", help="Concepts retrieved per sample."),
+    n_out: int | None = typer.Option(None, "--n-out", help="Samples to draw (default: as many as the input holds)."),
+    power: float = typer.Option(1.0, "--power", help="Weight exponent: w ∝ mean f_c^(−power) over the sample's concepts."),
+    replace: bool | None = typer.Option(None, "--replace/--no-replace", help="Draw with replacement (default: only when --n-out exceeds the input)."),
+    seed: int = typer.Option(0, "--seed"),
+    batch_size: int = typer.Option(64, "--batch-size", help="Samples embedded per batch."),
+    write_data: bool = typer.Option(True, "--write-data/--index-only", help="Also write the resampled samples as train.jsonl."),
+    on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them."),
+) -> None:
+    """Concept balancing: top-K concepts per image, inverse-frequency resampling, coverage before/after."""
+    from vlrl.data import DataError, read_samples, write_samples
+    from vlrl.data.balance import balance_samples, get_embedder, plot_coverage, read_vocabulary, resampled
+    from vlrl.data.packing import ids_fingerprint
+    from vlrl.registry import RegistryError
+
+    progress = _progress()
+    try:
+        words = read_vocabulary(str(vocabulary))
+        samples = read_samples(data, on_error=on_error).samples
+        model = get_embedder(embedder)(embedder_path)
+        with progress.task(f"embed {len(samples)} samples, {len(words)} concepts"):
+            result = balance_samples(samples, model, words, top_k=top_k, n_out=n_out, power=power, replace=replace,
+                                     seed=seed, batch_size=batch_size, template_texts=[template.replace("{}", w) for w in words])
+    except (DataError, RegistryError, ValueError, OSError) as err:
+        typer.secho(f"vlrl data balance: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    out.mkdir(parents=True, exist_ok=True)
+    ids = [s.id for s in samples]
+    (out / "index.json").write_text(json.dumps({"data": str(data), "ids_sha256": ids_fingerprint(ids),
+                                                "indices": result.indices.tolist(),
+                                                "ids": [ids[i] for i in result.indices.tolist()]}) + "\n")
+    (out / "report.json").write_text(json.dumps(result.report, indent=2) + "\n")
+    plot_coverage(result, str(out / "coverage.png"))
+    if write_data:
+        write_samples(resampled(samples, result.indices), out / "train.jsonl")
+    r = result.report
+    for name in ("pool", "uniform", "balanced"):
+        c = r[name]
+        typer.echo(f"{name:9s} {c['samples']:>8} samples: {c['concepts_covered']}/{len(words)} concepts covered "
+                   f"({c['coverage']:.1%}), evenness {c['evenness']:.3f}, top-1% concepts hold {c['head_1pct_share']:.1%} "
+                   "of mentions")
+    typer.echo(f"wrote {out}/index.json, report.json, coverage.png" + (", train.jsonl" if write_data else ""))
+
+
 def _progress():
     """Progress bars on stderr (only when it is a terminal)."""
     from rich.console import Console
