@@ -335,6 +335,72 @@ def data_balance(
     typer.echo(f"wrote {out}/index.json, report.json, coverage.png" + (", train.jsonl" if write_data else ""))
 
 
+@data_app.command("select")
+def data_select(
+    data: Path = typer.Option(..., "--data", help="Prompts (.jsonl/.parquet file or directory) with answers and rewards."),
+    model: str = typer.Option(..., "--model", help="The current model: directory, preset or hub id."),
+    out: Path = typer.Option(..., "--out", help="Output directory: selected.jsonl, stats.jsonl, summary.json."),
+    n: int = typer.Option(8, "--n", help="Rollouts per prompt (N)."),
+    k: int | None = typer.Option(None, "--k", help="pass@k of the gap (default: k = N)."),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    min_mean_reward: float | None = typer.Option(0.1, "--min-mean-reward", help="Drop items whose mean reward is lower (unsolvable)."),
+    max_mean_reward: float | None = typer.Option(0.9, "--max-mean-reward", help="Drop items whose mean reward is higher (trivial)."),
+    min_gap: float | None = typer.Option(None, "--min-gap", help="Keep only items with pass@k − pass@1 ≥ this."),
+    store: Path | None = typer.Option(None, "--store", help="Rollout cache (jsonl) to reuse and extend; default OUT/rollouts.jsonl."),
+    servers: str | None = typer.Option(None, "--servers", help="Comma-separated rollout servers (vlrl serve / SGLang) already serving --model."),
+    batch_prompts: int = typer.Option(64, "--batch-prompts", help="Prompts per generate call."),
+    seed: int = typer.Option(0, "--seed"),
+    on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them."),
+) -> None:
+    """Discrepancy-driven selection: N rollouts per prompt, pass@1 / pass@k / mean reward, keep the band."""
+    from vlrl.data import DataError, read_samples, write_samples
+    from vlrl.data.select import Band, RolloutStore, rollout_and_score, select, summarise
+    from vlrl.models import load_policy
+    from vlrl.rollout import HFEngine, SamplingParams
+    from vlrl.train.common import reward_names_check, seed_everything
+
+    progress = _progress()
+    engine = None
+    try:
+        samples = read_samples(data, on_error=on_error, check=reward_names_check).samples
+        band = Band(min_mean_reward=min_mean_reward, max_mean_reward=max_mean_reward, min_gap=min_gap, k=k or n)
+        rollout_store = RolloutStore(store or out / "rollouts.jsonl")
+        seed_everything(seed)
+        with progress.task(f"load {model}"):
+            if servers:
+                from vlrl.models.policy import load_processor
+                from vlrl.rollout.http_engine import HTTPEngine
+
+                engine = HTTPEngine(load_processor(model), [u.strip() for u in servers.split(",") if u.strip()],
+                                    weights_dir=out / "weights")
+            else:
+                engine = HFEngine(load_policy(model))
+        sampling = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens)
+        with progress.task(f"roll out {len(samples)} prompts × {n}", total=len(samples)) as task:
+            rollouts, generated, failures = rollout_and_score(
+                engine, samples, sampling, rollout_store, model=model, batch_prompts=batch_prompts,
+                on_progress=lambda done: task.update(completed=done))
+        kept, stats = select(samples, rollouts, band)
+    except (DataError, ValueError, OSError) as err:
+        typer.secho(f"vlrl data select: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    out.mkdir(parents=True, exist_ok=True)
+    write_samples(kept, out / "selected.jsonl")
+    with open(out / "stats.jsonl", "w", encoding="utf-8") as handle:
+        for s in stats:
+            handle.write(json.dumps({**s.__dict__, "gap": s.gap}) + "\n")
+    summary = {**summarise(stats), "band": band.__dict__, "generated": generated,
+               "reused_from_store": len(samples) - generated, "reward_failures": failures,
+               "store": str(rollout_store.path), "model": model, "n": n}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    typer.echo(f"kept {len(kept)} of {len(samples)} items ({summary['verdicts']}); rolled out {generated}, reused "
+               f"{len(samples) - generated} from {rollout_store.path}; wrote {out}/selected.jsonl, stats.jsonl, summary.json")
+
+
 def _progress():
     """Progress bars on stderr (only when it is a terminal)."""
     from rich.console import Console
