@@ -112,7 +112,7 @@ def main() -> None:
         print(f"{label:34s} {s['bins']:>11,} {s['bins_over_lower_bound']:>9.3%} {s['fill_ratio']:>7.3%} "
               f"{s['padding_packed']:>15,} {seconds:>6.1f}s")
     print("padding compression (baseline padding / packed padding):")
-    for label, (s, seconds) in results.items():
+    for label, (s, _seconds) in results.items():
         packed = max(s["padding_packed"], 1)
         print(f"  {label:34s} vs naive {naive / packed:8.1f}x   vs dynamic padding {dynamic / packed:7.1f}x   "
               f"vs online packer {online['padding'] / packed:6.1f}x   ({s['samples_per_bin']:.1f} samples/bin, "

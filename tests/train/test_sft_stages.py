@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from vlrl.config import ConfigError, SFTConfig, load_config
 from vlrl.models import load_policy
 from vlrl.train.recipes import run_sft

@@ -246,9 +246,6 @@ def _plan_patterns(counts, starts, order, capacity, *, rng, diversity, greedy_be
         need = {seed_length: 1}
         room = capacity - seed_length
 
-        def fits(length: int) -> bool:
-            return counts[length] > need.get(length, 0)
-
         if diversity:
             while room > greedy_gap:
                 top = bisect.bisect_right(bucket_ids, room // bucket_width)
@@ -257,7 +254,7 @@ def _plan_patterns(counts, starts, order, capacity, *, rng, diversity, greedy_be
                 bucket = bucket_ids[int(rng.integers(top))]
                 lengths = buckets[bucket]
                 k = bisect.bisect_right(lengths, room) - 1
-                while k >= 0 and not fits(lengths[k]):
+                while k >= 0 and counts[lengths[k]] <= need.get(lengths[k], 0):  # none left
                     k -= 1
                 if k < 0:
                     break  # the bucket stalls: switch to greedy completion
@@ -266,7 +263,7 @@ def _plan_patterns(counts, starts, order, capacity, *, rng, diversity, greedy_be
         k = bisect.bisect_right(available, room) - 1
         while k >= 0:  # greedy completion: the longest remaining length that fits, again and again
             length = available[k]
-            if fits(length) and length <= room:
+            if counts[length] > need.get(length, 0) and length <= room:
                 take = min(room // length, int(counts[length]) - need.get(length, 0))
                 need[length] = need.get(length, 0) + take
                 room -= take * length

@@ -28,7 +28,7 @@ from vlrl.data.packing import PackingPlan
 from vlrl.data.sample import load_image
 from vlrl.models import Policy, collate, response_logprobs
 from vlrl.models.adapters import VisionInputs
-from vlrl.models.packed import default_rows, first_fit_rows, pack_sequences, packed_response_logprobs
+from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
 from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
 from vlrl.train.modules import restore_trainable, set_trainable
@@ -139,24 +139,16 @@ def _micro_logprobs(policy: Policy, units: list[list[SFTExample]], *, packed: bo
     micro-batch's samples first-fit into rows as long as its longest sample; flash-attention gets one flat row.
     """
     flat = [e for unit in units for e in unit]
-    prompts, targets, visions = [e.prompt_ids for e in flat], [e.target_ids for e in flat], [e.vision for e in flat]
-    if not packed:
-        tokens = collate(prompts, targets, visions, pad_token_id=policy.pad_token_id)
-        logp, _ = response_logprobs(policy.model, policy.adapter, tokens)  # (b, R), 0 at padding
-        return logp, tokens.input_ids.numel()
+    groups = None
     if planned:
         groups, offset = [], 0
         for unit in units:
             groups.append(list(range(offset, offset + len(unit))))
             offset += len(unit)
-    else:
-        lengths = [e.length for e in flat]
-        groups = first_fit_rows(lengths, max(lengths))
-    rows = default_rows(policy.model, groups, len(flat))
-    batch = pack_sequences(policy.model, policy.adapter, prompts, targets, visions, pad_token_id=policy.pad_token_id,
-                           rows=rows)
-    logp, _ = packed_response_logprobs(policy.model, policy.adapter, batch)
-    return logp, batch.num_tokens
+    logp, _, processed = sequence_logprobs(
+        policy.model, policy.adapter, [e.prompt_ids for e in flat], [e.target_ids for e in flat],
+        [e.vision for e in flat], pad_token_id=policy.pad_token_id, padding_free=packed, groups=groups)
+    return logp, processed
 
 
 def _check_bins(units: list[list[int]], examples: dict[int, SFTExample], plan: PackingPlan) -> None:
