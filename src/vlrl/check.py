@@ -102,6 +102,8 @@ def _stages(cfg: RunConfig) -> tuple[list[tuple[str, SFTStage]], list[tuple[str,
         return [("sft.", cfg.sft)], [("rl.", cfg.rl)]
     if isinstance(cfg, SFTConfig) and cfg.stages:  # staged SFT: each stage has its own train section
         return [(f"stages.{k}.", stage) for k, stage in enumerate(cfg.stages)], []
+    if isinstance(cfg, RLConfig) and cfg.stages:  # RL curriculum: each stage has its own sections
+        return [], [(f"stages.{k}.", stage) for k, stage in enumerate(cfg.stages)]
     return ([("", cfg)] if isinstance(cfg, SFTConfig) else []), ([("", cfg)] if isinstance(cfg, RLConfig) else [])
 
 

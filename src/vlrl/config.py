@@ -348,8 +348,41 @@ class SFTConfig(RunConfig, SFTStage):
         return self
 
 
+class RLStageSpec(RLStage):
+    """One stage of an RL curriculum (LLaVA-OV-1.5-RL: answer-only, then chain-of-thought)."""
+
+    name: str = Field(..., min_length=1, description="Stage name: metrics stage, checkpoint directory checkpoints/<name>.")
+    data: DataConfig | None = Field(
+        None, description="Prompts of this stage (train file or procedural suite). Unset: the run's `data` section.",
+    )
+    prompt_template: str | None = Field(
+        None, description="Instruction put at the end of every prompt's last user turn, replacing a known one: "
+        "'answer' (Put ONLY your final answer within <answer></answer>.), 'think' (step by step in <think></think>, "
+        "then <answer></answer>), 'none', or literal text. Unset: prompts as they are.",
+    )
+
+
 class RLConfig(RunConfig, RLStage):
     """`vlrl rl`: GRPO-family RL with verifiable rewards, synchronous or asynchronous (``rollout.mode``)."""
+
+    stages: list[RLStageSpec] = Field(
+        default_factory=list, description="RL curriculum: stages run in order, each starting from the previous "
+        "stage's checkpoint with its own data, prompt template, rollout, algo, optim and train sections. Empty: one "
+        "stage from the top-level sections. See configs/curriculum_grpo.yaml.",
+    )
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> RLConfig:
+        if self.stages:
+            top = sorted({"rollout", "algo", "optim", "train", "staleness"} & self.model_fields_set)
+            if top:
+                raise ValueError(f"{', '.join(top)}: with `stages` set, every stage has its own rollout, algo, optim, "
+                                 "train and staleness sections; move these settings into the stages")
+            names = [s.name for s in self.stages]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ValueError(f"stages: duplicate stage name(s) {duplicates}")
+        return self
 
 
 class DemoConfig(RunConfig):

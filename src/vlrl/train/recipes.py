@@ -18,6 +18,7 @@ from pathlib import Path
 from vlrl.check import PreflightError, preflight
 from vlrl.config import DataConfig, DemoConfig, RLConfig, RunConfig, SFTConfig
 from vlrl.data import Sample
+from vlrl.data.curriculum import with_template
 from vlrl.data.packing import PackingPlan
 from vlrl.eval import evaluate
 from vlrl.models import Policy, load_policy
@@ -123,12 +124,12 @@ def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: i
     return stats
 
 
-def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger) -> dict:
-    with logger.progress.task("rl", total=stage.train.steps, stage="rl"), \
-            engine.training("rl", total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
+def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger, name: str = "rl") -> dict:
+    with logger.progress.task(name, total=stage.train.steps, stage=name), \
+            engine.training(name, total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
         loop = train_async_grpo if stage.rollout.mode == "async" else train_grpo
-        stats = loop(policy, engine, train, stage, logger=logger, seed=cfg.seed)
-    _log_last_step(logger, "rl", stats)
+        stats = loop(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name)
+    _log_last_step(logger, name, stats)
     return stats
 
 
@@ -185,12 +186,7 @@ def _sft_stages(policy: Policy, train: list[Sample], cfg: SFTConfig, run_dir: Pa
         if k + 1 < len(cfg.stages):  # the next stage continues from this checkpoint, with a fresh optimizer
             policy = load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
                                  min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
-    final = run_dir / "checkpoints" / "final"
-    if final.is_symlink() or final.is_file():
-        final.unlink()
-    elif final.is_dir():
-        shutil.rmtree(final)
-    final.symlink_to(cfg.stages[-1].name, target_is_directory=True)
+    _link_final(run_dir, cfg.stages[-1].name)
     return policy, stats
 
 
@@ -200,6 +196,10 @@ def run_rl(cfg: RLConfig) -> dict:
         train, test = _data(cfg, logger)
         _check(cfg, logger, train, test)
         policy = _load(cfg, logger)
+        if cfg.stages:
+            summary = _rl_stages(policy, train, test, cfg, run_dir, logger)
+            write_json(run_dir / "summary.json", summary)
+            return summary
         # in-process, or rollout.servers over HTTP (rollout.mode=async)
         engine = WatchedEngine(make_engine(cfg.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
         try:
@@ -212,6 +212,45 @@ def run_rl(cfg: RLConfig) -> dict:
                 engine.engine.close()
         write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def _rl_stages(policy: Policy, train: list[Sample], test: list[Sample], cfg: RLConfig, run_dir: Path,
+               logger: MetricsLogger) -> dict:
+    """RL curriculum (LLaVA-OV-1.5-RL: answer-only, then chain-of-thought): each stage trains on its own data
+    with its own prompt template, is saved to checkpoints/<name> and evaluated (held-out prompts in the same
+    template), and the next stage starts from that checkpoint."""
+    summary: dict = {"train": {}}
+    for k, stage in enumerate(cfg.stages):
+        samples = train if stage.data is None else load_split(stage.data, "train", logger)
+        held_out = test
+        if stage.prompt_template is not None:
+            samples, held_out = with_template(samples, stage.prompt_template), with_template(test, stage.prompt_template)
+        engine = WatchedEngine(make_engine(stage.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
+        try:
+            if k == 0:
+                summary["initial"] = _eval(engine, held_out, cfg, logger, "initial")
+            summary["train"][stage.name] = _rl(policy, engine, samples, stage, cfg, logger, name=stage.name)
+            checkpoint = _save(policy, run_dir / "checkpoints" / stage.name, logger)
+            summary[stage.name] = _eval(engine, held_out, cfg, logger, stage.name)
+        finally:
+            if hasattr(engine.engine, "close"):
+                engine.engine.close()
+        if k + 1 < len(cfg.stages):
+            policy = load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
+                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    summary["rl"] = summary[cfg.stages[-1].name]
+    _link_final(run_dir, cfg.stages[-1].name)
+    return summary
+
+
+def _link_final(run_dir: Path, stage: str) -> None:
+    """checkpoints/final → checkpoints/<last stage>."""
+    final = run_dir / "checkpoints" / "final"
+    if final.is_symlink() or final.is_file():
+        final.unlink()
+    elif final.is_dir():
+        shutil.rmtree(final)
+    final.symlink_to(stage, target_is_directory=True)
 
 
 def run_demo(cfg: DemoConfig) -> dict:
