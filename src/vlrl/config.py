@@ -255,6 +255,10 @@ class RLTrainConfig(Section):
     max_samples: int | None = Field(None, ge=1, description="Draw prompts from only the first N training samples.")
     max_seconds: float | None = Field(None, gt=0, description="Wall-clock budget of the stage; stops after the step that crosses it.")
     log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+    padding_free: bool = Field(
+        False, description="Teacher-forced passes (update, π_old, π_ref) pack each micro-batch's sequences into rows "
+        "with per-sequence position ids instead of padding them (same values, fewer tokens; vlrl.models.packed).",
+    )
 
 
 class RLStage(Section):
