@@ -380,7 +380,12 @@ def detect_recipe(raw: dict[str, Any], path: str | Path | None = None) -> str:
         return "demo"
     if {"rollout", "algo"} & set(raw):
         return "rl"
+    stages = raw.get("stages") if isinstance(raw.get("stages"), list) else []
+    if any(isinstance(st, dict) and {"rollout", "algo", "prompt_template", "staleness"} & set(st) for st in stages):
+        return "rl"  # an RL curriculum
     train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    if any(isinstance(st, dict) and isinstance(st.get("train"), dict) and "batch_size" in st["train"] for st in stages):
+        return "sft"  # staged SFT
     if "batch_size" in train or (path is not None and "sft" in Path(path).stem):
         return "sft"
     return "rl"
