@@ -80,16 +80,14 @@ def _plan(policy, samples, capacity, **options):
 
 
 def test_training_from_a_packing_plan(tiny_vlm):
-    samples = generate("shapes", 12, tasks=["count", "color", "ocr"])
+    samples = generate("shapes", 8, tasks=["count", "color", "ocr"])
     plan = _plan(tiny_vlm, samples, capacity=200)
     assert plan.num_bins < len(samples)  # several samples per packed sequence
-    before = {k: v.clone() for k, v in tiny_vlm.model.state_dict().items()}
     loss0 = sft_step_check(tiny_vlm, samples)
     log = MetricsLogger(None, quiet=True)
-    stats = train_sft(tiny_vlm, samples, _stage(steps=4, batch_size=2, micro_batch_size=1), logger=log, seed=0, plan=plan)
-    assert stats["steps"] == 4 and stats["perf/padding_frac"] < 0.25
+    stats = train_sft(tiny_vlm, samples, _stage(steps=3, batch_size=2, micro_batch_size=2), logger=log, seed=0, plan=plan)
+    assert stats["steps"] == 3 and stats["perf/padding_frac"] < 0.25
     assert sft_step_check(tiny_vlm, samples) < loss0
-    assert any(not torch.equal(v, before[k]) for k, v in tiny_vlm.model.state_dict().items())
 
 
 def test_plan_errors_name_the_cause(tiny_vlm):
@@ -118,9 +116,10 @@ def test_truncated_samples_are_cut_to_the_capacity(tiny_vlm):
 
 
 def test_trainable_freezes_the_rest_and_is_restored(tiny_vlm):
-    samples = generate("shapes", 8)
+    samples = generate("shapes", 4)
     before = {k: v.clone() for k, v in tiny_vlm.model.state_dict().items()}
-    train_sft(tiny_vlm, samples, _stage(steps=2, trainable=["projector"]), logger=MetricsLogger(None, quiet=True), seed=0)
+    stage = _stage(steps=1, batch_size=4, micro_batch_size=4, trainable=["projector"])
+    train_sft(tiny_vlm, samples, stage, logger=MetricsLogger(None, quiet=True), seed=0)
     changed = {k for k, v in tiny_vlm.model.state_dict().items() if not torch.equal(v, before[k])}
     assert changed and all(k.startswith("model.visual.merger.") for k in changed)
     assert all(p.requires_grad for p in tiny_vlm.model.parameters())  # the next stage starts unfrozen

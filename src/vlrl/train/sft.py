@@ -82,20 +82,7 @@ def train_sft(
     the last logged metrics plus ``steps``, ``seconds`` and ``epochs``."""
     train = stage.train
     budget = max_seconds if max_seconds is not None else train.max_seconds
-    if plan is not None:
-        if train.max_samples is not None:
-            raise ValueError("train.max_samples cannot be combined with data.packing_plan (the plan covers the whole file)")
-        plan.check_samples([s.id for s in samples])
-        truncated = set(plan.truncated.tolist())
-        units = [[int(i) for i in b] for b in plan.bins()]
-        examples = {i: encode_sft(policy, samples[i], max_tokens=plan.capacity if i in truncated else None)
-                    for unit in units for i in unit}
-        _check_bins(units, examples, plan)
-    else:
-        if train.max_samples is not None:
-            samples = samples[: train.max_samples]
-        examples = {k: encode_sft(policy, s) for k, s in enumerate(samples)}
-        units = [[k] for k in range(len(samples))]
+    units, examples = _units(policy, samples, stage, plan)
     packed = plan is not None or train.padding_free
     frozen = set_trainable(policy.model, train.trainable, policy.adapter.module_groups)
     cursor = PromptCursor(list(range(len(units))), seed)  # type: ignore[arg-type]  (any list works)
@@ -130,6 +117,24 @@ def train_sft(
         restore_trainable(model, frozen)
         model.eval()
     return {**last, "steps": step, "seconds": time.time() - start, "epochs": cursor.epoch}
+
+
+def _units(policy: Policy, samples: list[Sample], stage: SFTStage, plan: PackingPlan | None):
+    """The units a batch is drawn from — a planned bin of sample indices, or one sample — and the encoded
+    examples by sample index (truncated samples cut to the plan's capacity)."""
+    if plan is None:
+        if stage.train.max_samples is not None:
+            samples = samples[: stage.train.max_samples]
+        return [[k] for k in range(len(samples))], {k: encode_sft(policy, s) for k, s in enumerate(samples)}
+    if stage.train.max_samples is not None:
+        raise ValueError("train.max_samples cannot be combined with data.packing_plan (the plan covers the whole file)")
+    plan.check_samples([s.id for s in samples])
+    truncated = set(plan.truncated.tolist())
+    units = [[int(i) for i in b] for b in plan.bins()]
+    examples = {i: encode_sft(policy, samples[i], max_tokens=plan.capacity if i in truncated else None)
+                for unit in units for i in unit}
+    _check_bins(units, examples, plan)
+    return units, examples
 
 
 def _micro_logprobs(policy: Policy, units: list[list[SFTExample]], *, packed: bool, planned: bool):
