@@ -116,3 +116,18 @@ def test_the_critic_regresses_on_the_returns_and_leaves_the_policy_alone(rollout
     assert losses[-1] < 0.5 * losses[0], losses
     assert all(torch.equal(p, b) for p, b in zip(policy.model.parameters(), policy_before, strict=True))
     assert critic.values(trajectories).shape == batch.loss_mask.shape
+
+
+def test_padding_free_update_equals_the_padded_one(rollout):
+    """train.padding_free packs each micro-batch into rows (per-sequence positions, no cross-attention): the
+    π_old pass and the minibatch gradient equal the padded ones."""
+    policy, trajectories = rollout
+    padded = _batch(policy, trajectories, minibatches=2)
+    packed = _batch(policy, trajectories, minibatches=2, padding_free=True)
+    assert torch.allclose(packed.old_logp, padded.old_logp, atol=1e-5)
+    normaliser = normaliser_for("token_mean", padded.loss_mask)
+    reference = minibatch_gradient(policy, padded, range(6), _settings("token_mean", 4), normaliser=normaliser)
+    free = minibatch_gradient(policy, padded, range(6), _settings("token_mean", 4, padding_free=True), normaliser=normaliser)
+    assert max(float(g.abs().max()) for g in reference.values()) > 1e-4
+    for name, g in reference.items():
+        assert torch.allclose(free[name], g, rtol=1e-4, atol=1e-6), name
