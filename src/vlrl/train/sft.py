@@ -6,6 +6,8 @@ image tokens) is context, never a target. The loss is the token mean over the wh
     L = − Σ_i Σ_t log π_θ(y_it | x_i, y_i<t) / Σ_i |y_i|
 
 with the denominator taken over the full optimizer batch, so micro-batching does not change the gradient.
+Under torchrun each rank trains on its contiguous share of every batch and the denominator is all-reduced
+over the ranks, so N ranks compute the gradient of the same big batch (`vlrl.train.distributed`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from vlrl.models import Policy, collate, response_logprobs
 from vlrl.models.adapters import VisionInputs
 from vlrl.report import MetricsLogger
 from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
+from vlrl.train.distributed import Runtime
 
 
 @dataclass
@@ -52,41 +55,61 @@ def train_sft(
     seed: int,
     stage_name: str = "sft",
     max_seconds: float | None = None,
+    runtime: Runtime | None = None,
 ) -> dict[str, float]:
-    """Run the SFT loop on ``samples``; returns the last logged metrics plus ``steps`` and ``seconds``."""
+    """Run the SFT loop on ``samples``; returns the last logged metrics plus ``steps`` and ``seconds``.
+
+    ``runtime`` (`vlrl.train.distributed`): the ranks, the wrapped module and the checkpointer; default one
+    process, no checkpoints. Resuming restores the step, cursor, optimizer and RNG from its checkpoint."""
     train = stage.train
+    rt = runtime or Runtime.single(policy.model)
     budget = max_seconds if max_seconds is not None else train.max_seconds
     if train.max_samples is not None:
         samples = samples[: train.max_samples]
     examples = {s.id: encode_sft(policy, s) for s in samples}
     cursor = PromptCursor(samples, seed)
-    model = policy.model
+    model = rt.module
     model.train()
     optimizer, scheduler = make_optimizer(model, stage.optim)
-    start, last, step = time.time(), {}, 0
-    while step < train.steps and not (budget is not None and time.time() - start >= budget):
+    step, _ = rt.restore(stage_name, optimizer, scheduler, cursor)
+    start, last = time.time(), {}
+    while step < train.steps and not rt.out_of_time(time.time() - start, budget):
         step_start = time.time()
-        batch = [examples[s.id] for s in cursor.next(train.batch_size)]
-        n_tokens = sum(len(e.target_ids) for e in batch)  # the normaliser of the whole optimizer batch
-        total_loss = 0.0
-        for k in range(0, len(batch), train.micro_batch_size):
-            micro = batch[k : k + train.micro_batch_size]
-            tokens = collate([e.prompt_ids for e in micro], [e.target_ids for e in micro], [e.vision for e in micro],
-                             pad_token_id=policy.pad_token_id)
-            logp, _ = response_logprobs(model, policy.adapter, tokens)  # (b, R), 0 at padding
-            loss = -logp.sum() / n_tokens
-            loss.backward()
-            total_loss += float(loss.detach())
+        batch = [examples[s.id] for s in rt.ctx.shard(cursor.next(train.batch_size), what="train.batch_size")]
+        total_loss, n_seen = sft_backward(policy, rt, batch, train.micro_batch_size)
         grad_norm = clip_and_step(model, optimizer, scheduler, stage.optim.grad_clip)
         step += 1
         seconds = time.time() - step_start
         last = {"sft/loss": total_loss, "sft/grad_norm": grad_norm, "perf/step_seconds": seconds,
-                "perf/tokens_per_s": sum(len(e.prompt_ids) + len(e.target_ids) for e in batch) / max(seconds, 1e-9),
-                "sft/lr": scheduler.get_last_lr()[0]}
+                "perf/tokens_per_s": n_seen / max(seconds, 1e-9), "sft/lr": scheduler.get_last_lr()[0]}
         if step % train.log_every == 0 or step == train.steps:
             logger.log(stage_name, step, last, show=("sft/loss", "sft/grad_norm", "perf/step_seconds"))
+        rt.after_step(step, stage_name, optimizer, scheduler, cursor)
     model.eval()
     return {**last, "steps": step, "seconds": time.time() - start, "epochs": cursor.epoch}
+
+
+def sft_backward(policy: Policy, rt: Runtime, batch: list[SFTExample], micro_batch_size: int) -> tuple[float, float]:
+    """Accumulate the gradient of this rank's share ``batch`` of a global batch; return (global loss, global
+    tokens seen). The normaliser is all ranks' target tokens, so the ranks' summed gradients are the gradient
+    of the whole batch; gradients are reduced across ranks only in the last micro-batch's backward."""
+    # the normaliser of the whole optimizer batch, over all ranks (÷ world size: DDP/FSDP average gradients)
+    n_tokens, n_seen = rt.ctx.all_reduce_sum([sum(len(e.target_ids) for e in batch),
+                                              sum(len(e.prompt_ids) + len(e.target_ids) for e in batch)])
+    normaliser = rt.ctx.local_normaliser(n_tokens)
+    total_loss = 0.0
+    starts = range(0, len(batch), micro_batch_size)
+    for k in starts:
+        micro = batch[k : k + micro_batch_size]
+        tokens = collate([e.prompt_ids for e in micro], [e.target_ids for e in micro], [e.vision for e in micro],
+                         pad_token_id=policy.pad_token_id)
+        with rt.gradient_sync(last=k == starts[-1]):
+            with rt.autocast():
+                logp, _ = response_logprobs(rt.module, policy.adapter, tokens)  # (b, R), 0 at padding
+            loss = -logp.sum() / normaliser
+            loss.backward()
+        total_loss += float(loss.detach())
+    return rt.ctx.all_reduce_sum([total_loss])[0] / rt.ctx.world_size, n_seen  # Σ_i ℓ_i / N over all ranks
 
 
 def sft_step_check(policy: Policy, samples: list[Sample]) -> torch.Tensor:
