@@ -206,6 +206,37 @@ def check(
 
 
 @app.command()
+def launch(
+    config: Path = typer.Argument(..., help="The YAML config of the run (sft or rl); its launch section places the ranks."),
+    overrides: list[str] | None = OVERRIDES,
+    ray_address: str = typer.Option("local", "--ray", help="Ray cluster address (e.g. auto, ray://head:10001), or "
+                                    "local: start a one-node Ray here."),
+    nproc: int | None = typer.Option(None, "--nproc", help="Trainer ranks (sets launch.nproc)."),
+    recipe: str = typer.Option("auto", "--recipe", help="auto (from the file's sections), sft or rl."),
+    resume: str | None = RESUME,
+) -> None:
+    """Run `vlrl sft|rl` on launch.nproc Ray actors in a placement group (torch.distributed rendezvous wired)."""
+    from vlrl.train.launcher import LaunchError, RankSpec, detect
+    from vlrl.train.launcher import launch as run_launch
+
+    kind = detect(config, recipe)
+    if kind not in ("sft", "rl"):
+        typer.secho(f"vlrl launch: launches sft and rl runs (got recipe {kind!r}; pass --recipe)", fg="red", err=True)
+        raise typer.Exit(2)
+    extra = [*([f"launch.nproc={nproc}"] if nproc else []), *([f"checkpoint.resume={resume}"] if resume else [])]
+    cfg = _load(RECIPES[kind], config, [*(overrides or []), *extra], [])  # fail here, before Ray starts
+    spec = RankSpec(kind, str(config), tuple([*(overrides or []), *extra]))
+    try:
+        run_launch(spec, cfg.launch, address=ray_address)
+    except LaunchError as err:
+        typer.secho(f"vlrl launch: {err}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.secho("vlrl launch: interrupted; every rank was stopped", fg="red", err=True)
+        raise typer.Exit(130) from None
+
+
+@app.command()
 def plan(
     config: Path = typer.Argument(..., help="The YAML config of the run (sft or rl)."),
     overrides: list[str] | None = OVERRIDES,

@@ -94,3 +94,74 @@ def grads_of(module) -> dict[str, torch.Tensor]:
 
 def full_state(model, optimizer):
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ----------------------------------------------------------------------------------------------- RL
+RL_MICRO = 2  # a rank's 4 responses as micro-batches of 2 + 2
+
+
+def rl_settings(mode: str):
+    from vlrl.algos import get_policy_loss
+    from vlrl.train.update import UpdateSettings
+
+    return UpdateSettings(loss_fn=get_policy_loss("ppo_clip"), loss_agg=mode, kl_coef=0.0, kl_estimator="k3",
+                          temperature=1.0, micro_batch_size=RL_MICRO, minibatches=1, ppo_epochs=1, grad_clip=1.0)
+
+
+def rl_trajectories(policy):
+    """4 prompts × 2 sampled responses, cut to lengths 2..6 with distinct rewards (every advantage non-zero,
+    every rank's token count different): the fixed batch of the RL gradient test."""
+    from vlrl.rollout import HFEngine, SamplingParams
+
+    torch.manual_seed(0)
+    engine = HFEngine(policy)
+    samples = generate("shapes", 4, tasks=["count", "color"])
+    trajectories = engine.generate([engine.encode(s) for s in samples], SamplingParams(n=2, max_new_tokens=6))
+    for k, t in enumerate(trajectories):
+        n = 2 + k % 5
+        t.response_ids, t.loss_mask, t.behaviour_logp = t.response_ids[:n], t.loss_mask[:n], t.behaviour_logp[:n]
+        t.reward = 0.1 * k * (-1) ** k
+    return trajectories
+
+
+def rl_update_batch(policy, trajectories, runtime=None):
+    """The `UpdateBatch` of ``trajectories`` (GRPO advantages over all ranks' responses under a runtime)."""
+    from vlrl.config import RLStage
+    from vlrl.train.batch import build_algorithm, prepare_batch
+    from vlrl.train.distributed import GlobalAdvantage
+
+    stage = RLStage.model_validate({"rollout": {"n": 2}, "train": {"prompts_per_step": 4}})
+    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)
+    if runtime is not None:
+        algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, runtime.ctx)
+    return prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
+
+
+# ----------------------------------------------------------------------------------------------- runs to kill
+COMMON_ARGS = ["data.n_test=2", "train.log_every=1", "checkpoint.every=1", "report.html=false", "check.enabled=false",
+               "eval.samples=1", "eval.max_new_tokens=2"]
+SFT_ARGS = ["data.n_train=48", "data.tasks=[count,ocr]", "train.steps=5", "train.batch_size=8",
+            "train.micro_batch_size=4", *COMMON_ARGS]
+RL_ARGS = ["train.steps=4", "train.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=6",
+           "train.micro_batch_size=8", "algo.kl_coef=0.05", *COMMON_ARGS]
+COMPARED = {"sft": ("sft/loss", "sft/grad_norm", "sft/lr"),
+            "rl": ("reward/mean", "reward/std", "policy/loss", "policy/grad_norm", "policy/entropy", "policy/kl_ref",
+                   "response/length_mean")}
+
+
+def write_rl_data(path: Path) -> Path:
+    """Shapes count prompts scored by DAPO's soft overlong punishment on characters (a dense reward: an untrained
+    model's responses of different lengths get different rewards, so every group has non-zero advantages)."""
+    from vlrl.data import write_samples
+
+    samples = generate("shapes", 16, tasks=["count"])
+    for s in samples:
+        s.reward = {"overlong": 1.0}
+        s.metadata = {"max_length": 14, "cache_length": 12, "unit": "chars"}
+    return write_samples(samples, path)
+
+
+def run_args(recipe: str, model_dir, data: Path | None, *, nproc: int) -> list[str]:
+    strategy = ["dist.strategy=fsdp" if recipe == "sft" else "dist.strategy=ddp"] if nproc > 1 else []
+    files = [f"data.train={data}", f"data.test={data}"] if data is not None else []
+    return [f"model.path={model_dir}", *files, *(SFT_ARGS if recipe == "sft" else RL_ARGS), *strategy]

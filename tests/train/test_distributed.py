@@ -1,20 +1,22 @@
 """2 gloo ranks (DDP and FSDP2) compute the gradient of one big batch; checkpoints move between world sizes.
 
-One torchrun job (`dist_worker.py`, ~10 s) produces every 2-rank result; the tests compare them with the same
-computation on 1 rank in this process.
+One torchrun job (`dist_worker.py`, the session fixture ``two_ranks``) produces every 2-rank result; the tests
+compare them with the same computation on 1 rank in this process.
 """
 
 import pytest
 import torch
 
+from vlrl.algos import AGGREGATIONS, normaliser_for
 from vlrl.config import CheckpointConfig, DistConfig
 from vlrl.models import load_policy
 from vlrl.train.checkpoint import Checkpointer
-from vlrl.train.common import clip_and_step, make_optimizer
+from vlrl.train.common import make_optimizer
 from vlrl.train.distributed import DistContext, Runtime, fsdp_units
 from vlrl.train.sft import sft_backward
+from vlrl.train.update import accumulate
 
-from .dist_helpers import MICRO, REPO, full_state, grads_of, run_checked, sft_batch, sft_stage, torchrun
+from .dist_helpers import MICRO, full_state, grads_of, rl_settings, rl_update_batch, sft_batch, sft_stage
 
 
 def assert_states_equal(a, b, *, exact=True):
@@ -30,23 +32,6 @@ def assert_states_equal(a, b, *, exact=True):
                                                                             torch.as_tensor(optim_b["state"][k][f]))]
     assert not bad, f"optimizer state differs: {bad[:5]}"
     assert [g["lr"] for g in optim_a["param_groups"]] == [g["lr"] for g in optim_b["param_groups"]]
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tiny_vlm_dir, tmp_path_factory):
-    """A 1-rank checkpoint (and its state) made here, then the 2-rank torchrun job that reads it."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    policy = load_policy(str(tiny_vlm_dir))
-    rt = Runtime.single(policy.model)
-    optimizer, scheduler = make_optimizer(policy.model, sft_stage().optim)
-    sft_backward(policy, rt, sft_batch(policy), MICRO)
-    clip_and_step(policy.model, optimizer, scheduler, 1.0)
-    Checkpointer(out / "ckpt_1rank", CheckpointConfig(every=1), DistContext()).save(
-        1, stage="sft", module=policy.model, optimizer=optimizer, scheduler=scheduler,
-        cursor={"epoch": 0, "position": 8}, carry_over={})
-    one_rank = full_state(policy.model, optimizer)
-    run_checked(torchrun(2, str(REPO / "tests/train/dist_worker.py"), str(tiny_vlm_dir), str(out)))
-    return out, one_rank
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -65,6 +50,38 @@ def test_sft_gradient_on_2_ranks_equals_the_1_rank_big_batch_gradient(two_ranks,
         torch.testing.assert_close(distributed[name], grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.fixture(scope="module")
+def rl_reference(two_ranks, tiny_vlm_dir):
+    """1-rank gradients of the whole RL batch for each aggregation mode (micro-batches of 2: accumulation)."""
+    out, _ = two_ranks
+    policy = load_policy(str(tiny_vlm_dir))
+    trajectories = torch.load(out / "trajectories.pt", weights_only=False)
+    batch = rl_update_batch(policy, trajectories)
+    policy.model.train()
+    grads = {}
+    for mode in AGGREGATIONS:
+        policy.model.zero_grad(set_to_none=True)
+        accumulate(policy, batch, range(len(trajectories)), rl_settings(mode),
+                   normaliser=normaliser_for(mode, batch.loss_mask))
+        grads[mode] = grads_of(policy.model)
+    return batch, grads
+
+
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_grpo_gradient_on_2_ranks_equals_the_1_rank_big_batch_gradient(two_ranks, rl_reference, strategy, mode):
+    """8 responses of lengths 2..6 (rank 0: 2, 3, 4, 5; rank 1: 6, 2, 3, 4 tokens): token_mean divides by all 34
+    tokens, the seq modes by all 8 sequences — a rank normalising by its own 14 or 20 tokens would be off."""
+    out, _ = two_ranks
+    batch, reference = rl_reference
+    saved = torch.load(out / f"grads_rl_{strategy}_{mode}.pt")
+    half = len(batch.trajectories) // 2
+    assert torch.equal(saved["advantages"], batch.advantages[:half, : saved["advantages"].shape[1]])  # global GRPO
+    assert saved["grads"].keys() == reference[mode].keys()
+    for name, grad in reference[mode].items():
+        torch.testing.assert_close(saved["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_checkpoint_saved_on_2_ranks_loads_on_1(two_ranks, tiny_vlm_dir, strategy):
     out, one_rank = two_ranks
@@ -74,6 +91,7 @@ def test_checkpoint_saved_on_2_ranks_loads_on_1(two_ranks, tiny_vlm_dir, strateg
         out / f"ckpt_{strategy}" / "step_00000001", stage="sft", module=policy.model, optimizer=optimizer,
         scheduler=scheduler)
     assert state["world_size"] == 2 and len(state["rng"]) == 2  # one RNG state per rank
+    assert state["carry_over"] == {"rank": 0}  # rank 0's own loop state
     saved = torch.load(out / f"state_{strategy}.pt", weights_only=False)
     assert_states_equal(full_state(policy.model, optimizer), saved)  # exactly what the 2 ranks held
     assert_states_equal(saved, one_rank, exact=False)  # and one 2-rank step ≈ one 1-rank step (same gradient)

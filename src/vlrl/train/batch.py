@@ -84,7 +84,10 @@ class Algorithm:
     settings: UpdateSettings
 
 
-def build_algorithm(stage: RLStage, policy: Policy, *, apply_behaviour_weight: bool) -> Algorithm:
+def build_algorithm(stage: RLStage, policy: Policy, *, apply_behaviour_weight: bool,
+                    reference: torch.nn.Module | None = None) -> Algorithm:
+    """``reference``: a frozen reference already built (e.g. FSDP2-sharded by `vlrl.train.distributed`);
+    unset, a frozen copy of the policy is made when ``algo.kl_coef > 0``."""
     algo, train = stage.algo, stage.train
     estimator = get_advantage(algo.advantage)
     loss_fn = functools.partial(get_policy_loss(algo.policy_loss), clip_low=algo.clip_low, clip_high=algo.clip_high)
@@ -99,7 +102,8 @@ def build_algorithm(stage: RLStage, policy: Policy, *, apply_behaviour_weight: b
         needs=frozenset(getattr(estimator, "needs", ())),
         reward_shaping=ShapingChain(algo.reward_shaping, get_reward_shaping, "rewards"),
         advantage_shaping=ShapingChain(algo.advantage_shaping, get_advantage_shaping, "advantages"),
-        reference=frozen_copy(policy.model) if algo.kl_coef > 0 else None,  # kl_coef = 0: no reference at all
+        # kl_coef = 0: no reference at all
+        reference=(reference if reference is not None else frozen_copy(policy.model)) if algo.kl_coef > 0 else None,
         settings=settings,
     )
 

@@ -6,7 +6,9 @@ Layout of ``OUT/checkpoints/step_00000012/``:
     dcp/                 model + optimizer: one shard file per rank and a .metadata file. DCP reshards on load,
                          so a checkpoint written by 2 ranks loads on 1 and vice versa (any DDP/FSDP2 mix).
     trainer_state.json   stage, step, data cursor, scheduler, the RNG states of every rank, the position of
-                         metrics.jsonl, the loop's carry-over (e.g. dynamic-sampling leftovers)
+                         metrics.jsonl
+    carry_over/          each rank's loop state beyond the weights (torch.save): the RL shapers' states
+                         (e.g. an EMA baseline; dynamic-sampling leftovers once they exist)
     hf/                  (checkpoint.export_hf) config + safetensors + tokenizer + image processor, which plain
                          transformers, vLLM and SGLang load
 
@@ -163,7 +165,7 @@ class Checkpointer:
 
     # --- save
     def save(self, step: int, *, stage: str, module: torch.nn.Module, optimizer, scheduler,
-             cursor: dict[str, int], carry_over: dict[str, Any]) -> Path:
+             cursor: dict[str, int], carry_over: Any = None) -> Path:
         """Write checkpoint ``step`` atomically (all ranks call this)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -172,8 +174,9 @@ class Checkpointer:
         partial = self.root / f"step_{step:08d}.partial"
         if self.ctx.is_main:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
-            partial.mkdir(parents=True)
+            (partial / "carry_over").mkdir(parents=True)
         self.ctx.barrier()
+        torch.save(carry_over, partial / "carry_over" / f"rank_{self.ctx.rank:05d}.pt")
         model_sd, optim_sd = get_state_dict(module, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial / "dcp", no_dist=not self.ctx.enabled)
         rngs = self.ctx.gather_objects(rng_state())
@@ -182,8 +185,7 @@ class Checkpointer:
         if self.ctx.is_main:
             state = {
                 "format": FORMAT_VERSION, "stage": stage, "step": step, "world_size": self.ctx.world_size,
-                "cursor": cursor, "scheduler": scheduler.state_dict(), "rng": rngs, "carry_over": carry_over,
-                "metrics": self._metrics_position(),
+                "cursor": cursor, "scheduler": scheduler.state_dict(), "rng": rngs, "metrics": self._metrics_position(),
             }
             _write_durably(partial / STATE_FILE, json.dumps(state) + "\n")
             if final.exists():  # re-running a step from an older checkpoint: replace the newer leftovers
@@ -208,7 +210,7 @@ class Checkpointer:
     # --- load
     def load(self, path: str | Path, *, stage: str, module: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
         """Restore weights, optimizer, scheduler and this rank's RNG from checkpoint ``path``; return its
-        trainer state (step, cursor, carry-over). All ranks call this."""
+        trainer state (step, cursor, and this rank's ``carry_over``). All ranks call this."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -235,6 +237,9 @@ class Checkpointer:
                         "is not the uninterrupted run's", path, state["world_size"], self.ctx.world_size)
         if self.ctx.rank < len(rngs):
             set_rng_state(rngs[self.ctx.rank])
+        carry = path / "carry_over" / f"rank_{self.ctx.rank:05d}.pt"
+        # the run's own file, holding plain data the loop wrote (shaper states may be any picklable object)
+        state["carry_over"] = torch.load(carry, weights_only=False) if carry.is_file() else None
         return state
 
     @staticmethod
@@ -259,3 +264,20 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def algorithm_state(algorithm) -> dict[str, Any]:
+    """The RL loop's carry-over: the states the reward and advantage shapers returned at the last step."""
+    return {"reward_shaping": list(algorithm.reward_shaping.states),
+            "advantage_shaping": list(algorithm.advantage_shaping.states)}
+
+
+def load_algorithm_state(algorithm, state: dict[str, Any] | None) -> None:
+    if not state:
+        return
+    for chain, saved in ((algorithm.reward_shaping, state["reward_shaping"]),
+                         (algorithm.advantage_shaping, state["advantage_shaping"])):
+        if len(saved) != len(chain.states):
+            raise ValueError(f"the checkpoint holds {len(saved)} {chain.field} shaper state(s), the config "
+                             f"configures {len(chain.states)}: resume with the same algo.*_shaping")
+        chain.states = list(saved)

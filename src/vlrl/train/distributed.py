@@ -25,6 +25,7 @@ decoder's forward, so FSDP2's root is fixed by one tiny forward right after wrap
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -53,6 +54,7 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    owns_group: bool = False  # this context joined the process group (and `shutdown` leaves it)
 
     @property
     def enabled(self) -> bool:
@@ -115,17 +117,19 @@ def init_distributed(cfg: DistConfig, device: str = "cpu") -> DistContext:
         return DistContext(device=torch.device(device))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     target = torch.device(device)
-    if target.type == "cuda":
-        target = torch.device("cuda", local_rank)
+    if target.type == "cuda":  # under Ray each rank sees only its own GPU (CUDA_VISIBLE_DEVICES): index 0
+        target = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
         torch.cuda.set_device(target)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if target.type == "cuda" else "gloo")
-    if not dist.is_initialized():
+    joined = not dist.is_initialized()
+    if joined:
         dist.init_process_group(backend, timeout=timedelta(minutes=cfg.timeout_minutes))
-    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=target)
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=target, owns_group=joined)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
+def shutdown_distributed(ctx: DistContext) -> None:
+    """Leave the process group if ``ctx`` joined it (a group the caller set up stays for the caller)."""
+    if ctx.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -198,6 +202,7 @@ class Runtime:
     module: torch.nn.Module
     cfg: DistConfig = field(default_factory=DistConfig)
     checkpointer: Checkpointer | None = None
+    reference: torch.nn.Module | None = None  # RL with a KL term: the frozen reference, sharded like the actor
 
     @classmethod
     def single(cls, model: torch.nn.Module) -> Runtime:
@@ -206,6 +211,10 @@ class Runtime:
 
     def gradient_sync(self, last: bool):
         return gradient_sync(self.module, last)
+
+    def global_normaliser(self, local_count: float) -> float:
+        """This rank's loss denominator for a count (tokens or sequences) of its shard: Σ_ranks count / W."""
+        return self.ctx.local_normaliser(self.ctx.all_reduce_sum([local_count])[0])
 
     def autocast(self):
         """torch.autocast for DDP and single-process mixed precision (FSDP2 casts through its own policy)."""
@@ -219,22 +228,33 @@ class Runtime:
         """The wall-clock budget is spent (all ranks agree, so they stop at the same step)."""
         return budget is not None and self.ctx.any(elapsed >= budget)
 
-    def restore(self, stage: str, optimizer, scheduler, cursor: PromptCursor) -> tuple[int, dict[str, Any]]:
+    def restore(self, stage: str, optimizer, scheduler, cursor: PromptCursor) -> tuple[int, Any]:
         """Load the checkpoint to resume from, if any: weights, optimizer, scheduler, cursor, RNG states.
-        Returns (step, the loop's carry-over state); (0, {}) for a fresh start."""
+        Returns (step, this rank's carry-over state); (0, None) for a fresh start."""
         if self.checkpointer is None or self.checkpointer.resume_from is None:
-            return 0, {}
+            return 0, None
         state = self.checkpointer.load(self.checkpointer.resume_from, stage=stage, module=self.module,
                                        optimizer=optimizer, scheduler=scheduler)
         cursor.load_state(state["cursor"])
-        return int(state["step"]), dict(state.get("carry_over", {}))
+        return int(state["step"]), state["carry_over"]
 
     def after_step(self, step: int, stage: str, optimizer, scheduler, cursor: PromptCursor,
-                   carry_over: dict[str, Any] | None = None) -> None:
+                   carry_over: Any = None) -> None:
         """Save a checkpoint when one is due at ``step``."""
         if self.checkpointer is not None and self.checkpointer.due(step):
             self.checkpointer.save(step, stage=stage, module=self.module, optimizer=optimizer, scheduler=scheduler,
-                                   cursor=cursor.state(), carry_over=carry_over or {})
+                                   cursor=cursor.state(), carry_over=carry_over)
+
+
+def check_scalable(cfg, world_size: int) -> None:
+    """What the distributed and resumable RL recipe supports; the error names the field."""
+    rollout = cfg.rollout
+    if rollout.mode == "async" and (world_size > 1 or cfg.checkpoint.every or cfg.checkpoint.resume):
+        raise ValueError("rollout.mode=async: the asynchronous recipe runs in one process and is not resumable yet; "
+                         "use rollout.mode=sync with torchrun / checkpoint.every / --resume")
+    if rollout.servers and world_size > 1:
+        raise ValueError("rollout.servers: under torchrun every rank generates in-process; rollout servers serve "
+                         "the single-process recipe")
 
 
 def make_runtime(cfg, ctx: DistContext, policy, run_dir, resume_from=None) -> Runtime:
@@ -246,9 +266,94 @@ def make_runtime(cfg, ctx: DistContext, policy, run_dir, resume_from=None) -> Ru
     from vlrl.train.checkpoint import Checkpointer
     from vlrl.train.common import seed_everything
 
+    algo = getattr(cfg, "algo", None)
+    reference = None
+    if ctx.enabled and algo is not None and algo.kl_coef > 0:  # copied before the actor is sharded in place
+        from vlrl.train.batch import frozen_copy
+
+        reference = wrap_model(frozen_copy(policy.model), ctx, cfg.dist.model_copy(update={"strategy": "fsdp"})) \
+            if cfg.dist.strategy == "fsdp" else frozen_copy(policy.model)
     module = wrap_model(policy.model, ctx, cfg.dist)
     if ctx.enabled:
         seed_everything(cfg.seed + ctx.rank)
     checkpointer = Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, ctx, policy=policy,
                                 metrics_path=Path(run_dir) / "metrics.jsonl", resume_from=resume_from)
-    return Runtime(ctx, module, cfg.dist, checkpointer)
+    return Runtime(ctx, module, cfg.dist, checkpointer, reference)
+
+
+# ----------------------------------------------------------------------------------------------- RL over ranks
+class GlobalAdvantage:
+    """An advantage estimator applied to the *global* batch: every rank gathers the estimator's inputs of all
+    ranks (small (B, R) tensors), computes the same advantages, and keeps its own rows. Group estimators
+    (GRPO, RLOO) give the same result as on the shard — a prompt's n samples never leave their rank — but
+    estimators that normalise over the whole batch (REINFORCE++) then see the batch one process would see."""
+
+    def __init__(self, fn, ctx: DistContext) -> None:
+        self.fn, self.ctx = fn, ctx
+
+    def __call__(self, inputs):
+        if not self.ctx.enabled:
+            return self.fn(inputs)
+        B, R = inputs.loss_mask.shape
+        parts = self.ctx.gather_objects({f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)})
+        sizes = [p["loss_mask"].shape for p in parts]
+        width = max(r for _, r in sizes)
+        offset = 0
+        merged: dict[str, Any] = {}
+        for name in parts[0]:
+            values = [p[name] for p in parts]
+            if values[0] is None:
+                merged[name] = None
+            elif name == "group_index":  # prompt ids are per rank: make them distinct
+                shifted = []
+                for v in values:
+                    shifted.append(v + offset)
+                    offset += int(v.max()) + 1 if len(v) else 0
+                merged[name] = torch.cat(shifted)
+            elif values[0].dim() == 2:
+                merged[name] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values])
+            else:
+                merged[name] = torch.cat(values)
+        out = self.fn(dataclasses.replace(inputs, **merged))
+        start = sum(b for b, _ in sizes[: self.ctx.rank])
+        return dataclasses.replace(out, **{f.name: _rows(getattr(out, f.name), start, B, R)
+                                           for f in dataclasses.fields(out)})
+
+
+def _rows(value, start: int, count: int, width: int):
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value[start : start + count]
+    return value[:, :width] if value.dim() == 2 else value
+
+
+def global_step_metrics(ctx: DistContext, batch, stats: dict[str, list[float]], failures) -> dict[str, float]:
+    """`step_metrics` of the global batch: every rank's per-response scalars (reward, task, accuracy, length,
+    status, |advantage| sum) and update statistics are gathered, so rank 0 logs what one process would."""
+    from types import SimpleNamespace
+
+    from vlrl.train.batch import step_metrics
+
+    if not ctx.enabled:
+        return step_metrics(batch, stats, failures)
+    rows = [{"reward": t.reward, "task": t.sample.task, "parts": dict(t.reward_parts), "length": len(t.response_ids),
+             "status": t.status} for t in batch.trajectories]
+    local = {"rows": rows, "adv": (batch.advantages.abs() * batch.loss_mask).sum(-1), "group": batch.group_index,
+             "stats": {k: list(v) for k, v in stats.items()}, "failures": len(failures), "metrics": batch.metrics}
+    parts = ctx.gather_objects(local)
+    trajectories, adv, groups, offset = [], [], [], 0
+    for part in parts:
+        trajectories += [SimpleNamespace(reward=r["reward"], sample=SimpleNamespace(task=r["task"]),
+                                         reward_parts=r["parts"], response_ids=range(r["length"]), status=r["status"])
+                         for r in part["rows"]]
+        adv.append(part["adv"])
+        groups.append(part["group"] + offset)
+        offset += int(part["group"].max()) + 1 if len(part["group"]) else 0
+    merged_stats: dict[str, list[float]] = {}
+    for part in parts:
+        for name, values in part["stats"].items():
+            merged_stats.setdefault(name, []).extend(values)
+    shaping = {k: sum(p["metrics"].get(k, 0.0) for p in parts) / len(parts) for k in parts[0]["metrics"]}
+    proxy = SimpleNamespace(trajectories=trajectories, advantages=torch.cat(adv).unsqueeze(-1),
+                            loss_mask=torch.ones(len(trajectories), 1), group_index=torch.cat(groups), metrics=shaping)
+    return step_metrics(proxy, merged_stats, range(sum(p["failures"] for p in parts)))

@@ -23,8 +23,10 @@ from vlrl.models import Policy
 from vlrl.report import MetricsLogger
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import Engine, Request, SamplingParams
-from vlrl.train.batch import build_algorithm, prepare_batch, step_metrics
+from vlrl.train.batch import build_algorithm, prepare_batch
+from vlrl.train.checkpoint import algorithm_state, load_algorithm_state
 from vlrl.train.common import PromptCursor, make_optimizer
+from vlrl.train.distributed import GlobalAdvantage, Runtime, global_step_metrics
 from vlrl.train.update import ppo_update
 
 
@@ -38,8 +40,14 @@ def train_grpo(
     seed: int,
     stage_name: str = "rl",
     max_seconds: float | None = None,
+    runtime: Runtime | None = None,
 ) -> dict[str, float]:
-    """Run the RL loop; returns the last step's metrics plus ``steps`` and ``seconds``."""
+    """Run the RL loop; returns the last step's metrics plus ``steps`` and ``seconds``.
+
+    ``runtime`` (`vlrl.train.distributed`; default one process, no checkpoints): under torchrun each rank
+    generates and trains on its share of every step's prompts, advantages and logged metrics are those of the
+    whole batch, and checkpoints resume the loop exactly (weights, optimizer, cursor, RNG, shaper states)."""
+    rt = runtime or Runtime.single(policy.model)
     train, rollout = stage.train, stage.rollout
     budget = max_seconds if max_seconds is not None else train.max_seconds
     if train.max_samples is not None:
@@ -47,15 +55,19 @@ def train_grpo(
     cursor = PromptCursor(samples, seed)
     sampling = SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                               max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop))
-    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)  # sync: π_behave = π_old
-    model = policy.model
-    optimizer, scheduler = make_optimizer(model, stage.optim)
+    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False, reference=rt.reference)  # π_behave = π_old
+    algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, rt.ctx)  # over all ranks' responses
+    optimizer, scheduler = make_optimizer(rt.module, stage.optim)
+    step, carry_over = rt.restore(stage_name, optimizer, scheduler, cursor)
+    load_algorithm_state(algorithm, carry_over)
+    if step:
+        engine.update_weights(version=step)
     requests: dict[str, Request] = {}
-    start, last, step = time.time(), {}, 0
-    while step < train.steps and not (budget is not None and time.time() - start >= budget):
+    start, last = time.time(), {}
+    while step < train.steps and not rt.out_of_time(time.time() - start, budget):
         t0 = time.time()
-        # 1-2. prompts → n responses each
-        prompts = cursor.next(train.prompts_per_step)
+        # 1-2. prompts (this rank's share) → n responses each
+        prompts = rt.ctx.shard(cursor.next(train.prompts_per_step), what="train.prompts_per_step")
         batch_requests = [requests.setdefault(s.id, engine.encode(s)) for s in prompts]
         trajectories = engine.generate(batch_requests, sampling)
         t_gen = time.time() - t0
@@ -64,14 +76,15 @@ def train_grpo(
         # 4. shaped rewards → advantages over the whole batch (B sequences, R response columns)
         batch = prepare_batch(algorithm, policy, trajectories, step=step, max_new_tokens=rollout.max_new_tokens)
         # 5. updates
-        stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step)
+        stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step, runtime=rt)
         # 6. the engine samples from the new weights from now on
         step += 1
         engine.update_weights(version=step)
-        last = step_metrics(batch, stats, score_report.failures)
+        last = global_step_metrics(rt.ctx, batch, stats, score_report.failures)
         last.update({"perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
                      "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
                      "data/epoch": cursor.epoch})
         if step % train.log_every == 0 or step == train.steps:
             logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds"))
+        rt.after_step(step, stage_name, optimizer, scheduler, cursor, carry_over=algorithm_state(algorithm))
     return {**last, "steps": step, "seconds": time.time() - start}

@@ -9,6 +9,7 @@ Every recipe reads the same way:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +28,14 @@ from vlrl.rollout import HFEngine
 from vlrl.train.async_grpo import make_engine, train_async_grpo
 from vlrl.train.checkpoint import export_hf, metrics_offset, resolve_resume
 from vlrl.train.common import load_split, prepare_run_dir, seed_everything, write_json
-from vlrl.train.distributed import DistContext, Runtime, init_distributed, make_runtime, shutdown_distributed
+from vlrl.train.distributed import (
+    DistContext,
+    Runtime,
+    check_scalable,
+    init_distributed,
+    make_runtime,
+    shutdown_distributed,
+)
 from vlrl.train.grpo import train_grpo
 from vlrl.train.sft import train_sft
 
@@ -60,7 +68,7 @@ def _reporting(cfg: RunConfig, run_dir: Path, logger: MetricsLogger, ctx: DistCo
         if cfg.report.html and (ctx is None or ctx.is_main) and (run_dir / "metrics.jsonl").exists():
             _write_report(run_dir, logger)
         if ctx is not None:
-            shutdown_distributed()
+            shutdown_distributed(ctx)
 
 
 def _write_report(run_dir: Path, logger: MetricsLogger) -> None:
@@ -131,11 +139,14 @@ def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: i
     return stats
 
 
-def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger) -> dict:
+def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger,
+        runtime: Runtime | None = None) -> dict:
     with logger.progress.task("rl", total=stage.train.steps, stage="rl"), \
             engine.training("rl", total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
-        loop = train_async_grpo if stage.rollout.mode == "async" else train_grpo
-        stats = loop(policy, engine, train, stage, logger=logger, seed=cfg.seed)
+        if stage.rollout.mode == "async":
+            stats = train_async_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed)
+        else:
+            stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, runtime=runtime)
     _log_last_step(logger, "rl", stats)
     return stats
 
@@ -187,29 +198,39 @@ def _eval_policy(policy: Policy, runtime: Runtime, exported: Path, cfg: RunConfi
 
 
 def run_rl(cfg: RLConfig) -> dict:
-    run_dir, logger = _open_run(cfg)
-    with _reporting(cfg, run_dir, logger):
+    """Under torchrun: every rank generates and trains on its share of each step (in-process rollout); rank 0
+    evaluates the initial weights and the exported final weights. A resumed run skips the initial evaluation
+    (metrics.jsonl already holds it)."""
+    check_scalable(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    ctx, resume = init_distributed(cfg.dist, cfg.model.device), resolve_resume(cfg.checkpoint, cfg.out)
+    run_dir, logger = _open_run(cfg, ctx, resume)
+    summary: dict = {}
+    with _reporting(cfg, run_dir, logger, ctx):
         train, test = _data(cfg, logger)
         _check(cfg, logger, train, test)
-        policy = _load(cfg, logger)
+        policy = _load(cfg, logger, ctx.device)
         # in-process, or rollout.servers over HTTP (rollout.mode=async)
         engine = WatchedEngine(make_engine(cfg.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
         try:
-            before = _eval(engine, test, cfg, logger, "initial")
-            stats = _rl(policy, engine, train, cfg, cfg, logger)
-            _save(policy, run_dir / "checkpoints" / "final", logger)
-            summary = {"initial": before, "rl": _eval(engine, test, cfg, logger, "final"), "train": stats}
+            if ctx.is_main and resume is None:
+                summary["initial"] = _eval(engine, test, cfg, logger, "initial")
+            runtime = make_runtime(cfg, ctx, policy, run_dir, resume)
+            stats = _rl(policy, engine, train, cfg, cfg, logger, runtime)
+            final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
+            if ctx.is_main:
+                evaluator = engine if not ctx.enabled else \
+                    _engine(_eval_policy(policy, runtime, final, cfg), cfg, logger, engine.samples)
+                summary.update({"rl": _eval(evaluator, test, cfg, logger, "final"), "train": stats})
         finally:
             if hasattr(engine.engine, "close"):
                 engine.engine.close()
-        write_json(run_dir / "summary.json", summary)
+        if ctx.is_main:
+            write_json(run_dir / "summary.json", summary)
     return summary
 
 
 def run_demo(cfg: DemoConfig) -> dict:
     """SFT warm start → eval → RL → eval, and the equal-time SFT control from the same checkpoint."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("vlrl demo runs in one process; under torchrun or `vlrl launch` use `vlrl sft` and `vlrl rl`")
     start = time.time()
