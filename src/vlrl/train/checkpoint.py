@@ -30,6 +30,9 @@ import os
 import random
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +181,8 @@ class Checkpointer:
         self.ctx.barrier()
         torch.save(carry_over, partial / "carry_over" / f"rank_{self.ctx.rank:05d}.pt")
         model_sd, optim_sd = get_state_dict(module, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial / "dcp", no_dist=not self.ctx.enabled)
+        with _single_process_quiet():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial / "dcp", no_dist=not self.ctx.enabled)
         rngs = self.ctx.gather_objects(rng_state())
         if self.cfg.export_hf and self.policy is not None:
             export_hf(self.policy, module, partial / "hf", self.ctx)
@@ -226,8 +230,9 @@ class Checkpointer:
                              "it was written for a different model")
         target = {"model": model_sd, "optim": optim_sd}
         # partial: parameters that never had a gradient have no optimizer state in the checkpoint
-        dcp.load(target, checkpoint_id=path / "dcp", planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
-                 no_dist=not self.ctx.enabled)
+        with _single_process_quiet():
+            dcp.load(target, checkpoint_id=path / "dcp", planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=not self.ctx.enabled)
         set_state_dict(module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
         self._drop_unsaved_optimizer_state(module, optimizer, saved)
         scheduler.load_state_dict(state["scheduler"])
@@ -249,6 +254,14 @@ class Checkpointer:
         for name, param in unwrap(module).named_parameters():
             if param in optimizer.state and f"optim.state.{name}.step" not in saved:
                 del optimizer.state[param]
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _write_durably(path: Path, text: str) -> None:

@@ -136,7 +136,8 @@ def _wait_all(refs: list[Any], poll_seconds: float) -> list[Any]:
             try:
                 results[rank] = ray.get(ref)
             except Exception as err:  # RayTaskError (the recipe raised) or RayActorError (the process died)
-                raise LaunchError(f"rank {rank} failed, all ranks stopped: {type(err).__name__}: {err}") from err
+                cause = getattr(err, "cause", None) or err  # the recipe's own exception, without Ray's wrapping
+                raise LaunchError(f"rank {rank} failed, all ranks stopped: {type(cause).__name__}: {cause}") from err
         time.sleep(0 if done else 0.01)
     return [results[r] for r in range(len(refs))]
 
