@@ -241,7 +241,7 @@ def plan(
     config: Path = typer.Argument(..., help="The YAML config of the run (sft or rl)."),
     overrides: list[str] | None = OVERRIDES,
     gpus: int = typer.Option(8, "--gpus", help="Devices to place the run on."),
-    gpu_mem: float = typer.Option(80.0, "--gpu-mem", help="Memory per device, GB."),
+    gpu_mem: float = typer.Option(80.0, "--gpu-mem", help="Memory per device, GiB (an \"80GB\" A100 holds 80 GiB)."),
     tflops: float = typer.Option(312.0, "--tflops", help="Peak dense TFLOP/s per device in the compute dtype (A100: 312)."),
     bandwidth: float = typer.Option(2039.0, "--bandwidth", help="Device memory bandwidth, GB/s (A100-80GB: 2039)."),
     link: float = typer.Option(300.0, "--link", help="Bandwidth between devices, GB/s (NVLink ~300, across machines ~25)."),

@@ -36,8 +36,10 @@ layer type; `vlrl plan --measure` and tests/train/test_planner.py compare it wit
 
     train      (6Ψ_t·T + 6Ψ_v·T_v + 12·n_layers·h·L·T) · epochs / (n_train·F·η)   (Kaplan et al. 2020)
     extra passes (π_old when several optimizer steps, π_ref with a KL term) 2Ψ·T / (n_train·F·η) each
-    generate   prefill 2Ψ·P·rows / (n_gen·F·η) + R · ⌈rows/(n_gen·B)⌉ · (Ψ·b_c + KV)/W   (decode is memory-bound)
+    generate   prefill 2Ψ·P·rows / (n_gen·F·η) + R · ⌈rows/(n_gen·B)⌉ · (Ψ·b_c + KV/2)/W   (decode is memory-bound;
+               the cache is half full on average)
                + colocated fsdp: R · ⌈…⌉ · Ψ·b_c·(d−1)/d / Λ   (the all-gather of every decode step)
+    gradients  DDP: steps·2Ψ·b_w·(n−1)/n / Λ; FSDP2: steps·(2·micro-batches + 1)·Ψ·b_c·(n−1)/n / Λ
     weight sync (separate) Ψ·b_c / Λ;  step = generate + train (+ sync), or max(generate, train) + sync when
                ``rollout.mode=async`` on separate devices.
 
@@ -91,6 +93,7 @@ class Workload:
     sequences: int  # sequences trained on per step (prompts_per_step · n, or batch_size)
     micro_batch: int  # m
     epochs: int = 1  # ppo_epochs
+    minibatches: int = 1  # optimizer steps per epoch
     old_pass: bool = False  # a π_old scoring pass (several optimizer steps per RL step)
     reference: bool = False  # a frozen reference model (kl_coef > 0)
     critic: bool = False  # a value model (advantage gae)
@@ -237,7 +240,8 @@ def workload(cfg, adapter, *, samples: int = 16) -> Workload:
         rows = cfg.train.prompts_per_step * cfg.rollout.n
         return Workload(
             "rl", prompt, cfg.rollout.max_new_tokens, patches, rows, min(cfg.train.micro_batch_size, rows),
-            epochs=cfg.train.ppo_epochs, old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1,
+            epochs=cfg.train.ppo_epochs, minibatches=cfg.train.minibatches,
+            old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1,
             reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.max_batch_size,
             asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute)
     return Workload("sft", prompt, response, patches, cfg.train.batch_size,
@@ -266,9 +270,10 @@ def gather_buffers(s: ModelShape, w: Workload, d: int) -> list[Term]:
                  f"2·{_mb(s.largest_unit)}·{w.compute_bytes}")]
 
 
-def activations(s: ModelShape, w: Workload, role: str = "actor") -> list[Term]:
-    """What one training micro-batch keeps for backward."""
-    m, L, b = w.micro_batch, w.length, w.compute_bytes
+def activations(s: ModelShape, w: Workload, role: str = "actor", *, ranks: int = 1) -> list[Term]:
+    """What one training micro-batch keeps for backward, on one of ``ranks`` data-parallel ranks: m is
+    ``train.micro_batch_size`` or the rank's share of the batch, whichever is smaller."""
+    m, L, b = min(w.micro_batch, math.ceil(w.sequences / ranks)), w.length, w.compute_bytes
     per_token = 8 * s.hidden + 2 * s.kv_dim + 4 * s.intermediate
     terms = [Term(f"{role} activations", s.layers * m * L * per_token * b, "n_layers·m·L·(8h+2k+4I)·b_c",
                   f"{s.layers}·{m}·{L}·(8·{s.hidden}+2·{s.kv_dim}+4·{s.intermediate})·{b}"),
@@ -316,6 +321,25 @@ def train_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]
     return terms
 
 
+def sync_seconds(s: ModelShape, w: Workload, dev: Device, n: int, strategy: str) -> list[Term]:
+    """Gradient communication per step on n ranks: DDP all-reduces the gradients once per optimizer step
+    (ring: 2·(n−1)/n of them); FSDP2 all-gathers the weights for every micro-batch's forward and backward and
+    reduce-scatters the gradients once per optimizer step."""
+    if n == 1:
+        return []
+    steps = w.epochs * w.minibatches  # optimizer steps per step
+    rows = math.ceil(w.sequences / (n * w.minibatches))  # a rank's rows per minibatch
+    micro = math.ceil(rows / max(1, min(w.micro_batch, rows)))
+    frac = (n - 1) / n
+    if strategy == "ddp":
+        volume = steps * 2 * s.params * w.weight_bytes * frac
+        return [Term("gradient all-reduce", volume / (dev.link_gbs * 1e9), "steps·2Ψ·b_w·(n−1)/n/Λ",
+                     f"{steps}·2·{_mb(s.params)}·{w.weight_bytes}·{n - 1}/{n}/{dev.link_gbs:g}G")]
+    volume = steps * (2 * micro + 1) * s.params * w.compute_bytes * frac
+    return [Term("FSDP gathers + reduce", volume / (dev.link_gbs * 1e9), "steps·(2·micro+1)·Ψ·b_c·(n−1)/n/Λ",
+                 f"{steps}·(2·{micro}+1)·{_mb(s.params)}·{w.compute_bytes}·{n - 1}/{n}/{dev.link_gbs:g}G")]
+
+
 def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, shard: int = 1) -> list[Term]:
     rows = w.sequences
     per_replica = math.ceil(rows / replicas)
@@ -324,11 +348,11 @@ def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, 
     R, b = w.response_tokens, w.compute_bytes
     kv = 2 * s.layers * s.kv_dim * w.length * B * b / 2  # the cache is half full on average
     prefill = 2 * s.params * w.prompt_tokens * rows / (replicas * dev.tflops * 1e12 * dev.mfu)
-    decode = R * calls * (s.params * b / shard + kv) / (dev.bandwidth_gbs * 1e9)
+    decode = R * calls * (s.params * b + kv) / (dev.bandwidth_gbs * 1e9)  # every decode step reads all weights
     terms = [
         Term("prefill", prefill, "2Ψ·P·rows/(n_gen·F·η)",
              f"2·{_mb(s.params)}·{w.prompt_tokens}·{rows}/({replicas}·{dev.tflops:g}T·{dev.mfu:g})"),
-        Term("decode", decode, "R·calls·(Ψ·b_c/d + KV/2)/W", f"{R}·{calls}·({_mb(s.params)}·{b}/{shard} + {_mb(kv)})"
+        Term("decode", decode, "R·calls·(Ψ·b_c + KV/2)/W", f"{R}·{calls}·({_mb(s.params)}·{b} + {_mb(kv)})"
              f"/{dev.bandwidth_gbs:g}G"),
     ]
     if shard > 1:
@@ -350,9 +374,9 @@ def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
         if w.reference:
             memory += frozen(s, w, d, "reference")
         rows_per_rank = math.ceil(w.sequences / N)
-        train_peak = activations(s, w)
+        train_peak = activations(s, w, ranks=N)
         phases = {"train": train_peak}
-        time = train_seconds(s, w, dev, N)
+        time = train_seconds(s, w, dev, N) + sync_seconds(s, w, dev, N, strategy)
         if w.recipe == "rl":
             phases["generate"] = generation(s, w, rows_per_rank)
             time = generate_seconds(s, w, dev, N, shard=d) + time
@@ -363,14 +387,14 @@ def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
     if w.recipe == "rl" and N > 1:
         for g in range(1, N):
             d = N - g
-            trainer = trained_state(s, w, d, "actor") + gather_buffers(s, w, d) + activations(s, w)
+            trainer = trained_state(s, w, d, "actor") + gather_buffers(s, w, d) + activations(s, w, ranks=d)
             if w.critic:
                 trainer += trained_state(s, w, d, "critic")
             if w.reference:
                 trainer += frozen(s, w, d, "reference")
             server = [Term("rollout parameters", s.params * w.compute_bytes, "Ψ·b_c",
                            f"{_mb(s.params)}·{w.compute_bytes}")] + generation(s, w, math.ceil(w.sequences / g))
-            gen, train = generate_seconds(s, w, dev, g), train_seconds(s, w, dev, d)
+            gen, train = generate_seconds(s, w, dev, g), train_seconds(s, w, dev, d) + sync_seconds(s, w, dev, d, "fsdp")
             sync = Term("weight sync", s.params * w.compute_bytes / (dev.link_gbs * 1e9), "Ψ·b_c/Λ",
                         f"{_mb(s.params)}·{w.compute_bytes}/{dev.link_gbs:g}G")
             g_sec, t_sec = sum(t.value for t in gen), sum(t.value for t in train)
@@ -388,8 +412,9 @@ def format_plans(plans: list[Plan], dev: Device, w: Workload, s: ModelShape) -> 
         f"model: Ψ = {_mb(s.params)} parameters (vision Ψ_v = {_mb(s.params_vision)}), {s.layers} layers, h = {s.hidden}, "
         f"I = {s.intermediate}, k = {s.kv_dim}, V = {s.vocab}, largest FSDP unit U = {_mb(s.largest_unit)}",
         f"step ({w.recipe}): {w.sequences} sequences of L = P + R = {w.prompt_tokens} + {w.response_tokens} tokens "
-        f"({w.patches} vision patches each), micro-batch m = {w.micro_batch}, b_w = {w.weight_bytes}, b_c = {w.compute_bytes}",
-        f"devices: {dev.count} × {dev.memory_gb:g} GB, F = {dev.tflops:g} TFLOP/s, η = {dev.mfu:g}, "
+        f"({w.patches} vision patches each), train.micro_batch_size {w.micro_batch} (m = the smaller of it and a rank's "
+        f"share), b_w = {w.weight_bytes}, b_c = {w.compute_bytes}",
+        f"devices: {dev.count} × {dev.memory_gb:g} GiB, F = {dev.tflops:g} TFLOP/s, η = {dev.mfu:g}, "
         f"W = {dev.bandwidth_gbs:g} GB/s, Λ = {dev.link_gbs:g} GB/s",
         "",
     ]
@@ -398,7 +423,7 @@ def format_plans(plans: list[Plan], dev: Device, w: Workload, s: ModelShape) -> 
         lines += _plan_lines(plan, dev)
     for plan in infeasible:
         over = ", ".join(f"{g} {human_bytes(plan.peak(g))}" for g in plan.memory if plan.peak(g) > dev.memory_gb * GB)
-        lines.append(f"✗ {plan.name}: does not fit ({over} > {dev.memory_gb:g} GB)")
+        lines.append(f"✗ {plan.name}: does not fit ({over} > {dev.memory_gb:g} GiB)")
         lines += _plan_lines(plan, dev)
     if not feasible:
         lines.append("no placement fits: more devices, bf16 (model.dtype / dist.mixed_precision) or smaller micro-batches")
