@@ -77,9 +77,9 @@ def sft_stage() -> SFTStage:
 
 
 def sft_batch(policy):
-    """8 examples with target lengths from 2 to 5 tokens (count and ocr answers), so each rank's token count
-    differs and a per-rank normaliser would give a different gradient than the global one."""
-    return [encode_sft(policy, s) for s in generate("shapes", 8, tasks=["count", "ocr"])]
+    """8 units of one example each, target lengths from 2 to 5 tokens (count and ocr answers), so each rank's
+    token count differs and a per-rank normaliser would give a different gradient than the global one."""
+    return [[encode_sft(policy, s)] for s in generate("shapes", 8, tasks=["count", "ocr"])]
 
 
 def grads_of(module) -> dict[str, torch.Tensor]:

@@ -247,9 +247,16 @@ class Runtime:
 
 
 def check_scalable(cfg, world_size: int) -> None:
-    """What the distributed and resumable RL recipe supports; the error names the field."""
-    rollout = cfg.rollout
-    if rollout.mode == "async" and (world_size > 1 or cfg.checkpoint.every or cfg.checkpoint.resume):
+    """What runs under several ranks and with resumable checkpoints; the error names the field."""
+    scaled = world_size > 1 or cfg.checkpoint.every or cfg.checkpoint.resume
+    if getattr(cfg, "stages", None) and scaled:
+        raise ValueError("stages: a staged run goes through its stages in one process without resumable checkpoints; "
+                         "for torchrun / checkpoint.every / --resume run each stage as a run of its own (model.path = "
+                         "the previous stage's checkpoint)")
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is None:
+        return
+    if rollout.mode == "async" and scaled:
         raise ValueError("rollout.mode=async: the asynchronous recipe runs in one process and is not resumable yet; "
                          "use rollout.mode=sync with torchrun / checkpoint.every / --resume")
     if rollout.servers and world_size > 1:

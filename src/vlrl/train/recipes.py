@@ -10,14 +10,17 @@ Every recipe reads the same way:
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from vlrl.check import PreflightError, preflight
-from vlrl.config import DemoConfig, RLConfig, RunConfig, SFTConfig
+from vlrl.config import DataConfig, DemoConfig, RLConfig, RunConfig, SFTConfig
 from vlrl.data import Sample
+from vlrl.data.curriculum import with_template
+from vlrl.data.packing import PackingPlan
 from vlrl.eval import evaluate
 from vlrl.models import Policy, load_policy
 from vlrl.report import MetricsLogger, make_sink
@@ -104,7 +107,7 @@ def _load(cfg: RunConfig, logger: MetricsLogger, device: str | None = None) -> P
     seed_everything(cfg.seed)
     with logger.progress.task("load policy"):
         policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=str(device or cfg.model.device),
-                             seed=cfg.model.init_seed)
+                             seed=cfg.model.init_seed, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
     logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}")
     return policy
 
@@ -131,23 +134,24 @@ def _eval(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, st
 
 
 def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: int, name: str = "sft",
-         max_seconds: float | None = None, runtime: Runtime | None = None) -> dict:
+         max_seconds: float | None = None, plan: PackingPlan | None = None, runtime: Runtime | None = None) -> dict:
     with logger.progress.task(name, total=None if max_seconds else stage.train.steps, stage=name):
         stats = train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds,
-                          runtime=runtime)
+                          plan=plan, runtime=runtime)
     _log_last_step(logger, name, stats)
     return stats
 
 
-def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger,
+def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger, name: str = "rl",
         runtime: Runtime | None = None) -> dict:
-    with logger.progress.task("rl", total=stage.train.steps, stage="rl"), \
-            engine.training("rl", total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
+    with logger.progress.task(name, total=stage.train.steps, stage=name), \
+            engine.training(name, total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
         if stage.rollout.mode == "async":
-            stats = train_async_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed)
+            stats = train_async_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name)
         else:
-            stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, runtime=runtime)
-    _log_last_step(logger, "rl", stats)
+            stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name,
+                               runtime=runtime)
+    _log_last_step(logger, name, stats)
     return stats
 
 
@@ -167,6 +171,7 @@ def _samples(cfg: RunConfig, run_dir: Path) -> SampleLog:
 # ----------------------------------------------------------------------------------------------- recipes
 def run_sft(cfg: SFTConfig) -> dict:
     """Under torchrun: every rank trains its share of each batch; rank 0 evaluates the exported weights."""
+    check_scalable(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx, resume = init_distributed(cfg.dist, cfg.model.device), resolve_resume(cfg.checkpoint, cfg.out)
     run_dir, logger = _open_run(cfg, ctx, resume)
     summary: dict = {}
@@ -174,9 +179,13 @@ def run_sft(cfg: SFTConfig) -> dict:
         train, test = _data(cfg, logger)
         _check(cfg, logger, train, test)
         policy = _load(cfg, logger, ctx.device)
-        runtime = make_runtime(cfg, ctx, policy, run_dir, resume)
-        stats = _sft(policy, train, cfg, cfg, logger, seed=cfg.seed, runtime=runtime)
-        final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
+        if cfg.stages:  # one process, no resumable checkpoints (check_scalable)
+            policy, stats = _sft_stages(policy, train, cfg, run_dir, logger)
+            final, runtime = run_dir / "checkpoints" / "final", Runtime(ctx, policy.model)
+        else:
+            runtime = make_runtime(cfg, ctx, policy, run_dir, resume)
+            stats = _sft(policy, train, cfg, cfg, logger, seed=cfg.seed, plan=_plan(cfg.data, logger), runtime=runtime)
+            final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
         if ctx.is_main:
             engine = _engine(_eval_policy(policy, runtime, final, cfg), cfg, logger, _samples(cfg, run_dir))
             summary = {"sft": _eval(engine, test, cfg, logger, "final"), "train": stats}
@@ -194,7 +203,35 @@ def _eval_policy(policy: Policy, runtime: Runtime, exported: Path, cfg: RunConfi
     """What rank 0 evaluates: the trained policy itself, or (distributed) the exported full weights."""
     if not runtime.ctx.enabled:
         return policy
-    return load_policy(str(exported), dtype=cfg.model.dtype, device=str(runtime.ctx.device))
+    return load_policy(str(exported), dtype=cfg.model.dtype, device=str(runtime.ctx.device),
+                       min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+
+
+def _plan(data: DataConfig, logger: MetricsLogger) -> PackingPlan | None:
+    if data.packing_plan is None:
+        return None
+    plan = PackingPlan.load(data.packing_plan)
+    stats = plan.meta.get("stats", {})
+    logger.info(f"packing plan {data.packing_plan}: {plan.num_bins} sequences of {plan.capacity} tokens, fill "
+                f"{stats.get('fill_ratio', 0):.1%}, {len(plan.truncated)} truncated, {len(plan.dropped)} dropped samples")
+    return plan
+
+
+def _sft_stages(policy: Policy, train: list[Sample], cfg: SFTConfig, run_dir: Path, logger: MetricsLogger):
+    """Staged SFT (LLaVA-OV-1.5: align → midtrain → instruct): each stage trains with its own data, optimizer
+    and trainable modules, is saved to checkpoints/<name>, and the next stage starts from that checkpoint."""
+    stats = {}
+    for k, stage in enumerate(cfg.stages):
+        data = stage.data or cfg.data
+        samples = train if stage.data is None else load_split(stage.data, "train", logger)
+        stats[stage.name] = _sft(policy, samples, stage, cfg, logger, seed=cfg.seed, name=stage.name,
+                                 plan=_plan(data, logger))
+        checkpoint = _save(policy, run_dir / "checkpoints" / stage.name, logger)
+        if k + 1 < len(cfg.stages):  # the next stage continues from this checkpoint, with a fresh optimizer
+            policy = load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
+                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    _link_final(run_dir, cfg.stages[-1].name)
+    return policy, stats
 
 
 def run_rl(cfg: RLConfig) -> dict:
@@ -209,13 +246,17 @@ def run_rl(cfg: RLConfig) -> dict:
         train, test = _data(cfg, logger)
         _check(cfg, logger, train, test)
         policy = _load(cfg, logger, ctx.device)
+        if cfg.stages:  # one process, no resumable checkpoints (check_scalable)
+            summary = _rl_stages(policy, train, test, cfg, run_dir, logger)
+            write_json(run_dir / "summary.json", summary)
+            return summary
         # in-process, or rollout.servers over HTTP (rollout.mode=async)
         engine = WatchedEngine(make_engine(cfg.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
         try:
             if ctx.is_main and resume is None:
                 summary["initial"] = _eval(engine, test, cfg, logger, "initial")
             runtime = make_runtime(cfg, ctx, policy, run_dir, resume)
-            stats = _rl(policy, engine, train, cfg, cfg, logger, runtime)
+            stats = _rl(policy, engine, train, cfg, cfg, logger, runtime=runtime)
             final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
             if ctx.is_main:
                 evaluator = engine if not ctx.enabled else \
@@ -227,6 +268,45 @@ def run_rl(cfg: RLConfig) -> dict:
         if ctx.is_main:
             write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def _rl_stages(policy: Policy, train: list[Sample], test: list[Sample], cfg: RLConfig, run_dir: Path,
+               logger: MetricsLogger) -> dict:
+    """RL curriculum (LLaVA-OV-1.5-RL: answer-only, then chain-of-thought): each stage trains on its own data
+    with its own prompt template, is saved to checkpoints/<name> and evaluated (held-out prompts in the same
+    template), and the next stage starts from that checkpoint."""
+    summary: dict = {"train": {}}
+    for k, stage in enumerate(cfg.stages):
+        samples = train if stage.data is None else load_split(stage.data, "train", logger)
+        held_out = test
+        if stage.prompt_template is not None:
+            samples, held_out = with_template(samples, stage.prompt_template), with_template(test, stage.prompt_template)
+        engine = WatchedEngine(make_engine(stage.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
+        try:
+            if k == 0:
+                summary["initial"] = _eval(engine, held_out, cfg, logger, "initial")
+            summary["train"][stage.name] = _rl(policy, engine, samples, stage, cfg, logger, name=stage.name)
+            checkpoint = _save(policy, run_dir / "checkpoints" / stage.name, logger)
+            summary[stage.name] = _eval(engine, held_out, cfg, logger, stage.name)
+        finally:
+            if hasattr(engine.engine, "close"):
+                engine.engine.close()
+        if k + 1 < len(cfg.stages):
+            policy = load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
+                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    summary["rl"] = summary[cfg.stages[-1].name]
+    _link_final(run_dir, cfg.stages[-1].name)
+    return summary
+
+
+def _link_final(run_dir: Path, stage: str) -> None:
+    """checkpoints/final → checkpoints/<last stage>."""
+    final = run_dir / "checkpoints" / "final"
+    if final.is_symlink() or final.is_file():
+        final.unlink()
+    elif final.is_dir():
+        shutil.rmtree(final)
+    final.symlink_to(stage, target_is_directory=True)
 
 
 def run_demo(cfg: DemoConfig) -> dict:
