@@ -27,3 +27,14 @@ def shapes_samples():
     from vlrl.data import generate
 
     return generate("shapes", 8, split="test", tasks=["count", "color", "locate", "ocr"])
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """``tiny-qwen2-vl`` (init seed 0) saved once per session in the transformers layout: a subprocess or a
+    rank loads it in ~0.1 s instead of rebuilding the preset (its tokenizer is trained on the fly)."""
+    from vlrl.models import load_policy
+
+    path = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    load_policy("tiny-qwen2-vl").save(path)
+    return path

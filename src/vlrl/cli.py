@@ -19,6 +19,12 @@ app.add_typer(reward_app, name="reward")
 
 CONFIG = typer.Option(None, "--config", "-c", help="YAML config file (see configs/).")
 OVERRIDES = typer.Argument(None, help="Dotted overrides, e.g. rl.algo.clip_high=0.28 data.n_train=500")
+RESUME = typer.Option(None, "--resume", help="auto: continue from the latest complete checkpoint in OUT/checkpoints "
+                      "(fresh start if none); or a checkpoint directory. Sets checkpoint.resume.")
+
+
+def _extra(data: str | None, resume: str | None) -> list[str]:
+    return [*([f"data.train={data}"] if data else []), *([f"checkpoint.resume={resume}"] if resume else [])]
 
 
 def _load(cls, config: Path | None, overrides: list[str] | None, extra: list[str]):
@@ -61,12 +67,14 @@ def sft(
     data: str | None = typer.Option(None, "--data", help="Training samples file/dir (sets data.train)."),
     stages: str | None = typer.Option(None, "--stages", help="Run only these stages of a staged config, e.g. "
                                       "midtrain,instruct (set model.path to the previous stage's checkpoint)."),
+    resume: str | None = RESUME,
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
-    """Supervised fine-tuning on reference responses (one stage, or the stages of the config in order)."""
+    """Supervised fine-tuning on reference responses (one stage, or the stages of the config in order; one
+    process, or every rank under torchrun)."""
     from vlrl.train.recipes import run_sft
 
-    cfg = _load(SFTConfig, config, overrides, [f"data.train={data}"] if data else [])
+    cfg = _load(SFTConfig, config, overrides, _extra(data, resume))
     if stages is not None:
         wanted = [s.strip() for s in stages.split(",") if s.strip()]
         known = [s.name for s in cfg.stages]
@@ -83,12 +91,13 @@ def sft(
 def rl(
     config: Path | None = CONFIG,
     data: str | None = typer.Option(None, "--data", help="Training prompts file/dir (sets data.train)."),
+    resume: str | None = RESUME,
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
     """GRPO-family RL with verifiable rewards (synchronous, or asynchronous with rollout.mode=async)."""
     from vlrl.train.recipes import run_rl
 
-    _run(run_rl, _load(RLConfig, config, overrides, [f"data.train={data}"] if data else []))
+    _run(run_rl, _load(RLConfig, config, overrides, _extra(data, resume)))
 
 
 @app.command()
@@ -207,6 +216,75 @@ def check(
     typer.secho(result.format(), fg=None if result.ok else "red")
     if not result.ok:
         raise typer.Exit(1)
+
+
+@app.command()
+def launch(
+    config: Path = typer.Argument(..., help="The YAML config of the run (sft or rl); its launch section places the ranks."),
+    overrides: list[str] | None = OVERRIDES,
+    ray_address: str = typer.Option("local", "--ray", help="Ray cluster address (e.g. auto, ray://head:10001), or "
+                                    "local: start a one-node Ray here."),
+    nproc: int | None = typer.Option(None, "--nproc", help="Trainer ranks (sets launch.nproc)."),
+    recipe: str = typer.Option("auto", "--recipe", help="auto (from the file's sections), sft or rl."),
+    resume: str | None = RESUME,
+) -> None:
+    """Run `vlrl sft|rl` on launch.nproc Ray actors in a placement group (torch.distributed rendezvous wired)."""
+    from vlrl.train.launcher import LaunchError, RankSpec, detect
+    from vlrl.train.launcher import launch as run_launch
+
+    kind = detect(config, recipe)
+    if kind not in ("sft", "rl"):
+        typer.secho(f"vlrl launch: launches sft and rl runs (got recipe {kind!r}; pass --recipe)", fg="red", err=True)
+        raise typer.Exit(2)
+    extra = [*([f"launch.nproc={nproc}"] if nproc else []), *([f"checkpoint.resume={resume}"] if resume else [])]
+    cfg = _load(RECIPES[kind], config, [*(overrides or []), *extra], [])  # fail here, before Ray starts
+    spec = RankSpec(kind, str(config), tuple([*(overrides or []), *extra]))
+    try:
+        run_launch(spec, cfg.launch, address=ray_address)
+    except LaunchError as err:
+        typer.secho(f"vlrl launch: {err}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.secho("vlrl launch: interrupted; every rank was stopped", fg="red", err=True)
+        raise typer.Exit(130) from None
+
+
+@app.command()
+def plan(
+    config: Path = typer.Argument(..., help="The YAML config of the run (sft or rl)."),
+    overrides: list[str] | None = OVERRIDES,
+    gpus: int = typer.Option(8, "--gpus", help="Devices to place the run on."),
+    gpu_mem: float = typer.Option(80.0, "--gpu-mem", help="Memory per device, GiB (an \"80GB\" A100 holds 80 GiB)."),
+    tflops: float = typer.Option(312.0, "--tflops", help="Peak dense TFLOP/s per device in the compute dtype (A100: 312)."),
+    bandwidth: float = typer.Option(2039.0, "--bandwidth", help="Device memory bandwidth, GB/s (A100-80GB: 2039)."),
+    link: float = typer.Option(300.0, "--link", help="Bandwidth between devices, GB/s (NVLink ~300, across machines ~25)."),
+    mfu: float = typer.Option(0.4, "--mfu", help="Assumed model-FLOPs utilisation of training and prefill."),
+    recipe: str = typer.Option("auto", "--recipe", help="auto (from the file's sections), sft or rl."),
+    measure: bool = typer.Option(False, "--measure", help="Also run one training step on this machine's CPU and "
+                                 "print its measured peak memory beside the estimate (for small models)."),
+) -> None:
+    """Estimate per-device memory and step time of every placement (colocated/separate, FSDP/DDP); rank the feasible ones."""
+    import yaml
+
+    from vlrl.check import detect_recipe
+    from vlrl.train import planner
+
+    if recipe == "auto":
+        raw = yaml.safe_load(config.read_text()) if config.is_file() else {}
+        recipe = detect_recipe(raw if isinstance(raw, dict) else {}, config)
+    if recipe not in ("sft", "rl"):
+        typer.secho(f"vlrl plan: plans sft and rl runs (got recipe {recipe!r}; pass --recipe)", fg="red", err=True)
+        raise typer.Exit(2)
+    cfg = _load(RECIPES[recipe], config, overrides, [])
+    model, adapter = planner.meta_model(cfg.model.path, init_seed=cfg.model.init_seed)
+    shape, work = planner.model_shape(model), planner.workload(cfg, adapter)
+    device = planner.Device(gpus, gpu_mem, tflops=tflops, bandwidth_gbs=bandwidth, link_gbs=link, mfu=mfu)
+    typer.echo(planner.format_plans(planner.plan_placements(shape, work, device), device, work, shape))
+    if measure:
+        from vlrl.models import load_policy
+
+        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.model.init_seed)
+        typer.echo("\n" + planner.format_measurement(planner.measure_train_step(cfg, policy, work), shape, work))
 
 
 @data_app.command("gen")

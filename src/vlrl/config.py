@@ -372,6 +372,63 @@ class CheckConfig(Section):
     )
 
 
+# ----------------------------------------------------------------------------------------------- scale-out
+class DistConfig(Section):
+    strategy: Literal["fsdp", "ddp"] = Field(
+        "fsdp", description="Data parallelism across the ranks torchrun (or `vlrl launch`) starts: fsdp = FSDP2 "
+        "fully_shard (vision tower, each decoder/vision block and the root are units; ZeRO-3 memory), ddp = "
+        "DistributedDataParallel (full replica per rank, all-reduced gradients). Ignored with one process.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend; auto = nccl when model.device is cuda, else gloo."
+    )
+    mixed_precision: Literal["none", "bf16", "fp16"] = Field(
+        "none", description="Mixed precision: FSDP2 MixedPrecisionPolicy (parameters gathered in bf16/fp16, "
+        "gradients reduced in fp32) or torch.autocast for DDP and single-process runs; fp32 master weights either way.",
+    )
+    reshard_after_forward: bool = Field(
+        True, description="FSDP2: free the gathered parameters after forward (ZeRO-3); false keeps them until backward "
+        "(ZeRO-2-like: more memory, one all-gather fewer).",
+    )
+    find_unused_parameters: bool = Field(
+        False, description="DDP: allow parameters that get no gradient in a step (e.g. the vision tower on text-only data)."
+    )
+    timeout_minutes: float = Field(30.0, gt=0, description="Collective timeout: a rank waiting longer than this fails the run.")
+    deterministic: bool = Field(
+        False, description="torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG on GPUs): bitwise "
+        "reproducible steps on GPUs at some speed cost. CPU kernels are deterministic already.",
+    )
+
+
+class CheckpointConfig(Section):
+    every: int = Field(
+        0, ge=0, description="Save a resumable checkpoint (DCP shards + trainer_state.json) every N steps; 0 = none "
+        "(the final weights are exported to checkpoints/final either way).",
+    )
+    keep: int = Field(2, ge=1, description="Resumable checkpoints kept (the oldest are deleted after a successful save).")
+    resume: str | None = Field(
+        None, description="'auto': continue from the latest complete checkpoint under OUT/checkpoints (start fresh if "
+        "there is none); a checkpoint directory: continue from it; unset: start fresh.",
+    )
+    export_hf: bool = Field(
+        False, description="Also write each checkpoint's weights in the transformers layout (CKPT/hf, safetensors) "
+        "that transformers, vLLM and SGLang load.",
+    )
+
+
+class LaunchConfig(Section):
+    nproc: int = Field(2, ge=1, description="`vlrl launch`: trainer ranks (one Ray actor each, one placement-group bundle each).")
+    cpus_per_rank: float = Field(1.0, ge=0, description="`vlrl launch`: CPUs reserved in each rank's bundle.")
+    gpus_per_rank: float = Field(0.0, ge=0, description="`vlrl launch`: GPUs reserved in each rank's bundle (1 on GPU machines).")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="`vlrl launch`: Ray placement-group strategy of the rank bundles (PACK: as few nodes as possible)."
+    )
+    master_port: int = Field(0, ge=0, le=65535, description="`vlrl launch`: rendezvous port on rank 0's node; 0 picks a free one.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="`vlrl launch`: extra environment variables for every rank (e.g. NCCL settings)."
+    )
+
+
 # ----------------------------------------------------------------------------------------------- whole runs
 class RunConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy to train.")
@@ -381,6 +438,11 @@ class RunConfig(Section):
     seed: int = Field(0, description="Seed of sampling, shuffling and dropout.")
     report: ReportConfig = Field(default_factory=ReportConfig, description="Metric sinks, progress and the HTML report.")
     check: CheckConfig = Field(default_factory=CheckConfig, description="The preflight check run before loading weights.")
+    dist: DistConfig = Field(default_factory=DistConfig, description="Data-parallel training under torchrun / `vlrl launch`.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Resumable checkpoints (sharded, atomic) and `--resume auto`."
+    )
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="`vlrl launch`: trainer ranks as Ray actors.")
 
 
 class SFTStageSpec(SFTStage):

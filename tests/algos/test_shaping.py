@@ -42,6 +42,8 @@ def test_overlong_penalty_by_hand():
 def test_every_registered_shaper_runs_on_a_fake_batch():
     options = {"overlong_penalty": {"cache_length": 4}}
     for name, fn in REWARD_SHAPING.items():
+        if not fn.__module__.startswith("vlrl."):  # plug-ins registered by other tests
+            continue
         out = fn(_inputs([1.0, 0.0, 0.5], [3, 9, 12]), **options.get(name, {}))
         assert out.values.shape == (3,) and torch.isfinite(out.values).all(), name
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])

@@ -222,6 +222,7 @@ class Qwen2VLAdapter(TextAdapter):
             return {"input_ids": input_ids, "attention_mask": attention_mask,
                     "position_ids": position_ids.unsqueeze(0).expand(3, -1, -1)}
         mm_token_type_ids = self._mm_token_type_ids(input_ids)
+        model = getattr(model, "module", model)  # a DDP wrapper holds the transformers model in .module
         inner = model.model if hasattr(model, "model") else model
         position_ids, _ = inner.get_rope_index(
             input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=vision.image_grid_thw,
@@ -250,6 +251,7 @@ class Qwen2VLAdapter(TextAdapter):
         if vision is None:
             return text.expand(4, -1)
         ids = input_ids.unsqueeze(0)  # (1, L)
+        model = getattr(model, "module", model)  # a DDP wrapper holds the transformers model in .module
         inner = model.model if hasattr(model, "model") else model
         mrope, _ = inner.get_rope_index(ids, mm_token_type_ids=self._mm_token_type_ids(ids),
                                         image_grid_thw=vision.image_grid_thw.to(ids.device))  # (3, 1, L)

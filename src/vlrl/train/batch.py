@@ -96,9 +96,12 @@ class Algorithm:
     mask_truncated: bool  # DAPO overlong filtering
 
 
-def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_weight: bool) -> Algorithm:
+def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_weight: bool,
+                    reference: torch.nn.Module | None = None) -> Algorithm:
     """Bind ``stage.algo`` (and ``stage.critic``) once. ``apply_behaviour_weight``: multiply the loss by
-    w = min(π_prox / π_behave, cap) — the async recipe's decoupled objective — unless the loss does it itself."""
+    w = min(π_prox / π_behave, cap) — the async recipe's decoupled objective — unless the loss does it itself.
+    ``reference``: a frozen reference already built (e.g. FSDP2-sharded by `vlrl.train.distributed`);
+    unset, a frozen copy of the policy is made when ``algo.kl_coef > 0``."""
     algo, train = stage.algo, stage.train
     estimator = get_advantage(algo.advantage)
     needs = advantage_needs(estimator)
@@ -118,7 +121,8 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         needs=needs,
         reward_shaping=ShapingChain(algo.reward_shaping, get_reward_shaping, "rewards"),
         advantage_shaping=ShapingChain(algo.advantage_shaping, get_advantage_shaping, "advantages"),
-        reference=frozen_copy(policy.model) if algo.kl_coef > 0 else None,  # kl_coef = 0: no reference at all
+        # kl_coef = 0: no reference at all
+        reference=(reference if reference is not None else frozen_copy(policy.model)) if algo.kl_coef > 0 else None,
         critic=Critic(policy, stage.critic) if "values" in needs else None,
         settings=settings,
         kl_in_reward=algo.kl_coef if algo.kl_mode == "reward" else 0.0,

@@ -44,11 +44,11 @@ def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float
     if grad_clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])) if params else torch.tensor(0.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor over all ranks
 
 
 def reward_names_check(sample: Sample) -> None:
@@ -102,16 +102,33 @@ class PromptCursor:
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
+    def load_state(self, state: dict[str, int]) -> None:
+        """Continue from a `state()` (checkpoints): the same epoch order, the same position in it."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation()
+        if not 0 <= self.position <= len(self._order):
+            raise ValueError(f"data cursor position {self.position} is outside the dataset of {len(self._order)} "
+                             "samples: the checkpoint was written for different data")
 
-def prepare_run_dir(out: str | Path, config: Section) -> tuple[Path, MetricsLogger]:
-    """Create the run directory, write the resolved ``config.yaml``, open ``metrics.jsonl``."""
+
+def prepare_run_dir(out: str | Path, config: Section, *, keep_metrics_bytes: int | None = None) -> tuple[Path, MetricsLogger]:
+    """Create the run directory, write the resolved ``config.yaml``, open ``metrics.jsonl`` — a fresh one, or
+    (resuming) the existing one cut back to ``keep_metrics_bytes``, where the checkpoint left it."""
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
+    elapsed = 0.0
+    if keep_metrics_bytes is not None and metrics.exists():
+        with open(metrics, "r+b") as handle:
+            handle.truncate(keep_metrics_bytes)
+        lines = metrics.read_text().splitlines()
+        elapsed = float(json.loads(lines[-1]).get("time", 0.0)) if lines else 0.0
+    elif metrics.exists():
         metrics.unlink()
-    return run_dir, MetricsLogger(metrics)
+    logger = MetricsLogger(metrics)
+    logger.start -= elapsed  # a resumed run's "time" goes on from the checkpoint's last record
+    return run_dir, logger
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -90,3 +90,15 @@ class Critic:
 
     def step(self) -> float:
         return clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weights, optimizer and scheduler: what a resumable checkpoint keeps of the critic."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state is None:
+            raise ValueError("the checkpoint holds no critic state: resume with the same algo.advantage")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -9,6 +9,7 @@ Every recipe reads the same way:
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -28,15 +29,29 @@ from vlrl.report.samples import SampleLog
 from vlrl.report.watch import WatchedEngine
 from vlrl.rollout import HFEngine
 from vlrl.train.async_grpo import make_engine, train_async_grpo
+from vlrl.train.checkpoint import export_hf, metrics_offset, resolve_resume
 from vlrl.train.common import load_split, prepare_run_dir, seed_everything, write_json
+from vlrl.train.distributed import (
+    DistContext,
+    Runtime,
+    check_scalable,
+    init_distributed,
+    make_runtime,
+    shutdown_distributed,
+)
 from vlrl.train.grpo import train_grpo
 from vlrl.train.sft import train_sft
 
 
 # ----------------------------------------------------------------------------------------------- set-up
-def _open_run(cfg: RunConfig) -> tuple[Path, MetricsLogger]:
-    """The run directory (resolved config.yaml, metrics.jsonl) and a logger with the configured sinks."""
-    run_dir, logger = prepare_run_dir(cfg.out, cfg)
+def _open_run(cfg: RunConfig, ctx: DistContext | None = None, resume: Path | None = None) -> tuple[Path, MetricsLogger]:
+    """The run directory (resolved config.yaml, metrics.jsonl) and a logger with the configured sinks. Only
+    rank 0 writes files and prints; resuming continues metrics.jsonl from where the checkpoint left it."""
+    if ctx is not None and not ctx.is_main:
+        return Path(cfg.out), MetricsLogger(None, quiet=True)
+    run_dir, logger = prepare_run_dir(cfg.out, cfg, keep_metrics_bytes=metrics_offset(resume))
+    if resume is not None:
+        logger.info(f"resuming from {resume}")
     logger.progress = LiveProgress(logger.console, mode=cfg.report.progress)
     options = {"wandb": cfg.report.wandb.model_dump(), "mlflow": cfg.report.mlflow.model_dump()}
     for name in cfg.report.sinks:
@@ -46,14 +61,17 @@ def _open_run(cfg: RunConfig) -> tuple[Path, MetricsLogger]:
 
 
 @contextmanager
-def _reporting(cfg: RunConfig, run_dir: Path, logger: MetricsLogger) -> Iterator[None]:
-    """Close the sinks and write report.html when the block ends, also when it fails."""
+def _reporting(cfg: RunConfig, run_dir: Path, logger: MetricsLogger, ctx: DistContext | None = None) -> Iterator[None]:
+    """Close the sinks and write report.html (rank 0) when the block ends, also when it fails; leave the
+    process group of a distributed run."""
     try:
         yield
     finally:
         logger.close()
-        if cfg.report.html and (run_dir / "metrics.jsonl").exists():
+        if cfg.report.html and (ctx is None or ctx.is_main) and (run_dir / "metrics.jsonl").exists():
             _write_report(run_dir, logger)
+        if ctx is not None:
+            shutdown_distributed(ctx)
 
 
 def _write_report(run_dir: Path, logger: MetricsLogger) -> None:
@@ -85,11 +103,11 @@ def _check(cfg: RunConfig, logger: MetricsLogger, train: list[Sample], test: lis
         logger.warn(str(warning))
 
 
-def _load(cfg: RunConfig, logger: MetricsLogger) -> Policy:
+def _load(cfg: RunConfig, logger: MetricsLogger, device: str | None = None) -> Policy:
     seed_everything(cfg.seed)
     with logger.progress.task("load policy"):
-        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, seed=cfg.model.init_seed,
-                             min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=str(device or cfg.model.device),
+                             seed=cfg.model.init_seed, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
     logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}")
     return policy
 
@@ -116,19 +134,23 @@ def _eval(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, st
 
 
 def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: int, name: str = "sft",
-         max_seconds: float | None = None, plan: PackingPlan | None = None) -> dict:
+         max_seconds: float | None = None, plan: PackingPlan | None = None, runtime: Runtime | None = None) -> dict:
     with logger.progress.task(name, total=None if max_seconds else stage.train.steps, stage=name):
         stats = train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds,
-                          plan=plan)
+                          plan=plan, runtime=runtime)
     _log_last_step(logger, name, stats)
     return stats
 
 
-def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger, name: str = "rl") -> dict:
+def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger, name: str = "rl",
+        runtime: Runtime | None = None) -> dict:
     with logger.progress.task(name, total=stage.train.steps, stage=name), \
             engine.training(name, total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
-        loop = train_async_grpo if stage.rollout.mode == "async" else train_grpo
-        stats = loop(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name)
+        if stage.rollout.mode == "async":
+            stats = train_async_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name)
+        else:
+            stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name,
+                               runtime=runtime)
     _log_last_step(logger, name, stats)
     return stats
 
@@ -137,7 +159,8 @@ def _log_last_step(logger: MetricsLogger, stage: str, stats: dict) -> None:
     """A stage stopped by its time budget between two ``log_every`` steps: log its last step, so the curves
     (and metrics.jsonl) end where training ended. The loops return that step's metrics in ``stats``."""
     logged = [r["step"] for r in logger.records if r["stage"] == stage]
-    if stats.get("steps") and (not logged or logged[-1] != stats["steps"]):
+    resumed_at_end = not any("/" in k for k in stats)  # resumed from the last step's checkpoint: nothing new
+    if stats.get("steps") and not resumed_at_end and (not logged or logged[-1] != stats["steps"]):
         logger.log(stage, stats["steps"], {k: v for k, v in stats.items() if "/" in k})
 
 
@@ -147,20 +170,41 @@ def _samples(cfg: RunConfig, run_dir: Path) -> SampleLog:
 
 # ----------------------------------------------------------------------------------------------- recipes
 def run_sft(cfg: SFTConfig) -> dict:
-    run_dir, logger = _open_run(cfg)
-    with _reporting(cfg, run_dir, logger):
+    """Under torchrun: every rank trains its share of each batch; rank 0 evaluates the exported weights."""
+    check_scalable(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    ctx, resume = init_distributed(cfg.dist, cfg.model.device), resolve_resume(cfg.checkpoint, cfg.out)
+    run_dir, logger = _open_run(cfg, ctx, resume)
+    summary: dict = {}
+    with _reporting(cfg, run_dir, logger, ctx):
         train, test = _data(cfg, logger)
         _check(cfg, logger, train, test)
-        policy = _load(cfg, logger)
-        if cfg.stages:
+        policy = _load(cfg, logger, ctx.device)
+        if cfg.stages:  # one process, no resumable checkpoints (check_scalable)
             policy, stats = _sft_stages(policy, train, cfg, run_dir, logger)
+            final, runtime = run_dir / "checkpoints" / "final", Runtime(ctx, policy.model)
         else:
-            stats = _sft(policy, train, cfg, cfg, logger, seed=cfg.seed, plan=_plan(cfg.data, logger))
-            _save(policy, run_dir / "checkpoints" / "final", logger)
-        engine = _engine(policy, cfg, logger, _samples(cfg, run_dir))
-        summary = {"sft": _eval(engine, test, cfg, logger, "final"), "train": stats}
-        write_json(run_dir / "summary.json", summary)
+            runtime = make_runtime(cfg, ctx, policy, run_dir, resume)
+            stats = _sft(policy, train, cfg, cfg, logger, seed=cfg.seed, plan=_plan(cfg.data, logger), runtime=runtime)
+            final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
+        if ctx.is_main:
+            engine = _engine(_eval_policy(policy, runtime, final, cfg), cfg, logger, _samples(cfg, run_dir))
+            summary = {"sft": _eval(engine, test, cfg, logger, "final"), "train": stats}
+            write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def _export(policy: Policy, runtime: Runtime, target: Path, logger: MetricsLogger) -> Path:
+    """The final weights in the transformers layout (gathered from all ranks under DDP/FSDP2)."""
+    with logger.progress.task(f"save {target.parent.name}/{target.name}"):
+        return export_hf(policy, runtime.module, target, runtime.ctx)
+
+
+def _eval_policy(policy: Policy, runtime: Runtime, exported: Path, cfg: RunConfig) -> Policy:
+    """What rank 0 evaluates: the trained policy itself, or (distributed) the exported full weights."""
+    if not runtime.ctx.enabled:
+        return policy
+    return load_policy(str(exported), dtype=cfg.model.dtype, device=str(runtime.ctx.device),
+                       min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
 
 
 def _plan(data: DataConfig, logger: MetricsLogger) -> PackingPlan | None:
@@ -191,26 +235,38 @@ def _sft_stages(policy: Policy, train: list[Sample], cfg: SFTConfig, run_dir: Pa
 
 
 def run_rl(cfg: RLConfig) -> dict:
-    run_dir, logger = _open_run(cfg)
-    with _reporting(cfg, run_dir, logger):
+    """Under torchrun: every rank generates and trains on its share of each step (in-process rollout); rank 0
+    evaluates the initial weights and the exported final weights. A resumed run skips the initial evaluation
+    (metrics.jsonl already holds it)."""
+    check_scalable(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    ctx, resume = init_distributed(cfg.dist, cfg.model.device), resolve_resume(cfg.checkpoint, cfg.out)
+    run_dir, logger = _open_run(cfg, ctx, resume)
+    summary: dict = {}
+    with _reporting(cfg, run_dir, logger, ctx):
         train, test = _data(cfg, logger)
         _check(cfg, logger, train, test)
-        policy = _load(cfg, logger)
-        if cfg.stages:
+        policy = _load(cfg, logger, ctx.device)
+        if cfg.stages:  # one process, no resumable checkpoints (check_scalable)
             summary = _rl_stages(policy, train, test, cfg, run_dir, logger)
             write_json(run_dir / "summary.json", summary)
             return summary
         # in-process, or rollout.servers over HTTP (rollout.mode=async)
         engine = WatchedEngine(make_engine(cfg.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
         try:
-            before = _eval(engine, test, cfg, logger, "initial")
-            stats = _rl(policy, engine, train, cfg, cfg, logger)
-            _save(policy, run_dir / "checkpoints" / "final", logger)
-            summary = {"initial": before, "rl": _eval(engine, test, cfg, logger, "final"), "train": stats}
+            if ctx.is_main and resume is None:
+                summary["initial"] = _eval(engine, test, cfg, logger, "initial")
+            runtime = make_runtime(cfg, ctx, policy, run_dir, resume)
+            stats = _rl(policy, engine, train, cfg, cfg, logger, runtime=runtime)
+            final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
+            if ctx.is_main:
+                evaluator = engine if not ctx.enabled else \
+                    _engine(_eval_policy(policy, runtime, final, cfg), cfg, logger, engine.samples)
+                summary.update({"rl": _eval(evaluator, test, cfg, logger, "final"), "train": stats})
         finally:
             if hasattr(engine.engine, "close"):
                 engine.engine.close()
-        write_json(run_dir / "summary.json", summary)
+        if ctx.is_main:
+            write_json(run_dir / "summary.json", summary)
     return summary
 
 
@@ -255,6 +311,8 @@ def _link_final(run_dir: Path, stage: str) -> None:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """SFT warm start → eval → RL → eval, and the equal-time SFT control from the same checkpoint."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("vlrl demo runs in one process; under torchrun or `vlrl launch` use `vlrl sft` and `vlrl rl`")
     start = time.time()
     run_dir, logger = _open_run(cfg)
     with _reporting(cfg, run_dir, logger):

@@ -11,12 +11,14 @@ step (they were sampled by weights one step older: the update treats them as on-
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from vlrl.algos.filters import informative_groups
 from vlrl.config import DynamicSamplingConfig
+from vlrl.data import Sample
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import Engine, Request, SamplingParams, Trajectory
 from vlrl.train.common import PromptCursor
@@ -42,8 +44,11 @@ class GroupSampler:
     """Draws prompts from ``cursor`` and returns one step's scored groups."""
 
     def __init__(self, engine: Engine, cursor: PromptCursor, sampling: SamplingParams, *, prompts_per_step: int,
-                 dynamic: DynamicSamplingConfig, greedy_baseline: bool = False) -> None:
+                 dynamic: DynamicSamplingConfig, greedy_baseline: bool = False,
+                 shard: Callable[[list[Sample]], list[Sample]] | None = None) -> None:
+        """``shard``: under torchrun, keeps this rank's share of the prompts every rank drew (same cursor)."""
         self.engine, self.cursor, self.sampling = engine, cursor, sampling
+        self.shard = shard or (lambda prompts: prompts)
         self.prompts_per_step, self.dynamic, self.greedy_baseline = prompts_per_step, dynamic, greedy_baseline
         self.carry: list[SampledGroup] = []  # informative groups left over from the previous step
         self._requests: dict[str, Request] = {}
@@ -75,7 +80,7 @@ class GroupSampler:
 
     def _round(self, count: int) -> tuple[list[SampledGroup], list]:
         """Draw ``count`` prompts, sample ``n`` responses each, score them (and their greedy responses)."""
-        prompts = self.cursor.next(count)
+        prompts = self.shard(self.cursor.next(count))
         requests = [self._requests.setdefault(s.id, self.engine.encode(s)) for s in prompts]
         trajectories = self.engine.generate(requests, self.sampling)
         report = score_trajectories(trajectories)

@@ -13,6 +13,9 @@ processed. With a packing plan (``data.packing_plan``, written by `vlrl data pac
 planned bin of samples, read from the plan with no packing at run time; ``train.padding_free`` packs each
 micro-batch of samples at run time instead. ``train.trainable`` freezes everything else for the stage (the
 `align` stage trains only the projector) and ``optim.module_lr`` sets per-module learning rates.
+
+Under torchrun each rank trains on its contiguous share of every batch's units and the denominator is
+all-reduced over the ranks, so N ranks compute the gradient of the same big batch (`vlrl.train.distributed`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from vlrl.models.adapters import VisionInputs
 from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
 from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
+from vlrl.train.distributed import Runtime
 from vlrl.train.modules import restore_trainable, set_trainable
 
 
@@ -77,34 +81,32 @@ def train_sft(
     stage_name: str = "sft",
     max_seconds: float | None = None,
     plan: PackingPlan | None = None,
+    runtime: Runtime | None = None,
 ) -> dict[str, float]:
     """Run the SFT loop on ``samples`` (or on the bins of ``plan``, a plan computed for ``samples``); returns
-    the last logged metrics plus ``steps``, ``seconds`` and ``epochs``."""
+    the last logged metrics plus ``steps``, ``seconds`` and ``epochs``.
+
+    ``runtime`` (`vlrl.train.distributed`): the ranks, the wrapped module and the checkpointer; default one
+    process, no checkpoints. Resuming restores the step, cursor, optimizer and RNG from its checkpoint."""
     train = stage.train
+    rt = runtime or Runtime.single(policy.model)
     budget = max_seconds if max_seconds is not None else train.max_seconds
     units, examples = _units(policy, samples, stage, plan)
     packed = plan is not None or train.padding_free
     frozen = set_trainable(policy.model, train.trainable, policy.adapter.module_groups)
     cursor = PromptCursor(list(range(len(units))), seed)  # type: ignore[arg-type]  (any list works)
-    model = policy.model
+    model = rt.module
     model.train()
-    optimizer, scheduler = make_optimizer(model, stage.optim, policy.adapter.module_groups)
-    start, last, step = time.time(), {}, 0
+    optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)  # names unwrapped
+    step, _ = rt.restore(stage_name, optimizer, scheduler, cursor)
+    start, last = time.time(), {}
     try:
-        while step < train.steps and not (budget is not None and time.time() - start >= budget):
+        while step < train.steps and not rt.out_of_time(time.time() - start, budget):
             step_start = time.time()
-            batch = [units[u] for u in cursor.next(train.batch_size)]
-            n_tokens = sum(len(examples[i].target_ids) for unit in batch for i in unit)  # the optimizer batch's normaliser
-            total_loss, processed, real = 0.0, 0, 0
-            for k in range(0, len(batch), train.micro_batch_size):
-                micro = batch[k : k + train.micro_batch_size]
-                logp, n_processed = _micro_logprobs(policy, [[examples[i] for i in unit] for unit in micro],
-                                                    packed=packed, planned=plan is not None)
-                loss = -logp.sum() / n_tokens
-                loss.backward()
-                total_loss += float(loss.detach())
-                processed += n_processed
-                real += sum(examples[i].length for unit in micro for i in unit)
+            batch = [[examples[i] for i in units[u]]
+                     for u in rt.ctx.shard(cursor.next(train.batch_size), what="train.batch_size")]
+            total_loss, processed, real = sft_backward(policy, rt, batch, train.micro_batch_size, packed=packed,
+                                                       planned=plan is not None)
             grad_norm = clip_and_step(model, optimizer, scheduler, stage.optim.grad_clip)
             step += 1
             seconds = time.time() - step_start
@@ -113,10 +115,36 @@ def train_sft(
                     "sft/lr": scheduler.get_last_lr()[0]}
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("sft/loss", "sft/grad_norm", "perf/step_seconds"))
+            rt.after_step(step, stage_name, optimizer, scheduler, cursor)
     finally:
-        restore_trainable(model, frozen)
+        restore_trainable(policy.model, frozen)
         model.eval()
     return {**last, "steps": step, "seconds": time.time() - start, "epochs": cursor.epoch}
+
+
+def sft_backward(policy: Policy, rt: Runtime, batch: list[list[SFTExample]], micro_batch_size: int, *,
+                 packed: bool = False, planned: bool = False) -> tuple[float, int, int]:
+    """Accumulate the gradient of this rank's share ``batch`` (units: one sample, or a planned bin) of a global
+    batch; return (global loss, global token positions processed, global real tokens). The normaliser is all
+    ranks' target tokens, so the ranks' summed gradients are the gradient of the whole batch; gradients are
+    reduced across ranks only in the last micro-batch's backward."""
+    # the optimizer batch's normaliser, over all ranks (÷ world size: DDP/FSDP2 average gradients)
+    n_tokens = rt.ctx.all_reduce_sum([sum(len(e.target_ids) for unit in batch for e in unit)])[0]
+    normaliser = rt.ctx.local_normaliser(n_tokens)
+    total_loss, processed, real = 0.0, 0, 0
+    starts = range(0, len(batch), micro_batch_size)
+    for k in starts:
+        micro = batch[k : k + micro_batch_size]
+        with rt.gradient_sync(last=k == starts[-1]):
+            with rt.autocast():
+                logp, n_processed = _micro_logprobs(policy, rt.module, micro, packed=packed, planned=planned)
+            loss = -logp.sum() / normaliser
+            loss.backward()
+        total_loss += float(loss.detach())
+        processed += n_processed
+        real += sum(e.length for unit in micro for e in unit)
+    total_loss, processed, real = rt.ctx.all_reduce_sum([total_loss, processed, real])
+    return total_loss / rt.ctx.world_size, int(processed), int(real)  # Σ_i ℓ_i / N over all ranks
 
 
 def _units(policy: Policy, samples: list[Sample], stage: SFTStage, plan: PackingPlan | None):
@@ -137,7 +165,8 @@ def _units(policy: Policy, samples: list[Sample], stage: SFTStage, plan: Packing
     return units, examples
 
 
-def _micro_logprobs(policy: Policy, units: list[list[SFTExample]], *, packed: bool, planned: bool):
+def _micro_logprobs(policy: Policy, model: torch.nn.Module, units: list[list[SFTExample]], *, packed: bool,
+                    planned: bool):
     """Target log-probs (b, R) of one micro-batch and the number of token positions the forward processed.
 
     Padded: one row per sample, padded to the longest. Packed: a planned bin per row (``planned``), or the
@@ -151,7 +180,7 @@ def _micro_logprobs(policy: Policy, units: list[list[SFTExample]], *, packed: bo
             groups.append(list(range(offset, offset + len(unit))))
             offset += len(unit)
     logp, _, processed = sequence_logprobs(
-        policy.model, policy.adapter, [e.prompt_ids for e in flat], [e.target_ids for e in flat],
+        model, policy.adapter, [e.prompt_ids for e in flat], [e.target_ids for e in flat],
         [e.vision for e in flat], pad_token_id=policy.pad_token_id, padding_free=packed, groups=groups)
     return logp, processed
 

@@ -31,6 +31,7 @@ from vlrl.algos.staleness import behaviour_weight_stats, behaviour_weights, logp
 from vlrl.models import Policy
 from vlrl.models.packed import sequence_logprobs
 from vlrl.train.common import clip_and_step
+from vlrl.train.distributed import Runtime
 
 
 @dataclass
@@ -71,10 +72,16 @@ class UpdateSettings:
 
 
 def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, optimizer, scheduler, *, seed: int,
-               step: int, critic: Any = None) -> dict[str, list[float]]:
+               step: int, critic: Any = None, runtime: Runtime | None = None) -> dict[str, list[float]]:
     """``ppo_epochs`` × ``minibatches`` optimizer steps on ``batch``; returns per-micro-batch statistics.
-    With a ``critic`` (`vlrl.train.critic.Critic`) its clipped value loss is minimised on the same minibatches."""
-    model = policy.model
+    With a ``critic`` (`vlrl.train.critic.Critic`) its clipped value loss is minimised on the same minibatches.
+
+    Under torchrun (``runtime``, `vlrl.train.distributed`) ``batch`` is this rank's shard: every rank splits its
+    rows into the same number of minibatches, the normaliser is all-reduced, and gradients are reduced once per
+    minibatch, so N ranks take the optimizer steps of one big batch. (The critic is single-process:
+    `check_scalable` refuses value-based estimators under several ranks.)"""
+    rt = runtime or Runtime.single(policy.model)
+    model = rt.module
     model.train()
     stats: dict[str, list[float]] = defaultdict(list)
     weights_seen: list[torch.Tensor] = []
@@ -84,8 +91,8 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
         order = torch.randperm(B, generator=generator) if settings.minibatches > 1 else torch.arange(B)
         for minibatch in order.chunk(settings.minibatches):
             rows = minibatch.tolist()
-            normaliser = normaliser_for(settings.loss_agg, batch.loss_mask[rows])
-            for name, values in accumulate(policy, batch, rows, settings, normaliser=normaliser).items():
+            normaliser = rt.global_normaliser(normaliser_for(settings.loss_agg, batch.loss_mask[rows]))
+            for name, values in accumulate(policy, batch, rows, settings, normaliser=normaliser, runtime=rt).items():
                 (weights_seen if name == "behaviour_weights" else stats[name]).extend(values)
             stats["policy/grad_norm"].append(clip_and_step(model, optimizer, scheduler, settings.grad_clip))
             if critic is not None:
@@ -105,35 +112,40 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
 
 
 def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,
-               normaliser: float) -> dict[str, list[Any]]:
+               normaliser: float, runtime: Runtime | None = None) -> dict[str, list[Any]]:
     """Forward + backward over ``rows`` of ``batch`` in micro-batches of ``settings.micro_batch_size``,
     adding to the parameters' ``.grad`` (no optimizer step). ``normaliser`` is the `aggregate` denominator of
-    the whole minibatch (all micro-batches, all ranks). Returns per-micro-batch statistics."""
-    model = policy.model
+    the whole minibatch (all micro-batches, all ranks; ÷ world size under a ``runtime``, whose DDP/FSDP2 module
+    trains and reduces gradients in the last micro-batch's backward). Returns per-micro-batch statistics."""
+    rt = runtime or Runtime.single(policy.model)
+    model = rt.module
     stats: dict[str, list[Any]] = defaultdict(list)
-    for start in range(0, len(rows), settings.micro_batch_size):
+    starts = range(0, len(rows), settings.micro_batch_size)
+    for start in starts:
         micro = list(rows[start : start + settings.micro_batch_size])
         trajectories = [batch.trajectories[i] for i in micro]
-        logp, entropy, _ = sequence_logprobs(
-            model, policy.adapter, [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
-            [t.vision for t in trajectories], pad_token_id=policy.pad_token_id, temperature=settings.temperature,
-            with_entropy=True, padding_free=settings.padding_free)  # (b, R) each, 0 at padding
-        R = logp.shape[1]
-        mask = batch.loss_mask[micro, :R]
-        behaviour = batch.behaviour_logp[micro, :R]
-        old = batch.old_logp[micro, :R] if batch.old_logp is not None else logp.detach()
-        out = settings.loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=batch.advantages[micro, :R],
-                                                loss_mask=mask, behaviour_logp=behaviour))
-        per_token = out.per_token_loss
-        w = behaviour_weights(old, behaviour, mask, cap=settings.behaviour_weight_cap)  # (b, R)
-        if settings.apply_behaviour_weight:
-            per_token = per_token * w
-        loss = aggregate(per_token, mask, settings.loss_agg, normaliser=normaliser)
-        if batch.ref_logp is not None and settings.kl_coef > 0:
-            kl = kl_estimate(logp, batch.ref_logp[micro, :R], settings.kl_estimator)
-            loss = loss + settings.kl_coef * aggregate(kl, mask, settings.loss_agg, normaliser=normaliser)
-            stats["policy/kl_ref"].append(float(masked_mean(kl.detach(), mask)))
-        loss.backward()
+        with rt.gradient_sync(last=start == starts[-1]):  # DDP/FSDP2 reduce gradients in the last backward only
+            with rt.autocast():
+                logp, entropy, _ = sequence_logprobs(
+                    model, policy.adapter, [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+                    [t.vision for t in trajectories], pad_token_id=policy.pad_token_id, temperature=settings.temperature,
+                    with_entropy=True, padding_free=settings.padding_free)  # (b, R) each, 0 at padding
+            R = logp.shape[1]
+            mask = batch.loss_mask[micro, :R]
+            behaviour = batch.behaviour_logp[micro, :R]
+            old = batch.old_logp[micro, :R] if batch.old_logp is not None else logp.detach()
+            out = settings.loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=batch.advantages[micro, :R],
+                                                    loss_mask=mask, behaviour_logp=behaviour))
+            per_token = out.per_token_loss
+            w = behaviour_weights(old, behaviour, mask, cap=settings.behaviour_weight_cap)  # (b, R)
+            if settings.apply_behaviour_weight:
+                per_token = per_token * w
+            loss = aggregate(per_token, mask, settings.loss_agg, normaliser=normaliser)
+            if batch.ref_logp is not None and settings.kl_coef > 0:
+                kl = kl_estimate(logp, batch.ref_logp[micro, :R], settings.kl_estimator)
+                loss = loss + settings.kl_coef * aggregate(kl, mask, settings.loss_agg, normaliser=normaliser)
+                stats["policy/kl_ref"].append(float(masked_mean(kl.detach(), mask)))
+            loss.backward()
         stats["policy/loss"].append(float(loss.detach()))
         stats["policy/entropy"].append(float(masked_mean(entropy.detach(), mask)))
         stats["policy/approx_kl_old"].append(float(masked_mean(0.5 * (logp.detach() - old) ** 2, mask)))

@@ -1,0 +1,378 @@
+"""Data-parallel training on torch.distributed: the process group from the torchrun environment, DDP or FSDP2
+wrapping, gradient accumulation that communicates once per optimizer step, global loss normalisers, and the
+rank-aware helpers the recipes use.
+
+One code path for one process and for N ranks: with one process nothing is wrapped and every collective is
+the identity, so a single-process run is exactly the loop it always was.
+
+**The gradient of one big batch.** Rank r holds a shard B_r of the global batch B and minimises
+
+    L_r = Σ_{i∈B_r} ℓ_i / (N / W),      N = all-reduce-sum of every rank's count (tokens or sequences)
+
+DDP and FSDP2 *average* gradients over the W ranks, so the optimizer sees
+
+    (1/W) Σ_r ∇L_r = Σ_{i∈B} ∇ℓ_i / N = ∇L(B)
+
+the gradient of the whole batch normalised once — the global-token normalisation of verl (``loss_scale_factor``)
+and TRL. Callers pass ``normaliser / world_size`` (`DistContext.local_normaliser`).
+
+**FSDP2 units** (machine.md): the vision tower is its own unit, as is every block transformers lists in
+``_no_split_modules`` (decoder layers, vision blocks), then the root. transformers 5 encodes images before the
+decoder's forward, so FSDP2's root is fixed by one tiny forward right after wrapping, and the model is marked
+``_is_fsdp_managed_module`` so that ``generate()`` keeps every rank stepping until all ranks finish
+(``synced_gpus``): ranks whose responses end early still join the other ranks' all-gathers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from vlrl.config import DistConfig
+
+if TYPE_CHECKING:
+    from vlrl.train.checkpoint import Checkpointer
+    from vlrl.train.common import PromptCursor
+
+MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ----------------------------------------------------------------------------------------------- process context
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place among the ranks; every collective helper is the identity when ``world_size == 1``."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    owns_group: bool = False  # this context joined the process group (and `shutdown` leaves it)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks (float64: token counts stay exact up to 2⁵³)."""
+        if not self.enabled:
+            return [float(v) for v in values]
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(tensor)
+        return tensor.cpu().tolist()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is true on any rank (e.g. a wall-clock budget: all ranks stop together)."""
+        return self.all_reduce_sum([1.0 if flag else 0.0])[0] > 0
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def shard(self, items: Sequence[Any], *, what: str) -> list[Any]:
+        """This rank's contiguous share of a global batch; the batch must split evenly (``what`` names the
+        config field in the error) so that every rank runs the same number of collectives."""
+        if len(items) % self.world_size:
+            raise ValueError(f"{what}: {len(items)} does not split evenly over {self.world_size} ranks; "
+                             f"use a multiple of {self.world_size}")
+        size = len(items) // self.world_size
+        return list(items[self.rank * size : (self.rank + 1) * size])
+
+    def local_normaliser(self, global_count: float) -> float:
+        """The normaliser a rank divides its loss sum by: N / W (see the module docstring)."""
+        return max(global_count, 1.0) / self.world_size
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def init_distributed(cfg: DistConfig, device: str = "cpu") -> DistContext:
+    """Join the process group torchrun (or `vlrl launch`) describes in RANK / WORLD_SIZE / LOCAL_RANK /
+    MASTER_ADDR / MASTER_PORT; one process without them. Idempotent."""
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return DistContext(device=torch.device(device))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    target = torch.device(device)
+    if target.type == "cuda":  # under Ray each rank sees only its own GPU (CUDA_VISIBLE_DEVICES): index 0
+        target = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(target)
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if target.type == "cuda" else "gloo")
+    joined = not dist.is_initialized()
+    if joined:
+        dist.init_process_group(backend, timeout=timedelta(minutes=cfg.timeout_minutes))
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=target, owns_group=joined)
+
+
+def shutdown_distributed(ctx: DistContext) -> None:
+    """Leave the process group if ``ctx`` joined it (a group the caller set up stays for the caller)."""
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------- wrapping
+def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules that become FSDP2 units, innermost first: the blocks named in ``_no_split_modules``, then the
+    vision tower (``model.visual`` / ``vision_tower``) as a whole."""
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    inner = getattr(model, "model", model)
+    towers = [t for t in (getattr(inner, "visual", None), getattr(inner, "vision_tower", None)) if t is not None]
+    return blocks + towers
+
+
+def wrap_model(model: torch.nn.Module, ctx: DistContext, cfg: DistConfig) -> torch.nn.Module:
+    """The module to train: ``model`` itself (one process), a DDP wrapper (same parameters), or ``model``
+    sharded in place by FSDP2 (its parameters become DTensor shards)."""
+    if not ctx.enabled:
+        return model
+    if cfg.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                                       find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if cfg.mixed_precision != "none":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
+    for unit in fsdp_units(model):
+        fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    model._is_fsdp_managed_module = True  # transformers' generate() then runs with synced_gpus
+    device = ctx.device
+    with torch.no_grad():  # FSDP2 takes the first module to run forward as its root: make it the model
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    return model
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a DDP wrapper (an FSDP2 model is its own module)."""
+    return getattr(module, "module", module)
+
+
+@contextmanager
+def gradient_sync(module: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Reduce gradients across ranks in this backward only when ``enabled`` (the last micro-batch of an
+    optimizer step): DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel) and not enabled:
+        with module.no_sync():
+            yield
+        return
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)
+    yield
+
+
+# ----------------------------------------------------------------------------------------------- the runtime
+@dataclass
+class Runtime:
+    """What a training loop needs beyond the model to run on N ranks and to survive a kill: the process
+    context, the module to train (wrapped), and the checkpointer (with the checkpoint to resume from)."""
+
+    ctx: DistContext
+    module: torch.nn.Module
+    cfg: DistConfig = field(default_factory=DistConfig)
+    checkpointer: Checkpointer | None = None
+    reference: torch.nn.Module | None = None  # RL with a KL term: the frozen reference, sharded like the actor
+
+    @classmethod
+    def single(cls, model: torch.nn.Module) -> Runtime:
+        """One process, no checkpoints: the loops' default."""
+        return cls(DistContext(device=next(model.parameters()).device), model)
+
+    def gradient_sync(self, last: bool):
+        return gradient_sync(self.module, last)
+
+    def global_normaliser(self, local_count: float) -> float:
+        """This rank's loss denominator for a count (tokens or sequences) of its shard: Σ_ranks count / W."""
+        return self.ctx.local_normaliser(self.ctx.all_reduce_sum([local_count])[0])
+
+    def autocast(self):
+        """torch.autocast for DDP and single-process mixed precision (FSDP2 casts through its own policy)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.cfg.mixed_precision == "none" or isinstance(self.module, FSDPModule):
+            return nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=MIXED_DTYPES[self.cfg.mixed_precision])
+
+    def out_of_time(self, elapsed: float, budget: float | None) -> bool:
+        """The wall-clock budget is spent (all ranks agree, so they stop at the same step)."""
+        return budget is not None and self.ctx.any(elapsed >= budget)
+
+    def restore(self, stage: str, optimizer, scheduler, cursor: PromptCursor) -> tuple[int, Any]:
+        """Load the checkpoint to resume from, if any: weights, optimizer, scheduler, cursor, RNG states.
+        Returns (step, this rank's carry-over state); (0, None) for a fresh start."""
+        if self.checkpointer is None or self.checkpointer.resume_from is None:
+            return 0, None
+        state = self.checkpointer.load(self.checkpointer.resume_from, stage=stage, module=self.module,
+                                       optimizer=optimizer, scheduler=scheduler)
+        cursor.load_state(state["cursor"])
+        return int(state["step"]), state["carry_over"]
+
+    def after_step(self, step: int, stage: str, optimizer, scheduler, cursor: PromptCursor,
+                   carry_over: Any = None) -> None:
+        """Save a checkpoint when one is due at ``step``."""
+        if self.checkpointer is not None and self.checkpointer.due(step):
+            self.checkpointer.save(step, stage=stage, module=self.module, optimizer=optimizer, scheduler=scheduler,
+                                   cursor=cursor.state(), carry_over=carry_over)
+
+
+def check_scalable(cfg, world_size: int) -> None:
+    """What runs under several ranks and with resumable checkpoints; the error names the field."""
+    scaled = world_size > 1 or cfg.checkpoint.every or cfg.checkpoint.resume
+    if getattr(cfg, "stages", None) and scaled:
+        raise ValueError("stages: a staged run goes through its stages in one process without resumable checkpoints; "
+                         "for torchrun / checkpoint.every / --resume run each stage as a run of its own (model.path = "
+                         "the previous stage's checkpoint)")
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is None:
+        return
+    if rollout.mode == "async" and scaled:
+        raise ValueError("rollout.mode=async: the asynchronous recipe runs in one process and is not resumable yet; "
+                         "use rollout.mode=sync with torchrun / checkpoint.every / --resume")
+    algo = getattr(cfg, "algo", None)
+    if algo is not None and world_size > 1:
+        from vlrl.algos import advantage_needs, get_advantage
+
+        if "values" in advantage_needs(get_advantage(algo.advantage)):
+            raise ValueError(f"algo.advantage={algo.advantage}: the critic trains in one process; run value-based "
+                             "estimators without torchrun (or pick a critic-free estimator such as grpo)")
+        if algo.dynamic_sampling.enabled:
+            raise ValueError("algo.dynamic_sampling.enabled: each rank would keep a different number of groups; "
+                             "dynamic sampling runs in one process (checkpoints and --resume do work)")
+    if rollout.servers and world_size > 1:
+        raise ValueError("rollout.servers: under torchrun every rank generates in-process; rollout servers serve "
+                         "the single-process recipe")
+
+
+def make_runtime(cfg, ctx: DistContext, policy, run_dir, resume_from=None) -> Runtime:
+    """Wrap the policy's model for ``cfg.dist`` and attach the checkpointer of ``run_dir`` (resuming from
+    ``resume_from`` when given). With several ranks each rank then draws from its own random stream
+    (seed + rank), after the weights were built identically everywhere."""
+    from pathlib import Path
+
+    from vlrl.train.checkpoint import Checkpointer
+    from vlrl.train.common import seed_everything
+
+    algo = getattr(cfg, "algo", None)
+    reference = None
+    if ctx.enabled and algo is not None and algo.kl_coef > 0:  # copied before the actor is sharded in place
+        from vlrl.train.batch import frozen_copy
+
+        reference = wrap_model(frozen_copy(policy.model), ctx, cfg.dist.model_copy(update={"strategy": "fsdp"})) \
+            if cfg.dist.strategy == "fsdp" else frozen_copy(policy.model)
+    module = wrap_model(policy.model, ctx, cfg.dist)
+    if ctx.enabled:
+        seed_everything(cfg.seed + ctx.rank)
+    checkpointer = Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, ctx, policy=policy,
+                                metrics_path=Path(run_dir) / "metrics.jsonl", resume_from=resume_from)
+    return Runtime(ctx, module, cfg.dist, checkpointer, reference)
+
+
+# ----------------------------------------------------------------------------------------------- RL over ranks
+class GlobalAdvantage:
+    """An advantage estimator applied to the *global* batch: every rank gathers the estimator's inputs of all
+    ranks (small (B, R) tensors), computes the same advantages, and keeps its own rows. Group estimators
+    (GRPO, RLOO) give the same result as on the shard — a prompt's n samples never leave their rank — but
+    estimators that normalise over the whole batch (REINFORCE++) then see the batch one process would see."""
+
+    def __init__(self, fn, ctx: DistContext) -> None:
+        self.fn, self.ctx = fn, ctx
+
+    def __call__(self, inputs):
+        if not self.ctx.enabled:
+            return self.fn(inputs)
+        B, R = inputs.loss_mask.shape
+        parts = self.ctx.gather_objects({f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)})
+        sizes = [p["loss_mask"].shape for p in parts]
+        width = max(r for _, r in sizes)
+        offset = 0
+        merged: dict[str, Any] = {}
+        for name in parts[0]:
+            values = [p[name] for p in parts]
+            if values[0] is None:
+                merged[name] = None
+            elif name == "group_index":  # prompt ids are per rank: make them distinct
+                shifted = []
+                for v in values:
+                    shifted.append(v + offset)
+                    offset += int(v.max()) + 1 if len(v) else 0
+                merged[name] = torch.cat(shifted)
+            elif values[0].dim() == 2:
+                merged[name] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values])
+            else:
+                merged[name] = torch.cat(values)
+        out = self.fn(dataclasses.replace(inputs, **merged))
+        start = sum(b for b, _ in sizes[: self.ctx.rank])
+        return dataclasses.replace(out, **{f.name: _rows(getattr(out, f.name), start, B, R)
+                                           for f in dataclasses.fields(out)})
+
+
+def _rows(value, start: int, count: int, width: int):
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value[start : start + count]
+    return value[:, :width] if value.dim() == 2 else value
+
+
+def global_step_metrics(ctx: DistContext, batch, stats: dict[str, list[float]], failures) -> dict[str, float]:
+    """`step_metrics` of the global batch: every rank's per-response scalars (reward, task, accuracy, length,
+    status, |advantage| sum) and update statistics are gathered, so rank 0 logs what one process would."""
+    from types import SimpleNamespace
+
+    from vlrl.train.batch import step_metrics
+
+    if not ctx.enabled:
+        return step_metrics(batch, stats, failures)
+    rows = [{"reward": t.reward, "task": t.sample.task, "parts": dict(t.reward_parts), "length": len(t.response_ids),
+             "status": t.status, "logp": t.behaviour_logp[t.loss_mask.bool()] if len(t.behaviour_logp) else t.behaviour_logp}
+            for t in batch.trajectories]
+    local = {"rows": rows, "adv": (batch.advantages.abs() * batch.loss_mask).sum(-1), "group": batch.group_index,
+             "stats": {k: list(v) for k, v in stats.items()}, "failures": len(failures), "metrics": batch.metrics}
+    parts = ctx.gather_objects(local)
+    trajectories, adv, groups, offset = [], [], [], 0
+    for part in parts:
+        trajectories += [SimpleNamespace(reward=r["reward"], sample=SimpleNamespace(task=r["task"]),
+                                         reward_parts=r["parts"], response_ids=range(r["length"]), status=r["status"],
+                                         behaviour_logp=r["logp"], loss_mask=torch.ones(len(r["logp"])))
+                         for r in part["rows"]]
+        adv.append(part["adv"])
+        groups.append(part["group"] + offset)
+        offset += int(part["group"].max()) + 1 if len(part["group"]) else 0
+    merged_stats: dict[str, list[float]] = {}
+    for part in parts:
+        for name, values in part["stats"].items():
+            merged_stats.setdefault(name, []).extend(values)
+    shaping = {k: sum(p["metrics"].get(k, 0.0) for p in parts) / len(parts) for k in parts[0]["metrics"]}
+    proxy = SimpleNamespace(trajectories=trajectories, advantages=torch.cat(adv).unsqueeze(-1),
+                            loss_mask=torch.ones(len(trajectories), 1), group_index=torch.cat(groups), metrics=shaping)
+    return step_metrics(proxy, merged_stats, range(sum(p["failures"] for p in parts)))

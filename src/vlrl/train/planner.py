@@ -1,0 +1,500 @@
+"""Placement planner (`vlrl plan CONFIG --gpus N --gpu-mem GB`): HybridFlow's auto-mapping idea, kept honest.
+
+For a run config it estimates, per device, the memory of every role — actor (trained), reference (frozen,
+only with a KL term), critic (trained, only for ``gae``), rollout (generation) — for each placement:
+
+- ``colocated fsdp``: every role on all N devices, the actor FSDP2-sharded N ways, rollout in-process on the
+  sharded actor (vlrl's in-process engine; each decode step all-gathers the weights);
+- ``colocated ddp``: the same with a full replica per device;
+- ``separate``: rollout servers on G devices (one full replica each, data parallel), the trainer FSDP2 over
+  the other N − G, weights shipped to the servers after every step (OpenRLHF-style; `rollout.servers`).
+
+and prints the feasible placements ranked by estimated step time, with the formula beside every number.
+
+**Memory** (bytes per device; Ψ parameters, b_w bytes of ``model.dtype``, b_c bytes of the compute dtype —
+2 under ``dist.mixed_precision``, else b_w; d the FSDP size, 1 under DDP):
+
+    parameters Ψ·b_w/d · gradients Ψ·b_w/d · AdamW moments 2·Ψ·b_w/d (ZeRO; Rajbhandari et al. 2020)
+    FSDP2 gather buffers 2·U·b_c (U the largest unit: the current one and the prefetched one)
+    activations of one micro-batch of m sequences of L tokens (prompt + vision tokens + response):
+        text   n_layers · m·L · (8h + 2k + 4I) · b_c   — what a Llama/Qwen2 layer saves for backward with SDPA
+               (per token: RMSNorm input, normalised and output ×2 norms = 6h, rotated q + k and v = h + 2k,
+               attention output h, SwiGLU gate, up, act, product = 4I; no L² term: SDPA keeps only a log-sum-exp)
+               + inputs 2·m·L·h·b_c (token embeddings, and their copy with the image features scattered in)
+        vision depth · m·N_p · (12h_v + 3I_v) · b_c + m·N_p·C · b_c   (N_p patches per sequence, C = patch values;
+               per patch: 2 LayerNorms' input and output 4h_v, q, k, v around the rotary embedding and SDPA's
+               contiguous copies ≈ 6h_v, attention output and its concatenation over images 2h_v, quick-GELU
+               MLP 3I_v; the pixel patches themselves C)
+        logits 3 · m·(R + 1)·V · 4                (fp32 logits of the response, log-softmax, its gradient)
+    KV cache (generation) 2 · n_layers · k · (P + R) · B · b_c, plus the step logits B·R·V·4 the in-process
+        engine keeps (``output_logits``); B = sequences generated at once
+
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", counted for this
+layer type; `vlrl plan --measure` and tests/train/test_planner.py compare it with a measured CPU step.)
+
+**Time** (per step; F peak FLOP/s, η the MFU assumption, W memory bandwidth, Λ link bandwidth):
+
+    train      (6Ψ_t·T + 6Ψ_v·T_v + 12·n_layers·h·L·T) · epochs / (n_train·F·η)   (Kaplan et al. 2020)
+    extra passes (π_old when several optimizer steps, π_ref with a KL term) 2Ψ·T / (n_train·F·η) each
+    generate   prefill 2Ψ·P·rows / (n_gen·F·η) + R · ⌈rows/(n_gen·B)⌉ · (Ψ·b_c + KV/2)/W   (decode is memory-bound;
+               the cache is half full on average)
+               + colocated fsdp: R · ⌈…⌉ · Ψ·b_c·(d−1)/d / Λ   (the all-gather of every decode step)
+    gradients  DDP: steps·2Ψ·b_w·(n−1)/n / Λ; FSDP2: steps·(2·micro-batches + 1)·Ψ·b_c·(n−1)/n / Λ
+    weight sync (separate) Ψ·b_c / Λ;  step = generate + train (+ sync), or max(generate, train) + sync when
+               ``rollout.mode=async`` on separate devices.
+
+These are estimates to rank placements, not promises; the defaults describe an A100-80GB with NVLink.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ----------------------------------------------------------------------------------------------- model + workload
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes the formulas need, read from the model built on the ``meta`` device (no weights)."""
+
+    params: int  # Ψ
+    params_vision: int  # Ψ_v
+    largest_unit: int  # U: parameters of the largest FSDP unit (a block, the vision tower's rest, or the root)
+    layers: int
+    hidden: int  # h
+    intermediate: int  # I
+    kv_dim: int  # k = n_kv_heads · head_dim
+    vocab: int  # V
+    vision_depth: int = 0
+    vision_hidden: int = 0  # h_v
+    vision_intermediate: int = 0  # I_v
+    patch_values: int = 0  # C = channels · temporal patch · patch²
+
+    @property
+    def params_text(self) -> int:
+        return self.params - self.params_vision
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One step's sizes, from the config and a few encoded samples."""
+
+    recipe: str  # sft | rl
+    prompt_tokens: int  # P: longest encoded prompt (vision tokens included)
+    response_tokens: int  # R: rollout.max_new_tokens (RL) or the longest reference response + EOS (SFT)
+    patches: int  # N_p: vision patches per sequence (before the spatial merge)
+    sequences: int  # sequences trained on per step (prompts_per_step · n, or batch_size)
+    micro_batch: int  # m
+    epochs: int = 1  # ppo_epochs
+    minibatches: int = 1  # optimizer steps per epoch
+    old_pass: bool = False  # a π_old scoring pass (several optimizer steps per RL step)
+    reference: bool = False  # a frozen reference model (kl_coef > 0)
+    critic: bool = False  # a value model (advantage gae)
+    gen_batch: int = 256  # B: rollout.max_batch_size
+    asynchronous: bool = False
+    weight_bytes: int = 4  # b_w
+    compute_bytes: int = 4  # b_c
+
+    @property
+    def length(self) -> int:  # L
+        return self.prompt_tokens + self.response_tokens
+
+
+@dataclass(frozen=True)
+class Device:
+    count: int
+    memory_gb: float
+    tflops: float = 312.0  # bf16 dense, A100
+    bandwidth_gbs: float = 2039.0  # HBM, A100-80GB
+    link_gbs: float = 300.0  # NVLink (use ~25 between machines)
+    mfu: float = 0.4
+
+
+@dataclass
+class Term:
+    """One estimated number with its formula and the values substituted."""
+
+    name: str
+    value: float  # bytes or seconds
+    formula: str
+    values: str
+
+    def line(self, unit: str) -> str:
+        shown = human_bytes(self.value) if unit == "bytes" else human_seconds(self.value)
+        return f"    {self.name:<22s}{shown:>11s}   = {self.formula}   = {self.values}"
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", GB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_seconds(t: float) -> str:
+    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} µs"
+
+
+@dataclass
+class Plan:
+    name: str
+    memory: dict[str, list[Term]]  # device group → terms (summed = per-device peak of that group)
+    time: list[Term]
+    step_seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def peak(self, group: str) -> float:
+        return sum(t.value for t in self.memory[group])
+
+    def feasible(self, device: Device) -> bool:
+        return all(self.peak(g) <= device.memory_gb * GB for g in self.memory)
+
+
+def model_shape(model: torch.nn.Module) -> ModelShape:
+    """`ModelShape` of a transformers model (call it on a model built on the meta device)."""
+    from vlrl.train.distributed import fsdp_units
+
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    params = sum(p.numel() for p in model.parameters())
+    inner = getattr(model, "model", model)
+    tower = getattr(inner, "visual", None) or getattr(inner, "vision_tower", None)
+    tower_modules = {id(m) for m in tower.modules()} if tower is not None else set()
+    blocks = [u for u in fsdp_units(model) if u is not tower]
+    sizes = [_count(b) for b in blocks]
+    if tower is not None:  # the tower's own unit: patch embedding and merger (its blocks are units of their own)
+        sizes.append(_count(tower) - sum(_count(b) for b in blocks if id(b) in tower_modules))
+    top_level = sum(_count(b) for b in blocks if id(b) not in tower_modules) + (_count(tower) if tower is not None else 0)
+    sizes.append(params - top_level)  # the root unit: embeddings, final norm, lm_head
+    shape: dict[str, Any] = dict(
+        params=params, params_vision=_count(tower) if tower is not None else 0,
+        largest_unit=max(sizes), layers=text.num_hidden_layers, hidden=text.hidden_size,
+        intermediate=text.intermediate_size, kv_dim=getattr(text, "num_key_value_heads", heads) * head_dim,
+        vocab=text.vocab_size,
+    )
+    vision = getattr(config, "vision_config", None)
+    if vision is not None and tower is not None:
+        width = getattr(vision, "embed_dim", None) or vision.hidden_size
+        inter = getattr(vision, "intermediate_size", None) or int(width * getattr(vision, "mlp_ratio", 4))
+        shape.update(vision_depth=vision.depth, vision_hidden=width, vision_intermediate=inter,
+                     patch_values=vision.in_channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2)
+    return ModelShape(**shape)
+
+
+def _count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def meta_model(path: str, *, init_seed: int = 0) -> tuple[torch.nn.Module, Any]:
+    """(model on the meta device, adapter) of a preset, a local directory or a hub id — nothing is loaded."""
+    from vlrl.models import PRESETS, build_preset
+
+    name = path.removeprefix("preset:")
+    if name in PRESETS and not Path(path).exists():
+        with torch.device("meta"):
+            policy = build_preset(name, seed=init_seed)
+        return policy.model, policy.adapter
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from vlrl.models.adapters import adapter_for
+    from vlrl.models.policy import _load_image_processor
+
+    config = AutoConfig.from_pretrained(path)
+    is_vision = hasattr(config, "vision_config")
+    with torch.device("meta"):
+        model = (AutoModelForImageTextToText if is_vision else AutoModelForCausalLM).from_config(config)
+    processor = _load_image_processor(path) if is_vision else None
+    return model, adapter_for(config, AutoTokenizer.from_pretrained(path), processor)
+
+
+def workload(cfg, adapter, *, samples: int = 16) -> Workload:
+    """Sizes of one step of ``cfg`` (an `SFTConfig` or `RLConfig`): the longest of a few encoded samples."""
+    from vlrl.config import RLConfig
+    from vlrl.data import generate, load_image, read_samples
+
+    data = cfg.data
+    if data.train is not None:
+        picked = read_samples(data.train, on_error="skip").samples[:samples]
+    else:
+        picked = generate(data.suite, samples, split="train", seed=data.seed, tasks=data.tasks, **data.suite_options)
+    prompt, patches, response = 1, 0, 1
+    for sample in picked:
+        encoded = adapter.encode_prompt(sample.messages, [load_image(src) for src in sample.images])
+        prompt = max(prompt, len(encoded.input_ids))
+        if encoded.vision is not None:
+            patches = max(patches, int(encoded.vision.pixel_values.shape[0]))
+        if sample.response is not None:
+            response = max(response, len(adapter.encode_text(sample.response)) + 1)
+    weight = DTYPE_BYTES[cfg.model.dtype]
+    compute = 2 if cfg.dist.mixed_precision != "none" else weight
+    if isinstance(cfg, RLConfig):
+        rows = cfg.train.prompts_per_step * cfg.rollout.n
+        return Workload(
+            "rl", prompt, cfg.rollout.max_new_tokens, patches, rows, min(cfg.train.micro_batch_size, rows),
+            epochs=cfg.train.ppo_epochs, minibatches=cfg.train.minibatches,
+            old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1,
+            reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.max_batch_size,
+            asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute)
+    return Workload("sft", prompt, response, patches, cfg.train.batch_size,
+                    min(cfg.train.micro_batch_size, cfg.train.batch_size), weight_bytes=weight, compute_bytes=compute)
+
+
+# ----------------------------------------------------------------------------------------------- memory terms
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.3g}M" if n >= 1e5 else f"{n:.0f}"
+
+
+def trained_state(s: ModelShape, w: Workload, d: int, role: str) -> list[Term]:
+    """Parameters, gradients and AdamW moments of a trained model, sharded d ways."""
+    p, b = s.params, w.weight_bytes
+    return [
+        Term(f"{role} parameters", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}"),
+        Term(f"{role} gradients", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}"),
+        Term(f"{role} AdamW moments", 2 * p * b / d, "2·Ψ·b_w/d", f"2·{_mb(p)}·{b}/{d}"),
+    ]
+
+
+def gather_buffers(s: ModelShape, w: Workload, d: int) -> list[Term]:
+    if d == 1:
+        return []
+    return [Term("FSDP gather buffers", 2 * s.largest_unit * w.compute_bytes, "2·U·b_c",
+                 f"2·{_mb(s.largest_unit)}·{w.compute_bytes}")]
+
+
+def activations(s: ModelShape, w: Workload, role: str = "actor", *, ranks: int = 1) -> list[Term]:
+    """What one training micro-batch keeps for backward, on one of ``ranks`` data-parallel ranks: m is
+    ``train.micro_batch_size`` or the rank's share of the batch, whichever is smaller."""
+    m, L, b = min(w.micro_batch, math.ceil(w.sequences / ranks)), w.length, w.compute_bytes
+    per_token = 8 * s.hidden + 2 * s.kv_dim + 4 * s.intermediate
+    terms = [Term(f"{role} activations", s.layers * m * L * per_token * b, "n_layers·m·L·(8h+2k+4I)·b_c",
+                  f"{s.layers}·{m}·{L}·(8·{s.hidden}+2·{s.kv_dim}+4·{s.intermediate})·{b}"),
+             Term("input embeddings", 2 * m * L * s.hidden * b, "2·m·L·h·b_c", f"2·{m}·{L}·{s.hidden}·{b}")]
+    if s.vision_depth and w.patches:
+        per_patch = 12 * s.vision_hidden + 3 * s.vision_intermediate
+        terms.append(Term("vision activations", (s.vision_depth * per_patch + s.patch_values) * m * w.patches * b,
+                          "(depth·(12h_v+3I_v) + C)·m·N_p·b_c",
+                          f"({s.vision_depth}·(12·{s.vision_hidden}+3·{s.vision_intermediate}) + {s.patch_values})"
+                          f"·{m}·{w.patches}·{b}"))
+    R = w.response_tokens
+    terms.append(Term("logits (fp32)", 3 * m * (R + 1) * s.vocab * 4, "3·m·(R+1)·V·4", f"3·{m}·{R + 1}·{s.vocab}·4"))
+    return terms
+
+
+def generation(s: ModelShape, w: Workload, rows: int) -> list[Term]:
+    """KV cache and kept step logits of one generate call of ``rows`` sequences."""
+    B = min(rows, w.gen_batch)
+    L, R, b = w.length, w.response_tokens, w.compute_bytes
+    return [
+        Term("KV cache", 2 * s.layers * s.kv_dim * L * B * b, "2·n_layers·k·(P+R)·B·b_c",
+             f"2·{s.layers}·{s.kv_dim}·{L}·{B}·{b}"),
+        Term("step logits", B * R * s.vocab * 4, "B·R·V·4", f"{B}·{R}·{s.vocab}·4"),
+    ]
+
+
+def frozen(s: ModelShape, w: Workload, d: int, role: str) -> list[Term]:
+    p, b = s.params, w.weight_bytes
+    return [Term(f"{role} parameters", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}")]
+
+
+# ----------------------------------------------------------------------------------------------- placements
+def train_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]:
+    T = w.sequences * w.length
+    Tv = w.sequences * w.patches
+    rate = n * dev.tflops * 1e12 * dev.mfu
+    flops = (6 * s.params_text * T + 6 * s.params_vision * Tv + 12 * s.layers * s.hidden * w.length * T) * w.epochs
+    terms = [Term("train", flops / rate, "(6Ψ_t·T + 6Ψ_v·T_v + 12·n_layers·h·L·T)·epochs/(n·F·η)",
+                  f"(6·{_mb(s.params_text)}·{T} + 6·{_mb(s.params_vision)}·{Tv} + 12·{s.layers}·{s.hidden}·{w.length}·{T})"
+                  f"·{w.epochs}/({n}·{dev.tflops:g}T·{dev.mfu:g})")]
+    passes = int(w.old_pass) + int(w.reference) + int(w.critic)
+    if passes:
+        terms.append(Term("scoring passes", passes * 2 * s.params * T / rate, "passes·2Ψ·T/(n·F·η)",
+                          f"{passes}·2·{_mb(s.params)}·{T}/({n}·{dev.tflops:g}T·{dev.mfu:g})"))
+    return terms
+
+
+def sync_seconds(s: ModelShape, w: Workload, dev: Device, n: int, strategy: str) -> list[Term]:
+    """Gradient communication per step on n ranks: DDP all-reduces the gradients once per optimizer step
+    (ring: 2·(n−1)/n of them); FSDP2 all-gathers the weights for every micro-batch's forward and backward and
+    reduce-scatters the gradients once per optimizer step."""
+    if n == 1:
+        return []
+    steps = w.epochs * w.minibatches  # optimizer steps per step
+    rows = math.ceil(w.sequences / (n * w.minibatches))  # a rank's rows per minibatch
+    micro = math.ceil(rows / max(1, min(w.micro_batch, rows)))
+    frac = (n - 1) / n
+    if strategy == "ddp":
+        volume = steps * 2 * s.params * w.weight_bytes * frac
+        return [Term("gradient all-reduce", volume / (dev.link_gbs * 1e9), "steps·2Ψ·b_w·(n−1)/n/Λ",
+                     f"{steps}·2·{_mb(s.params)}·{w.weight_bytes}·{n - 1}/{n}/{dev.link_gbs:g}G")]
+    volume = steps * (2 * micro + 1) * s.params * w.compute_bytes * frac
+    return [Term("FSDP gathers + reduce", volume / (dev.link_gbs * 1e9), "steps·(2·micro+1)·Ψ·b_c·(n−1)/n/Λ",
+                 f"{steps}·(2·{micro}+1)·{_mb(s.params)}·{w.compute_bytes}·{n - 1}/{n}/{dev.link_gbs:g}G")]
+
+
+def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, shard: int = 1) -> list[Term]:
+    rows = w.sequences
+    per_replica = math.ceil(rows / replicas)
+    calls = math.ceil(per_replica / w.gen_batch)
+    B = min(per_replica, w.gen_batch)
+    R, b = w.response_tokens, w.compute_bytes
+    kv = 2 * s.layers * s.kv_dim * w.length * B * b / 2  # the cache is half full on average
+    prefill = 2 * s.params * w.prompt_tokens * rows / (replicas * dev.tflops * 1e12 * dev.mfu)
+    decode = R * calls * (s.params * b + kv) / (dev.bandwidth_gbs * 1e9)  # every decode step reads all weights
+    terms = [
+        Term("prefill", prefill, "2Ψ·P·rows/(n_gen·F·η)",
+             f"2·{_mb(s.params)}·{w.prompt_tokens}·{rows}/({replicas}·{dev.tflops:g}T·{dev.mfu:g})"),
+        Term("decode", decode, "R·calls·(Ψ·b_c + KV/2)/W", f"{R}·{calls}·({_mb(s.params)}·{b} + {_mb(kv)})"
+             f"/{dev.bandwidth_gbs:g}G"),
+    ]
+    if shard > 1:
+        gathered = s.params * b * (shard - 1) / shard
+        terms.append(Term("decode all-gathers", R * calls * gathered / (dev.link_gbs * 1e9), "R·calls·Ψ·b_c·(d−1)/d/Λ",
+                          f"{R}·{calls}·{_mb(s.params)}·{b}·{shard - 1}/{shard}/{dev.link_gbs:g}G"))
+    return terms
+
+
+def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
+    """Every placement of the run's roles on ``dev.count`` devices, with memory and time terms."""
+    N = dev.count
+    plans = []
+    for strategy in ("fsdp", "ddp"):
+        d = N if strategy == "fsdp" else 1
+        memory = trained_state(s, w, d, "actor") + gather_buffers(s, w, d)
+        if w.critic:
+            memory += trained_state(s, w, d, "critic")
+        if w.reference:
+            memory += frozen(s, w, d, "reference")
+        rows_per_rank = math.ceil(w.sequences / N)
+        train_peak = activations(s, w, ranks=N)
+        phases = {"train": train_peak}
+        time = train_seconds(s, w, dev, N) + sync_seconds(s, w, dev, N, strategy)
+        if w.recipe == "rl":
+            phases["generate"] = generation(s, w, rows_per_rank)
+            time = generate_seconds(s, w, dev, N, shard=d) + time
+        phase, terms = max(phases.items(), key=lambda kv: sum(t.value for t in kv[1]))
+        notes = [f"peak phase: {phase} (the other phases reuse the same memory)"] if len(phases) > 1 else []
+        plans.append(Plan(f"colocated {strategy}×{N}", {"all devices": memory + terms}, time,
+                          sum(t.value for t in time), notes))
+    if w.recipe == "rl" and N > 1:
+        for g in range(1, N):
+            d = N - g
+            trainer = trained_state(s, w, d, "actor") + gather_buffers(s, w, d) + activations(s, w, ranks=d)
+            if w.critic:
+                trainer += trained_state(s, w, d, "critic")
+            if w.reference:
+                trainer += frozen(s, w, d, "reference")
+            server = [Term("rollout parameters", s.params * w.compute_bytes, "Ψ·b_c",
+                           f"{_mb(s.params)}·{w.compute_bytes}")] + generation(s, w, math.ceil(w.sequences / g))
+            gen, train = generate_seconds(s, w, dev, g), train_seconds(s, w, dev, d) + sync_seconds(s, w, dev, d, "fsdp")
+            sync = Term("weight sync", s.params * w.compute_bytes / (dev.link_gbs * 1e9), "Ψ·b_c/Λ",
+                        f"{_mb(s.params)}·{w.compute_bytes}/{dev.link_gbs:g}G")
+            g_sec, t_sec = sum(t.value for t in gen), sum(t.value for t in train)
+            step = (max(g_sec, t_sec) if w.asynchronous else g_sec + t_sec) + sync.value
+            notes = ["rollout.mode=async: generation overlaps training"] if w.asynchronous else []
+            plans.append(Plan(f"separate: trainer fsdp×{d} + {g} rollout server(s)",
+                              {f"trainer ({d})": trainer, f"rollout ({g})": server}, gen + train + [sync], step, notes))
+    return plans
+
+
+def format_plans(plans: list[Plan], dev: Device, w: Workload, s: ModelShape) -> str:
+    feasible = sorted((p for p in plans if p.feasible(dev)), key=lambda p: p.step_seconds)
+    infeasible = [p for p in plans if not p.feasible(dev)]
+    lines = [
+        f"model: Ψ = {_mb(s.params)} parameters (vision Ψ_v = {_mb(s.params_vision)}), {s.layers} layers, h = {s.hidden}, "
+        f"I = {s.intermediate}, k = {s.kv_dim}, V = {s.vocab}, largest FSDP unit U = {_mb(s.largest_unit)}",
+        f"step ({w.recipe}): {w.sequences} sequences of L = P + R = {w.prompt_tokens} + {w.response_tokens} tokens "
+        f"({w.patches} vision patches each), train.micro_batch_size {w.micro_batch} (m = the smaller of it and a rank's "
+        f"share), b_w = {w.weight_bytes}, b_c = {w.compute_bytes}",
+        f"devices: {dev.count} × {dev.memory_gb:g} GiB, F = {dev.tflops:g} TFLOP/s, η = {dev.mfu:g}, "
+        f"W = {dev.bandwidth_gbs:g} GB/s, Λ = {dev.link_gbs:g} GB/s",
+        "",
+    ]
+    for rank, plan in enumerate(feasible, 1):
+        lines.append(f"#{rank} {plan.name}: ~{human_seconds(plan.step_seconds)}/step" + "".join(f" ({n})" for n in plan.notes))
+        lines += _plan_lines(plan, dev)
+    for plan in infeasible:
+        over = ", ".join(f"{g} {human_bytes(plan.peak(g))}" for g in plan.memory if plan.peak(g) > dev.memory_gb * GB)
+        lines.append(f"✗ {plan.name}: does not fit ({over} > {dev.memory_gb:g} GiB)")
+        lines += _plan_lines(plan, dev)
+    if not feasible:
+        lines.append("no placement fits: more devices, bf16 (model.dtype / dist.mixed_precision) or smaller micro-batches")
+    return "\n".join(lines)
+
+
+def _plan_lines(plan: Plan, dev: Device) -> list[str]:
+    lines = []
+    for group, terms in plan.memory.items():
+        lines.append(f"  memory per device, {group}: {human_bytes(plan.peak(group))} of {dev.memory_gb:g} GiB")
+        lines += [t.line("bytes") for t in terms]
+    lines.append("  time:")
+    lines += [t.line("seconds") for t in plan.time]
+    lines.append("")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------- measurement
+def measure_train_step(cfg, policy, w: Workload) -> dict[str, float]:
+    """Peak memory (bytes, by category) of one real training step of ``policy`` on this machine's CPU: a warm-up
+    step (so AdamW moments exist), then one step of two micro-batches of ``w.micro_batch`` sequences of
+    P + R tokens tracked by torch's `MemTracker` — the quantity `activations` + `trained_state` estimate."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from vlrl.data import generate, load_image
+    from vlrl.models import collate, response_logprobs
+    from vlrl.train.common import make_optimizer
+
+    data = cfg.data
+    samples = generate(data.suite, w.micro_batch, split="train", seed=data.seed, tasks=data.tasks, **data.suite_options)
+    encoded = [policy.adapter.encode_prompt(s.messages, [load_image(x) for x in s.images]) for s in samples]
+    filler = policy.adapter.encode_text("a")[0]
+    tokens = collate([e.input_ids for e in encoded], [[filler] * w.response_tokens] * len(encoded),
+                     [e.vision for e in encoded], pad_token_id=policy.pad_token_id)
+    model = policy.model
+    model.train()
+    optimizer, scheduler = make_optimizer(model, cfg.optim)
+
+    def micro_step() -> None:
+        logp, _ = response_logprobs(model, policy.adapter, tokens)
+        (-logp.sum()).backward()
+
+    micro_step()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        micro_step()
+        tracker.reset_mod_stats()
+        micro_step()  # gradients of the first micro-batch are held while the second one's activations peak
+        optimizer.step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return {str(kind).split(".")[-1].lower(): float(value) for kind, value in peak.items()}
+
+
+def estimate_train_step(s: ModelShape, w: Workload) -> dict[str, float]:
+    """The single-device estimate `measure_train_step` is compared with, by category."""
+    state = {t.name.split()[-1]: t.value for t in trained_state(s, w, 1, "actor")}
+    return {"param": state["parameters"], "grad": state["gradients"], "opt": state["moments"],
+            "act": sum(t.value for t in activations(s, w))}
+
+
+def format_measurement(measured: dict[str, float], s: ModelShape, w: Workload) -> str:
+    estimate = estimate_train_step(s, w)
+    lines = ["measured on this CPU (one training step, torch MemTracker peak) vs estimate, 1 device:"]
+    for key, label in (("param", "parameters"), ("grad", "gradients"), ("opt", "AdamW moments"), ("act", "activations")):
+        got = measured.get(key, 0.0)
+        lines.append(f"    {label:<16s} measured {got / 2**20:9.2f} MiB   estimate {estimate[key] / 2**20:9.2f} MiB"
+                     f"   ({(estimate[key] - got) / max(got, 1) * 100:+.1f} %)")
+    total, est = measured.get("total", 0.0), sum(estimate.values())
+    lines.append(f"    {'peak total':<16s} measured {total / 2**20:9.2f} MiB   estimate {est / 2**20:9.2f} MiB"
+                 f"   ({(est - total) / max(total, 1) * 100:+.1f} %; measured also holds {measured.get('temp', 0) / 2**20:.2f} MiB temporaries)")
+    return "\n".join(lines)

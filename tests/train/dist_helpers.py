@@ -1,0 +1,167 @@
+"""Helpers shared by the distributed tests and their torchrun worker (`dist_worker.py` imports this file by
+path, so it holds no relative imports): child-process plumbing and the fixed SFT batch both sides use."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from vlrl.config import SFTStage
+from vlrl.data import generate
+from vlrl.train.distributed import unwrap
+from vlrl.train.sft import encode_sft
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def quiet_env(**extra):
+    """Environment of a child process: one torch thread (2 shared cores), no tokenizer threads."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """A torchrun command line on loopback; --standalone picks a free rendezvous port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def run_checked(cmd: list[str], *, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=quiet_env(), capture_output=True, text=True, timeout=timeout, **kwargs)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                             f"--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL every process group of ``pid`` and its descendants (torchrun starts each worker in a session
+    of its own, so killing the launcher's group alone would orphan the ranks)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    groups, own = set(), os.getpgid(0)
+    for p in tree:
+        try:
+            groups.add(os.getpgid(p))
+        except ProcessLookupError:
+            pass
+    for group in groups - {own}:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+MICRO = 3  # a rank's 4 examples run as micro-batches of 3 + 1: accumulation, gradients synced on the last only
+
+
+def sft_stage() -> SFTStage:
+    return SFTStage.model_validate({"optim": {"lr": 1e-3}, "train": {"steps": 1, "batch_size": 8, "micro_batch_size": MICRO}})
+
+
+def sft_batch(policy):
+    """8 units of one example each, target lengths from 2 to 5 tokens (count and ocr answers), so each rank's
+    token count differs and a per-rank normaliser would give a different gradient than the global one."""
+    return [[encode_sft(policy, s)] for s in generate("shapes", 8, tasks=["count", "ocr"])]
+
+
+def grads_of(module) -> dict[str, torch.Tensor]:
+    """Full gradients by parameter name (FSDP2 shards are gathered: a collective, every rank calls it)."""
+    out = {}
+    for name, p in unwrap(module).named_parameters():
+        if p.grad is not None:
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[name] = grad.detach().clone()
+    return out
+
+
+def full_state(model, optimizer):
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ----------------------------------------------------------------------------------------------- RL
+RL_MICRO = 2  # a rank's 4 responses as micro-batches of 2 + 2
+
+
+def rl_settings(mode: str):
+    from vlrl.algos import get_policy_loss
+    from vlrl.train.update import UpdateSettings
+
+    return UpdateSettings(loss_fn=get_policy_loss("ppo_clip"), loss_agg=mode, kl_coef=0.0, kl_estimator="k3",
+                          temperature=1.0, micro_batch_size=RL_MICRO, minibatches=1, ppo_epochs=1, grad_clip=1.0)
+
+
+def rl_trajectories(policy):
+    """4 prompts × 2 sampled responses, cut to lengths 2..6 with distinct rewards (every advantage non-zero,
+    every rank's token count different): the fixed batch of the RL gradient test."""
+    from vlrl.rollout import HFEngine, SamplingParams
+
+    torch.manual_seed(0)
+    engine = HFEngine(policy)
+    samples = generate("shapes", 4, tasks=["count", "color"])
+    trajectories = engine.generate([engine.encode(s) for s in samples], SamplingParams(n=2, max_new_tokens=6))
+    for k, t in enumerate(trajectories):
+        n = 2 + k % 5
+        t.response_ids, t.loss_mask, t.behaviour_logp = t.response_ids[:n], t.loss_mask[:n], t.behaviour_logp[:n]
+        t.reward = 0.1 * k * (-1) ** k
+    return trajectories
+
+
+def rl_update_batch(policy, trajectories, runtime=None):
+    """The `UpdateBatch` of ``trajectories`` (GRPO advantages over all ranks' responses under a runtime)."""
+    from vlrl.config import RLStage
+    from vlrl.train.batch import build_algorithm, prepare_batch
+    from vlrl.train.distributed import GlobalAdvantage
+
+    stage = RLStage.model_validate({"rollout": {"n": 2}, "train": {"prompts_per_step": 4}})
+    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)
+    if runtime is not None:
+        algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, runtime.ctx)
+    return prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
+
+
+# ----------------------------------------------------------------------------------------------- runs to kill
+COMMON_ARGS = ["data.n_test=2", "train.log_every=1", "checkpoint.every=1", "report.html=false", "check.enabled=false",
+               "eval.samples=1", "eval.max_new_tokens=2"]
+SFT_ARGS = ["data.n_train=48", "data.tasks=[count,ocr]", "train.steps=5", "train.batch_size=8",
+            "train.micro_batch_size=4", *COMMON_ARGS]
+RL_ARGS = ["train.steps=4", "train.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=6",
+           "train.micro_batch_size=8", "algo.kl_coef=0.05", *COMMON_ARGS]
+COMPARED = {"sft": ("sft/loss", "sft/grad_norm", "sft/lr"),
+            "rl": ("reward/mean", "reward/std", "policy/loss", "policy/grad_norm", "policy/entropy", "policy/kl_ref",
+                   "response/length_mean")}
+
+
+def write_rl_data(path: Path) -> Path:
+    """Shapes count prompts scored by DAPO's soft overlong punishment on characters (a dense reward: an untrained
+    model's responses of different lengths get different rewards, so every group has non-zero advantages)."""
+    from vlrl.data import write_samples
+
+    samples = generate("shapes", 16, tasks=["count"])
+    for s in samples:
+        s.reward = {"overlong": 1.0}
+        s.metadata = {"max_length": 14, "cache_length": 12, "unit": "chars"}
+    return write_samples(samples, path)
+
+
+def run_args(recipe: str, model_dir, data: Path | None, *, nproc: int) -> list[str]:
+    strategy = ["dist.strategy=fsdp" if recipe == "sft" else "dist.strategy=ddp"] if nproc > 1 else []
+    files = [f"data.train={data}", f"data.test={data}"] if data is not None else []
+    return [f"model.path={model_dir}", *files, *(SFT_ARGS if recipe == "sft" else RL_ARGS), *strategy]

@@ -1,0 +1,113 @@
+"""The 2-rank side of tests/train/test_distributed.py and test_resume.py, run once under torchrun (gloo on
+loopback) so that the ranks' start-up (imports, process group) is paid once:
+
+    torchrun --standalone --nproc_per_node 2 tests/train/dist_worker.py MODEL_DIR OUT_DIR
+
+Writes into OUT_DIR (rank 0 writes files):
+    grads_sft_{ddp,fsdp}.pt            the full gradient after one accumulated backward over this rank's half of
+                                       `dist_helpers.sft_batch`
+    grads_rl_{ddp,fsdp}_{mode}.pt      the same for the RL update (`accumulate`) on half of OUT_DIR/trajectories.pt,
+                                       for each loss aggregation mode
+    ckpt_{ddp,fsdp}/, state_*.pt       a checkpoint after one SFT step on 2 ranks, and the full state it holds
+    loaded_{ddp,fsdp}.pt               the full state after loading OUT_DIR/ckpt_1rank/step_00000001 on 2 ranks
+    reference_{sft,rl}/                uninterrupted 2-rank runs of `vlrl sft|rl` with `dist_helpers.run_args`
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dist_helpers import (  # noqa: E402
+    MICRO,
+    full_state,
+    grads_of,
+    rl_settings,
+    rl_update_batch,
+    run_args,
+    sft_batch,
+    sft_stage,
+)
+
+from vlrl.algos import AGGREGATIONS, normaliser_for  # noqa: E402
+from vlrl.config import CheckpointConfig, DistConfig, RLConfig, SFTConfig, load_config  # noqa: E402
+from vlrl.models import load_policy  # noqa: E402
+from vlrl.train.checkpoint import Checkpointer  # noqa: E402
+from vlrl.train.common import clip_and_step, make_optimizer  # noqa: E402
+from vlrl.train.distributed import Runtime, init_distributed, shutdown_distributed, wrap_model  # noqa: E402
+from vlrl.train.recipes import run_rl, run_sft  # noqa: E402
+from vlrl.train.sft import sft_backward  # noqa: E402
+from vlrl.train.update import accumulate  # noqa: E402
+
+
+def runtime(model_dir: str, strategy: str):
+    cfg = DistConfig(strategy=strategy)
+    ctx = init_distributed(cfg)
+    policy = load_policy(model_dir)
+    rt = Runtime(ctx, wrap_model(policy.model, ctx, cfg), cfg)
+    rt.module.train()
+    return policy, rt
+
+
+def sft_gradients(model_dir: str, out: Path, strategy: str) -> None:
+    policy, rt = runtime(model_dir, strategy)
+    sft_backward(policy, rt, rt.ctx.shard(sft_batch(policy), what="batch"), MICRO)
+    grads = grads_of(rt.module)
+    if rt.ctx.is_main:
+        torch.save(grads, out / f"grads_sft_{strategy}.pt")
+
+
+def rl_gradients(model_dir: str, out: Path, strategy: str) -> None:
+    policy, rt = runtime(model_dir, strategy)
+    trajectories = rt.ctx.shard(torch.load(out / "trajectories.pt", weights_only=False), what="trajectories")
+    batch = rl_update_batch(policy, trajectories, rt)  # GRPO advantages over both ranks' responses
+    for mode in AGGREGATIONS:
+        rt.module.zero_grad(set_to_none=True)
+        normaliser = rt.global_normaliser(normaliser_for(mode, batch.loss_mask))
+        accumulate(policy, batch, range(len(trajectories)), rl_settings(mode), normaliser=normaliser, runtime=rt)
+        grads = grads_of(rt.module)
+        if rt.ctx.is_main:
+            torch.save({"grads": grads, "advantages": batch.advantages}, out / f"grads_rl_{strategy}_{mode}.pt")
+
+
+def checkpoints(model_dir: str, out: Path, strategy: str) -> None:
+    # one SFT step on 2 ranks, checkpointed
+    policy, rt = runtime(model_dir, strategy)
+    optimizer, scheduler = make_optimizer(rt.module, sft_stage().optim)
+    sft_backward(policy, rt, rt.ctx.shard(sft_batch(policy), what="batch"), MICRO)
+    clip_and_step(rt.module, optimizer, scheduler, 1.0)
+    Checkpointer(out / f"ckpt_{strategy}", CheckpointConfig(every=1), rt.ctx).save(
+        1, stage="sft", module=rt.module, optimizer=optimizer, scheduler=scheduler,
+        cursor={"epoch": 0, "position": 8}, carry_over={"rank": rt.ctx.rank})
+    state = full_state(rt.module, optimizer)
+    if rt.ctx.is_main:
+        torch.save(state, out / f"state_{strategy}.pt")
+    # the 1-rank checkpoint loaded on 2 ranks
+    policy, rt = runtime(model_dir, strategy)
+    optimizer, scheduler = make_optimizer(rt.module, sft_stage().optim)
+    Checkpointer(out / "unused", CheckpointConfig(), rt.ctx).load(
+        out / "ckpt_1rank" / "step_00000001", stage="sft", module=rt.module, optimizer=optimizer, scheduler=scheduler)
+    state = full_state(rt.module, optimizer)
+    if rt.ctx.is_main:
+        torch.save(state, out / f"loaded_{strategy}.pt")
+
+
+def main(model_dir: str, out: str) -> None:
+    out_dir = Path(out)
+    ctx = init_distributed(DistConfig())
+    for strategy in ("ddp", "fsdp"):
+        sft_gradients(model_dir, out_dir, strategy)
+        rl_gradients(model_dir, out_dir, strategy)
+        checkpoints(model_dir, out_dir, strategy)
+    # the uninterrupted 2-rank runs test_resume.py compares its killed-and-resumed runs with (what `vlrl sft|rl
+    # ARGS` runs: load_config + the recipe, here in the process group this script joined)
+    run_sft(load_config(SFTConfig, None, [*run_args("sft", model_dir, None, nproc=2), f"out={out_dir / 'reference_sft'}"]))
+    data = out_dir / "rl_data" / "train.jsonl"
+    run_rl(load_config(RLConfig, None, [*run_args("rl", model_dir, data, nproc=2), f"out={out_dir / 'reference_rl'}"]))
+    shutdown_distributed(ctx)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,127 @@
+"""2 gloo ranks (DDP and FSDP2) compute the gradient of one big batch; checkpoints move between world sizes.
+
+One torchrun job (`dist_worker.py`, the session fixture ``two_ranks``) produces every 2-rank result; the tests
+compare them with the same computation on 1 rank in this process.
+"""
+
+import pytest
+import torch
+
+from vlrl.algos import AGGREGATIONS, normaliser_for
+from vlrl.config import CheckpointConfig, DistConfig
+from vlrl.models import load_policy
+from vlrl.train.checkpoint import Checkpointer
+from vlrl.train.common import make_optimizer
+from vlrl.train.distributed import DistContext, Runtime, fsdp_units
+from vlrl.train.sft import sft_backward
+from vlrl.train.update import accumulate
+
+from .dist_helpers import MICRO, full_state, grads_of, rl_settings, rl_update_batch, sft_batch, sft_stage
+
+
+def assert_states_equal(a, b, *, exact=True):
+    (model_a, optim_a), (model_b, optim_b) = a, b
+    assert model_a.keys() == model_b.keys()
+    # not exact: an Adam step moves a weight by up to lr = 1e-3, and near-zero gradients summed in another
+    # order move it slightly differently (measured ≤ 2e-6): 1e-5 is 1 % of a step
+    check = torch.equal if exact else (lambda x, y: torch.allclose(x, y, rtol=1e-3, atol=1e-5))
+    bad = [k for k in model_a if not check(model_a[k], model_b[k])]
+    assert not bad, f"weights differ: {bad[:5]}"
+    assert optim_a["state"].keys() == optim_b["state"].keys()
+    bad = [(k, f) for k, s in optim_a["state"].items() for f in s if not check(torch.as_tensor(s[f]),
+                                                                            torch.as_tensor(optim_b["state"][k][f]))]
+    assert not bad, f"optimizer state differs: {bad[:5]}"
+    assert [g["lr"] for g in optim_a["param_groups"]] == [g["lr"] for g in optim_b["param_groups"]]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sft_gradient_on_2_ranks_equals_the_1_rank_big_batch_gradient(two_ranks, tiny_vlm_dir, strategy):
+    out, _ = two_ranks
+    policy = load_policy(str(tiny_vlm_dir))
+    policy.model.train()
+    sft_backward(policy, Runtime.single(policy.model), sft_batch(policy), MICRO)
+    reference = grads_of(policy.model)
+    distributed = torch.load(out / f"grads_sft_{strategy}.pt")
+    assert distributed.keys() == reference.keys()
+    assert any("visual" in k for k in reference)  # the vision tower is trained too
+    for name, grad in reference.items():
+        # same sums in another order: equal to float32 rounding; a per-rank normaliser or a missing
+        # ×world-size correction would be off by ~10-100 %
+        torch.testing.assert_close(distributed[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def rl_reference(two_ranks, tiny_vlm_dir):
+    """1-rank gradients of the whole RL batch for each aggregation mode (micro-batches of 2: accumulation)."""
+    out, _ = two_ranks
+    policy = load_policy(str(tiny_vlm_dir))
+    trajectories = torch.load(out / "trajectories.pt", weights_only=False)
+    batch = rl_update_batch(policy, trajectories)
+    policy.model.train()
+    grads = {}
+    for mode in AGGREGATIONS:
+        policy.model.zero_grad(set_to_none=True)
+        accumulate(policy, batch, range(len(trajectories)), rl_settings(mode),
+                   normaliser=normaliser_for(mode, batch.loss_mask))
+        grads[mode] = grads_of(policy.model)
+    return batch, grads
+
+
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_grpo_gradient_on_2_ranks_equals_the_1_rank_big_batch_gradient(two_ranks, rl_reference, strategy, mode):
+    """8 responses of lengths 2..6 (rank 0: 2, 3, 4, 5; rank 1: 6, 2, 3, 4 tokens): token_mean divides by all 34
+    tokens, the seq modes by all 8 sequences — a rank normalising by its own 14 or 20 tokens would be off."""
+    out, _ = two_ranks
+    batch, reference = rl_reference
+    saved = torch.load(out / f"grads_rl_{strategy}_{mode}.pt")
+    half = len(batch.trajectories) // 2
+    assert torch.equal(saved["advantages"], batch.advantages[:half, : saved["advantages"].shape[1]])  # global GRPO
+    assert saved["grads"].keys() == reference[mode].keys()
+    for name, grad in reference[mode].items():
+        torch.testing.assert_close(saved["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_checkpoint_saved_on_2_ranks_loads_on_1(two_ranks, tiny_vlm_dir, strategy):
+    out, one_rank = two_ranks
+    policy = load_policy(str(tiny_vlm_dir))
+    optimizer, scheduler = make_optimizer(policy.model, sft_stage().optim)
+    state = Checkpointer(out / "unused", CheckpointConfig(), DistContext()).load(
+        out / f"ckpt_{strategy}" / "step_00000001", stage="sft", module=policy.model, optimizer=optimizer,
+        scheduler=scheduler)
+    assert state["world_size"] == 2 and len(state["rng"]) == 2  # one RNG state per rank
+    assert state["carry_over"] == {"rank": 0}  # rank 0's own loop state
+    saved = torch.load(out / f"state_{strategy}.pt", weights_only=False)
+    assert_states_equal(full_state(policy.model, optimizer), saved)  # exactly what the 2 ranks held
+    assert_states_equal(saved, one_rank, exact=False)  # and one 2-rank step ≈ one 1-rank step (same gradient)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_checkpoint_saved_on_1_rank_loads_on_2(two_ranks, strategy):
+    out, one_rank = two_ranks
+    assert_states_equal(torch.load(out / f"loaded_{strategy}.pt", weights_only=False), one_rank)
+
+
+def test_fsdp_units_are_the_blocks_and_the_vision_tower(tiny_vlm):
+    units = fsdp_units(tiny_vlm.model)
+    names = [type(u).__name__ for u in units]
+    assert names.count("Qwen2VLDecoderLayer") == 4 and names.count("Qwen2VLVisionBlock") == 2
+    assert units[-1] is tiny_vlm.model.model.visual  # the tower last: its blocks are units first
+
+
+def test_shard_and_normaliser():
+    ctx = DistContext(rank=1, world_size=2)
+    assert ctx.shard(list(range(6)), what="train.batch_size") == [3, 4, 5]
+    assert ctx.local_normaliser(10) == 5.0  # N / W: DDP's mean over 2 ranks restores Σ / N
+    with pytest.raises(ValueError, match="train.batch_size: 5 does not split evenly over 2 ranks"):
+        ctx.shard(list(range(5)), what="train.batch_size")
+
+
+def test_single_process_runtime_is_the_plain_loop():
+    model = torch.nn.Linear(2, 2)
+    rt = Runtime.single(model)
+    assert rt.module is model and not rt.ctx.enabled
+    assert rt.ctx.all_reduce_sum([1.5, 2]) == [1.5, 2.0] and rt.ctx.gather_objects("x") == ["x"]
+    assert not rt.out_of_time(5.0, None) and rt.out_of_time(5.0, 4.0)
+    assert DistConfig().strategy == "fsdp"

@@ -1,0 +1,109 @@
+"""Exact resume after SIGKILL: a run killed at a random step and resumed with ``--resume auto`` logs the same
+per-step metrics (loss, grad norm, reward, …) and ends with the same weights as the same run left alone — for
+SFT and GRPO, on 1 process and on 2 ranks (SFT with FSDP2, GRPO with DDP and a KL reference).
+
+The killed run is always a real `vlrl` process tree, SIGKILLed mid-run (every process group of it). The
+uninterrupted 2-rank runs come from the shared torchrun job (`dist_worker.py`, which calls the recipes exactly
+as `vlrl sft|rl` does); the 1-process reference and resumed runs run in this process (one torch thread, like
+the subprocess), which saves two interpreter start-ups per test.
+"""
+
+import json
+import random
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlrl.config import RLConfig, SFTConfig, load_config
+from vlrl.train.recipes import run_rl, run_sft
+
+from .dist_helpers import COMPARED, kill_process_tree, quiet_env, run_args, run_checked, torchrun
+
+RECIPES = {"sft": (SFTConfig, run_sft, 5), "rl": (RLConfig, run_rl, 4)}  # config, recipe, steps (dist_helpers)
+
+
+def command(nproc: int, recipe: str, *args: str) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "vlrl.cli", recipe, *args]
+    return torchrun(nproc, "-m", "vlrl.cli", recipe, *args)
+
+
+def records(run_dir, stage):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["stage"] == stage]
+
+
+@contextmanager
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the subprocesses run (OMP_NUM_THREADS=1): same kernels, same rounding
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def in_process(recipe: str, args: list[str]) -> None:
+    config, run, _ = RECIPES[recipe]
+    with one_thread():
+        run(load_config(config, None, args))
+
+
+def run_killed(cmd: list[str], run_dir, stage: str, kill_after: int, timeout: float = 600) -> None:
+    """Start ``cmd`` in a session of its own; SIGKILL all of its processes once ``kill_after`` steps are logged."""
+    proc = subprocess.Popen(cmd, env=quiet_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline:
+            if (run_dir / "metrics.jsonl").exists() and len(records(run_dir, stage)) >= kill_after:
+                kill_process_tree(proc.pid)
+                break
+            if proc.poll() is not None:
+                raise AssertionError(f"the run ended (exit {proc.returncode}) before it could be killed:\n"
+                                     f"{proc.stderr.read()[-3000:]}")
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the run logged no steps in time")
+    finally:
+        kill_process_tree(proc.pid)
+        proc.wait(timeout=60)
+    assert proc.returncode == -9  # killed, not finished
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("recipe", ["sft", "rl"])
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_killed_at_a_random_step_resumes_exactly(two_ranks, tiny_vlm_dir, tmp_path, nproc, recipe):
+    out, _ = two_ranks
+    steps = RECIPES[recipe][2]
+    args = run_args(recipe, tiny_vlm_dir, out / "rl_data" / "train.jsonl" if recipe == "rl" else None, nproc=nproc)
+    resumed = tmp_path / "resumed"
+    if nproc == 1:
+        reference = tmp_path / "reference"
+        in_process(recipe, [*args, f"out={reference}"])
+    else:
+        reference = out / f"reference_{recipe}"
+    kill_after = random.randint(1, steps - 2)
+    run_killed(command(nproc, recipe, *args, f"out={resumed}"), resumed, recipe, kill_after)
+    assert not (resumed / "summary.json").exists()
+    assert (resumed / "checkpoints").is_dir()
+    if nproc == 1:
+        in_process(recipe, [*args, f"out={resumed}", "checkpoint.resume=auto"])
+    else:
+        run_checked(command(nproc, recipe, "--resume", "auto", *args, f"out={resumed}"))
+
+    expected, got = records(reference, recipe), records(resumed, recipe)
+    assert [r["step"] for r in got] == list(range(1, steps + 1)), f"killed after step {kill_after}"
+    for a, b in zip(expected, got, strict=True):
+        assert {k: a[k] for k in COMPARED[recipe]} == {k: b[k] for k in COMPARED[recipe]}, \
+            f"{recipe} step {a['step']} differs after a kill at step {kill_after}"
+    weights_a = load_file(reference / "checkpoints" / "final" / "model.safetensors")
+    weights_b = load_file(resumed / "checkpoints" / "final" / "model.safetensors")
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    assert json.loads((resumed / "summary.json").read_text())["train"]["steps"] == steps
