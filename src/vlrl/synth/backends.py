@@ -177,12 +177,13 @@ class DiffusersGenerator:
                  max_side: int = 1024) -> None:
         import torch
         from diffusers import AutoPipelineForInpainting
+        from diffusers.utils import logging as diffusers_logging
 
         dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
         if dtype not in dtypes:
             raise ValueError(f"diffusers: dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-        self.pipeline = AutoPipelineForInpainting.from_pretrained(model_path, torch_dtype=dtypes[dtype],
-                                                                  local_files_only=True)
+        diffusers_logging.disable_progress_bar()
+        self.pipeline = AutoPipelineForInpainting.from_pretrained(model_path, dtype=dtypes[dtype], local_files_only=True)
         self.pipeline.to(device)
         self.pipeline.set_progress_bar_config(disable=True)
         self.device, self.steps, self.guidance_scale = device, steps, guidance_scale

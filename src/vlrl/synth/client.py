@@ -175,6 +175,7 @@ class AsyncSynthesizer:
         self.counts: collections.Counter[str] = collections.Counter()
         self._pending: collections.deque[tuple[SynthRequest, float]] = collections.deque()
         self._in_flight: dict[str, tuple[SynthRequest, float]] = {}
+        self._sending = 0
         self._outcomes: list[SynthOutcome] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -205,8 +206,9 @@ class AsyncSynthesizer:
             return out
 
     def outstanding(self) -> int:
+        """Requests not yet answered: waiting, being posted, or on the server."""
         with self._lock:
-            return len(self._pending) + len(self._in_flight)
+            return len(self._pending) + self._sending + len(self._in_flight)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until nothing is pending or in flight (synchronous mode); False on timeout."""
@@ -228,7 +230,7 @@ class AsyncSynthesizer:
             except Exception as err:  # noqa: BLE001  (never let the thread die; the trainer must go on)
                 log.exception("synthesis client: %s", err)
             with self._lock:
-                if not self._pending and not self._in_flight:
+                if not self._pending and not self._in_flight and not self._sending:
                     self._idle.set()
                 busy = bool(self._in_flight)
             self._wake.wait(self.poll_interval if busy else 1.0)
@@ -240,13 +242,15 @@ class AsyncSynthesizer:
                 if not self._pending or len(self._in_flight) >= self.max_in_flight:
                     return
                 request, since = self._pending.popleft()
+                self._sending += 1
             try:
                 job_id = self.client.submit(request.image, description=request.description, boxes=request.boxes,
                                             seed=request.seed)
             except SynthError as err:
-                self._file(SynthOutcome(request, None, err.kind, err.message, time.monotonic() - since))
+                self._file(SynthOutcome(request, None, err.kind, err.message, time.monotonic() - since), sent=True)
                 continue
             with self._lock:
+                self._sending -= 1
                 self._in_flight[job_id] = (request, since)
                 self.counts["submitted"] += 1
 
@@ -293,8 +297,9 @@ class AsyncSynthesizer:
             self._in_flight.pop(job_id, None)
         self._file(outcome)
 
-    def _file(self, outcome: SynthOutcome) -> None:
+    def _file(self, outcome: SynthOutcome, *, sent: bool = False) -> None:
         with self._lock:
+            self._sending -= int(sent)
             if outcome.ok:
                 self.counts["completed"] += 1
             else:
