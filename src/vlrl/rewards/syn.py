@@ -27,6 +27,10 @@ SYN_PROMPT = (
     "a new background for this image that keeps the objects and makes the question harder, inside "
     "<description></description>. Put ONLY your final answer within <answer></answer>."
 )
+SYN_PROMPT_SHORT = (  # without the reasoning block, for small models and short budgets
+    "Predict how diverse your possible answers are, from 0 to 1, inside <diversity></diversity>. Describe a new "
+    "background for this image inside <description></description>. Put ONLY your final answer within <answer></answer>."
+)
 MAX_DESCRIPTION_CHARS = 1000  # longer descriptions are cut (the synthesis server rejects longer ones)
 
 

@@ -533,9 +533,15 @@ def create_app(service: SynthService, *, api_key: str | None) -> Any:
 def serve(settings: SynthSettings, *, host: str = "127.0.0.1", port: int = 30100, api_key: str | None = None,
           no_auth: bool = False) -> None:
     """`vlrl synth serve`: start the workers and serve until interrupted."""
+    import signal
+    import sys
+
     import uvicorn
 
     api_key = resolve_api_key(api_key, no_auth=no_auth, host=host, command="vlrl synth serve")
+    # uvicorn re-raises the SIGTERM it caught once it has shut down: exit through `finally` (workers stopped,
+    # temporary results removed) instead of dying at once
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     service = SynthService(settings)
     sock = bind_socket(host, port)
     print(f"vlrl synth serve: listening on http://{host}:{sock.getsockname()[1]} (back-end {settings.backend}, "
