@@ -202,12 +202,13 @@ class SynthConfig(Section):
     """Syn-GRPO online data synthesis (`vlrl.synth`; README "Data synthesis (Syn-GRPO)")."""
 
     enabled: bool = Field(
-        False, description="Syn-GRPO: the output template with a predicted diversity and a new image description, the "
-        "diversity reward, and synthesis of new training images from the selected descriptions."
+        False, description="Syn-GRPO: the output template with a predicted diversity and a new image description, and "
+        "synthesis of new training images from the selected descriptions. The diversity reward is the reward shaper "
+        "syn_diversity (algo.reward_shaping: [{name: syn_diversity}]); without it descriptions are picked unranked."
     )
     synthesize: bool = Field(
-        True, description="Send descriptions to the synthesis server. False keeps only the template and the diversity "
-        "reward (an ablation; with diversity_weight=0 it is plain GRPO on the Syn-GRPO template, diversity still logged)."
+        True, description="Send descriptions to the synthesis server. False keeps only the template (and the diversity "
+        "reward if configured): without syn_diversity it is plain GRPO on the Syn-GRPO template, diversity still logged."
     )
     template: Literal["think", "short", "none"] = Field(
         "think", description="Rewrite the prompts to the Syn-GRPO output template and add syn_format to the reward: think "
@@ -240,13 +241,6 @@ class SynthConfig(Section):
         "and locate labels stay valid), the answer's box(es), or auto (objects if present, else the answer)."
     )
     preserve_margin: int = Field(1, ge=0, description="Pixels added around every preserved box (anti-aliased edges).")
-    gamma: float = Field(0.7, ge=0, le=1, description="Diversity smoothing weight (β of Syn-GRPO Eq. 6; the paper's γ = 0.7).")
-    smoothing: bool = Field(True, description="Diversity smoothing (Eq. 6); false gives the unsmoothed reward of Eq. 5.")
-    diversity_weight: float = Field(1.0, ge=0, description="Weight of R_diversity in r = R_acc + R_format + w · R_diversity (paper: 1).")
-    accuracy_part: str = Field(
-        "accuracy", description="Reward part read as R_acc for the diversity V(q) (the verifiers' 'accuracy'; e.g. 'bbox_iou' "
-        "for the continuous IoU of the seed's REC reward when the sample's reward weights several verifiers)."
-    )
     max_in_flight: int = Field(8, ge=1, description="Jobs on the server at once; more wait in the trainer's local queue.")
     max_pending: int = Field(64, ge=1, description="Requests waiting in the trainer's local queue; more are dropped (counted).")
     deadline: float = Field(120.0, gt=0, description="Seconds after which an unfinished job is abandoned (counted as failed).")

@@ -29,7 +29,8 @@ def test_first_step_global_average_equals_batch_average_so_nothing_is_rescaled()
     assert out.smoothed.tolist() == pytest.approx([1] * 4 + [0.75] * 4)
     # R = 1 − |v − Ṽ|: .9 → .9, .5 → .5, 1 → 1, NaN → 0 (unreadable); .75 → 1, 0 → .25, 1 → .75, .8 → .95
     assert out.reward.tolist() == pytest.approx([0.9, 0.5, 1.0, 0.0, 1.0, 0.25, 0.75, 0.95])
-    assert out.state == DiversityState(global_avg=pytest.approx(0.875), steps=1)
+    assert out.state.global_avg == pytest.approx(0.875) and out.state.steps == 1
+    assert out.state.last_reward == pytest.approx((0.9, 0.5, 1.0, 0.0, 1.0, 0.25, 0.75, 0.95))
 
 
 def test_smoothing_rescales_by_the_ratio_of_the_ema_to_the_batch_average_and_clips():

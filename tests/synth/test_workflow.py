@@ -63,27 +63,30 @@ def _response(v, description):
     return f"<diversity>{v}</diversity><description>{description}</description><answer>[0, 0, 1, 1]</answer>"
 
 
-def test_shape_adds_the_diversity_reward_and_selects_the_argmax_description():
+def test_descriptions_are_chosen_by_the_diversity_reward_and_diversity_is_logged():
     a, b = _locate(2)
     trajectories = [_trajectory(a, 0, _response(0.9, "grass"), 1.0), _trajectory(a, 0, _response(0.2, "sand"), 0.0),
                     _trajectory(a, 0, "no template", 1.0), _trajectory(a, 0, _response(1.0, "snow"), 0.0),
                     _trajectory(b, 1, _response(0.0, "ocean"), 1.0), _trajectory(b, 1, _response(0.5, "fog"), 1.0)]
     syn = SynGRPO(SynthConfig(enabled=True, synthesize=False), [a, b])
-    metrics = syn.shape(trajectories)
-    # group 0: accuracies 1, 0, 1, 0 → V = 1; group 1: 1, 1 → V = 0; first step: Ṽ = V
-    # R = 1 − |v − Ṽ|: .9, .2, 0 (no diversity), 1 | 1, .5
-    assert [t.reward_parts["diversity"] for t in trajectories] == pytest.approx([0.9, 0.2, 0.0, 1.0, 1.0, 0.5])
-    assert [t.reward for t in trajectories] == pytest.approx([1.9, 0.2, 1.0, 1.0, 2.0, 1.5])
-    assert syn._chosen == [(a, "snow"), (b, "ocean")]  # argmax R_diversity per group
-    assert metrics["diversity/v_batch"] == pytest.approx(0.5) and metrics["diversity/parsed_frac"] == pytest.approx(5 / 6)
-    assert metrics["diversity/reward_mean"] == pytest.approx(3.6 / 6)
-    assert syn.state.global_avg == pytest.approx(0.5) and syn.state.steps == 1
+    # R_diversity as the syn_diversity shaper computes it on this batch (first step: Ṽ = V; group 0: accuracies
+    # 1, 0, 1, 0 → V = 1; group 1: 1, 1 → V = 0): .9, .2, 0 (no diversity), 1 | 1, .5
+    metrics = syn.after_step(trajectories, 1, diversity_reward=[0.9, 0.2, 0.0, 1.0, 1.0, 0.5])
+    assert syn.counts["skipped_no_description"] == 0
+    assert metrics["diversity/v_batch"] == pytest.approx(0.5)  # (1 + 0) / 2
+    assert metrics["diversity/template_frac"] == pytest.approx(5 / 6)
+    assert metrics["diversity/predicted_mean"] == pytest.approx((0.9 + 0.2 + 1.0 + 0.0 + 0.5) / 5)
+    syn._select(trajectories, [0.9, 0.2, 0.0, 1.0, 1.0, 0.5])
+    assert syn._chosen == [(a, "snow"), (b, "ocean")]  # argmax R_diversity per group (Eq. 8)
+    syn._select(trajectories, None)
+    assert syn._chosen == [(a, "grass"), (b, "ocean")]  # without the reward: the first with a description
+    with pytest.raises(ValueError, match="6 trajectories"):
+        syn._select(trajectories, [1.0])
 
 
 def _one_step(syn, samples, step, *, descriptions=("a striped red wall",)):
     trajectories = [_trajectory(s, g, _response(0.5, descriptions[k % len(descriptions)]), float(k % 2))
                     for g, s in enumerate(samples) for k in range(2)]
-    syn.shape(trajectories)
     return syn.after_step(trajectories, step)
 
 

@@ -33,10 +33,15 @@ import torch
 
 @dataclass(frozen=True)
 class DiversityState:
-    """The EMA of batch diversities, V_{k−1}^global_avg (None before the first step), and steps seen."""
+    """The EMA of batch diversities, V_{k−1}^global_avg (None before the first step), and steps seen.
+
+    ``last_reward`` holds R_diversity of the last batch, in batch order: what the synthesis workflow ranks
+    descriptions by (Eq. 8) after the step; it plays no part in the next step's reward.
+    """
 
     global_avg: float | None = None
     steps: int = 0
+    last_reward: tuple[float, ...] = ()
 
 
 @dataclass
@@ -99,8 +104,9 @@ def diversity_reward(
     predicted = predicted.float()
     valid = torch.isfinite(predicted)
     reward = torch.where(valid, 1.0 - (predicted.nan_to_num(0.0) - smoothed).abs(), torch.zeros_like(smoothed))
-    return DiversityOutput(reward=reward.clamp(0.0, 1.0), diversity=diversity, smoothed=smoothed, batch_avg=batch_avg,
-                           global_avg=global_avg, state=DiversityState(global_avg, state.steps + 1))
+    reward = reward.clamp(0.0, 1.0)
+    return DiversityOutput(reward=reward, diversity=diversity, smoothed=smoothed, batch_avg=batch_avg,
+                           global_avg=global_avg, state=DiversityState(global_avg, state.steps + 1, tuple(reward.tolist())))
 
 
 def select_descriptions(reward: torch.Tensor, group_index: torch.Tensor, valid: torch.Tensor) -> dict[int, int]:

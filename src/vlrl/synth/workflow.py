@@ -5,8 +5,8 @@ One RL step, as the recipes run it with ``synth.enabled``:
 
     1. prompts carry the Syn-GRPO template (`apply_syn_template`: <think>, <diversity>, <description>, <answer>),
        their reward gains ``syn_format`` (R_format)
-    2. after scoring: R_diversity (Eq. 6, `vlrl.algos.diversity`) is added to each response's reward,
-       r = R_acc + R_format + R_diversity (Eq. 7) — before advantages
+    2. after scoring: the reward shaper ``syn_diversity`` (Eq. 6, `vlrl.algos.diversity`) adds R_diversity to
+       each response's reward, r = R_acc + R_format + R_diversity (Eq. 7) — before advantages
     3. after the update: per prompt, the description of the response with the highest R_diversity (Eq. 8) is
        sent with the image and its labelled boxes to the synthesis server — `AsyncSynthesizer.submit`, which
        never waits — and every finished job is swapped into the dataset: the new sample inherits the old one's
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from vlrl.algos.diversity import DiversityState, diversity_reward, select_descriptions
+from vlrl.algos.diversity import group_diversity, select_descriptions
 from vlrl.config import SynthConfig
 from vlrl.data.sample import Sample, load_image
 from vlrl.data.tasks import TEMPLATES
@@ -157,15 +157,15 @@ def synthetic_sample(parent: Sample, image: Any, *, original: str, generation: i
 class SynGRPO:
     """Syn-GRPO for one run over ``dataset`` (the list the prompt cursor draws from; swapped in place).
 
-    `shape` adds R_diversity to the scored trajectories (before advantages); `after_step` submits the selected
-    descriptions and swaps in finished results, and returns the step's ``synth/…`` and ``diversity/…`` metrics.
+    `after_step` (after each update) selects one description per prompt, submits them, swaps finished results in,
+    and returns the step's ``synth/…`` and ``diversity/…`` metrics. R_diversity itself is the reward shaper
+    ``syn_diversity`` (`vlrl.algos.diversity`), applied by the recipe before the advantages.
     """
 
     def __init__(self, cfg: SynthConfig, dataset: list[Sample], *, seed: int = 0, run_dir: str | Path | None = None,
                  synthesizer: AsyncSynthesizer | None = None) -> None:
         self.cfg, self.dataset, self.seed = cfg, dataset, seed
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.state = DiversityState()
         self.counts: collections.Counter[str] = collections.Counter()
         self._slot = {s.id: i for i, s in enumerate(dataset)}
         self._original: dict[str, str] = {}  # synthetic sample id → original id
@@ -178,39 +178,14 @@ class SynGRPO:
         if self.synth is None and cfg.synthesize:
             self.synth = self._connect()
 
-    # --- 2. the diversity reward (before advantages)
-    def shape(self, trajectories: Sequence[Any]) -> dict[str, float]:
-        """R_diversity (Eq. 6) for every trajectory, added to ``reward`` with ``diversity_weight`` and kept in
-        ``reward_parts["diversity"]``; the description of each group's argmax (Eq. 8) is remembered for
-        `after_step`. Returns the ``diversity/…`` metrics."""
-        if not trajectories:
-            return {}
-        parsed = [parse_syn_response(t.response_text, require_think=False) for t in trajectories]
-        accuracy = torch.tensor([float(t.reward_parts.get(self.cfg.accuracy_part, 0.0)) for t in trajectories])
-        predicted = torch.tensor([p.diversity if p.diversity is not None else float("nan") for p in parsed])
-        groups = torch.tensor([t.group_index for t in trajectories])
-        out = diversity_reward(accuracy.clamp(0, 1), predicted, groups, self.state, gamma=self.cfg.gamma,
-                               smoothing=self.cfg.smoothing)
-        self.state = out.state
-        for t, r in zip(trajectories, out.reward.tolist(), strict=True):
-            t.reward = float(t.reward) + self.cfg.diversity_weight * r
-            t.reward_parts = {**t.reward_parts, "diversity": r}
-        valid = torch.tensor([p.description is not None and p.diversity is not None for p in parsed])
-        chosen = select_descriptions(out.reward, groups, valid)
-        self._chosen = [(trajectories[i].sample, parsed[i].description) for i in chosen.values()]
-        self.counts["groups"] += len(set(groups.tolist()))
-        self.counts["skipped_no_description"] += len(set(groups.tolist())) - len(chosen)
-        finite = predicted[torch.isfinite(predicted)]
-        return {"diversity/reward_mean": float(out.reward.mean()), "diversity/v_batch": out.batch_avg,
-                "diversity/v_global": out.global_avg, "diversity/target_mean": float(out.smoothed.mean()),
-                "diversity/predicted_mean": float(finite.mean()) if len(finite) else float("nan"),
-                "diversity/parsed_frac": float(torch.isfinite(predicted).float().mean())}
-
-    # --- 3. submit the chosen descriptions, swap finished results in
-    def after_step(self, trajectories: Sequence[Any], step: int) -> dict[str, float]:
-        """Submit this step's selected descriptions (never waits, unless ``mode=sync``), swap every finished
-        result into the dataset; returns the ``synth/…`` metrics (cumulative counts, this step's latencies)."""
-        metrics: dict[str, float] = {}
+    # --- after the update: pick descriptions, submit them, swap finished results in
+    def after_step(self, trajectories: Sequence[Any], step: int, *,
+                   diversity_reward: Sequence[float] | torch.Tensor | None = None) -> dict[str, float]:
+        """Eq. 8 per group — the description of the response with the highest ``diversity_reward`` (R_diversity
+        of the step, in batch order, e.g. from the ``syn_diversity`` reward shaper; None: the first response with
+        a description) — sent to the server without waiting (unless ``mode=sync``); every finished result is
+        swapped into the dataset. Returns the ``diversity/…`` and ``synth/…`` metrics of the step."""
+        metrics = self._select(trajectories, diversity_reward)
         if self.synth is not None:
             for sample, description in self._chosen:
                 self._submit(sample, description)
@@ -226,10 +201,33 @@ class SynGRPO:
             metrics.update({f"synth/{k}": float(v) for k, v in counts.items() if k != "requested"})
             metrics["synth/in_flight"] = float(self.synth.outstanding())
         self._chosen = []
-        metrics.update({f"synth/{k}": float(v) for k, v in {"swapped": 0, **self.counts}.items() if k != "groups"})
+        metrics.update({f"synth/{k}": float(v) for k, v in {"swapped": 0, **self.counts}.items()})
         metrics["synth/batch_synthetic_frac"] = _synthetic_fraction([t.sample for t in trajectories])
         metrics["synth/dataset_synthetic_frac"] = _synthetic_fraction(self.dataset)
         return metrics
+
+    def _select(self, trajectories: Sequence[Any], diversity_reward) -> dict[str, float]:
+        """Choose one description per group (Eq. 8); return the batch's diversity metrics: V_k^batch (Eq. 4 on
+        the ``accuracy`` part; the seed's Figure 2 curve) and how many responses carried the template."""
+        if not trajectories:
+            return {}
+        parsed = [parse_syn_response(t.response_text, require_think=False) for t in trajectories]
+        groups = torch.tensor([t.group_index for t in trajectories])
+        valid = torch.tensor([p.description is not None and p.diversity is not None for p in parsed])
+        if diversity_reward is not None and len(diversity_reward) != len(trajectories):
+            raise ValueError(f"diversity_reward has {len(diversity_reward)} values for {len(trajectories)} trajectories")
+        ranking = torch.as_tensor(diversity_reward if diversity_reward is not None else [0.0] * len(trajectories),
+                                  dtype=torch.float)
+        chosen = select_descriptions(ranking, groups, valid)
+        self._chosen = [(trajectories[i].sample, parsed[i].description) for i in chosen.values()]
+        self.counts["skipped_no_description"] += len(set(groups.tolist())) - len(chosen)
+        accuracy = torch.tensor([float(t.reward_parts.get("accuracy", 0.0)) for t in trajectories]).clamp(0, 1)
+        v = group_diversity(accuracy, groups)  # (B,)
+        first = {int(g): i for i, g in reversed(list(enumerate(groups.tolist())))}
+        predicted = [p.diversity for p in parsed if p.diversity is not None]
+        return {"diversity/v_batch": float(v[list(first.values())].mean()),
+                "diversity/template_frac": float(valid.float().mean()),
+                "diversity/predicted_mean": sum(predicted) / len(predicted) if predicted else float("nan")}
 
     def close(self) -> None:
         if self.synth is not None:
