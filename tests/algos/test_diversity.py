@@ -90,3 +90,30 @@ def test_description_selection_is_the_argmax_of_the_diversity_reward_per_group()
     # group 0: .9 twice → the first (index 1); group 1: .99 has no description → .5 at index 4
     assert select_descriptions(reward, groups, valid) == {0: 1, 1: 4}
     assert select_descriptions(reward, groups, torch.zeros(7, dtype=torch.bool)) == {}
+
+
+def test_the_syn_diversity_shaper_adds_r_diversity_to_the_rewards_and_keeps_its_state():
+    from types import SimpleNamespace
+
+    from vlrl.algos import RewardShapingInputs, get_reward_shaping
+
+    # two groups of two: accuracies 1, 0 (V = 1) and 1, 1 (V = 0)
+    texts = ["<diversity>0.8</diversity>", "<diversity>1</diversity>", "<diversity>0.25</diversity>", "garbage"]
+    trajectories = [SimpleNamespace(response_text=text, reward_parts={"accuracy": acc})
+                    for text, acc in zip(texts, [1.0, 0.0, 1.0, 1.0], strict=True)]
+    shaper = get_reward_shaping("syn_diversity")
+    inputs = RewardShapingInputs(rewards=torch.tensor([1.5, 0.0, 2.0, 2.0]), group_index=torch.tensor([0, 0, 1, 1]),
+                                 response_length=torch.full((4,), 3), truncated=torch.zeros(4, dtype=torch.bool),
+                                 max_new_tokens=8, trajectories=trajectories)
+    out = shaper(inputs, weight=2.0)
+    # R_div = 1 − |v − Ṽ|: .8, 1 | .75, 0 (unreadable) → r′ = r + 2 · R_div
+    assert out.values.tolist() == pytest.approx([3.1, 2.0, 3.5, 2.0])
+    assert out.metrics["v_batch"] == pytest.approx(0.5) and out.metrics["parsed_frac"] == pytest.approx(0.75)
+    assert out.state.global_avg == pytest.approx(0.5) and out.state.last_reward == pytest.approx((0.8, 1.0, 0.75, 0.0))
+    # the next step receives that state: the same batch again, γ = .5 → global = .5 · .5 + .5 · .5 = .5
+    second = shaper(RewardShapingInputs(**{**inputs.__dict__, "state": out.state}), gamma=0.5, accuracy_part="nope")
+    # with a missing accuracy part every R_acc is 0: V = 0 everywhere → Ṽ = 0, global = .5 · .5 + .5 · 0
+    assert second.state.global_avg == pytest.approx(0.25) and second.state.steps == 2
+    assert second.values.tolist() == pytest.approx([1.5 + 0.2, 0.0 + 0.0, 2.0 + 0.75, 2.0])
+    with pytest.raises(ValueError, match="trajectories"):
+        shaper(RewardShapingInputs(**{**inputs.__dict__, "trajectories": ()}))

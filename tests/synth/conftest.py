@@ -13,6 +13,17 @@ from vlrl.synth.server import SynthService, SynthSettings, create_app
 API_KEY = "synth-test-key"
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Server threads and the test share 2 cores: torch single-threaded avoids oversubscription."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2 / CLIP byte → printable character table (what a byte-level BPE vocabulary is written in)."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))

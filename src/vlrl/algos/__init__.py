@@ -7,6 +7,7 @@ from vlrl.algos.advantages import (
     get_advantage,
     register_advantage,
 )
+from vlrl.algos.diversity import DiversityState, diversity_reward, select_descriptions, syn_diversity
 from vlrl.algos.kl import KL_ESTIMATORS, kl_estimate
 from vlrl.algos.losses import (
     AGGREGATIONS,
@@ -33,8 +34,9 @@ from vlrl.algos.shaping import (
 
 __all__ = [
     "ADVANTAGES", "ADVANTAGE_SHAPING", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "REWARD_SHAPING",
-    "AdvantageInputs", "AdvantageOutput", "AdvantageShapingInputs", "LossOutput", "PolicyLossInputs",
+    "AdvantageInputs", "DiversityState", "AdvantageOutput", "AdvantageShapingInputs", "LossOutput", "PolicyLossInputs",
     "RewardShapingInputs", "ShapingOutput", "aggregate", "get_advantage", "get_advantage_shaping", "get_policy_loss",
     "get_reward_shaping", "kl_estimate", "masked_mean", "normaliser_for", "register_advantage",
-    "register_advantage_shaping", "register_policy_loss", "register_reward_shaping",
+    "register_advantage_shaping", "register_policy_loss", "register_reward_shaping", "diversity_reward",
+    "select_descriptions", "syn_diversity",
 ]

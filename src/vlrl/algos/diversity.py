@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vlrl.algos.shaping import RewardShapingInputs, ShapingOutput, register_reward_shaping
+
 
 @dataclass(frozen=True)
 class DiversityState:
@@ -131,3 +133,32 @@ def _first_of_groups(group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     rows = torch.arange(len(group_index))
     first = torch.full((len(ids),), len(group_index), dtype=torch.long).scatter_reduce(0, inverse, rows, reduce="amin")
     return ids, first
+
+
+# ----------------------------------------------------------------------------------------------- reward shaper
+@register_reward_shaping("syn_diversity")
+def syn_diversity(inputs: RewardShapingInputs, *, gamma: float = 0.7, smoothing: bool = True, weight: float = 1.0,
+                  accuracy_part: str = "accuracy") -> ShapingOutput:
+    """Syn-GRPO's diversity reward as a reward shaper (Eq. 6–7): r′ = r + weight · R_diversity(o_i).
+
+    v_i is read from each response's ``<diversity>`` block (`vlrl.rewards.syn`), R_acc(o_i) from its reward part
+    ``accuracy_part`` (the verifiers' ``accuracy``; e.g. ``bbox_iou`` for the seed's continuous IoU when the
+    sample's reward weights several verifiers). The state is the `DiversityState` (the EMA of Eq. 6, and the
+    batch's R_diversity, which the synthesis workflow ranks descriptions by). Select it with
+    ``algo.reward_shaping: [{name: syn_diversity, options: {gamma: 0.7}}]``.
+    """
+    from vlrl.rewards.syn import parse_syn_response
+
+    trajectories = inputs.trajectories
+    if len(trajectories) != len(inputs.rewards):
+        raise ValueError(f"syn_diversity: needs the batch's trajectories (got {len(trajectories)} for "
+                         f"{len(inputs.rewards)} rewards)")
+    parsed = [parse_syn_response(t.response_text, require_think=False).diversity for t in trajectories]
+    predicted = torch.tensor([float("nan") if v is None else v for v in parsed])  # (B,)
+    accuracy = torch.tensor([float(t.reward_parts.get(accuracy_part, 0.0)) for t in trajectories]).clamp(0, 1)  # (B,)
+    state = inputs.state if isinstance(inputs.state, DiversityState) else DiversityState()
+    out = diversity_reward(accuracy, predicted, inputs.group_index, state, gamma=gamma, smoothing=smoothing)
+    metrics = {"reward_mean": float(out.reward.mean()), "v_batch": out.batch_avg, "v_global": out.global_avg,
+               "target_mean": float(out.smoothed.mean()), "parsed_frac": float(torch.isfinite(predicted).float().mean())}
+    return ShapingOutput(values=inputs.rewards + weight * out.reward.to(inputs.rewards.dtype), metrics=metrics,
+                         state=out.state)

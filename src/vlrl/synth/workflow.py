@@ -29,13 +29,14 @@ import logging
 import os
 import random
 import secrets
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vlrl.algos.diversity import group_diversity, select_descriptions
+from vlrl.algos.diversity import DiversityState, group_diversity, select_descriptions
 from vlrl.config import SynthConfig
 from vlrl.data.sample import Sample, load_image
 from vlrl.data.tasks import TEMPLATES
@@ -173,18 +174,23 @@ class SynGRPO:
         self._busy: set[str] = set()  # originals with a job out
         self._chosen: list[tuple[Sample, str]] = []  # (sample, description) selected by the last `shape`
         self._gallery_rows = 0
-        self._local = None
+        self._retired: list[str] = []
+        self._local: list = []  # (server thread, service) of a server started here
         self.synth = synthesizer
         if self.synth is None and cfg.synthesize:
             self.synth = self._connect()
+        self._finalizer = weakref.finalize(self, SynGRPO._shutdown, self.synth, self._local)
 
     # --- after the update: pick descriptions, submit them, swap finished results in
-    def after_step(self, trajectories: Sequence[Any], step: int, *,
+    def after_step(self, trajectories: Sequence[Any], step: int, *, shaping: Any = None,
                    diversity_reward: Sequence[float] | torch.Tensor | None = None) -> dict[str, float]:
-        """Eq. 8 per group — the description of the response with the highest ``diversity_reward`` (R_diversity
-        of the step, in batch order, e.g. from the ``syn_diversity`` reward shaper; None: the first response with
-        a description) — sent to the server without waiting (unless ``mode=sync``); every finished result is
-        swapped into the dataset. Returns the ``diversity/…`` and ``synth/…`` metrics of the step."""
+        """Eq. 8 per group — the description of the response with the highest R_diversity (``diversity_reward``
+        in batch order, or what the ``syn_diversity`` shaper of the recipe's reward-shaping chain ``shaping``
+        computed for this batch; neither: the first response with a description) — sent to the server without
+        waiting (unless ``mode=sync``); every finished result is swapped into the dataset. Returns the
+        ``diversity/…`` and ``synth/…`` metrics of the step."""
+        if diversity_reward is None and shaping is not None:
+            diversity_reward = _shaped_diversity(shaping, len(trajectories))
         metrics = self._select(trajectories, diversity_reward)
         if self.synth is not None:
             for sample, description in self._chosen:
@@ -229,14 +235,23 @@ class SynGRPO:
                 "diversity/template_frac": float(valid.float().mean()),
                 "diversity/predicted_mean": sum(predicted) / len(predicted) if predicted else float("nan")}
 
+    def retired(self) -> list[str]:
+        """Ids of samples that left the dataset (replaced) since the last call: caches keyed by id may drop them."""
+        out, self._retired = self._retired, []
+        return out
+
     def close(self) -> None:
-        if self.synth is not None:
-            self.synth.close()
-        if self._local is not None:
-            thread, service = self._local
+        """Stop the client (and the server this object started); also run at garbage collection and exit."""
+        self._finalizer()
+
+    @staticmethod
+    def _shutdown(synth: AsyncSynthesizer | None, local: list) -> None:
+        if synth is not None:
+            synth.close()
+        for thread, service in local:
             thread.stop()
             service.close()
-            self._local = None
+        local.clear()
 
     # --- internals
     def _connect(self) -> AsyncSynthesizer:
@@ -253,7 +268,8 @@ class SynGRPO:
                                                  workers=cfg.workers, executor="process",
                                                  max_queued_jobs=max(cfg.max_in_flight, 8)))
             thread = ServerThread(create_app(service, api_key=key))
-            self._local, url = (thread, service), thread.url
+            self._local.append((thread, service))
+            url = thread.url
         return AsyncSynthesizer(SynthClient(url, api_key=key), max_in_flight=cfg.max_in_flight,
                                 max_pending=cfg.max_pending, deadline=cfg.deadline, poll_interval=cfg.poll_interval)
 
@@ -297,6 +313,7 @@ class SynGRPO:
             self.dataset[slot] = child
             del self._slot[current]
             self._slot[child.id] = slot
+            self._retired.append(current)
         else:
             self._slot[child.id] = len(self.dataset)
             self.dataset.append(child)
@@ -322,6 +339,34 @@ class SynGRPO:
         with open(self.run_dir / GALLERY_FILE, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(row, default=str) + "\n")
         self._gallery_rows += 1
+
+
+def _shaped_diversity(shaping: Any, count: int) -> tuple[float, ...] | None:
+    """R_diversity of the last batch from a reward-shaping chain (`vlrl.train.batch.ShapingChain`) that runs
+    ``syn_diversity``; None if it does not."""
+    for name, state in zip(shaping.names, shaping.states, strict=True):
+        if name == "syn_diversity" and isinstance(state, DiversityState) and len(state.last_reward) == count:
+            return state.last_reward
+    return None
+
+
+def start_synthesis(cfg: SynthConfig, samples: Sequence[Sample], *, seed: int, logger: Any = None) -> SynGRPO | None:
+    """Syn-GRPO for a recipe: None unless ``synth.enabled``; else a `SynGRPO` over a copy of ``samples``
+    (rewritten to the output template by ``synth.template``), writing its gallery next to the logger's
+    ``metrics.jsonl``. The recipe draws prompts from ``.dataset``."""
+    if not cfg.enabled:
+        return None
+    data = list(samples) if cfg.template == "none" else [
+        apply_syn_template(s, template=cfg.template, format_weight=cfg.format_weight) for s in samples]
+    path = getattr(logger, "path", None)
+    return SynGRPO(cfg, data, seed=seed, run_dir=Path(path).parent if path is not None else None)
+
+
+def syn_eval_samples(cfg: SynthConfig, samples: Sequence[Sample]) -> list[Sample]:
+    """Held-out samples asking for the same template as training (unchanged unless ``synth.enabled``)."""
+    if not cfg.enabled or cfg.template == "none":
+        return list(samples)
+    return [apply_syn_template(s, template=cfg.template, format_weight=cfg.format_weight) for s in samples]
 
 
 def _synthetic_fraction(samples: Sequence[Sample]) -> float:

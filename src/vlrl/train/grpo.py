@@ -23,6 +23,7 @@ from vlrl.models import Policy
 from vlrl.report import MetricsLogger
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import Engine, Request, SamplingParams
+from vlrl.synth.workflow import start_synthesis
 from vlrl.train.batch import build_algorithm, prepare_batch, step_metrics
 from vlrl.train.common import PromptCursor, make_optimizer
 from vlrl.train.update import ppo_update
@@ -44,7 +45,8 @@ def train_grpo(
     budget = max_seconds if max_seconds is not None else train.max_seconds
     if train.max_samples is not None:
         samples = samples[: train.max_samples]
-    cursor = PromptCursor(samples, seed)
+    synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
+    cursor = PromptCursor(synthesis.dataset if synthesis is not None else samples, seed)
     sampling = SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                               max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop))
     algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)  # sync: π_behave = π_old
@@ -69,9 +71,15 @@ def train_grpo(
         step += 1
         engine.update_weights(version=step)
         last = step_metrics(batch, stats, score_report.failures)
+        if synthesis is not None:  # Syn-GRPO: send the chosen descriptions, swap finished images in (never waits)
+            last.update(synthesis.after_step(trajectories, step, shaping=algorithm.reward_shaping))
+            for sample_id in synthesis.retired():
+                requests.pop(sample_id, None)
         last.update({"perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
                      "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
                      "data/epoch": cursor.epoch})
         if step % train.log_every == 0 or step == train.steps:
             logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds"))
+    if synthesis is not None:
+        synthesis.close()
     return {**last, "steps": step, "seconds": time.time() - start}

@@ -24,6 +24,7 @@ from vlrl.report.progress import LiveProgress
 from vlrl.report.samples import SampleLog
 from vlrl.report.watch import WatchedEngine
 from vlrl.rollout import HFEngine
+from vlrl.synth.workflow import syn_eval_samples
 from vlrl.train.async_grpo import make_engine, train_async_grpo
 from vlrl.train.common import load_split, prepare_run_dir, seed_everything, write_json
 from vlrl.train.grpo import train_grpo
@@ -159,6 +160,7 @@ def run_rl(cfg: RLConfig) -> dict:
     run_dir, logger = _open_run(cfg)
     with _reporting(cfg, run_dir, logger):
         train, test = _data(cfg, logger)
+        test = syn_eval_samples(cfg.synth, test)  # Syn-GRPO: held-out prompts ask for the training template
         _check(cfg, logger, train, test)
         policy = _load(cfg, logger)
         # in-process, or rollout.servers over HTTP (rollout.mode=async)
