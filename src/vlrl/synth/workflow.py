@@ -362,6 +362,45 @@ def start_synthesis(cfg: SynthConfig, samples: Sequence[Sample], *, seed: int, l
     return SynGRPO(cfg, data, seed=seed, run_dir=Path(path).parent if path is not None else None)
 
 
+def synth_problems(stage: Any) -> list[tuple[str, str, str]]:
+    """What the preflight check reports about ``stage.synth``: ``(problem | warning, field, message)``."""
+    import importlib.util
+
+    from vlrl.registry import RegistryError
+    from vlrl.synth.backends import GENERATORS
+    from vlrl.synth.segment import SEGMENTERS
+
+    cfg, out = stage.synth, []
+    if not cfg.enabled:
+        return out
+    if not any(spec.name.rpartition(":")[2] == "syn_diversity" for spec in stage.algo.reward_shaping):
+        out.append(("warning", "algo.reward_shaping", "synth.enabled without the syn_diversity shaper: no diversity "
+                    "reward, and descriptions are picked unranked (the seed's 'w/o R_diversity' ablation); add "
+                    "{name: syn_diversity}"))
+    if not cfg.synthesize or cfg.server is not None:
+        return out  # no server of ours to start
+    for field, registry, name, options, path_key in (
+            ("synth.backend", GENERATORS, cfg.backend, cfg.backend_options, "model_path"),
+            ("synth.segmenter", SEGMENTERS, cfg.segmenter, cfg.segmenter_options, "path")):
+        if name is None:
+            continue
+        try:
+            registry.get(name)
+        except RegistryError as err:
+            out.append(("problem", field, str(err)))
+            continue
+        if name in ("diffusers", "model"):
+            package = "diffusers" if name == "diffusers" else "transformers"
+            if importlib.util.find_spec(package) is None:
+                out.append(("problem", field, f"the {name} back-end needs '{package}': pip install 'vlrl[diffusion]'"))
+            where = f"{field}_options.{path_key}"
+            if path_key not in options:
+                out.append(("problem", where, f"{name} needs a local model directory"))
+            elif not Path(str(options[path_key])).is_dir():
+                out.append(("problem", where, f"not a directory: {options[path_key]}"))
+    return out
+
+
 def syn_eval_samples(cfg: SynthConfig, samples: Sequence[Sample]) -> list[Sample]:
     """Held-out samples asking for the same template as training (unchanged unless ``synth.enabled``)."""
     if not cfg.enabled or cfg.template == "none":
