@@ -354,7 +354,8 @@ def train_async_grpo(
     buffer = GroupBuffer(capacity=(eta + 1) * P + max_concurrent)
     engine.update_weights(version=0, state_dict=model.state_dict())  # the rollout starts from the trainer's weights
     synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
-    rollout = AsyncRollout(engine, PromptCursor(synthesis.dataset if synthesis is not None else samples, seed), sampling, buffer, prompts_per_step=P, eta=eta,
+    samples = synthesis.dataset if synthesis is not None else samples
+    rollout = AsyncRollout(engine, PromptCursor(samples, seed), sampling, buffer, prompts_per_step=P, eta=eta,
                            max_concurrent=max_concurrent).start()
     trained: list[int] = []
     discarded: list[int] = []
