@@ -77,8 +77,8 @@ class TemplateEngine:
 
 def _stage(**synth):
     return RLStage.model_validate({
-        "optim": {"lr": 1e-3}, "rollout": {"n": 4, "max_new_tokens": 4},
-        "train": {"steps": 4, "prompts_per_step": 2, "micro_batch_size": 8},
+        "optim": {"lr": 1e-3}, "rollout": {"n": 2, "max_new_tokens": 2},
+        "train": {"steps": 3, "prompts_per_step": 2, "micro_batch_size": 4},
         "algo": {"reward_shaping": [{"name": "syn_diversity", "options": {"gamma": 0.7}}]},
         "synth": {"enabled": True, "template": "short", "poll_interval": 0.02, **synth},
     })
@@ -104,12 +104,12 @@ def test_synthesised_samples_replace_their_sources_in_later_batches(tiny_vlm, tm
     engine = TemplateEngine(HFEngine(tiny_vlm))
     stats = train_grpo(tiny_vlm, engine, samples, _stage(server=synth_url, mode="sync"), logger=logger, seed=0)
     records = _records(tmp_path / "metrics.jsonl")
-    assert stats["steps"] == 4 and [r["step"] for r in records] == [1, 2, 3, 4]
+    assert stats["steps"] == 3 and [r["step"] for r in records] == [1, 2, 3]
     # epoch 0 (steps 1-2) draws the 4 originals and synthesises each (sync mode: done before the next step);
-    # epoch 1 (steps 3-4) draws only synthesised samples
-    assert [r["synth/batch_synthetic_frac"] for r in records] == [0.0, 0.0, 1.0, 1.0]
-    assert records[1]["synth/dataset_synthetic_frac"] == 1.0 and records[-1]["synth/completed"] == 8
-    assert records[-1]["synth/failed"] == 0 and records[-1]["synth/swapped"] == 8
+    # epoch 1 (step 3) draws only synthesised samples
+    assert [r["synth/batch_synthetic_frac"] for r in records] == [0.0, 0.0, 1.0]
+    assert records[1]["synth/dataset_synthetic_frac"] == 1.0 and records[-1]["synth/completed"] == 6
+    assert records[-1]["synth/failed"] == 0 and records[-1]["synth/swapped"] == 6
     for key in ("shaping/syn_diversity/reward_mean", "shaping/syn_diversity/v_global", "diversity/v_batch",
                 "diversity/template_frac", "synth/latency_mean"):
         assert key in records[-1], key
@@ -142,20 +142,20 @@ def test_killing_the_synthesis_server_mid_run_costs_no_step_and_is_counted(tiny_
     process, url = _start_synth_server(tmp_path)
     try:
         def kill(version):
-            if version == 3:
+            if version == 2:
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait(10)
 
         logger = MetricsLogger(tmp_path / "metrics.jsonl", quiet=True)
         engine = TemplateEngine(HFEngine(tiny_vlm), on_update=kill)
-        stage = _stage(server=url, deadline=3.0)
-        stage.train.steps = 8
+        stage = _stage(server=url, deadline=2.0)
+        stage.train.steps = 6
         stats = train_grpo(tiny_vlm, engine, generate("shapes", 8, tasks=["count"]), stage, logger=logger, seed=0)
     finally:
         if process.poll() is None:
             process.kill()
     records = _records(tmp_path / "metrics.jsonl")
-    assert stats["steps"] == 8 and len(records) == 8  # the run finished every step
+    assert stats["steps"] == 6 and len(records) == 6  # the run finished every step
     last = records[-1]
     assert last["synth/submitted"] >= 1  # the server worked before it was killed ...
     failed = {k: v for k, v in last.items() if k.startswith("synth/failed_")}
@@ -163,12 +163,13 @@ def test_killing_the_synthesis_server_mid_run_costs_no_step_and_is_counted(tiny_
     assert set(failed) <= {"synth/failed_unavailable", "synth/failed_deadline", "synth/failed_lost"}
     assert last["synth/completed"] + last["synth/failed"] + last["synth/in_flight"] >= last["synth/submitted"]
     # no step waited on the dead server (the client's timeouts run on its own thread)
-    assert max(r["perf/step_seconds"] for r in records[3:]) < 30
+    assert max(r["perf/step_seconds"] for r in records[2:]) < 30
 
 
 def test_the_asynchronous_recipe_swaps_synthesised_samples_too(tiny_vlm, tmp_path, synth_url):
     stage = _stage(server=synth_url, mode="sync")
     stage.staleness.eta = 1
+    stage.train.steps = 4  # prompts are drawn up to η + 1 steps ahead: the swaps show from the 4th step
     engine = TemplateEngine(ThreadedEngine(tiny_vlm))
     logger = MetricsLogger(tmp_path / "metrics.jsonl", quiet=True)
     try:
