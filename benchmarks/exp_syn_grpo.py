@@ -52,7 +52,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--n-train", type=int, default=64, help="RL training prompts (revisited across epochs)")
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--max-generations", type=int, default=5, help="synth.max_generations of the Syn-GRPO arm")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft-dir", default=None, help="reuse the SFT run of an earlier invocation (default: OUT/sft)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 20 SFT steps, 4 RL steps")
     args = parser.parse_args()
     if args.quick:
@@ -80,7 +82,7 @@ def main() -> None:
     common = {"data": {"test": str(data / "test.jsonl")}, "seed": args.seed,
               "report": {"progress": "off"}, "eval": {"samples": 2, "max_new_tokens": 64}}
 
-    sft_dir = out / "sft"
+    sft_dir = Path(args.sft_dir) if args.sft_dir else out / "sft"
     checkpoint = sft_dir / "checkpoints" / "final"
     if not (checkpoint / "config.json").exists():
         run_sft(SFTConfig.model_validate({**common, "data": {**common["data"], "train": str(data / "sft.jsonl")},
@@ -89,7 +91,7 @@ def main() -> None:
     arms = {
         "grpo": {"synth": {"enabled": True, "template": "none", "synthesize": False}},
         "syn_grpo": {"synth": {"enabled": True, "template": "none", "backend": "classical", "segmenter": "border",
-                               "mode": "async", "preserve": "objects", "max_generations": 5},
+                               "mode": "async", "preserve": "objects", "max_generations": args.max_generations},
                      "algo": {"reward_shaping": [{"name": "syn_diversity", "options": {"gamma": 0.7}}]}},
     }
     summaries = {}
