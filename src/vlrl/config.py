@@ -259,7 +259,7 @@ class SynthConfig(Section):
     max_in_flight: int = Field(8, ge=1, description="Jobs on the server at once; more wait in the trainer's local queue.")
     max_pending: int = Field(64, ge=1, description="Requests waiting in the trainer's local queue; more are dropped (counted).")
     deadline: float = Field(120.0, gt=0, description="Seconds after which an unfinished job is abandoned (counted as failed).")
-    poll_interval: float = Field(0.25, gt=0, description="Seconds between two polls of the jobs in flight.")
+    poll_interval: float = Field(0.5, gt=0, description="Seconds between two polls of the jobs in flight.")
     gallery: int = Field(16, ge=0, description="Original → synthesised pairs written to synth_gallery.jsonl for the report.")
 
 

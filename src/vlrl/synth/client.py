@@ -3,7 +3,7 @@ non-blocking front: submit and drain never wait on the network).
 
 `AsyncSynthesizer` keeps a bounded local queue of requests; one background thread posts them (at most
 ``max_in_flight`` jobs on the server at once), polls every job it has in flight with one ``GET /jobs?ids=…``
-per round, fetches finished images, and files an outcome per request — the image, or the reason it failed:
+per round, fetches finished images (``GET /jobs/{id}/image``, plain PNG), and files an outcome per request — the image, or the reason it failed:
 ``busy`` (429), ``rejected`` (4xx), ``unavailable`` (connection error, 5xx), ``timeout`` (the server's job
 timeout), ``error`` / ``worker_died`` (the back-end), ``deadline`` (not done ``deadline`` seconds after it
 was submitted), ``lost`` (the server forgot the job, e.g. it restarted), ``dropped`` (the local queue was full).
@@ -85,8 +85,23 @@ class SynthClient:
         return JobResult(data["id"], data["status"], picture, data.get("metadata") or {}, data.get("error"),
                          data.get("seconds"))
 
+    def image(self, job_id: str) -> Image.Image:
+        """The result of a finished job, fetched as PNG bytes (no JSON, no base64)."""
+        import httpx
+
+        try:
+            response = self._http.get(f"/jobs/{job_id}/image")
+        except httpx.HTTPError as err:
+            raise SynthError("unavailable", f"{self.url}/jobs/{job_id}/image: {type(err).__name__}: {err}") from None
+        if response.status_code != 200:
+            raise SynthError("lost" if response.status_code in (404, 409, 410) else "unavailable",
+                             f"{response.status_code}: {response.text[:200]}")
+        image = Image.open(io.BytesIO(response.content))
+        image.load()
+        return image.convert("RGB")
+
     def statuses(self, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
-        """Status (and error) of many jobs in one request."""
+        """Status, error and (when done) metadata of many jobs in one request."""
         if not job_ids:
             return {}
         data = self._call("GET", "/jobs", params={"ids": ",".join(job_ids)})
@@ -168,11 +183,12 @@ class AsyncSynthesizer:
     few microseconds and never touch the network; all HTTP runs on one background thread."""
 
     def __init__(self, client: SynthClient, *, max_in_flight: int = 8, max_pending: int = 64, deadline: float = 120.0,
-                 poll_interval: float = 0.25) -> None:
+                 poll_interval: float = 0.5) -> None:
         self.client = client
         self.max_in_flight, self.max_pending = max_in_flight, max_pending
         self.deadline, self.poll_interval = deadline, poll_interval
         self.counts: collections.Counter[str] = collections.Counter()
+        self.cpu_seconds = 0.0  # CPU time of the background thread (what synthesis costs the trainer's process)
         self._pending: collections.deque[tuple[SynthRequest, float]] = collections.deque()
         self._in_flight: dict[str, tuple[SynthRequest, float]] = {}
         self._sending = 0
@@ -224,11 +240,13 @@ class AsyncSynthesizer:
     # --- the background thread
     def _loop(self) -> None:
         while not self._stop:
+            cpu = time.thread_time()
             try:
                 self._send()
                 self._poll()
             except Exception as err:  # noqa: BLE001  (never let the thread die; the trainer must go on)
                 log.exception("synthesis client: %s", err)
+            self.cpu_seconds += time.thread_time() - cpu
             with self._lock:
                 if not self._pending and not self._in_flight and not self._sending:
                     self._idle.set()
@@ -270,7 +288,7 @@ class AsyncSynthesizer:
             request, since = self._in_flight[job_id]
             status = statuses.get(job_id, {}).get("status")
             if status == "done":
-                self._finish_done(job_id, request, since)
+                self._finish_done(job_id, request, since, statuses[job_id].get("metadata") or {})
             elif status == "failed":
                 error = statuses[job_id].get("error") or {}
                 self._finish(job_id, SynthOutcome(request, None, error.get("kind", "error"), error.get("message", ""),
@@ -281,16 +299,13 @@ class AsyncSynthesizer:
                 self._finish(job_id, SynthOutcome(request, None, "deadline", f"not done within {self.deadline:g} s",
                                                   now - since, job_id))
 
-    def _finish_done(self, job_id: str, request: SynthRequest, since: float) -> None:
+    def _finish_done(self, job_id: str, request: SynthRequest, since: float, metadata: dict[str, Any]) -> None:
         try:
-            result = self.client.poll(job_id)
+            image = self.client.image(job_id)
         except SynthError as err:
             self._finish(job_id, SynthOutcome(request, None, err.kind, err.message, time.monotonic() - since, job_id))
             return
-        if result.image is None:
-            self._finish(job_id, SynthOutcome(request, None, "lost", "done but no image", time.monotonic() - since, job_id))
-            return
-        self._finish(job_id, SynthOutcome(request, result.image, None, "", time.monotonic() - since, job_id, result.metadata))
+        self._finish(job_id, SynthOutcome(request, image, None, "", time.monotonic() - since, job_id, metadata))
 
     def _finish(self, job_id: str, outcome: SynthOutcome) -> None:
         with self._lock:

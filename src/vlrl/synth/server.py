@@ -11,8 +11,8 @@ result into its dataset. JSON over HTTP (FastAPI + uvicorn):
   worker_died, "message"} | null, "metadata", "created", "started", "finished", "seconds", "image"}`` with the
   result as a PNG data URL when done (``?image=false`` leaves it out); 404 for an unknown id, 410 when the
   result was evicted by the size cap. ``GET /jobs/{id}/image`` → the PNG itself.
-- ``GET /jobs?ids=a,b,c`` → ``{"jobs": [{"id", "status", "error"}, ...]}`` (``unknown`` for ids it does not
-  know): one request polls every job a client has in flight.
+- ``GET /jobs?ids=a,b,c`` → ``{"jobs": [{"id", "status", "error", "metadata"}, ...]}`` (``unknown`` for ids it
+  does not know; metadata once done): one request polls every job a client has in flight.
 - ``GET /health`` → back-end, queue and result-store counters (the only endpoint without the token).
 
 Jobs wait in a bounded queue (``max_queued_jobs``) for one of ``workers`` workers. With ``executor="process"``
@@ -504,7 +504,8 @@ def create_app(service: SynthService, *, api_key: str | None) -> Any:
         for job_id in wanted:
             job = service.get(job_id)
             jobs.append({"id": job_id, "status": "unknown"} if job is None else
-                        {"id": job_id, "status": job.status, "error": job.error})
+                        {"id": job_id, "status": job.status, "error": job.error,
+                         "metadata": job.metadata if job.status == "done" else None})
         return {"jobs": jobs}
 
     @app.get("/jobs/{job_id}")

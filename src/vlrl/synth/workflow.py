@@ -206,6 +206,7 @@ class SynGRPO:
             counts = {"submitted": 0, "completed": 0, "failed": 0, **self.synth.counts}
             metrics.update({f"synth/{k}": float(v) for k, v in counts.items() if k != "requested"})
             metrics["synth/in_flight"] = float(self.synth.outstanding())
+            metrics["synth/client_cpu_seconds"] = self.synth.cpu_seconds
         self._chosen = []
         metrics.update({f"synth/{k}": float(v) for k, v in {"swapped": 0, **self.counts}.items()})
         metrics["synth/batch_synthetic_frac"] = _synthetic_fraction([t.sample for t in trajectories])
