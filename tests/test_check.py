@@ -184,3 +184,15 @@ def test_recipes_stop_before_loading_weights(tmp_path, monkeypatch):
     with pytest.raises(PreflightError, match=r"rollout.max_new_tokens: .* exceeds the model context"):
         recipes.run_rl(cfg)
     assert not (tmp_path / "report.html").exists()  # nothing was logged, so no report either
+
+
+def test_syn_grpo_settings_are_checked(tmp_path):
+    report = preflight(_rl("synth.enabled=true", "synth.backend=diffusers", "synth.segmenter=segment_anything",
+                           "data.suite=shapes"))
+    problems = {p.where: p.message for p in report.problems}
+    assert "needs a local model directory" in problems["synth.backend_options.model_path"]
+    assert "unknown segmenter 'segment_anything'" in problems["synth.segmenter"]
+    assert any(w.where == "algo.reward_shaping" and "syn_diversity" in w.message for w in report.warnings)
+    ok = preflight(_rl("synth.enabled=true", "synth.segmenter=model", f"synth.segmenter_options={{path: {tmp_path}}}",
+                       "algo.reward_shaping=[{name: syn_diversity}]", "data.suite=shapes"))
+    assert not [p for p in ok.problems if p.where.startswith(("synth", "algo"))], ok.format()

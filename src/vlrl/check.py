@@ -86,6 +86,7 @@ def preflight(cfg: RunConfig, *, splits: dict[str, list[Sample]] | None = None) 
     sft, rl = _stages(cfg)
     _check_sizes(report, sft, rl)
     _check_names(report, cfg, rl)
+    _check_synth(report, rl)
     if splits is None:
         splits = _read_splits(report, cfg)
     _check_sft_responses(report, splits.get("train", []), sft)
@@ -159,6 +160,15 @@ def _check_names(report: CheckReport, cfg: RunConfig, rl) -> None:
             problem = _import_problem(value)
             if problem:
                 report.problem(where, problem)
+
+
+def _check_synth(report: CheckReport, rl) -> None:
+    """Syn-GRPO (``synth.enabled``): back-end, segmenter and their model directories, the diversity shaper."""
+    from vlrl.synth.workflow import synth_problems
+
+    for p, stage in rl:
+        for kind, where, message in synth_problems(stage):
+            (report.problem if kind == "problem" else report.warn)(f"{p}{where}", message)
 
 
 def _strings(node: Any, prefix: str = ""):

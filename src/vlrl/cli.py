@@ -11,11 +11,13 @@ import typer
 
 from vlrl.config import ConfigError, DemoConfig, EvalConfig, RLConfig, SFTConfig, load_config
 from vlrl.rewards.cli import app as reward_app
+from vlrl.synth.cli import app as synth_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="vlrl: RL from verifiable rewards for VLMs and LLMs.")
 data_app = typer.Typer(no_args_is_help=True, help="Generate and inspect data.")
 app.add_typer(data_app, name="data")
 app.add_typer(reward_app, name="reward")
+app.add_typer(synth_app, name="synth")
 
 CONFIG = typer.Option(None, "--config", "-c", help="YAML config file (see configs/).")
 OVERRIDES = typer.Argument(None, help="Dotted overrides, e.g. rl.algo.clip_high=0.28 data.n_train=500")

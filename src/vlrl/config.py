@@ -291,6 +291,56 @@ class CriticConfig(Section):
     )
 
 
+class SynthConfig(Section):
+    """Syn-GRPO online data synthesis (`vlrl.synth`; README "Data synthesis (Syn-GRPO)")."""
+
+    enabled: bool = Field(
+        False, description="Syn-GRPO: the output template with a predicted diversity and a new image description, and "
+        "synthesis of new training images from the selected descriptions. The diversity reward is the reward shaper "
+        "syn_diversity (algo.reward_shaping: [{name: syn_diversity}]); without it descriptions are picked unranked."
+    )
+    synthesize: bool = Field(
+        True, description="Send descriptions to the synthesis server. False keeps only the template (and the diversity "
+        "reward if configured): without syn_diversity it is plain GRPO on the Syn-GRPO template, diversity still logged."
+    )
+    template: Literal["think", "short", "none"] = Field(
+        "think", description="Rewrite the prompts to the Syn-GRPO output template and add syn_format to the reward: think "
+        "(<think>, <diversity>, <description>, <answer>: the seed's), short (without <think>), none (the data already asks for it)."
+    )
+    format_weight: float = Field(1.0, ge=0, description="Weight of syn_format (R_format) added to each sample's reward by `template`.")
+    server: str | None = Field(
+        None, description="URL of a running `vlrl synth serve`. Unset: the recipe starts a synthesis server in this "
+        "process group (loopback, random token) with the backend / workers settings below."
+    )
+    api_key_env: str = Field("VLRL_API_KEY", description="Environment variable holding the synthesis server's bearer token.")
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async: submit and go on, swap results in when they arrive (no step waits). sync: wait for "
+        "the step's jobs before the next step (the seed's slow baseline, Table 5)."
+    )
+    backend: str = Field("classical", description="Back-end of a server started by the recipe: classical, diffusers or 'pkg.mod:factory'.")
+    backend_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options of that back-end, e.g. {model_path: /models/sd-inpaint, steps: 25}."
+    )
+    segmenter: str | None = Field(None, description="Box → mask refinement of a server started by the recipe: border, model, or unset.")
+    segmenter_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the segmenter, e.g. {path: /models/seg}.")
+    workers: int = Field(1, ge=1, description="Worker processes of a server started by the recipe.")
+    replacement: Literal["replace", "append"] = Field(
+        "replace", description="replace: a synthesised sample takes its source's place in the dataset (the seed's policy; "
+        "the next synthesis starts from it); append: it is added as a new sample (seen from the next epoch on)."
+    )
+    max_generations: int = Field(5, ge=1, description="Synthesised generations per original sample at most.")
+    preserve: Literal["auto", "objects", "answer"] = Field(
+        "auto", description="Foreground kept pixel-exact: the boxes of metadata.objects (every labelled object: count, colour "
+        "and locate labels stay valid), the answer's box(es), or auto (objects if present, else the answer)."
+    )
+    preserve_margin: int = Field(1, ge=0, description="Pixels added around every preserved box (anti-aliased edges).")
+    max_in_flight: int = Field(8, ge=1, description="Jobs on the server at once; more wait in the trainer's local queue.")
+    max_pending: int = Field(64, ge=1, description="Requests waiting in the trainer's local queue; more are dropped (counted).")
+    deadline: float = Field(120.0, gt=0, description="Seconds after which an unfinished job is abandoned (counted as failed).")
+    poll_interval: float = Field(0.5, gt=0, description="Seconds between two polls of the jobs in flight.")
+    gallery: int = Field(16, ge=0, description="Original → synthesised pairs written to synth_gallery.jsonl for the report.")
+
+
 class RLTrainConfig(Section):
     steps: int = Field(100, ge=0, description="RL steps (rollout + update); the run may stop earlier at `max_seconds`.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step (LLaVA-OV-1.5: 32); each gets rollout.n responses.")
@@ -317,6 +367,7 @@ class RLStage(Section):
     critic: CriticConfig = Field(
         default_factory=CriticConfig, description="The value model trained when algo.advantage needs values (gae / PPO)."
     )
+    synth: SynthConfig = Field(default_factory=SynthConfig, description="Syn-GRPO online data synthesis (off by default).")
 
     @model_validator(mode="after")
     def _check_sizes(self) -> RLStage:

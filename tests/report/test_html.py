@@ -138,3 +138,23 @@ def test_demo_metrics_carry_rollout_statistics(demo_run):
     for record in rl:
         assert 0 < record["rollout/gen_prob"] <= 1
         assert 0.25 <= record["rollout/unique_frac"] <= 1  # n = 4: at least 1 of 4 distinct
+
+
+def test_a_synthesis_gallery_shows_original_and_synthesised_images(tmp_path, parse):
+    run = tmp_path / "syn"
+    (run / "synth_gallery").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"stage": "rl", "step": 1, "time": 1.0, "reward/mean": 0.5}) + "\n")
+    Image.new("RGB", (112, 112), (255, 255, 255)).save(run / "synth_gallery" / "q1_source.png")
+    Image.new("RGB", (112, 112), (20, 90, 200)).save(run / "synth_gallery" / "q1.png")
+    row = {"step": 3, "task": "shapes/locate", "original_id": "q1", "parent_id": "q1", "sample_id": "q1~syn1",
+           "generation": 1, "description": "ocean waves", "source": "synth_gallery/q1_source.png",
+           "result": "synth_gallery/q1.png", "latency": 0.42, "backend": "classical"}
+    (run / "synth_gallery.jsonl").write_text(json.dumps(row) + "\n{broken\n")
+    page = parse(build_report([run]))
+    assert "synthesis" in page.sections and page.sections.index("synthesis") == page.sections.index("samples") + 1
+    assert "ocean waves" in page.text and "#synthesis" in page.links
+    colours = sorted(_png(src).getpixel((5, 5)) for src in page.images if _png(src).size == (112, 112))
+    assert colours == [(20, 90, 200), (255, 255, 255)]
+    assert "synth_gallery.jsonl:2: skipped" in page.text
+    (run / "synth_gallery.jsonl").unlink()
+    assert "synthesis" not in parse(build_report([run])).sections

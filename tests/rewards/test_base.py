@@ -33,6 +33,7 @@ CONTRACT = {
     "plan_prefix": (json.dumps(PLAN), PLAN, {}),
     "overlong": ("x", None, {"max_length": 10, "cache_length": 5, "response_length": 3}),
     "critic": ("7", "7", {"judge": JudgeReward(FakeJudgeEngine())}),
+    "syn_format": ("<think>t</think><diversity>0.5</diversity><description>grass</description><answer>b</answer>", None, {}),
 }
 
 

@@ -10,6 +10,7 @@ from vlrl.algos.advantages import (
     group_variance,
     register_advantage,
 )
+from vlrl.algos.diversity import DiversityState, diversity_reward, select_descriptions, syn_diversity
 from vlrl.algos.filters import informative_groups, mask_truncated
 from vlrl.algos.kl import KL_ESTIMATORS, kl_estimate, kl_reward_penalty
 from vlrl.algos.losses import (
@@ -39,10 +40,10 @@ from vlrl.algos.shaping import (
 
 __all__ = [
     "ADVANTAGES", "ADVANTAGE_SHAPING", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "REWARD_SHAPING",
-    "AdvantageInputs", "AdvantageOutput", "AdvantageShapingInputs", "LossOutput", "PolicyLossInputs",
+    "AdvantageInputs", "AdvantageOutput", "AdvantageShapingInputs", "DiversityState", "LossOutput", "PolicyLossInputs",
     "RewardShapingInputs", "ShapingOutput", "advantage_needs", "aggregate", "applies_behaviour_weight",
-    "get_advantage", "get_advantage_shaping", "get_policy_loss", "get_reward_shaping", "group_stats",
-    "group_variance", "informative_groups", "kl_estimate", "kl_reward_penalty", "mask_truncated", "masked_mean",
-    "normaliser_for", "register_advantage", "register_advantage_shaping", "register_policy_loss",
-    "register_reward_shaping", "value_loss",
+    "diversity_reward", "get_advantage", "get_advantage_shaping", "get_policy_loss", "get_reward_shaping",
+    "group_stats", "group_variance", "informative_groups", "kl_estimate", "kl_reward_penalty", "mask_truncated",
+    "masked_mean", "normaliser_for", "register_advantage", "register_advantage_shaping", "register_policy_loss",
+    "register_reward_shaping", "select_descriptions", "syn_diversity", "value_loss",
 ]

@@ -3,7 +3,8 @@
 Sections, top to bottom: a headline per run; the training dynamics DAPO §3.3.3 says to watch over the RL stages (reward per
 task, accuracy, entropy, generation probability, response length, truncation, clip fractions, KL, grad norm,
 staleness / behaviour weights, diversity — each shown when the run logged it); evaluation before / after;
-sampled responses per task with rewards, sub-scores and images; every logged metric by group (whatever
+sampled responses per task with rewards, sub-scores and images; for Syn-GRPO runs, the original → synthesised
+images with their descriptions (``synth_gallery.jsonl``); every logged metric by group (whatever
 groups appear); the resolved configuration (and, for several runs, the settings that differ).
 
 With several run directories every chart overlays the runs.
@@ -295,6 +296,30 @@ def sample_sections(run: Run, *, max_groups: int = 12) -> list[dict[str, Any]]:
     return out
 
 
+def gallery_rows(run: Run, *, limit: int = 24) -> list[dict[str, Any]]:
+    """Original → synthesised pairs of a Syn-GRPO run (``synth_gallery.jsonl``), images as data URLs."""
+    path = run.path / "synth_gallery.jsonl"
+    if not path.is_file():
+        return []
+    images: dict[str, str | None] = {}
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as err:
+            run.notes.append(f"{path}:{number}: skipped ({err})")
+            continue
+        rows.append({**row, "source": _image(run, str(row.get("source", "")), images) if row.get("source") else None,
+                     "result": _image(run, str(row.get("result", "")), images) if row.get("result") else None})
+        if len(rows) >= limit:
+            break
+    return rows
+
+
 def _stage_title(stage: Any, step: Any) -> str:
     return f"{stage}" if str(stage).startswith("eval/") else f"{stage} step {step}"
 
@@ -376,6 +401,7 @@ def build_report(run_dirs: list[str | Path], *, title: str | None = None) -> str
         eval_tables=tables,
         eval_chart=eval_chart(tables),
         samples=[(run.label, sample_sections(run)) for run in runs],
+        galleries=[(run.label, rows) for run in runs if (rows := gallery_rows(run))],
         groups=group_charts(runs, series),
         differences=config_differences(runs) if len(runs) > 1 else [],
         notes=[note for run in runs for note in run.notes],

@@ -6,10 +6,10 @@ Call a verifier as ``get_reward(name)(response, answer, **meta)``; score a batch
 Modules: ``extract`` (answer extraction), ``answers`` (number, multiple_choice, bool, string_match, ocr),
 ``math_equiv`` (math), ``boxes`` (bbox_iou, ovd_map), ``markup`` (html, svg), ``code_exec`` + ``sandbox``
 (code), ``format`` (format, answer_format, cot_format, overlong), ``plan`` (json_plan, plan_prefix),
-``judge`` (critic), ``execution`` (the batch scorer), ``cli`` (``vlrl reward score``).
+``judge`` (critic), ``syn`` (Syn-GRPO template: syn_format), ``execution`` (the batch scorer), ``cli`` (``vlrl reward score``).
 """
 
-from vlrl.rewards import answers, boxes, code_exec, format, judge, markup, math_equiv, plan  # noqa: F401  (register)
+from vlrl.rewards import answers, boxes, code_exec, format, judge, markup, math_equiv, plan, syn  # noqa: F401  (register)
 from vlrl.rewards.base import (
     REWARDS,
     RewardOutput,

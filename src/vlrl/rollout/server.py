@@ -40,11 +40,8 @@ import copy
 import dataclasses
 import hashlib
 import io
-import ipaddress
 import logging
 import os
-import secrets
-import socket
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -57,10 +54,20 @@ from vlrl.data.sample import Sample, SampleError, load_image
 from vlrl.models.policy import DTYPES, Policy
 from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
+from vlrl.serving import (
+    API_KEY_ENV,
+    ServerThread,
+    bind_socket,
+    install_bearer_auth,
+    is_loopback,
+    resolve_api_key,
+)
+
+__all__ = ["API_KEY_ENV", "ContinuousBatcher", "ServerThread", "ThreadedEngine", "bind_socket", "create_app",
+           "is_loopback", "serve"]
 
 log = logging.getLogger(__name__)
 
-API_KEY_ENV = "VLRL_API_KEY"
 
 
 # ----------------------------------------------------------------------------------------------- checksums
@@ -528,13 +535,7 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
     counter = iter(range(1 << 62))
     update_lock = asyncio.Lock()
 
-    @app.middleware("http")
-    async def _auth(request: HTTPRequest, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse({"error": "missing or wrong bearer token (Authorization: Bearer <key>)"}, 401)
-        return await call_next(request)
+    install_bearer_auth(app, api_key)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: HTTPRequest, err: RequestValidationError):
@@ -641,48 +642,6 @@ def _load_weights(current: Policy, path: str) -> Policy:
 
 
 # ----------------------------------------------------------------------------------------------- running
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (``port=0`` picks a free port: read it with ``sock.getsockname()[1]``)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
-
-
-class ServerThread:
-    """Serve an app with uvicorn on a background thread (tests, notebooks, benchmarks)."""
-
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        import uvicorn
-
-        self._sock = bind_socket(host, port)
-        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
-        self._thread.start()
-        for _ in range(500):
-            if self._server.started:
-                break
-            threading.Event().wait(0.01)
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-        self._sock.close()
-
-
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           no_auth: bool = False, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 256,
           max_queued_requests: int = 1024, batch_window_ms: float = 10.0, init_seed: int = 0) -> None:
@@ -693,13 +652,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: st
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: choose from {sorted(DTYPES)}")
-    if no_auth:
-        if not is_loopback(host):
-            raise ValueError(f"--no-auth on a non-loopback address ({host}) would serve the model to anyone")
-        api_key = None
-    elif not api_key:
-        api_key = secrets.token_urlsafe(24)
-        print(f"vlrl serve: no --api-key and no ${API_KEY_ENV}; generated key: {api_key}", flush=True)
+    api_key = resolve_api_key(api_key, no_auth=no_auth, host=host, command="vlrl serve")
     policy = load_policy(model, dtype=dtype, device=device, seed=init_seed)
     policy.model.eval()
     batcher = ContinuousBatcher(policy, max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,

@@ -46,6 +46,7 @@ from vlrl.rewards import score_trajectories
 from vlrl.rollout import Engine, HFEngine, Request, SamplingParams, Status, Trajectory
 from vlrl.rollout.http_engine import AsyncEngine, HTTPEngine
 from vlrl.rollout.server import ThreadedEngine
+from vlrl.synth.workflow import start_synthesis
 from vlrl.train.batch import build_algorithm, prepare_batch, step_metrics
 from vlrl.train.common import PromptCursor, make_optimizer
 from vlrl.train.sampling import group_is_informative
@@ -292,9 +293,15 @@ class AsyncRollout:
         self._notify()
 
     def _encode(self, sample: Sample) -> Request:
-        if sample.id not in self._requests:  # encoded once (tokens + image processor outputs)
-            self._requests[sample.id] = self.engine.encode(sample)
-        return self._requests[sample.id]
+        request = self._requests.get(sample.id)
+        if request is None:  # encoded once (tokens + image processor outputs)
+            request = self._requests[sample.id] = self.engine.encode(sample)
+        return request
+
+    def forget(self, sample_ids: list[str]) -> None:
+        """Drop the cached encodings of samples that left the dataset (Syn-GRPO replaced them)."""
+        for sample_id in sample_ids:
+            self._requests.pop(sample_id, None)
 
     async def _rollout(self, draw: Draw, request: Request) -> None:
         """Generate n responses to one drawn prompt, score the group and push it (or re-queue the prompt)."""
@@ -353,6 +360,8 @@ def train_async_grpo(
     max_concurrent = rollout_cfg.max_concurrent_rollouts or 2 * P
     buffer = GroupBuffer(capacity=(eta + 1) * P + max_concurrent)
     engine.update_weights(version=0, state_dict=model.state_dict())  # the rollout starts from the trainer's weights
+    synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
+    samples = synthesis.dataset if synthesis is not None else samples
     rollout = AsyncRollout(engine, PromptCursor(samples, seed), sampling, buffer, prompts_per_step=P, eta=eta,
                            max_concurrent=max_concurrent, greedy_baseline="baseline_rewards" in algorithm.needs).start()
     trained: list[int] = []
@@ -396,6 +405,9 @@ def train_async_grpo(
             last = step_metrics(batch, stats, [f for g in groups for f in g.reward_failures])
             last.update(_staleness_metrics(s, eta, len(stale), len(discarded), rollout, buffer))
             last.update(dynamic)
+            if synthesis is not None:  # Syn-GRPO: send the chosen descriptions, swap finished images in (never waits)
+                last.update(synthesis.after_step(trajectories, step, shaping=algorithm.reward_shaping))
+                rollout.forget(synthesis.retired())
             last.update({"perf/step_seconds": time.time() - t0, "perf/wait_seconds": t_wait, "perf/sync_seconds": t_sync,
                          "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
                          "data/epoch": max(g.draw.epoch for g in groups)})
@@ -403,6 +415,8 @@ def train_async_grpo(
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "staleness/mean", "perf/step_seconds"))
     finally:
         rollout.stop()
+        if synthesis is not None:
+            synthesis.close()
     if state_out is not None:
         held = rollout.accounting()
         state_out.update({**rollout.state_dict(), "buffer": buffer.state_dict(), "trained": trained, "discarded": discarded,

@@ -259,6 +259,10 @@ def check_scalable(cfg, world_size: int) -> None:
     if rollout.mode == "async" and scaled:
         raise ValueError("rollout.mode=async: the asynchronous recipe runs in one process and is not resumable yet; "
                          "use rollout.mode=sync with torchrun / checkpoint.every / --resume")
+    synth = getattr(cfg, "synth", None)
+    if synth is not None and synth.enabled and scaled:
+        raise ValueError("synth.enabled: Syn-GRPO rewrites the dataset as it trains; it runs in one process without "
+                         "resumable checkpoints (no torchrun / checkpoint.every / --resume)")
     algo = getattr(cfg, "algo", None)
     if algo is not None and world_size > 1:
         from vlrl.algos import advantage_needs, get_advantage

@@ -24,6 +24,7 @@ from vlrl.data import Sample
 from vlrl.models import Policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import Engine, SamplingParams
+from vlrl.synth.workflow import start_synthesis
 from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.checkpoint import algorithm_state, load_algorithm_state
 from vlrl.train.common import PromptCursor, make_optimizer
@@ -54,45 +55,53 @@ def train_grpo(
     budget = max_seconds if max_seconds is not None else train.max_seconds
     if train.max_samples is not None:
         samples = samples[: train.max_samples]
-    cursor = PromptCursor(samples, seed)
-    sampling = SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                              max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop))
-    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False, reference=rt.reference)  # π_behave = π_old
-    algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, rt.ctx)  # over all ranks' responses
-    sampler = GroupSampler(engine, cursor, sampling, prompts_per_step=train.prompts_per_step,
-                           dynamic=stage.algo.dynamic_sampling, greedy_baseline="baseline_rewards" in algorithm.needs,
-                           shard=lambda prompts: rt.ctx.shard(prompts, what="train.prompts_per_step"))
-    optimizer, scheduler = make_optimizer(rt.module, stage.optim)
-    step, carry_over = rt.restore(stage_name, optimizer, scheduler, cursor)
-    load_algorithm_state(algorithm, carry_over)
-    if carry_over:  # dynamic sampling's surplus groups and the critic resume too
-        sampler.carry = list(carry_over.get("sampler_carry") or [])
-        if algorithm.critic is not None:
-            algorithm.critic.load_state_dict(carry_over["critic"])
-    if step:
-        engine.update_weights(version=step)
-    start, last = time.time(), {}
-    while step < train.steps and not rt.out_of_time(time.time() - start, budget):
-        t0 = time.time()
-        # 1-3. prompts (this rank's share) → n responses each → rewards
-        sampled = sampler.next_batch()
-        t_gen = time.time() - t0
-        # 4. shaped rewards → advantages over the whole batch (B sequences, R response columns)
-        batch = prepare_batch(algorithm, policy, sampled.trajectories, step=step, max_new_tokens=rollout.max_new_tokens,
-                              baseline_rewards=sampled.baseline_rewards)
-        # 5. updates (and the critic's, when the estimator uses values)
-        stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
-                           critic=algorithm.critic, runtime=rt)
-        # 6. the engine samples from the new weights from now on
-        step += 1
-        engine.update_weights(version=step)
-        last = global_step_metrics(rt.ctx, batch, stats, sampled.failures)
-        last.update({**sampled.metrics, "perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
-                     "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
-                     "data/epoch": cursor.epoch})
-        if step % train.log_every == 0 or step == train.steps:
-            logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds"))
-        rt.after_step(step, stage_name, optimizer, scheduler, cursor, carry_over={
-            **algorithm_state(algorithm), "sampler_carry": sampler.carry,
-            "critic": algorithm.critic.state_dict() if algorithm.critic is not None else None})
+    synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
+    try:
+        cursor = PromptCursor(synthesis.dataset if synthesis is not None else samples, seed)
+        sampling = SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                                  max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop))
+        algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False, reference=rt.reference)  # π_behave = π_old
+        algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, rt.ctx)  # over all ranks' responses
+        sampler = GroupSampler(engine, cursor, sampling, prompts_per_step=train.prompts_per_step,
+                               dynamic=stage.algo.dynamic_sampling, greedy_baseline="baseline_rewards" in algorithm.needs,
+                               shard=lambda prompts: rt.ctx.shard(prompts, what="train.prompts_per_step"))
+        optimizer, scheduler = make_optimizer(rt.module, stage.optim)
+        step, carry_over = rt.restore(stage_name, optimizer, scheduler, cursor)
+        load_algorithm_state(algorithm, carry_over)
+        if carry_over:  # dynamic sampling's surplus groups and the critic resume too
+            sampler.carry = list(carry_over.get("sampler_carry") or [])
+            if algorithm.critic is not None:
+                algorithm.critic.load_state_dict(carry_over["critic"])
+        if step:
+            engine.update_weights(version=step)
+        start, last = time.time(), {}
+        while step < train.steps and not rt.out_of_time(time.time() - start, budget):
+            t0 = time.time()
+            # 1-3. prompts (this rank's share) → n responses each → rewards
+            sampled = sampler.next_batch()
+            t_gen = time.time() - t0
+            # 4. shaped rewards → advantages over the whole batch (B sequences, R response columns)
+            batch = prepare_batch(algorithm, policy, sampled.trajectories, step=step, max_new_tokens=rollout.max_new_tokens,
+                                  baseline_rewards=sampled.baseline_rewards)
+            # 5. updates (and the critic's, when the estimator uses values)
+            stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
+                               critic=algorithm.critic, runtime=rt)
+            # 6. the engine samples from the new weights from now on
+            step += 1
+            engine.update_weights(version=step)
+            last = global_step_metrics(rt.ctx, batch, stats, sampled.failures)
+            if synthesis is not None:  # Syn-GRPO: send the chosen descriptions, swap finished images in (never waits)
+                last.update(synthesis.after_step(sampled.trajectories, step, shaping=algorithm.reward_shaping))
+                sampler.forget(synthesis.retired())
+            last.update({**sampled.metrics, "perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
+                         "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
+                         "data/epoch": cursor.epoch})
+            if step % train.log_every == 0 or step == train.steps:
+                logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds"))
+            rt.after_step(step, stage_name, optimizer, scheduler, cursor, carry_over={
+                **algorithm_state(algorithm), "sampler_carry": sampler.carry,
+                "critic": algorithm.critic.state_dict() if algorithm.critic is not None else None})
+    finally:
+        if synthesis is not None:
+            synthesis.close()
     return {**last, "steps": step, "seconds": time.time() - start}

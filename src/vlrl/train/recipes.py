@@ -28,6 +28,7 @@ from vlrl.report.progress import LiveProgress
 from vlrl.report.samples import SampleLog
 from vlrl.report.watch import WatchedEngine
 from vlrl.rollout import HFEngine
+from vlrl.synth.workflow import syn_eval_samples
 from vlrl.train.async_grpo import make_engine, train_async_grpo
 from vlrl.train.checkpoint import export_hf, metrics_offset, resolve_resume
 from vlrl.train.common import load_split, prepare_run_dir, seed_everything, write_json
@@ -244,6 +245,7 @@ def run_rl(cfg: RLConfig) -> dict:
     summary: dict = {}
     with _reporting(cfg, run_dir, logger, ctx):
         train, test = _data(cfg, logger)
+        test = syn_eval_samples(cfg.synth, test)  # Syn-GRPO: held-out prompts ask for the training template
         _check(cfg, logger, train, test)
         policy = _load(cfg, logger, ctx.device)
         if cfg.stages:  # one process, no resumable checkpoints (check_scalable)

@@ -78,6 +78,11 @@ class GroupSampler:
                                f"(zero advantage); raise algo.dynamic_sampling.max_extra_rounds or check the reward")
         return self._batch(kept, failures, metrics)
 
+    def forget(self, sample_ids: list[str]) -> None:
+        """Drop the cached encodings of samples that left the dataset (Syn-GRPO replaced them)."""
+        for sample_id in sample_ids:
+            self._requests.pop(sample_id, None)
+
     def _round(self, count: int) -> tuple[list[SampledGroup], list]:
         """Draw ``count`` prompts, sample ``n`` responses each, score them (and their greedy responses)."""
         prompts = self.shard(self.cursor.next(count))

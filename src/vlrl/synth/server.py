@@ -1,0 +1,555 @@
+"""The synthesis server (`vlrl synth serve`): foreground-preserving image synthesis as an asynchronous job API.
+
+The Syn-GRPO data server (seed §3.3.1, "Decoupled design"): the trainer posts a job — the source image, the
+boxes (or masks) to keep, the new description, a seed — and goes on training; it polls later and swaps the
+result into its dataset. JSON over HTTP (FastAPI + uvicorn):
+
+- ``POST /jobs`` → 202 ``{"id", "status": "queued", "queued"}``; 429 when the queue is full (back-pressure,
+  with ``Retry-After``); 400 naming the field for a bad image (format, size), box (bounds, order), mask,
+  description or seed; 413 for a body over ``max_body_bytes``.
+- ``GET /jobs/{id}`` → ``{"id", "status": queued | running | done | failed, "error": {"kind": timeout | error |
+  worker_died, "message"} | null, "metadata", "created", "started", "finished", "seconds", "image"}`` with the
+  result as a PNG data URL when done (``?image=false`` leaves it out); 404 for an unknown id, 410 when the
+  result was evicted by the size cap. ``GET /jobs/{id}/image`` → the PNG itself.
+- ``GET /jobs?ids=a,b,c`` → ``{"jobs": [{"id", "status", "error", "metadata"}, ...]}`` (``unknown`` for ids it
+  does not know; metadata once done): one request polls every job a client has in flight.
+- ``GET /health`` → back-end, queue and result-store counters (the only endpoint without the token).
+
+Jobs wait in a bounded queue (``max_queued_jobs``) for one of ``workers`` workers. With ``executor="process"``
+(the default of the command) each worker is a process that builds the back-end once (pebble pool,
+forkserver) and is killed and replaced when a job exceeds ``job_timeout``; with ``executor="thread"`` jobs run
+in threads of this process (cheap to start: tests, notebooks) and a job over its timeout is marked failed
+and its result discarded, but cannot be stopped. Results are PNG files in ``results_dir``; past
+``max_results_bytes`` the oldest results are deleted (their jobs answer 410). Binds to loopback and requires
+``Authorization: Bearer <key>`` by default (`vlrl.serving`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import dataclasses
+import io
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
+
+from vlrl.serving import bind_socket, explain_validation_error, install_bearer_auth, resolve_api_key
+
+log = logging.getLogger(__name__)
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP")
+
+
+class BadRequest(ValueError):
+    """A malformed job; the message names the field."""
+
+
+class QueueFull(RuntimeError):
+    """The job queue is full; retry later."""
+
+
+# ----------------------------------------------------------------------------------------------- settings
+@dataclasses.dataclass
+class SynthSettings:
+    """Everything `SynthService` needs (the CLI flags of `vlrl synth serve`).
+
+    Attributes:
+        backend / backend_options: generator back-end (``classical``, ``diffusers`` or ``pkg.mod:factory``) and
+            its keyword options (e.g. ``{"model_path": ...}`` for diffusers).
+        segmenter / segmenter_options: optional box → mask refinement (``border``, ``model``; None = boxes).
+        workers: jobs run at once. executor: ``process`` (killable timeouts) or ``thread``.
+        max_queued_jobs: accepted jobs waiting for a worker; more get 429.
+        job_timeout: seconds one job may run.
+        results_dir: where result PNGs go (None: a temporary directory removed at shutdown).
+        max_results_bytes: size cap of the results; the oldest are deleted beyond it.
+        max_jobs: finished jobs remembered (older ones are forgotten: 404).
+        max_image_side / min_image_side / max_image_pixels / max_boxes / max_description_chars /
+        max_body_bytes: input limits (400 / 413 beyond them).
+    """
+
+    backend: str = "classical"
+    backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    segmenter: str | None = None
+    segmenter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    workers: int = 1
+    executor: Literal["process", "thread"] = "process"
+    max_queued_jobs: int = 64
+    job_timeout: float = 60.0
+    results_dir: str | None = None
+    max_results_bytes: int = 512 << 20
+    max_jobs: int = 10_000
+    max_image_side: int = 4096
+    min_image_side: int = 8
+    max_image_pixels: int = 16 << 20
+    max_boxes: int = 256
+    max_description_chars: int = 2000
+    max_body_bytes: int = 64 << 20
+
+
+# ----------------------------------------------------------------------------------------------- the worker side
+class _Runtime:
+    """The back-end (and segmenter) one worker uses, built once per worker thread or process."""
+
+    def __init__(self, backend: str, backend_options: dict, segmenter: str | None, segmenter_options: dict) -> None:
+        from vlrl.synth.backends import get_generator
+        from vlrl.synth.segment import get_segmenter
+
+        self.generator = get_generator(backend, **backend_options)
+        self.segmenter = get_segmenter(segmenter, **segmenter_options) if segmenter else None
+
+    def run(self, image: np.ndarray, keep: np.ndarray, boxes: list[list[float]], description: str, seed: int,
+            refine: bool) -> tuple[bytes, dict[str, Any]]:
+        from vlrl.synth.backends import boxes_mask, synthesize
+
+        t0 = time.perf_counter()
+        meta: dict[str, Any] = {}
+        if refine and self.segmenter is not None and boxes:
+            refined, meta = self.segmenter.refine(image, boxes)
+            keep = (keep & ~boxes_mask(keep.shape, boxes)) | refined  # masks sent as masks stay; boxes are refined
+            meta["segmenter"] = self.segmenter.name
+        out, generated = synthesize(self.generator, image, keep, description, seed=seed)
+        buffer = io.BytesIO()
+        Image.fromarray(out).save(buffer, format="PNG")
+        return buffer.getvalue(), {**meta, **generated, "foreground_pixels": int(keep.sum()),
+                                   "generate_seconds": time.perf_counter() - t0}
+
+
+_PROCESS_RUNTIME: _Runtime | None = None
+_PROCESS_ERROR: str | None = None
+
+
+def _init_process(backend: str, backend_options: dict, segmenter: str | None, segmenter_options: dict) -> None:
+    """Pool worker start: build the back-end once; remember a failure (every job then reports it)."""
+    import signal
+
+    global _PROCESS_RUNTIME, _PROCESS_ERROR
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _PROCESS_RUNTIME = _Runtime(backend, backend_options, segmenter, segmenter_options)
+    except Exception as err:  # noqa: BLE001  (reported by every job of this worker)
+        _PROCESS_ERROR = f"back-end {backend!r} failed to start: {type(err).__name__}: {err}"
+
+
+def _process_job(*args: Any) -> tuple[bytes, dict[str, Any]]:
+    if _PROCESS_RUNTIME is None:
+        raise RuntimeError(_PROCESS_ERROR or "the worker has no back-end")
+    return _PROCESS_RUNTIME.run(*args)
+
+
+def _process_ready() -> str | None:
+    return _PROCESS_ERROR
+
+
+# ----------------------------------------------------------------------------------------------- jobs
+@dataclasses.dataclass
+class Job:
+    id: str
+    description: str
+    seed: int
+    status: str = "queued"  # queued → running → done | failed;  evicted (result deleted by the size cap)
+    created: float = dataclasses.field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    error: dict[str, str] | None = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    result_path: Path | None = None
+    result_bytes: int = 0
+    inputs: tuple | None = None  # (image, keep, boxes, refine) until the job runs
+
+    def public(self) -> dict[str, Any]:
+        seconds = self.finished - self.started if self.finished and self.started else None
+        return {"id": self.id, "status": self.status, "error": self.error, "metadata": self.metadata,
+                "description": self.description, "seed": self.seed, "created": self.created,
+                "started": self.started, "finished": self.finished, "seconds": seconds}
+
+
+class SynthService:
+    """The job queue, the workers and the result store behind the HTTP API (usable without HTTP too)."""
+
+    def __init__(self, settings: SynthSettings) -> None:
+        if settings.workers < 1 or settings.max_queued_jobs < 1 or settings.job_timeout <= 0:
+            raise ValueError("workers and max_queued_jobs must be ≥ 1 and job_timeout > 0")
+        self.settings = settings
+        self._own_dir = settings.results_dir is None
+        self.results_dir = Path(settings.results_dir or tempfile.mkdtemp(prefix="vlrl-synth-"))
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        self._jobs: dict[str, Job] = {}
+        self._queue: collections.deque[Job] = collections.deque()
+        self._finished: collections.deque[str] = collections.deque()  # finished job ids, oldest first
+        self._cond = threading.Condition()
+        self._closed = False
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.results_bytes = 0
+        self._pool = None
+        self._local = threading.local()
+        self._spare: list[_Runtime] = []
+        if settings.executor == "process":
+            self._start_pool()
+        elif settings.executor == "thread":  # built now so that a bad back-end fails here; more on demand
+            self._spare.append(_Runtime(settings.backend, settings.backend_options, settings.segmenter,
+                                        settings.segmenter_options))
+        else:
+            raise ValueError(f"executor must be 'process' or 'thread', got {settings.executor!r}")
+        self._threads = [threading.Thread(target=self._work, name=f"vlrl-synth-{k}", daemon=True)
+                         for k in range(settings.workers)]
+        for thread in self._threads:
+            thread.start()
+
+    # --- the API
+    def submit(self, image: np.ndarray, keep: np.ndarray, boxes: list[list[float]], description: str, seed: int,
+               refine: bool = True) -> Job:
+        """Queue a job (inputs already validated); raises `QueueFull` beyond ``max_queued_jobs``."""
+        job = Job(uuid.uuid4().hex, description, seed, inputs=(image, keep, boxes, refine))
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the synthesis service is closed")
+            if len(self._queue) >= self.settings.max_queued_jobs:
+                self.counts["rejected_busy"] += 1
+                raise QueueFull(f"{len(self._queue)} jobs queued (max_queued_jobs = {self.settings.max_queued_jobs})")
+            self._jobs[job.id] = job
+            self._queue.append(job)
+            self.counts["submitted"] += 1
+            self._cond.notify()
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        with self._cond:
+            return self._jobs.get(job_id)
+
+    def result(self, job: Job) -> bytes | None:
+        with self._cond:
+            path = job.result_path if job.status == "done" else None
+        try:
+            return path.read_bytes() if path is not None else None
+        except FileNotFoundError:  # evicted between the status check and the read
+            return None
+
+    def health(self) -> dict[str, Any]:
+        with self._cond:
+            running = sum(1 for j in self._jobs.values() if j.status == "running")
+            return {"status": "ok", "backend": self.settings.backend, "segmenter": self.settings.segmenter,
+                    "executor": self.settings.executor, "workers": self.settings.workers, "queued": len(self._queue),
+                    "running": running, "max_queued_jobs": self.settings.max_queued_jobs,
+                    "job_timeout": self.settings.job_timeout, "results_bytes": self.results_bytes,
+                    "max_results_bytes": self.settings.max_results_bytes, **dict(self.counts)}
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for job in self._queue:
+                self._fail(job, "error", "the server shut down before the job ran")
+            self._queue.clear()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join(timeout=10)
+        if self._own_dir:
+            shutil.rmtree(self.results_dir, ignore_errors=True)
+
+    # --- workers
+    def _start_pool(self) -> None:
+        from pebble import ProcessPool
+
+        s = self.settings
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["numpy", "PIL.Image", "vlrl.synth.backends"])
+        self._pool = ProcessPool(max_workers=s.workers, context=context, initializer=_init_process,
+                                 initargs=(s.backend, s.backend_options, s.segmenter, s.segmenter_options))
+        error = self._pool.schedule(_process_ready).result()  # fail now, not at the first job
+        if error:
+            self._pool.stop()
+            raise RuntimeError(error)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._queue.popleft()
+                job.status, job.started = "running", time.time()
+                image, keep, boxes, refine = job.inputs
+                job.inputs = None
+            args = (image, keep, boxes, job.description, job.seed, refine)
+            try:
+                png, meta = self._run(args)
+            except TimeoutError:
+                self._finish_failed(job, "timeout", f"no result within job_timeout = {self.settings.job_timeout:g} s")
+            except Exception as err:  # noqa: BLE001  (a bad job fails itself, never the server)
+                kind = "worker_died" if type(err).__name__ == "ProcessExpired" else "error"
+                log.warning("synthesis job %s failed: %s: %s", job.id, type(err).__name__, err)
+                self._finish_failed(job, kind, f"{type(err).__name__}: {err}")
+            else:
+                self._store(job, png, meta)
+
+    def _run(self, args: tuple) -> tuple[bytes, dict[str, Any]]:
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        if self._pool is not None:
+            try:
+                return self._pool.schedule(_process_job, args=args, timeout=self.settings.job_timeout).result()
+            except FutureTimeout:
+                raise TimeoutError from None
+        runtime = getattr(self._local, "runtime", None)
+        if runtime is None:  # one back-end per worker thread (pipelines are not thread-safe)
+            with self._cond:
+                runtime = self._spare.pop() if self._spare else None
+            if runtime is None:
+                s = self.settings
+                runtime = _Runtime(s.backend, s.backend_options, s.segmenter, s.segmenter_options)
+            self._local.runtime = runtime
+        t0 = time.perf_counter()
+        out = runtime.run(*args)
+        if time.perf_counter() - t0 > self.settings.job_timeout:
+            raise TimeoutError
+        return out
+
+    def _store(self, job: Job, png: bytes, meta: dict[str, Any]) -> None:
+        path = self.results_dir / f"{job.id}.png"
+        path.write_bytes(png)
+        with self._cond:
+            job.status, job.finished, job.metadata = "done", time.time(), meta
+            job.result_path, job.result_bytes = path, len(png)
+            self.results_bytes += len(png)
+            self.counts["completed"] += 1
+            self._finished.append(job.id)
+            self._evict()
+
+    def _finish_failed(self, job: Job, kind: str, message: str) -> None:
+        with self._cond:
+            self._fail(job, kind, message)
+            self._finished.append(job.id)
+            self._evict()
+
+    def _fail(self, job: Job, kind: str, message: str) -> None:
+        job.status, job.finished, job.error = "failed", time.time(), {"kind": kind, "message": message}
+        job.inputs = None
+        self.counts["failed"] += 1
+        self.counts[f"failed_{kind}"] += 1
+
+    def _evict(self) -> None:
+        """Delete the oldest results past the size cap, and forget the oldest jobs past ``max_jobs``."""
+        for job_id in list(self._finished):
+            if self.results_bytes <= self.settings.max_results_bytes:
+                break
+            job = self._jobs.get(job_id)
+            if job is not None and job.status == "done" and job.result_path is not None:
+                job.result_path.unlink(missing_ok=True)
+                self.results_bytes -= job.result_bytes
+                job.status, job.result_path = "evicted", None
+                self.counts["evicted"] += 1
+        while len(self._finished) > self.settings.max_jobs:
+            job = self._jobs.pop(self._finished.popleft(), None)
+            if job is not None and job.result_path is not None:
+                job.result_path.unlink(missing_ok=True)
+                self.results_bytes -= job.result_bytes
+
+
+# ----------------------------------------------------------------------------------------------- validation
+class JobBody(BaseModel):
+    """``POST /jobs``."""
+
+    model_config = ConfigDict(extra="forbid")
+    image: str = Field(description="The source image: base64 or a data URL (PNG, JPEG, WEBP or BMP).")
+    boxes: list[list[float]] = Field(default_factory=list, description="Foreground boxes [x1, y1, x2, y2] in pixels.")
+    masks: list[str] = Field(default_factory=list, description="Foreground masks (base64 PNG, image-sized; non-zero = keep).")
+    description: str = Field(description="The new image description the background is generated from.")
+    seed: int = Field(0, description="Seed of the generation (same inputs and seed → same image).")
+    refine: bool = Field(True, description="Refine boxes into masks with the server's segmenter, if it has one.")
+
+
+def decode_image(data: str, field: str, settings: SynthSettings, *, mode: str = "RGB") -> np.ndarray:
+    """A base64 / data-URL image → (H, W, 3) uint8 (or (H, W) for ``mode="L"``), checking format and size."""
+    payload = data.split(",", 1)[1] if data.startswith("data:") and "," in data else data
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"field '{field}': not valid base64 (send base64 or a data URL)") from None
+    try:
+        image = Image.open(io.BytesIO(raw))
+    except Exception:  # noqa: BLE001  (PIL raises many types)
+        raise BadRequest(f"field '{field}': not a decodable image") from None
+    if image.format not in IMAGE_FORMATS:
+        raise BadRequest(f"field '{field}': format {image.format} not accepted; send {', '.join(IMAGE_FORMATS)}")
+    W, H = image.size
+    if min(W, H) < settings.min_image_side or max(W, H) > settings.max_image_side or W * H > settings.max_image_pixels:
+        raise BadRequest(f"field '{field}': size {W}x{H} outside the limits (sides {settings.min_image_side}.."
+                         f"{settings.max_image_side} px, at most {settings.max_image_pixels} pixels)")
+    try:
+        image.load()
+    except Exception as err:  # noqa: BLE001
+        raise BadRequest(f"field '{field}': truncated or corrupt image ({err})") from None
+    return np.asarray(image.convert(mode), dtype=np.uint8)
+
+
+def check_boxes(boxes: Sequence[Sequence[float]], size: tuple[int, int], settings: SynthSettings) -> list[list[float]]:
+    """Every box is 4 finite numbers with 0 ≤ x1 < x2 ≤ W and 0 ≤ y1 < y2 ≤ H (``size`` = (H, W))."""
+    H, W = size
+    if len(boxes) > settings.max_boxes:
+        raise BadRequest(f"field 'boxes': {len(boxes)} boxes, at most {settings.max_boxes}")
+    out = []
+    for k, box in enumerate(boxes):
+        where = f"field 'boxes[{k}]'"
+        if len(box) != 4:
+            raise BadRequest(f"{where}: expected 4 numbers [x1, y1, x2, y2], got {len(box)}")
+        if not all(np.isfinite(box)):
+            raise BadRequest(f"{where}: coordinates must be finite")
+        x1, y1, x2, y2 = box
+        if not (x1 < x2 and y1 < y2):
+            raise BadRequest(f"{where}: needs x1 < x2 and y1 < y2, got {list(box)}")
+        if x1 < 0 or y1 < 0 or x2 > W or y2 > H:
+            raise BadRequest(f"{where}: {list(box)} leaves the {W}x{H} image (0 ≤ x ≤ {W}, 0 ≤ y ≤ {H})")
+        out.append([float(v) for v in box])
+    return out
+
+
+def parse_job(body: JobBody, settings: SynthSettings) -> tuple[np.ndarray, np.ndarray, list[list[float]]]:
+    """(image, keep mask, boxes) of a job body, or `BadRequest` naming the field."""
+    from vlrl.synth.backends import boxes_mask
+
+    description = body.description.strip()
+    if not description:
+        raise BadRequest("field 'description': must not be empty")
+    if len(description) > settings.max_description_chars:
+        raise BadRequest(f"field 'description': {len(description)} characters, at most {settings.max_description_chars}")
+    if not 0 <= body.seed < 2**32:
+        raise BadRequest(f"field 'seed': must lie in [0, 2^32), got {body.seed}")
+    image = decode_image(body.image, "image", settings)
+    H, W = image.shape[:2]
+    boxes = check_boxes(body.boxes, (H, W), settings)
+    keep = boxes_mask((H, W), boxes)
+    for k, data in enumerate(body.masks):
+        mask = decode_image(data, f"masks[{k}]", settings, mode="L")
+        if mask.shape != (H, W):
+            raise BadRequest(f"field 'masks[{k}]': size {mask.shape[1]}x{mask.shape[0]} differs from the image's {W}x{H}")
+        keep |= mask > 0
+    if not keep.any():
+        raise BadRequest("field 'boxes' / 'masks': give the foreground to preserve (at least one box or a non-empty mask)")
+    return image, keep, boxes
+
+
+# ----------------------------------------------------------------------------------------------- HTTP
+def create_app(service: SynthService, *, api_key: str | None) -> Any:
+    """The FastAPI application of ``service``. ``api_key=None`` disables authentication."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+
+    app = FastAPI(title="vlrl synthesis server")
+    settings = service.settings
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            return JSONResponse({"error": f"body of {length} bytes exceeds max_body_bytes = {settings.max_body_bytes}"}, 413)
+        return await call_next(request)
+
+    install_bearer_auth(app, api_key)  # added last: runs first
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        return JSONResponse({"error": explain_validation_error(err)}, 400)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, err: BadRequest):
+        return JSONResponse({"error": str(err)}, 400)
+
+    @app.get("/health")
+    async def health():
+        return service.health()
+
+    @app.post("/jobs", status_code=202)
+    async def submit(body: JobBody):
+        import asyncio
+
+        image, keep, boxes = await asyncio.to_thread(parse_job, body, settings)
+        try:
+            job = service.submit(image, keep, boxes, body.description.strip(), body.seed, body.refine)
+        except QueueFull as err:
+            return JSONResponse({"error": f"server busy: {err}"}, 429, headers={"Retry-After": "1"})
+        return JSONResponse({"id": job.id, "status": job.status, "queued": service.health()["queued"]}, 202,
+                            headers={"Location": f"/jobs/{job.id}"})
+
+    def _job(job_id: str):
+        job = service.get(job_id)
+        if job is None:
+            return None, JSONResponse({"error": f"unknown job {job_id!r}"}, 404)
+        if job.status == "evicted":
+            return None, JSONResponse({"error": f"job {job_id}: its result was deleted by the size cap "
+                                                f"(max_results_bytes = {settings.max_results_bytes})"}, 410)
+        return job, None
+
+    @app.get("/jobs")
+    async def statuses(ids: str = ""):
+        """Status of many jobs in one request (``?ids=a,b,c``): what a client polls; no images."""
+        wanted = [i for i in ids.split(",") if i][:1000]
+        jobs = []
+        for job_id in wanted:
+            job = service.get(job_id)
+            jobs.append({"id": job_id, "status": "unknown"} if job is None else
+                        {"id": job_id, "status": job.status, "error": job.error,
+                         "metadata": job.metadata if job.status == "done" else None})
+        return {"jobs": jobs}
+
+    @app.get("/jobs/{job_id}")
+    async def poll(job_id: str, image: bool = True):
+        job, error = _job(job_id)
+        if error is not None:
+            return error
+        out = job.public()
+        png = service.result(job) if image and job.status == "done" else None
+        out["image"] = "data:image/png;base64," + base64.b64encode(png).decode() if png is not None else None
+        return out
+
+    @app.get("/jobs/{job_id}/image")
+    async def result_image(job_id: str):
+        job, error = _job(job_id)
+        if error is not None:
+            return error
+        png = service.result(job)
+        if png is None:
+            return JSONResponse({"error": f"job {job_id} is {job.status}, no image"}, 409)
+        return Response(png, media_type="image/png")
+
+    return app
+
+
+def serve(settings: SynthSettings, *, host: str = "127.0.0.1", port: int = 30100, api_key: str | None = None,
+          no_auth: bool = False) -> None:
+    """`vlrl synth serve`: start the workers and serve until interrupted."""
+    import signal
+    import sys
+
+    import uvicorn
+
+    api_key = resolve_api_key(api_key, no_auth=no_auth, host=host, command="vlrl synth serve")
+    # uvicorn re-raises the SIGTERM it caught once it has shut down: exit through `finally` (workers stopped,
+    # temporary results removed) instead of dying at once
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    service = SynthService(settings)
+    sock = bind_socket(host, port)
+    print(f"vlrl synth serve: listening on http://{host}:{sock.getsockname()[1]} (back-end {settings.backend}, "
+          f"{settings.workers} {settings.executor} worker(s), results in {service.results_dir}, "
+          f"auth {'on' if api_key else 'off'})", flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(create_app(service, api_key=api_key), log_level="warning",
+                                      lifespan="off")).run(sockets=[sock])
+    finally:
+        service.close()

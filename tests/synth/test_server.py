@@ -1,0 +1,173 @@
+"""The synthesis server's contract: submit / poll / result, back-pressure, authentication, input validation,
+timeouts, failures and the result-size cap."""
+
+import base64
+import io
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlrl.synth.backends import boxes_mask
+from vlrl.synth.client import SynthClient, png_data_url
+
+from . import fakes
+from .conftest import API_KEY, shapes_scene, synth_server
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _body(image=None, boxes=None, **extra):
+    if image is None:
+        image, scene_boxes = shapes_scene()
+        boxes = scene_boxes if boxes is None else boxes
+    return {"image": png_data_url(image), "boxes": boxes if boxes is not None else [[0, 0, 10, 10]],
+            "description": "a striped red wall", "seed": 1, **extra}
+
+
+def _wait(url, job_id, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        data = httpx.get(f"{url}/jobs/{job_id}", headers=AUTH).json()
+        if data["status"] in ("done", "failed"):
+            return data
+        time.sleep(0.02)
+    raise AssertionError(f"job {job_id} did not finish")
+
+
+def test_submit_poll_and_fetch_the_result():
+    image, boxes = shapes_scene(seed=2)
+    with synth_server() as (url, service):
+        response = httpx.post(f"{url}/jobs", json=_body(image, boxes), headers=AUTH)
+        assert response.status_code == 202 and response.headers["location"] == f"/jobs/{response.json()['id']}"
+        job_id = response.json()["id"]
+        done = _wait(url, job_id)
+        assert done["status"] == "done" and done["error"] is None and done["seconds"] >= 0
+        assert done["metadata"]["backend"] == "classical" and done["metadata"]["keywords"] == ["striped", "red", "wall"]
+        result = np.asarray(Image.open(io.BytesIO(base64.b64decode(done["image"].split(",", 1)[1]))).convert("RGB"))
+        keep = boxes_mask(image.shape[:2], boxes)
+        assert np.array_equal(result[keep], image[keep]) and not np.array_equal(result, image)
+        png = httpx.get(f"{url}/jobs/{job_id}/image", headers=AUTH)
+        assert png.headers["content-type"] == "image/png"
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(png.content)).convert("RGB")), result)
+        assert httpx.get(f"{url}/jobs/{job_id}?image=false", headers=AUTH).json()["image"] is None
+        statuses = httpx.get(f"{url}/jobs", params={"ids": f"{job_id},nope"}, headers=AUTH).json()["jobs"]
+        assert [s["status"] for s in statuses] == ["done", "unknown"]
+        health = httpx.get(f"{url}/health").json()  # no token needed
+        assert health["completed"] == 1 and health["queued"] == 0 and health["results_bytes"] == len(png.content)
+
+
+def test_a_full_queue_answers_429_and_drains_when_the_workers_free_up():
+    fakes.GATE.clear()
+    with synth_server(backend=f"{fakes.__name__}:make_gated", workers=1, max_queued_jobs=2) as (url, service):
+        ids = [httpx.post(f"{url}/jobs", json=_body(), headers=AUTH).json()["id"]]
+        for _ in range(50):  # the worker takes the first job, then waits at the gate
+            if service.health()["running"] == 1:
+                break
+            time.sleep(0.02)
+        ids += [httpx.post(f"{url}/jobs", json=_body(), headers=AUTH).json()["id"] for _ in range(2)]
+        busy = httpx.post(f"{url}/jobs", json=_body(), headers=AUTH)
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1" and "queue" in busy.json()["error"]
+        assert httpx.get(f"{url}/jobs/{ids[2]}", headers=AUTH).json()["status"] == "queued"
+        fakes.GATE.set()
+        assert [_wait(url, i)["status"] for i in ids] == ["done"] * 3
+        assert service.health()["rejected_busy"] == 1
+
+
+def test_the_token_is_required_except_for_health():
+    with synth_server() as (url, _):
+        assert httpx.post(f"{url}/jobs", json=_body()).status_code == 401
+        assert httpx.get(f"{url}/jobs/x", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def _gif() -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 20)).save(buffer, format="GIF")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"image": "not base64!"}, "field 'image': not valid base64"),
+    ({"image": base64.b64encode(b"garbage").decode()}, "field 'image': not a decodable image"),
+    ({"image": _gif()}, "format GIF not accepted"),
+    ({"image": png_data_url(np.zeros((4, 30, 3), np.uint8)), "boxes": [[0, 0, 1, 1]]}, "size 30x4 outside the limits"),
+    ({"boxes": [[0, 0, 10]]}, "field 'boxes[0]': expected 4 numbers"),
+    ({"boxes": [[5, 5, 150, 20]]}, "field 'boxes[0]': [5.0, 5.0, 150.0, 20.0] leaves the 112x112 image"),
+    ({"boxes": [[10, 5, 10, 20]]}, "field 'boxes[0]': needs x1 < x2"),
+    ({"boxes": [], "masks": []}, "give the foreground to preserve"),
+    ({"masks": [png_data_url(np.zeros((8, 8), np.uint8))]}, "field 'masks[0]': size 8x8 differs"),
+    ({"description": "  "}, "field 'description': must not be empty"),
+    ({"description": "x" * 3000}, "at most 2000"),
+    ({"seed": -1}, "field 'seed'"),
+    ({"colour": "red"}, "field 'colour': not a field"),
+    ({"boxes": "left"}, "field 'boxes'"),
+])
+def test_bad_input_gets_a_400_naming_the_field(change, message):
+    with synth_server() as (url, service):
+        response = httpx.post(f"{url}/jobs", json={**_body(), **change}, headers=AUTH)
+        assert response.status_code == 400, response.text
+        assert message in response.json()["error"]
+        assert service.health()["queued"] == 0 and "submitted" not in service.counts
+
+
+def test_limits_unknown_jobs_and_masks():
+    with synth_server(max_body_bytes=10_000) as (url, _):
+        big = {**_body(), "image": png_data_url((np.random.default_rng(0).random((200, 200, 3)) * 255).astype(np.uint8))}
+        assert httpx.post(f"{url}/jobs", json=big, headers=AUTH).status_code == 413
+        assert httpx.get(f"{url}/jobs/nope", headers=AUTH).status_code == 404
+    image, _ = shapes_scene()
+    mask = np.zeros(image.shape[:2], np.uint8)
+    mask[10:30, 40:90] = 255
+    with synth_server() as (url, _):
+        job = httpx.post(f"{url}/jobs", json={**_body(image, []), "masks": [png_data_url(mask)]}, headers=AUTH).json()
+        done = _wait(url, job["id"])
+        result = np.asarray(Image.open(io.BytesIO(base64.b64decode(done["image"].split(",", 1)[1]))).convert("RGB"))
+        assert np.array_equal(result[mask > 0], image[mask > 0]) and done["metadata"]["foreground_pixels"] == 1000
+
+
+def test_failures_are_reported_per_job_and_the_server_goes_on():
+    with synth_server(backend=f"{fakes.__name__}:make_sleeper", job_timeout=0.3,
+                      backend_options={"seconds": 0.6}) as (url, service):
+        failing = httpx.post(f"{url}/jobs", json={**_body(), "description": "fail"}, headers=AUTH).json()["id"]
+        slow = httpx.post(f"{url}/jobs", json={**_body(), "description": "sleep"}, headers=AUTH).json()["id"]
+        fine = httpx.post(f"{url}/jobs", json={**_body(), "description": "ok"}, headers=AUTH).json()["id"]
+        error = _wait(url, failing)["error"]
+        assert error["kind"] == "error" and "broke on purpose" in error["message"]
+        assert _wait(url, slow)["error"]["kind"] == "timeout"  # thread executor: marked, result discarded
+        assert _wait(url, fine)["metadata"]["inverted"] is True
+        assert service.counts["failed_error"] == 1 and service.counts["failed_timeout"] == 1
+
+
+def test_process_workers_are_killed_at_the_timeout_and_replaced():
+    with synth_server(backend=f"{fakes.__name__}:make_sleeper", executor="process", job_timeout=1.0) as (url, service):
+        slow = httpx.post(f"{url}/jobs", json={**_body(), "description": "sleep"}, headers=AUTH).json()["id"]
+        t0 = time.monotonic()
+        assert _wait(url, slow)["error"]["kind"] == "timeout"
+        assert time.monotonic() - t0 < 10  # not the 30 s the job would sleep
+        fine = httpx.post(f"{url}/jobs", json={**_body(), "description": "ok"}, headers=AUTH).json()["id"]
+        assert _wait(url, fine)["status"] == "done"
+
+
+def test_a_back_end_that_cannot_start_fails_at_start_up():
+    with pytest.raises(ValueError, match="model_path"):
+        with synth_server(backend="diffusers"):
+            pass
+
+
+def test_results_past_the_size_cap_are_evicted_oldest_first(tmp_path):
+    with synth_server(results_dir=str(tmp_path)) as (url, service):
+        client = SynthClient(url, api_key=API_KEY)
+        image, boxes = shapes_scene()
+        first = client.wait(client.submit(image, boxes=boxes, description="grass"))
+        service.settings.max_results_bytes = int(service.results_bytes * 1.5)  # room for one result, not two
+        second = client.wait(client.submit(image, boxes=boxes, description="grass", seed=5))
+        assert second.status == "done" and second.image is not None
+        response = httpx.get(f"{url}/jobs/{first.id}", headers=AUTH)
+        assert response.status_code == 410 and "size cap" in response.json()["error"]
+        assert [p.name for p in tmp_path.iterdir()] == [f"{second.id}.png"]
+        assert service.results_bytes == (tmp_path / f"{second.id}.png").stat().st_size
+        assert service.counts["evicted"] == 1
+    assert tmp_path.exists()  # a results directory the user gave is kept
