@@ -31,6 +31,14 @@ CONTRACT = {
     "json_plan": ('{"visual_state_description": "", "reasoning_and_reflection": "", "language_plan": "", '
                   '"executable_plan": [{"action_id": 3, "action_name": "find apple"}]}', None, {}),
     "plan_prefix": (json.dumps(PLAN), PLAN, {}),
+    "plan_success": (json.dumps([{"action_id": 0, "action_name": "find a apple"},
+                                 {"action_id": 13, "action_name": "pick up the apple"},
+                                 {"action_id": 7, "action_name": "find a counter"},
+                                 {"action_id": 19, "action_name": "put down the object in hand"}]), None,
+                     {"scene": {"task": "pick_place", "objects": {"apple": "table"}, "targets": ["apple"],
+                                "destination": "counter", "open": {"fridge": False, "microwave": False, "cabinet": False},
+                                "cells": {"table": 0, "counter": 1, "shelf": 2, "fridge": 3, "microwave": 4,
+                                          "cabinet": 5, "sink": 6}}}),
     "overlong": ("x", None, {"max_length": 10, "cache_length": 5, "response_length": 3}),
     "critic": ("7", "7", {"judge": JudgeReward(FakeJudgeEngine())}),
 }

@@ -63,6 +63,8 @@ def tokenizer_corpus() -> list[str]:
                 corpus.append(sample.prompt_text().replace("<image>", ""))
                 corpus.append(sample.response or "")
     corpus += [f"[{a}, {b}, {a + 20}, {b + 20}]" for a in range(0, 112, 3) for b in range(0, 112, 7)]
+    for sample in generate("embodied", 300, split="tokenizer", image_size=56):  # JSON action plans
+        corpus += [sample.prompt_text().replace("<image>", ""), sample.response or ""]
     return corpus
 
 
