@@ -8,8 +8,8 @@ range each token decodes to, two ways (as the embodied seed does):
   exactly the sampled ids (the round trip holds);
 - ``prefix_decode``: otherwise (a sampled, non-canonical split such as ``app`` + ``le``; special tokens;
   clean-up of spaces) token t spans from the decoded length of ``ids[:t]`` to that of ``ids[:t + 1]``,
-  each measured as the common prefix with the full text (a token that ends inside a multi-byte character
-  decodes to U+FFFD and gets an empty span; the token completing the character carries it).
+  each measured as the common prefix with the full text. A token that ends inside a multi-byte character
+  (its prefix decodes to a trailing U+FFFD) shares the range of that character with the token completing it.
 """
 
 from __future__ import annotations
@@ -55,10 +55,16 @@ def token_char_offsets(tokenizer: Any, ids: Sequence[int]) -> TokenOffsets:
 def prefix_decode_offsets(tokenizer: Any, ids: Sequence[int], text: str | None = None) -> list[tuple[int, int]]:
     """Per-token ranges from decoding growing prefixes (O(T²) characters; T is a response, not a corpus)."""
     text = decode(tokenizer, ids) if text is None else text
-    offsets, previous = [], 0
+    offsets, partial, previous = [], [], 0
     for t in range(len(ids)):
         prefix = decode(tokenizer, ids[: t + 1])
-        end = max(previous, len(os.path.commonprefix([prefix, text])))
+        common = len(os.path.commonprefix([prefix, text]))
+        end = max(previous, common)
         offsets.append((previous, end))
+        partial.append(common < len(prefix) and prefix.endswith("\ufffd"))
         previous = end
+    for t in range(len(ids) - 2, -1, -1):  # right to left: a run of byte pieces takes the completed character
+        if partial[t] and offsets[t][0] == offsets[t][1] and offsets[t + 1][1] > offsets[t + 1][0]:
+            start = offsets[t + 1][0]
+            offsets[t] = (start, start + 1)
     return offsets
