@@ -287,6 +287,7 @@ def shape_step_credit(advantages: torch.Tensor, loss_mask: torch.Tensor, traject
     final = inject(InjectionInputs(episode_advantages=advantages, step_advantages=step_adv, delta=injection_delta,
                                    target_mask=target_mask, loss_mask=loss_mask), **injection_options)
     record = analysis_record(advantages, final, target_index, trajectories, plans, correct, scores, valid, parts)
+    record["signal"] = options.signal if options.signal == "rule" else f"forward_proxy/{options.proxy}"
     return StepCreditResult(final, step_metrics(record), record, step_adv, target_index)
 
 
@@ -362,7 +363,36 @@ def step_metrics(record: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
-def write_record(directory: Path, step: int, record: dict[str, Any]) -> None:
+def write_analysis(run_dir: Path, step: int, result: StepCreditResult, episode: torch.Tensor,
+                   trajectories: Sequence[Any], tokenizer: Any, options: StepCreditOptions) -> None:
+    """Append this step's record to ``RUN_DIR/step_credit/step_credit.jsonl``; every ``heatmap_every`` steps
+    (and at the first) also draw ``heatmap_stepNNNNN.png``."""
+    from vlrl.report.step_credit import ANALYSIS_DIR, RECORDS_FILE, render_heatmap
+
+    directory = Path(run_dir) / ANALYSIS_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    with (directory / "step_credit.jsonl").open("a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step, **record}) + "\n")
+    with (directory / RECORDS_FILE).open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, **result.record}) + "\n")
+    if options.heatmap_every and step % options.heatmap_every == 0:
+        rows = heatmap_rows(result, episode, trajectories, tokenizer, options.heatmap_rows)
+        if rows:
+            (directory / f"heatmap_step{step:05d}.png").write_bytes(render_heatmap(rows))
+
+
+def heatmap_rows(result: StepCreditResult, episode: torch.Tensor, trajectories: Sequence[Any], tokenizer: Any,
+                 count: int) -> list:
+    """Up to ``count`` responses with located steps, successful and failed ones alternating."""
+    from vlrl.report.step_credit import HeatmapRow
+
+    with_steps = [b for b in range(len(trajectories)) if bool((result.target_index[b] >= 0).any())]
+    good = [b for b in with_steps if trajectory_success(trajectories[b])]
+    bad = [b for b in with_steps if not trajectory_success(trajectories[b])]
+    chosen = [b for pair in zip(good, bad, strict=False) for b in pair] + good[len(bad):] + bad[len(good):]
+    rows = []
+    for b in chosen[:count]:
+        ids = trajectories[b].response_ids.tolist()
+        title = (f"#{b} {'success' if trajectory_success(trajectories[b]) else 'failure'} · "
+                 f"A^E = {float(episode[b, 0]):+.2f} · reward {float(trajectories[b].reward or 0):.2f}")
+        rows.append(HeatmapRow(title, [tokenizer.decode([i]) for i in ids], result.advantages[b, : len(ids)].tolist(),
+                               (result.target_index[b, : len(ids)] >= 0).tolist()))
+    return rows
