@@ -183,6 +183,13 @@ class StalenessConfig(Section):
     )
 
 
+class ShapingSpec(Section):
+    name: str = Field(description="A registered reward/advantage shaper (see README) or 'pkg.mod:fn'.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options of the shaper, e.g. {scale: 10.0, bias: -0.5} for reward_scale."
+    )
+
+
 class AlgoConfig(Section):
     advantage: str = Field("grpo", description="Advantage estimator: a registered name (see README) or 'pkg.mod:fn'.")
     advantage_options: dict[str, Any] = Field(
@@ -196,6 +203,14 @@ class AlgoConfig(Section):
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term; 0 removes the reference model (LLaVA-OV-1.5: 0).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the KL term (k3: low variance, ≥ 0).")
+    reward_shaping: list[ShapingSpec] = Field(
+        default_factory=list, description="Reward shapers applied in order to the scalar rewards before the advantage "
+        "estimator (vlrl.algos.shaping), e.g. [{name: reward_scale, options: {scale: 10, bias: -0.5}}].",
+    )
+    advantage_shaping: list[ShapingSpec] = Field(
+        default_factory=list, description="Advantage shapers applied in order to the (B, T) token advantages after the "
+        "estimator (vlrl.algos.shaping), e.g. step-level credit of embodied plans.",
+    )
 
 
 class RLTrainConfig(Section):

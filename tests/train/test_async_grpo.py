@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import vlrl.train.async_grpo as async_grpo
+import vlrl.train.update as update
 from vlrl.config import RLStage
 from vlrl.data import generate
 from vlrl.models import load_policy
@@ -68,6 +69,12 @@ def _run_async(stage, samples, *, engine_options=None, seed=0):
     return policy, logger.records, stats, state
 
 
+# Metrics computed from the behaviour log-probs the sampler recorded (HFEngine in the sync run, ThreadedEngine's
+# private copy in the async run): same tokens, same weights, but float noise of ~1e-7 between the two samplers.
+SAMPLER_NUMERICS = ("policy/logp_drift", "policy/behaviour_weight_mean", "policy/behaviour_weight_max",
+                    "rollout/gen_prob")
+
+
 @pytest.mark.parametrize("apply_behaviour_weight", [False, True])
 def test_eta_zero_with_one_batch_in_flight_equals_the_sync_recipe(apply_behaviour_weight):
     """Same seed, same tiny preset: the async run at η = 0 draws the same prompts, samples the same tokens
@@ -90,7 +97,9 @@ def test_eta_zero_with_one_batch_in_flight_equals_the_sync_recipe(apply_behaviou
             if key.startswith("perf/") or key == "time":
                 continue
             exact = not apply_behaviour_weight or key.split("/")[0] in ("reward", "accuracy", "response", "data")
-            if exact or key in ("stage", "step"):
+            if key in SAMPLER_NUMERICS:  # measures of π_behave itself: the two engines' samplers differ by ~1e-7
+                assert asynchronous[key] == pytest.approx(value, abs=1e-6), (sync["step"], key)
+            elif exact or key in ("stage", "step"):
                 assert asynchronous[key] == value, (sync["step"], key)
             else:
                 assert asynchronous[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (sync["step"], key)
@@ -109,18 +118,18 @@ def test_no_sample_older_than_eta_reaches_a_loss_with_slow_training(monkeypatch)
     """Training is slowed down (0.25 s per optimizer step) so the rollout runs ahead; with η = 1 every
     batch that reaches the loss holds samples at most one version old, and some really are one version old."""
     seen = []
-    real_update, real_step = async_grpo._ppo_update, async_grpo.clip_and_step
+    real_update, real_step = async_grpo.ppo_update, update.clip_and_step
 
-    def spy_update(policy, trajectories, *args, step, **kwargs):
-        seen.append([step - t.weight_version for t in trajectories])
-        return real_update(policy, trajectories, *args, step=step, **kwargs)
+    def spy_update(policy, batch, *args, step, **kwargs):
+        seen.append([step - t.weight_version for t in batch.trajectories])
+        return real_update(policy, batch, *args, step=step, **kwargs)
 
     def slow_step(*args, **kwargs):
         time.sleep(0.25)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(async_grpo, "_ppo_update", spy_update)
-    monkeypatch.setattr(async_grpo, "clip_and_step", slow_step)
+    monkeypatch.setattr(async_grpo, "ppo_update", spy_update)
+    monkeypatch.setattr(update, "clip_and_step", slow_step)
     _, records, stats, state = _run_async(_stage(train={"steps": 6}, staleness={"eta": 1}), _samples())
     assert len(seen) == 6
     assert all(0 <= s <= 1 for batch in seen for s in batch)
@@ -133,13 +142,13 @@ def test_abort_mode_requeues_in_flight_prompts_and_never_trains_on_them(monkeypa
     """Generation is slowed down so a batch is decoding at each weight update; with on_weight_update=abort
     it is answered as aborted, its prompts are re-queued (same tickets) and generated again."""
     seen_statuses = []
-    real_update = async_grpo._ppo_update
+    real_update = async_grpo.ppo_update
 
-    def spy_update(policy, trajectories, *args, **kwargs):
-        seen_statuses.extend(t.status for t in trajectories)
-        return real_update(policy, trajectories, *args, **kwargs)
+    def spy_update(policy, batch, *args, **kwargs):
+        seen_statuses.extend(t.status for t in batch.trajectories)
+        return real_update(policy, batch, *args, **kwargs)
 
-    monkeypatch.setattr(async_grpo, "_ppo_update", spy_update)
+    monkeypatch.setattr(async_grpo, "ppo_update", spy_update)
     updated = threading.Event()
     real_generate, real_update_weights = HFEngine.generate, ThreadedEngine.update_weights
 

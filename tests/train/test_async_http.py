@@ -33,13 +33,13 @@ def one_thread():
 
 def _spy_staleness(monkeypatch):
     seen = []
-    real_update = async_grpo._ppo_update
+    real_update = async_grpo.ppo_update
 
-    def spy_update(policy, trajectories, *args, step, **kwargs):
-        seen.append([step - t.weight_version for t in trajectories])
-        return real_update(policy, trajectories, *args, step=step, **kwargs)
+    def spy_update(policy, batch, *args, step, **kwargs):
+        seen.append([step - t.weight_version for t in batch.trajectories])
+        return real_update(policy, batch, *args, step=step, **kwargs)
 
-    monkeypatch.setattr(async_grpo, "_ppo_update", spy_update)
+    monkeypatch.setattr(async_grpo, "ppo_update", spy_update)
     return seen
 
 

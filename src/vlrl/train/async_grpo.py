@@ -4,8 +4,9 @@
     for step in range(steps):
         batch = buffer.prepare_batch(...)        1. dequeue scored groups (no inference); drop those older than η
         proximal_logp = compute_logp(batch)      2. π_prox: one teacher-forced pass with the current weights
-        advantages = advantage_fn(batch)         3. group advantages
+        advantages = advantage_fn(batch)         3. shaped rewards → advantages (vlrl.train.batch.prepare_batch)
         ppo_update(batch)                        4. decoupled loss  w · L_clip(π_θ / π_prox),  w = min(π_prox / π_behave, 5)
+                                                    (vlrl.train.update.ppo_update, shared with the sync recipe)
         rollout.pause()                          5. no new requests
         engine.update_weights(version=step + 1)  6. save → every server loads → checksums compared
         rollout.set_version(step + 1)            7. samples generated from now on carry the new version
@@ -27,46 +28,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vlrl.algos import (
-    AdvantageInputs,
-    PolicyLossInputs,
-    aggregate,
-    get_advantage,
-    get_policy_loss,
-    kl_estimate,
-    masked_mean,
-    normaliser_for,
-)
-from vlrl.algos.staleness import (
-    assert_fresh,
-    behaviour_weight_stats,
-    behaviour_weights,
-    fresh_mask,
-    logp_drift,
-    staleness,
-    staleness_histogram,
-)
+from vlrl.algos.staleness import assert_fresh, fresh_mask, staleness, staleness_histogram
 from vlrl.config import RLStage, RolloutConfig
 from vlrl.data import Sample
-from vlrl.models import Policy, collate, response_logprobs
+from vlrl.models import Policy
 from vlrl.report import MetricsLogger
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import Engine, HFEngine, Request, SamplingParams, Status, Trajectory
 from vlrl.rollout.http_engine import AsyncEngine, HTTPEngine
 from vlrl.rollout.server import ThreadedEngine
-from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
-from vlrl.train.grpo import _batch_tensors, _frozen_copy, _score, _step_metrics
+from vlrl.train.batch import build_algorithm, prepare_batch, step_metrics
+from vlrl.train.common import PromptCursor, make_optimizer
+from vlrl.train.update import ppo_update
 
 log = logging.getLogger(__name__)
 
@@ -350,16 +332,15 @@ def train_async_grpo(
     if not isinstance(engine, AsyncEngine):
         raise TypeError(f"rollout.mode=async needs an engine with `agenerate` (ThreadedEngine or HTTPEngine), "
                         f"got {type(engine).__name__}")
-    train, algo, rollout_cfg, eta = stage.train, stage.algo, stage.rollout, stage.staleness.eta
+    train, rollout_cfg, eta = stage.train, stage.rollout, stage.staleness.eta
     budget = max_seconds if max_seconds is not None else train.max_seconds
     if train.max_samples is not None:
         samples = samples[: train.max_samples]
     P = train.prompts_per_step
     sampling = SamplingParams(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                               top_k=rollout_cfg.top_k, max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop))
-    advantage_fn = functools.partial(get_advantage(algo.advantage), **algo.advantage_options)
-    loss_fn = functools.partial(get_policy_loss(algo.policy_loss), clip_low=algo.clip_low, clip_high=algo.clip_high)
-    reference = _frozen_copy(policy.model) if algo.kl_coef > 0 else None
+    # the decoupled objective: L_t = w_t · L_clip(π_θ / π_prox)_t, w_t = min(π_prox / π_behave, cap)  (when enabled)
+    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=stage.staleness.apply_behaviour_weight)
     model = policy.model
     optimizer, scheduler = make_optimizer(model, stage.optim)
     max_concurrent = rollout_cfg.max_concurrent_rollouts or 2 * P
@@ -381,20 +362,13 @@ def train_async_grpo(
             versions = torch.tensor([t.weight_version for t in trajectories])
             assert_fresh(versions, step, eta=eta)  # no sample older than η reaches the loss below
             t_wait = time.time() - t0
-            tensors = _batch_tensors(trajectories)
-            # 2. π_prox = the current weights; with one update per batch it is logp.detach() of that update's own
-            #    forward pass, so the extra teacher-forced pass is only run when the weights move within the step
-            n_updates = train.ppo_epochs * train.minibatches
-            proximal_logp = _score(model, policy, trajectories, rollout_cfg.temperature) if n_updates > 1 else None
-            ref_logp = _score(reference, policy, trajectories, rollout_cfg.temperature) if reference is not None else None
-            # 3. advantages
-            advantages = advantage_fn(AdvantageInputs(
-                token_rewards=tensors["token_rewards"], loss_mask=tensors["loss_mask"], group_index=tensors["group_index"],
-            )).advantages  # (B, R)
-            # 4. decoupled PPO update
+            # 2-3. π_prox = the current weights (one teacher-forced pass, only when the weights move within the
+            #      step; otherwise the update's own forward pass), shaped rewards → advantages
             s = staleness(versions, step)  # (B,)
-            stats = _ppo_update(policy, trajectories, tensors, advantages, proximal_logp, ref_logp, s == 0, stage,
-                                loss_fn, optimizer, scheduler, seed=seed, step=step)
+            batch = prepare_batch(algorithm, policy, trajectories, step=step, max_new_tokens=rollout_cfg.max_new_tokens,
+                                  same_version=s == 0)
+            # 4. decoupled PPO update
+            stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step)
             trained.extend(g.draw.ticket for g in groups)
             # 5-8. pause → update weights → set version → resume
             t_sync = time.time()
@@ -404,10 +378,10 @@ def train_async_grpo(
             rollout.resume()
             t_sync = time.time() - t_sync
             step += 1
-            last = _step_metrics(trajectories, advantages, tensors, stats, [f for g in groups for f in g.reward_failures])
+            last = step_metrics(batch, stats, [f for g in groups for f in g.reward_failures])
             last.update(_staleness_metrics(s, eta, len(stale), len(discarded), rollout, buffer))
             last.update({"perf/step_seconds": time.time() - t0, "perf/wait_seconds": t_wait, "perf/sync_seconds": t_sync,
-                         "perf/tokens_per_s": float(tensors["loss_mask"].sum()) / max(time.time() - t0, 1e-9),
+                         "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
                          "data/epoch": max(g.draw.epoch for g in groups)})
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "staleness/mean", "perf/step_seconds"))
@@ -429,62 +403,6 @@ def _flatten(groups: list[Group]) -> list[Trajectory]:
             t.group_index = i
             out.append(t)
     return out
-
-
-def _ppo_update(policy, trajectories, tensors, advantages, proximal_logp, ref_logp, same_version, stage, loss_fn,
-                optimizer, scheduler, *, seed: int, step: int) -> dict[str, list[float]]:
-    """Minibatch updates with the decoupled objective; mirrors step 6 of the synchronous recipe.
-
-    L_t = w_t · L_clip(π_θ / π_prox)_t,  w_t = min(exp(log π_prox − log π_behave), cap)   (when enabled)
-    """
-    train, algo, correction = stage.train, stage.algo, stage.staleness
-    model = policy.model
-    model.train()
-    stats: dict[str, list[float]] = defaultdict(list)
-    weights_seen, drift_sum, drift_tokens = [], 0.0, 0
-    generator = torch.Generator().manual_seed(seed * 7919 + step)
-    for _ in range(train.ppo_epochs):
-        order = torch.randperm(len(trajectories), generator=generator) if train.minibatches > 1 else torch.arange(len(trajectories))
-        for minibatch in order.chunk(train.minibatches):
-            normaliser = normaliser_for(algo.loss_agg, tensors["loss_mask"][minibatch])
-            for micro in minibatch.split(train.micro_batch_size):
-                rows = micro.tolist()
-                tokens = collate([trajectories[i].prompt_ids for i in rows], [trajectories[i].response_ids for i in rows],
-                                 [trajectories[i].vision for i in rows], pad_token_id=policy.pad_token_id)
-                R = tokens.response_len
-                mask = tensors["loss_mask"][rows, :R]
-                behaviour = tensors["behaviour_logp"][rows, :R]
-                logp, entropy = response_logprobs(model, policy.adapter, tokens, temperature=stage.rollout.temperature,
-                                                  with_entropy=True)
-                prox = proximal_logp[rows, :R] if proximal_logp is not None else logp.detach()
-                out = loss_fn(PolicyLossInputs(logp=logp, old_logp=prox, advantages=advantages[rows, :R],
-                                               loss_mask=mask, behaviour_logp=behaviour))
-                per_token = out.per_token_loss
-                w = behaviour_weights(prox, behaviour, mask, cap=correction.behaviour_weight_cap)  # (b, R)
-                if correction.apply_behaviour_weight:
-                    per_token = per_token * w
-                loss = aggregate(per_token, mask, algo.loss_agg, normaliser=normaliser)
-                if ref_logp is not None:
-                    kl = kl_estimate(logp, ref_logp[rows, :R], algo.kl_estimator)
-                    loss = loss + algo.kl_coef * aggregate(kl, mask, algo.loss_agg, normaliser=normaliser)
-                    stats["policy/kl_ref"].append(float(masked_mean(kl.detach(), mask)))
-                loss.backward()
-                stats["policy/loss"].append(float(loss.detach()))
-                stats["policy/entropy"].append(float(masked_mean(entropy.detach(), mask)))
-                stats["policy/approx_kl_old"].append(float(masked_mean(0.5 * (logp.detach() - prox) ** 2, mask)))
-                for name, values in out.metrics.items():
-                    stats[f"policy/{name}"].append(float(masked_mean(values, mask)))
-                weights_seen.append(w[mask.bool()])
-                drift, n = logp_drift(behaviour, prox, mask, same_version[rows])
-                drift_sum, drift_tokens = drift_sum + float(drift) * int(n), drift_tokens + int(n)
-            stats["policy/grad_norm"].append(clip_and_step(model, optimizer, scheduler, stage.optim.grad_clip))
-    model.eval()
-    all_w = torch.cat(weights_seen)
-    for name, value in behaviour_weight_stats(all_w, torch.ones_like(all_w), cap=correction.behaviour_weight_cap).items():
-        stats[f"policy/behaviour_weight_{name}"] = [float(value)]
-    if drift_tokens:
-        stats["policy/logp_drift"] = [drift_sum / drift_tokens]
-    return stats
 
 
 def _staleness_metrics(s: torch.Tensor, eta: int, n_stale: int, n_discarded: int, rollout: AsyncRollout,

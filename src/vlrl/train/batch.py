@@ -1,0 +1,226 @@
+"""From scored trajectories to an `UpdateBatch` — the part of an RL step that both recipes share:
+
+    tensors          right-padded (B, R) loss mask, behaviour log-probs, group index
+    extra passes     π_old / π_prox, π_ref (one no-grad pass each, only when needed)
+    reward shaping   algo.reward_shaping, in order                       (per group, before advantages)
+    advantages       algo.advantage                                      (the estimator)
+    adv. shaping     algo.advantage_shaping, in order                    (token-level post-processing)
+
+`Algorithm` binds everything the step needs from config once (estimator, loss, shapers, reference model);
+nothing here branches on an algorithm's name.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlrl.algos import AdvantageInputs, get_advantage, get_policy_loss
+from vlrl.algos.shaping import (
+    AdvantageShapingInputs,
+    RewardShapingInputs,
+    get_advantage_shaping,
+    get_reward_shaping,
+)
+from vlrl.config import RLStage, ShapingSpec
+from vlrl.models import Policy, collate, response_logprobs
+from vlrl.rollout import Status, Trajectory
+from vlrl.train.update import UpdateBatch, UpdateSettings
+
+EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
+
+
+@dataclass
+class StepContext:
+    """What a shaper that needs a model may use (handed over as ``inputs.context``)."""
+
+    policy: Policy
+    reference: torch.nn.Module | None
+    temperature: float
+    step: int
+
+
+class ShapingChain:
+    """The configured shapers of one kind, applied in order; each keeps its own state across steps."""
+
+    def __init__(self, specs: Sequence[ShapingSpec], lookup: Callable[[str], Callable], field: str) -> None:
+        self.names = [spec.name.rpartition(":")[2] for spec in specs]
+        self.fns = [functools.partial(lookup(spec.name), **spec.options) for spec in specs]
+        self.states: list[Any] = [None] * len(specs)
+        self.field = field  # the input field a shaper rewrites: "rewards" or "advantages"
+
+    def __len__(self) -> int:
+        return len(self.fns)
+
+    def apply(self, inputs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """Run every shaper on ``inputs`` (its ``field`` replaced by the previous shaper's output)."""
+        values, metrics = getattr(inputs, self.field), {}
+        for k, (name, fn) in enumerate(zip(self.names, self.fns, strict=True)):
+            out = fn(dataclasses.replace(inputs, **{self.field: values, "state": self.states[k]}))
+            if out.values.shape != values.shape:
+                raise ValueError(f"{self.field} shaper {name!r} returned shape {tuple(out.values.shape)}, "
+                                 f"expected {tuple(values.shape)}")
+            values, self.states[k] = out.values, out.state
+            metrics.update({f"shaping/{name}/{key}": float(v) for key, v in out.metrics.items()})
+        return values, metrics
+
+
+@dataclass
+class Algorithm:
+    """Everything of ``stage.algo`` the step uses, looked up once: no name is compared in the loop."""
+
+    advantage_fn: Callable
+    needs: frozenset[str]  # inputs the estimator requires besides rewards ("values", "baseline_rewards")
+    reward_shaping: ShapingChain
+    advantage_shaping: ShapingChain
+    reference: torch.nn.Module | None  # frozen copy of the initial policy; None when kl_coef = 0
+    settings: UpdateSettings
+
+
+def build_algorithm(stage: RLStage, policy: Policy, *, apply_behaviour_weight: bool) -> Algorithm:
+    algo, train = stage.algo, stage.train
+    estimator = get_advantage(algo.advantage)
+    loss_fn = functools.partial(get_policy_loss(algo.policy_loss), clip_low=algo.clip_low, clip_high=algo.clip_high)
+    settings = UpdateSettings(
+        loss_fn=loss_fn, loss_agg=algo.loss_agg, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
+        temperature=stage.rollout.temperature, micro_batch_size=train.micro_batch_size, minibatches=train.minibatches,
+        ppo_epochs=train.ppo_epochs, grad_clip=stage.optim.grad_clip,
+        behaviour_weight_cap=stage.staleness.behaviour_weight_cap, apply_behaviour_weight=apply_behaviour_weight,
+    )
+    return Algorithm(
+        advantage_fn=functools.partial(estimator, **algo.advantage_options),
+        needs=frozenset(getattr(estimator, "needs", ())),
+        reward_shaping=ShapingChain(algo.reward_shaping, get_reward_shaping, "rewards"),
+        advantage_shaping=ShapingChain(algo.advantage_shaping, get_advantage_shaping, "advantages"),
+        reference=frozen_copy(policy.model) if algo.kl_coef > 0 else None,  # kl_coef = 0: no reference at all
+        settings=settings,
+    )
+
+
+def prepare_batch(algorithm: Algorithm, policy: Policy, trajectories: Sequence[Trajectory], *, step: int,
+                  max_new_tokens: int, same_version: torch.Tensor | None = None) -> UpdateBatch:
+    """Steps 4–5 of an RL step: tensors, the extra no-grad passes, shaped rewards, advantages."""
+    settings = algorithm.settings
+    tensors = batch_tensors(trajectories)
+    B = len(trajectories)
+    # π_old (= π_prox in async) is needed only if the weights move before the last minibatch: with one update
+    # per batch the update uses logp.detach() of its own forward pass. π_ref only with a KL term.
+    n_updates = settings.ppo_epochs * settings.minibatches
+    old_logp = score(policy.model, policy, trajectories, settings.temperature) if n_updates > 1 else None
+    ref_logp = score(algorithm.reference, policy, trajectories, settings.temperature) if algorithm.reference is not None else None
+    context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step)
+    # reward shaping (per response, per group), then the reward sits on the last model token
+    rewards, metrics = algorithm.reward_shaping.apply(RewardShapingInputs(
+        rewards=tensors["rewards"], group_index=tensors["group_index"], response_length=tensors["response_length"],
+        truncated=tensors["truncated"], max_new_tokens=max_new_tokens, trajectories=trajectories, step=step,
+        context=context,
+    ))
+    token_rewards = place_rewards(rewards, tensors["loss_mask"], tensors["last_index"])  # (B, R)
+    # advantages
+    estimate = algorithm.advantage_fn(AdvantageInputs(
+        token_rewards=token_rewards, loss_mask=tensors["loss_mask"], group_index=tensors["group_index"],
+    ))
+    advantages, shaping_metrics = algorithm.advantage_shaping.apply(AdvantageShapingInputs(
+        advantages=estimate.advantages, loss_mask=tensors["loss_mask"], group_index=tensors["group_index"],
+        rewards=rewards, token_rewards=token_rewards, trajectories=trajectories, step=step, context=context,
+    ))  # (B, R)
+    metrics.update(shaping_metrics)
+    return UpdateBatch(
+        trajectories=list(trajectories), loss_mask=tensors["loss_mask"], behaviour_logp=tensors["behaviour_logp"],
+        advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, group_index=tensors["group_index"],
+        rewards=rewards, token_rewards=token_rewards,
+        same_version=same_version if same_version is not None else torch.ones(B, dtype=torch.bool), metrics=metrics,
+    )
+
+
+def batch_tensors(trajectories: Sequence[Trajectory]) -> dict[str, torch.Tensor]:
+    """Right-padded (B, R) response tensors — loss mask (0 for failed/aborted), behaviour log-probs — and per
+    response (B,): reward, group index, model-token length, truncation flag, index of the last model token."""
+    B = len(trajectories)
+    R = max(1, max(len(t.response_ids) for t in trajectories))
+    loss_mask = torch.zeros(B, R)
+    behaviour = torch.zeros(B, R)
+    last_index = torch.zeros(B, dtype=torch.long)
+    for i, t in enumerate(trajectories):
+        n = len(t.response_ids)
+        if t.status not in EXCLUDED:
+            loss_mask[i, :n] = t.loss_mask.float()
+        behaviour[i, :n] = t.behaviour_logp
+        model_tokens = t.loss_mask.nonzero()
+        last_index[i] = int(model_tokens[-1]) if len(model_tokens) else max(n - 1, 0)
+    return {
+        "loss_mask": loss_mask, "behaviour_logp": behaviour, "last_index": last_index,
+        "rewards": torch.tensor([float(t.reward) for t in trajectories]),
+        "group_index": torch.tensor([t.group_index for t in trajectories]),
+        "response_length": torch.tensor([t.response_length for t in trajectories]),
+        "truncated": torch.tensor([t.status is Status.TRUNCATED for t in trajectories]),
+    }
+
+
+def place_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+    """Outcome rewards (B,) → token rewards (B, R): each on its response's last model token."""
+    token_rewards = torch.zeros_like(loss_mask)
+    token_rewards[torch.arange(len(rewards)), last_index] = rewards.to(token_rewards.dtype)
+    return token_rewards
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, policy: Policy, trajectories: Sequence[Trajectory], temperature: float) -> torch.Tensor:
+    """Teacher-forced log-probs (B, R) of the trajectories' responses under ``model``."""
+    tokens = collate([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+                     [t.vision for t in trajectories], pad_token_id=policy.pad_token_id)
+    was_training = model.training
+    model.eval()
+    logp, _ = response_logprobs(model, policy.adapter, tokens, temperature=temperature)
+    model.train(was_training)
+    return logp
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    reference = copy.deepcopy(model).eval()
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    return reference
+
+
+def step_metrics(batch: UpdateBatch, stats: dict[str, list[float]], failures: Sequence[Any]) -> dict[str, float]:
+    """The metrics of one RL step: rewards per task, accuracy, response lengths, zero-advantage groups, the
+    update's statistics (averaged over micro-batches) and the shapers' metrics."""
+    trajectories = batch.trajectories
+    rewards = torch.tensor([t.reward for t in trajectories])
+    metrics: dict[str, float] = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "reward/failures": len(failures),
+    }
+    by_task: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        by_task[t.sample.task].append(t)
+    accuracies = []
+    for task, group in sorted(by_task.items()):
+        metrics[f"reward/{task}"] = sum(t.reward for t in group) / len(group)
+        acc = [t.reward_parts.get("accuracy") for t in group if "accuracy" in t.reward_parts]
+        if acc:
+            metrics[f"accuracy/{task}"] = sum(acc) / len(acc)
+            accuracies.append(metrics[f"accuracy/{task}"])
+    if accuracies:
+        metrics["accuracy/mean"] = sum(accuracies) / len(accuracies)
+    lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float)
+    metrics["response/length_mean"] = float(lengths.mean())
+    metrics["response/length_max"] = float(lengths.max())
+    metrics["response/truncated_frac"] = sum(t.status is Status.TRUNCATED for t in trajectories) / len(trajectories)
+    seq_adv = (batch.advantages.abs() * batch.loss_mask).sum(-1)  # (B,)
+    groups = batch.group_index
+    zero = [bool((seq_adv[groups == g] == 0).all()) for g in groups.unique()]
+    metrics["policy/zero_adv_groups_frac"] = sum(zero) / len(zero)
+    for name, values in stats.items():
+        metrics[name] = sum(values) / len(values)
+    metrics.update(batch.metrics)
+    return metrics

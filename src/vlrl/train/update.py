@@ -1,0 +1,151 @@
+"""The minibatch update both RL recipes run (synchronous GRPO and asynchronous decoupled PPO):
+
+    for epoch in ppo_epochs:
+        for minibatch in shuffle(batch).chunk(minibatches):
+            N = normaliser of the whole minibatch (tokens or sequences)         ← same gradient for any split
+            for micro in minibatch.split(micro_batch_size):                    ← `accumulate`
+                logp, entropy = πθ(response)                                   teacher-forced, with grad
+                L_t = policy_loss(logp, π_old, Â, π_behave)                    per token (B, T)
+                L_t ← w_t · L_t   (async: w = min(π_prox / π_behave, cap))     when enabled
+                loss = aggregate(L, N) (+ β · aggregate(KL(πθ ‖ π_ref), N))
+                loss.backward()
+            clip grad norm → optimizer step
+
+`accumulate` (one minibatch's forward/backward over any set of rows, with the normaliser given explicitly) is
+the reusable piece: gradient accumulation over k micro-batches, or rows split over data-parallel ranks with
+an all-reduced normaliser, give the gradient of one big batch (tests/train/test_update.py).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, masked_mean, normaliser_for
+from vlrl.algos.staleness import behaviour_weight_stats, behaviour_weights, logp_drift
+from vlrl.models import Policy, collate, response_logprobs
+from vlrl.train.common import clip_and_step
+
+
+@dataclass
+class UpdateBatch:
+    """One RL step's training data. Shapes: B sequences, R response columns (right-padded)."""
+
+    trajectories: list[Any]  # the B `Trajectory` records (token ids, vision inputs)
+    loss_mask: torch.Tensor  # (B, R) 1 = trained-on model token
+    behaviour_logp: torch.Tensor  # (B, R) log π_behave recorded at sampling
+    advantages: torch.Tensor  # (B, R)
+    old_logp: torch.Tensor | None  # (B, R) π_old = π_prox, the weights at the start of the step; None → logp.detach()
+    ref_logp: torch.Tensor | None  # (B, R) frozen reference; None when there is no KL term
+    group_index: torch.Tensor  # (B,)
+    rewards: torch.Tensor  # (B,) shaped scalar rewards the estimator saw
+    token_rewards: torch.Tensor  # (B, R)
+    same_version: torch.Tensor  # (B,) bool: sampled by the trainer's current weights (train–inference drift)
+    metrics: dict[str, float] = field(default_factory=dict)  # from the shapers (logged with the step)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The update's knobs, bound from config by `vlrl.train.batch.build_algorithm`."""
+
+    loss_fn: Callable  # policy loss with its options bound: fn(PolicyLossInputs) -> LossOutput
+    loss_agg: str  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    kl_coef: float  # weight of the KL-to-reference loss term (0: none)
+    kl_estimator: str  # k1 | k2 | k3
+    temperature: float  # sampling temperature (log-probs are of logits / T)
+    micro_batch_size: int
+    minibatches: int
+    ppo_epochs: int
+    grad_clip: float
+    behaviour_weight_cap: float = 5.0
+    apply_behaviour_weight: bool = False  # multiply L_t by w_t = min(π_prox / π_behave, cap) (async recipe)
+
+
+def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, optimizer, scheduler, *, seed: int,
+               step: int) -> dict[str, list[float]]:
+    """``ppo_epochs`` × ``minibatches`` optimizer steps on ``batch``; returns per-micro-batch statistics."""
+    model = policy.model
+    model.train()
+    stats: dict[str, list[float]] = defaultdict(list)
+    weights_seen: list[torch.Tensor] = []
+    B = len(batch.trajectories)
+    generator = torch.Generator().manual_seed(seed * 7919 + step)
+    for _ in range(settings.ppo_epochs):
+        order = torch.randperm(B, generator=generator) if settings.minibatches > 1 else torch.arange(B)
+        for minibatch in order.chunk(settings.minibatches):
+            rows = minibatch.tolist()
+            normaliser = normaliser_for(settings.loss_agg, batch.loss_mask[rows])
+            for name, values in accumulate(policy, batch, rows, settings, normaliser=normaliser).items():
+                (weights_seen if name == "behaviour_weights" else stats[name]).extend(values)
+            stats["policy/grad_norm"].append(clip_and_step(model, optimizer, scheduler, settings.grad_clip))
+    model.eval()
+    all_w = torch.cat(weights_seen) if weights_seen else torch.zeros(0)
+    for name, value in behaviour_weight_stats(all_w, torch.ones_like(all_w), cap=settings.behaviour_weight_cap).items():
+        stats[f"policy/behaviour_weight_{name}"] = [float(value)]
+    drift_tokens = sum(stats.pop("_drift_tokens", []))
+    drift_sum = sum(stats.pop("_drift_sum", []))
+    if drift_tokens:
+        stats["policy/logp_drift"] = [drift_sum / drift_tokens]
+    return stats
+
+
+def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,
+               normaliser: float) -> dict[str, list[Any]]:
+    """Forward + backward over ``rows`` of ``batch`` in micro-batches of ``settings.micro_batch_size``,
+    adding to the parameters' ``.grad`` (no optimizer step). ``normaliser`` is the `aggregate` denominator of
+    the whole minibatch (all micro-batches, all ranks). Returns per-micro-batch statistics."""
+    model = policy.model
+    stats: dict[str, list[Any]] = defaultdict(list)
+    for start in range(0, len(rows), settings.micro_batch_size):
+        micro = list(rows[start : start + settings.micro_batch_size])
+        trajectories = [batch.trajectories[i] for i in micro]
+        tokens = collate([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+                         [t.vision for t in trajectories], pad_token_id=policy.pad_token_id)
+        R = tokens.response_len
+        mask = batch.loss_mask[micro, :R]
+        behaviour = batch.behaviour_logp[micro, :R]
+        logp, entropy = response_logprobs(model, policy.adapter, tokens, temperature=settings.temperature,
+                                          with_entropy=True)
+        old = batch.old_logp[micro, :R] if batch.old_logp is not None else logp.detach()
+        out = settings.loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=batch.advantages[micro, :R],
+                                                loss_mask=mask, behaviour_logp=behaviour))
+        per_token = out.per_token_loss
+        w = behaviour_weights(old, behaviour, mask, cap=settings.behaviour_weight_cap)  # (b, R)
+        if settings.apply_behaviour_weight:
+            per_token = per_token * w
+        loss = aggregate(per_token, mask, settings.loss_agg, normaliser=normaliser)
+        if batch.ref_logp is not None and settings.kl_coef > 0:
+            kl = kl_estimate(logp, batch.ref_logp[micro, :R], settings.kl_estimator)
+            loss = loss + settings.kl_coef * aggregate(kl, mask, settings.loss_agg, normaliser=normaliser)
+            stats["policy/kl_ref"].append(float(masked_mean(kl.detach(), mask)))
+        loss.backward()
+        stats["policy/loss"].append(float(loss.detach()))
+        stats["policy/entropy"].append(float(masked_mean(entropy.detach(), mask)))
+        stats["policy/approx_kl_old"].append(float(masked_mean(0.5 * (logp.detach() - old) ** 2, mask)))
+        for name, values in out.metrics.items():
+            stats[f"policy/{name}"].append(float(masked_mean(values, mask)))
+        stats["behaviour_weights"].append(w[mask.bool()])
+        drift, n = logp_drift(behaviour, old, mask, batch.same_version[micro])
+        stats["_drift_sum"].append(float(drift) * int(n))
+        stats["_drift_tokens"].append(int(n))
+    return stats
+
+
+def minibatch_gradient(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,
+                       normaliser: float) -> dict[str, torch.Tensor]:
+    """The gradient `accumulate` leaves for ``rows`` (``.grad`` zeroed before, cloned after, zeroed again):
+    the quantity to compare between one big batch, k micro-batches, and rows split over data-parallel ranks
+    (each rank passing its rows and the all-reduced normaliser, then all-reducing the gradients)."""
+    model = policy.model
+    model.zero_grad(set_to_none=True)
+    was_training = model.training
+    model.train()
+    accumulate(policy, batch, rows, settings, normaliser=normaliser)
+    model.train(was_training)
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads

@@ -1,0 +1,85 @@
+"""The shared minibatch update: gradient accumulation over k micro-batches equals the one-big-batch gradient
+for every aggregation mode; the update steps the optimizer once per minibatch and logs its statistics."""
+
+import pytest
+import torch
+
+from vlrl.algos import AGGREGATIONS, get_policy_loss, normaliser_for
+from vlrl.config import RLStage
+from vlrl.data import generate
+from vlrl.models import load_policy
+from vlrl.rewards import score_trajectories
+from vlrl.rollout import HFEngine, SamplingParams
+from vlrl.train.batch import build_algorithm, prepare_batch
+from vlrl.train.common import make_optimizer
+from vlrl.train.update import UpdateSettings, minibatch_gradient, ppo_update
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    """A tiny policy and 2 prompts × 3 sampled responses of different lengths, scored (shared by the module)."""
+    policy = load_policy("tiny-qwen2-vl")
+    torch.manual_seed(0)
+    engine = HFEngine(policy)
+    samples = generate("shapes", 2, tasks=["count", "color"])
+    trajectories = engine.generate([engine.encode(s) for s in samples], SamplingParams(n=3, max_new_tokens=6))
+    score_trajectories(trajectories)
+    for k, t in enumerate(trajectories):  # distinct rewards (every advantage non-zero) and lengths 2..6
+        n = 2 + k % 5
+        t.response_ids, t.loss_mask, t.behaviour_logp = t.response_ids[:n], t.loss_mask[:n], t.behaviour_logp[:n]
+        t.reward = 0.1 * k
+    return policy, trajectories
+
+
+def _settings(mode, micro, **changes):
+    options = dict(loss_fn=get_policy_loss("ppo_clip"), loss_agg=mode, kl_coef=0.0, kl_estimator="k3",
+                   temperature=1.0, micro_batch_size=micro, minibatches=1, ppo_epochs=1, grad_clip=1.0)
+    options.update(changes)
+    return UpdateSettings(**options)
+
+
+def _batch(policy, trajectories, **train):
+    stage = RLStage.model_validate({"rollout": {"n": 3}, "train": {"prompts_per_step": 2, **train}})
+    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)
+    return prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
+
+
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+def test_accumulation_and_rank_shards_equal_one_big_batch(rollout, mode):
+    """Σ over micro-batches of ∇ aggregate(micro, N_global) = ∇ aggregate(batch): for micro-batches of 4 + 2
+    rows, and for the rows split as two data-parallel ranks would (each with the all-reduced normaliser; their
+    sum is the all-reduce). Micro-batches pad to their own longest prompt/response; the gradient must not
+    notice (the normaliser, not the padding, decides every token's weight)."""
+    policy, trajectories = rollout
+    batch = _batch(policy, trajectories)
+    assert len(set(batch.loss_mask.sum(-1).tolist())) > 1  # responses of different lengths
+    normaliser = normaliser_for(mode, batch.loss_mask)
+    full = minibatch_gradient(policy, batch, range(6), _settings(mode, 6), normaliser=normaliser)
+    assert max(float(g.abs().max()) for g in full.values()) > 1e-4  # a real gradient
+    micro = minibatch_gradient(policy, batch, range(6), _settings(mode, 4), normaliser=normaliser)
+    rank0 = minibatch_gradient(policy, batch, [0, 2, 4], _settings(mode, 6), normaliser=normaliser)
+    rank1 = minibatch_gradient(policy, batch, [1, 3, 5], _settings(mode, 6), normaliser=normaliser)
+    for name, g in full.items():
+        assert torch.allclose(micro[name], g, rtol=1e-4, atol=1e-7), (mode, "micro-batches", name)
+        assert torch.allclose(rank0[name] + rank1[name], g, rtol=1e-4, atol=1e-7), (mode, "ranks", name)
+
+
+def test_update_steps_once_per_minibatch_and_logs_its_statistics(rollout):
+    policy, trajectories = rollout
+    batch = _batch(policy, trajectories, minibatches=2, ppo_epochs=2)  # π_old from one extra pass
+    assert batch.old_logp is not None
+    state = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    optimizer, scheduler = make_optimizer(policy.model, RLStage().optim)
+    stats = ppo_update(policy, batch, _settings("token_mean", 2, minibatches=2, ppo_epochs=2), optimizer, scheduler,
+                       seed=0, step=0)
+    moved = any(not torch.equal(v, state[k]) for k, v in policy.model.state_dict().items())
+    policy.model.load_state_dict(state)  # leave the module's policy as it was
+    assert moved
+    assert len(stats["policy/grad_norm"]) == 4  # 2 epochs × 2 minibatches
+    assert len(stats["policy/loss"]) == 2 * 2 * 2  # each minibatch of 3 rows: micro-batches of 2 and 1
+    for key in ("policy/entropy", "policy/approx_kl_old", "policy/clip_low", "policy/clip_high", "policy/ratio",
+                "policy/behaviour_weight_mean", "policy/behaviour_weight_max", "policy/behaviour_weight_capped_frac",
+                "policy/logp_drift"):
+        assert key in stats, key
+    assert stats["policy/approx_kl_old"][0] < 1e-10  # the first micro-batch is on-policy (π_θ = π_old)
+    assert stats["policy/approx_kl_old"][-1] > 1e-8  # the last one is not: the weights moved 3 times
