@@ -19,6 +19,14 @@ HEAD = '{"visual_state_description": "fridge open; hand empty", "reasoning_and_r
 
 
 @pytest.fixture(scope="module")
+def policy():
+    """One tiny Qwen2-VL for the module (the tests below do not depend on its exact weights)."""
+    from vlrl.models import load_policy
+
+    return load_policy("tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="module")
 def tokenizer():
     samples = generate("embodied", 30, split="spans", image_size=56)
     return train_tokenizer([s.response for s in samples] + [s.prompt_text() for s in samples], vocab_size=600)
@@ -130,13 +138,13 @@ def test_semantic_scoring_and_prefix_matching(tokenizer):
     assert both.record["flips"]["all"]["flips"] == 0 and both.record["flips"]["all"]["new_signal"] > 0
 
 
-def test_forward_proxy_and_stepopsd_with_a_tiny_teacher(tiny_vlm):
+def test_forward_proxy_and_stepopsd_with_a_tiny_teacher(policy):
     from vlrl.models import collate, response_logprobs
     from vlrl.rollout import HFEngine
 
     samples = generate("embodied", 2, seed=1, tasks=["pick_place"], list_actions=False)
-    engine = HFEngine(tiny_vlm)
-    tokenizer = tiny_vlm.tokenizer
+    engine = HFEngine(policy)
+    tokenizer = policy.tokenizer
     batch = []
     for sample in samples:
         request = engine.encode(sample)
@@ -150,7 +158,7 @@ def test_forward_proxy_and_stepopsd_with_a_tiny_teacher(tiny_vlm):
     episode = torch.tensor([[-1.0], [1.0]]) * loss_mask
     options = parse_options({"signal": "forward_proxy", "injection": "stepopsd", "alpha": 0.5,
                              "score_source": "semantic", "credit_target": "semantic"})
-    out = shape_step_credit(episode, loss_mask, batch, policy=tiny_vlm, options=options, teacher_model=tiny_vlm.model)
+    out = shape_step_credit(episode, loss_mask, batch, policy=policy, options=options, teacher_model=policy.model)
     target = out.target_index >= 0
     assert target.any() and torch.isfinite(out.advantages).all()
     assert torch.equal(torch.sign(out.advantages), torch.sign(episode))  # StepOPSD never flips
@@ -162,15 +170,98 @@ def test_forward_proxy_and_stepopsd_with_a_tiny_teacher(tiny_vlm):
     from vlrl.data.tasks.embodied import with_reference
 
     sample = samples[0]
-    teacher_prompt = tiny_vlm.adapter.encode_prompt(with_reference(sample.messages, sample.answer),
+    teacher_prompt = policy.adapter.encode_prompt(with_reference(sample.messages, sample.answer),
                                                     [load_image(i) for i in sample.images])
     def logp(prompt_ids, vision):
-        tokens = collate([prompt_ids], [batch[0].response_ids], [vision], pad_token_id=tiny_vlm.pad_token_id)
+        tokens = collate([prompt_ids], [batch[0].response_ids], [vision], pad_token_id=policy.pad_token_id)
         with torch.no_grad():
-            return response_logprobs(tiny_vlm.model, tiny_vlm.adapter, tokens)[0][0]
+            return response_logprobs(policy.model, policy.adapter, tokens)[0][0]
     delta = logp(teacher_prompt.input_ids, teacher_prompt.vision) - logp(batch[0].prompt_ids, batch[0].vision)
-    additive = shape_step_credit(episode, loss_mask, batch, policy=tiny_vlm, teacher_model=tiny_vlm.model,
+    additive = shape_step_credit(episode, loss_mask, batch, policy=policy, teacher_model=policy.model,
                                  options=parse_options({"signal": "forward_proxy", "proxy": "contrast", "robust": False,
                                                         "score_source": "action_id", "credit_target": "action_id"}))
     k0 = (additive.target_index[0] == 0).nonzero().flatten()
     assert additive.step_advantages[0, k0[0]] == pytest.approx(torch.tanh(delta[k0].mean()).item(), abs=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------- in the recipe
+class ScriptedEngine:
+    """Speaks the Engine protocol; answers each prompt with fixed variants of its gold response (right, one wrong
+    step, cut off, no plan), so that a tiny random model still yields parseable plans with mixed rewards."""
+
+    def __init__(self, policy):
+        from vlrl.rollout import HFEngine
+
+        self.inner, self.policy, self.weight_version = HFEngine(policy), policy, 0
+
+    def encode(self, sample):
+        return self.inner.encode(sample)
+
+    def update_weights(self, *, version, state_dict=None):
+        self.weight_version = version
+
+    def generate(self, requests, sampling):
+        from vlrl.rollout import Status, Trajectory
+
+        out = []
+        eos = self.policy.eos_token_ids[0]
+        for g, request in enumerate(requests):
+            gold = request.sample.response
+            wrong = gold.replace('"action_id": ', '"action_id": 2', 1)  # the first step's id gets a leading 2
+            variants = [gold, wrong, gold[: len(gold) * 2 // 3], "no plan"][: sampling.n]
+            for text in variants:
+                ids = self.policy.tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+                n = len(ids)
+                out.append(Trajectory(sample=request.sample, prompt_ids=torch.tensor(request.prompt_ids),
+                                      response_ids=torch.tensor(ids), loss_mask=torch.ones(n, dtype=torch.long),
+                                      behaviour_logp=torch.full((n,), -1.0), vision=request.vision, images=request.images,
+                                      weight_version=self.weight_version, status=Status.COMPLETED, response_text=text,
+                                      group_index=g))
+        return out
+
+
+def _rl(policy, tmp_path, options, steps=2):
+    from vlrl.config import RLStage
+    from vlrl.report import MetricsLogger
+    from vlrl.train.grpo import train_grpo
+
+    samples = generate("embodied", 4, seed=2, tasks=["pick_place"], list_actions=False, history_prob=0.0)
+    stage = RLStage.model_validate({
+        "rollout": {"n": 4, "max_new_tokens": 128}, "optim": {"lr": 1e-3},
+        "train": {"steps": steps, "prompts_per_step": 2, "micro_batch_size": 8},
+        "algo": {"advantage_shaping": [{"name": "step_credit", "options": options}]},
+    })
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", quiet=True)
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    train_grpo(policy, ScriptedEngine(policy), samples, stage, logger=logger, seed=0)
+    logger.close()
+    changed = any(not torch.equal(before[k], v) for k, v in policy.model.state_dict().items())
+    return [r for r in logger.records if r["stage"] == "rl"], changed
+
+
+def test_rule_credit_in_the_rl_recipe_writes_the_analysis(policy, tmp_path):
+    from vlrl.report.step_credit import summarize
+
+    records, changed = _rl(policy, tmp_path, {"signal": "rule", "match": "prefix", "heatmap_every": 2,
+                                                "heatmap_rows": 2})
+    assert changed and len(records) == 2
+    last = records[-1]
+    assert last["shaping/step_credit/parse_fail_frac"] == pytest.approx(0.25)  # "no plan" of each group
+    assert 0 < last["shaping/step_credit/step_acc"] < 1  # the wrong first step (prefix: the rest is wrong too)
+    assert "shaping/step_credit/sign_flip_frac/all" in last
+    analysis = tmp_path / "step_credit"
+    assert len((analysis / "step_credit.jsonl").read_text().splitlines()) == 2
+    assert sorted(p.name for p in analysis.glob("heatmap_*.png")) == ["heatmap_step00002.png"]  # every 2nd step
+    summary, notes = summarize(tmp_path)  # what the report's step-credit section shows
+    assert summary.steps_logged == 2 and not notes and summary.signal == "rule"
+    assert summary.totals["parse_failures"] == 4 and [name for name, _ in summary.heatmaps] == ["step00002"]
+
+
+def test_forward_proxy_in_the_rl_recipe(policy, tmp_path):
+    records, changed = _rl(policy, tmp_path, {"signal": "forward_proxy", "teacher": "reference",
+                                                "proxy": "residual_contrast", "heatmap_every": 0}, steps=1)
+    assert changed
+    metrics = records[-1]
+    assert 0 <= metrics["shaping/step_credit/gate_mean"] <= 1
+    assert all(isinstance(v, float) and v == v for k, v in metrics.items() if k.startswith("shaping/"))
+    assert not list((tmp_path / "step_credit").glob("heatmap_*.png"))

@@ -366,7 +366,7 @@ def train_async_grpo(
             #      step; otherwise the update's own forward pass), shaped rewards → advantages
             s = staleness(versions, step)  # (B,)
             batch = prepare_batch(algorithm, policy, trajectories, step=step, max_new_tokens=rollout_cfg.max_new_tokens,
-                                  same_version=s == 0)
+                                  same_version=s == 0, run_dir=logger.path.parent if logger.path is not None else None)
             # 4. decoupled PPO update
             stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step)
             trained.extend(g.draw.ticket for g in groups)

@@ -18,6 +18,7 @@ import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from vlrl.algos.shaping import (
 from vlrl.config import RLStage, ShapingSpec
 from vlrl.models import Policy, collate, response_logprobs
 from vlrl.rollout import Status, Trajectory
+from vlrl.train import step_credit as _step_credit  # noqa: F401  (registers the step_credit advantage shaper)
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
@@ -45,6 +47,7 @@ class StepContext:
     reference: torch.nn.Module | None
     temperature: float
     step: int
+    run_dir: Path | None = None  # where a shaper may write analysis files (None: no files)
 
 
 class ShapingChain:
@@ -105,7 +108,7 @@ def build_algorithm(stage: RLStage, policy: Policy, *, apply_behaviour_weight: b
 
 
 def prepare_batch(algorithm: Algorithm, policy: Policy, trajectories: Sequence[Trajectory], *, step: int,
-                  max_new_tokens: int, same_version: torch.Tensor | None = None) -> UpdateBatch:
+                  max_new_tokens: int, same_version: torch.Tensor | None = None, run_dir: Path | None = None) -> UpdateBatch:
     """Steps 4–5 of an RL step: tensors, the extra no-grad passes, shaped rewards, advantages."""
     settings = algorithm.settings
     tensors = batch_tensors(trajectories)
@@ -115,7 +118,8 @@ def prepare_batch(algorithm: Algorithm, policy: Policy, trajectories: Sequence[T
     n_updates = settings.ppo_epochs * settings.minibatches
     old_logp = score(policy.model, policy, trajectories, settings.temperature) if n_updates > 1 else None
     ref_logp = score(algorithm.reference, policy, trajectories, settings.temperature) if algorithm.reference is not None else None
-    context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step)
+    context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step,
+                          run_dir=run_dir)
     # reward shaping (per response, per group), then the reward sits on the last model token
     rewards, metrics = algorithm.reward_shaping.apply(RewardShapingInputs(
         rewards=tensors["rewards"], group_index=tensors["group_index"], response_length=tensors["response_length"],

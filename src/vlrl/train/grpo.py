@@ -62,7 +62,8 @@ def train_grpo(
         # 3. rewards
         score_report = score_trajectories(trajectories)
         # 4. shaped rewards → advantages over the whole batch (B sequences, R response columns)
-        batch = prepare_batch(algorithm, policy, trajectories, step=step, max_new_tokens=rollout.max_new_tokens)
+        batch = prepare_batch(algorithm, policy, trajectories, step=step, max_new_tokens=rollout.max_new_tokens,
+                              run_dir=logger.path.parent if logger.path is not None else None)
         # 5. updates
         stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step)
         # 6. the engine samples from the new weights from now on

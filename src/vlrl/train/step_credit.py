@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vlrl.algos.shaping import AdvantageShapingInputs, ShapingOutput, register_advantage_shaping
 from vlrl.algos.step_credit import (
     STEP_PROXIES,
     FlipCounts,
@@ -222,10 +223,64 @@ def check_same_tokenizer(policy: Policy, teacher: Policy, where: str) -> None:
 # ----------------------------------------------------------------------------------------------- the shaper
 @dataclass
 class StepCreditState:
-    """What the shaper keeps across steps: the teacher (frozen copy or loaded model) and running totals."""
+    """What the shaper keeps across steps: its teacher (a frozen copy or a loaded model; None = the policy)
+    and where its analysis files go."""
 
     teacher_model: torch.nn.Module | None = None
-    totals: dict[str, float] = field(default_factory=dict)
+    analysis_dir: Path | None = None
+
+
+@register_advantage_shaping("step_credit")
+def step_credit(inputs: AdvantageShapingInputs, **options: Any) -> ShapingOutput:
+    """Step-level credit for JSON action plans (the embodied seed's ``grpo_step`` and StepOPSD), as an
+    advantage shaper: A^E = the estimator's advantages; see the module docstring and `StepCreditOptions`.
+
+        grpo_step:  A = A^E + ω · A^S  on credit-target tokens        stepopsd:  A = (1 − λ) A^E + λ · w · A^E
+
+    Metrics (``shaping/step_credit/…``): parse_fail_frac, prefix_decode_frac, truncated_plan_frac, steps_mean,
+    step_acc, sign_flip_frac/{all,success,failed,correct_step,wrong_step}, step_adv/{correct,wrong}_mean,
+    gate_mean. With an analysis directory (``analysis_dir``, else the run directory) it also writes
+    ``step_credit/step_credit.jsonl`` and heatmaps for the report.
+    """
+    opts = parse_options(options)
+    context = inputs.context
+    if context is None:
+        raise ValueError("step_credit: needs the training loop's context (the policy); run it through the RL recipe")
+    state = inputs.state if inputs.state is not None else start_state(opts, context)
+    teacher_model = None
+    if opts.signal == "forward_proxy":
+        teacher_model = context.policy.model if state.teacher_model is None else state.teacher_model
+    result = shape_step_credit(inputs.advantages, inputs.loss_mask, inputs.trajectories, policy=context.policy,
+                               options=opts, temperature=context.temperature, teacher_model=teacher_model)
+    if state.analysis_dir is not None:
+        write_analysis(state.analysis_dir, inputs.step + 1, result, inputs.advantages, inputs.trajectories,
+                       context.policy.tokenizer, opts)
+    return ShapingOutput(values=result.advantages, metrics=result.metrics, state=state)
+
+
+def start_state(options: StepCreditOptions, context: Any) -> StepCreditState:
+    """At the first step: the teacher (``reference``: the recipe's frozen reference model, or a frozen copy of
+    the policy as it is now; a path: that model, frozen) and a fresh analysis directory."""
+    from vlrl.report.step_credit import ANALYSIS_DIR
+    from vlrl.train.batch import frozen_copy
+
+    teacher = None
+    if options.signal == "forward_proxy" and options.teacher == "reference":
+        teacher = context.reference if context.reference is not None else frozen_copy(context.policy.model)
+    elif options.signal == "forward_proxy" and options.teacher != "policy":
+        from vlrl.models import load_policy
+
+        loaded = load_policy(options.teacher, device=str(next(context.policy.model.parameters()).device))
+        check_same_tokenizer(context.policy, loaded, f"step_credit option 'teacher' ({options.teacher})")
+        teacher = frozen_copy(loaded.model)
+    root = options.analysis_dir or getattr(context, "run_dir", None)
+    directory = None
+    if root is not None:
+        directory = Path(root)
+        for old in (directory / ANALYSIS_DIR).glob("*"):  # a rerun in the same directory starts afresh
+            if old.is_file():
+                old.unlink()
+    return StepCreditState(teacher_model=teacher, analysis_dir=directory)
 
 
 @dataclass
