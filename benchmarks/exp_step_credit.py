@@ -6,7 +6,7 @@ for GRPO and each step-credit variant from that checkpoint; plan success and ste
     python benchmarks/exp_step_credit.py --variants grpo,rule_prefix --rl-steps 60
 
 Set-up (tiny preset, ~1M parameters): the ``embodied`` suite's ``pick_place`` plans (4–6 steps, or the rest of
-one after a history), no action list in the prompt; SFT for ``--sft-seconds`` on 2,000 gold responses, 30 %
+one after a history), no action list in the prompt; SFT for ``--sft-steps`` on 2,000 gold responses, 30 %
 of them with the reference plan in the prompt (so that the frozen SFT model can serve as the forward-proxy
 teacher); RL on 2,000 other prompts, ``--rl-steps`` steps of 8 prompts × 8 samples, reward
 0.8 · execution success + 0.2 · JSON format; evaluation on 100 held-out prompts: greedy and sampled (T = 1,
@@ -78,7 +78,8 @@ def run_sft(args, out: Path, train, test) -> tuple[Path, dict]:
         "data": {"suite": "embodied", "tasks": SUITE["tasks"], "n_train": args.n_train, "n_test": args.n_test,
                  "suite_options": {"list_actions": False, "reference_prob": 0.3}},
         "optim": {"lr": 2e-3, "betas": [0.5, 0.9]},
-        "train": {"steps": 10**9, "max_seconds": args.sft_seconds, "batch_size": 16, "micro_batch_size": 16, "log_every": 50},
+        "train": {"steps": args.sft_steps, "max_seconds": args.sft_seconds, "batch_size": 16, "micro_batch_size": 16,
+                  "log_every": 50},
     })  # written to config.yaml; the data themselves are generated in main()
     run_dir, logger = prepare_run_dir(out / "sft", stage)
     seed_everything(args.seed)
@@ -139,7 +140,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: short SFT, 2 RL steps, 16 test prompts")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--model", default="tiny-qwen2-vl")
-    parser.add_argument("--sft-seconds", type=float, default=600.0)
+    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--sft-seconds", type=float, default=None, help="also stop SFT after this many seconds")
+    parser.add_argument("--sft-checkpoint", default=None, help="skip SFT: start every variant from this checkpoint")
     parser.add_argument("--rl-steps", type=int, default=30)
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--rl-lr", type=float, default=5e-4)
@@ -150,7 +153,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:
-        args.sft_seconds, args.rl_steps, args.n_train, args.n_test, args.eval_samples = 45.0, 2, 200, 16, 2
+        args.sft_steps, args.rl_steps, args.n_train, args.n_test, args.eval_samples = 20, 2, 200, 16, 2
         args.prompts_per_step = 4
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -161,7 +164,13 @@ def main() -> None:
     sft_data = generate("embodied", args.n_train, split="train", seed=args.seed, reference_prob=0.3, **SUITE)
     rl_data = generate("embodied", args.n_train, split="rl", seed=args.seed, **SUITE)
     test = generate("embodied", args.n_test, split="test", seed=args.seed, **SUITE)
-    checkpoint, sft = run_sft(args, out, sft_data, test)
+    if args.sft_checkpoint:
+        checkpoint = Path(args.sft_checkpoint)
+        engine = HFEngine(load_policy(str(checkpoint)))
+        sft = {"eval": plan_eval(engine, test, samples_per_prompt=args.eval_samples, temperature=1.0,
+                                 max_new_tokens=args.max_new_tokens), "steps": None, "seconds": None, "checkpoint": str(checkpoint)}
+    else:
+        checkpoint, sft = run_sft(args, out, sft_data, test)
     results = {"args": vars(args), "sft": sft, "variants": {}}
     print(f"SFT: {sft['steps']} steps in {sft['seconds']} s; {_row('sft checkpoint', sft['eval'])}", flush=True)
     for name in variants:

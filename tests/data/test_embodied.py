@@ -138,6 +138,8 @@ def test_reference_context():
     assert len(sample.messages[0]["content"]) == 2  # the input is not modified
     with_ref = generate("embodied", 40, seed=3, reference_prob=0.5)
     assert 5 < sum("reference successful plan" in s.prompt_text() for s in with_ref) < 35
+    held_out = generate("embodied", 40, split="test", seed=3, reference_prob=0.5)
+    assert not any("reference successful plan" in s.prompt_text() for s in held_out)
 
 
 def test_bad_options_name_the_option():

@@ -481,6 +481,30 @@ def random_scene(rng: random.Random, task: str, *, max_distractors: int = 1, ope
                  open={r: rng.random() < open_prob for r in OPENABLE}, cells=cells)
 
 
+def instance(rng: random.Random, task: str, *, max_distractors: int = 1, open_prob: float = 0.5,
+             history_prob: float = 0.3) -> tuple[Scene, World, list[int], list[int]]:
+    """A scene, the world after its history, the history and the remaining gold plan."""
+    scene = random_scene(rng, task, max_distractors=max_distractors, open_prob=open_prob)
+    plan = gold_plan(scene)
+    cut = rng.randint(1, len(plan) - 1) if rng.random() < history_prob else 0
+    world = World.start(scene)
+    for action_id in plan[:cut]:
+        world.step(action_id)
+    return scene, world, plan[:cut], plan[cut:]
+
+
+def text_corpus(n: int, *, seed: int = 0) -> list[str]:
+    """Prompts and gold responses of ``n`` instances over all tasks, without images (the preset tokenizers'
+    training text)."""
+    out = []
+    for i in range(n):
+        rng = random.Random(f"embodied/tokenizer/{seed}/{i}")
+        scene, world, history, remaining = instance(rng, TASKS[i % len(TASKS)])
+        out += [prompt_text(scene, history), gold_response(scene, world, remaining),
+                REFERENCE_TEMPLATE.format(reference=json.dumps(plan_json(remaining)))]
+    return out
+
+
 @TASK_SUITES.register("embodied")
 def generate_embodied(
     n: int,
@@ -506,6 +530,7 @@ def generate_embodied(
         list_actions: list the scene's valid ``id name`` actions in the prompt.
         reference_prob: probability that the prompt also shows the gold plan (`with_reference`): SFT on such
             samples teaches a model to use a reference, so that it can serve as the forward-proxy teacher.
+            Never applied to the ``test`` split (held-out prompts stay plain).
         reward: verifier weights; default ``{"plan_success": 0.8, "json_plan": 0.2}``.
 
     ``answer`` is the gold remaining plan (``[{action_id, action_name}]``); ``metadata`` holds ``scene``,
@@ -528,16 +553,11 @@ def generate_embodied(
     for i in range(n):
         task = tasks[i % len(tasks)]
         rng = random.Random(f"embodied/{split}/{seed}/{i}")
-        scene = random_scene(rng, task, max_distractors=max_distractors, open_prob=open_prob)
-        plan = gold_plan(scene)
-        cut = rng.randint(1, len(plan) - 1) if rng.random() < history_prob else 0
-        history, remaining = plan[:cut], plan[cut:]
-        world = World.start(scene)
-        for action_id in history:
-            world.step(action_id)
+        scene, world, history, remaining = instance(rng, task, max_distractors=max_distractors, open_prob=open_prob,
+                                                    history_prob=history_prob)
         messages = [{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": prompt_text(scene, history, list_actions=list_actions)}]}]
-        if rng.random() < reference_prob:
+        if rng.random() < reference_prob and split != "test":
             messages = with_reference(messages, plan_json(remaining))
         samples.append(Sample(
             id=f"embodied-{split}-{seed}-{i:06d}",
