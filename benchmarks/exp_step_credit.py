@@ -177,14 +177,46 @@ def main() -> None:
         results["variants"][name] = run_variant(args, name, out, checkpoint, rl_data, test)
         print(_row(name, results["variants"][name]["eval"]), flush=True)
     results["wall_seconds"] = round(time.time() - start, 1)
+    results["analysis"] = {name: analysis(out / name) for name in variants if VARIANTS[name]}
     write_json(out / "results.json", results)
     write_report([out / name for name in variants], out / "compare.html")
     print(table(results))
+    print(analysis_table(results["analysis"]))
 
 
 def _row(name: str, result: dict) -> str:
     return (f"{name}: greedy success {result['greedy_success']['mean']:.3f}, step acc {result['greedy_step_acc']['mean']:.3f}; "
             f"sampled success {result['sampled_success']['mean']:.3f}, step acc {result['sampled_step_acc']['mean']:.3f}")
+
+
+def analysis(run_dir: Path) -> dict:
+    """The run's step-credit tables summed over its RL steps (what its report.html shows)."""
+    from vlrl.report.step_credit import summarize
+
+    summary, _ = summarize(run_dir)
+    if summary is None:
+        return {}
+    flips = {row["group"]: row["ratio"] for row in summary.flips}
+    return {"signal": summary.signal, "flip_ratio": flips,
+            "new_signal": next(row["new_ratio"] for row in summary.flips if row["group"] == "all action tokens"),
+            "step_scores": {row["group"]: {k: row[k] for k in ("n", "mean", "positive", "negative")} for row in summary.proxy},
+            "step_acc": summary.totals["correct_steps"] / max(summary.totals["steps"], 1)}
+
+
+def analysis_table(rows: dict) -> str:
+    fmt = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = ["| variant | flip ratio: all | successful traj. | failed traj. | rule-correct steps | rule-wrong steps "
+             "| new signal (A^E = 0) | A^S correct: mean (> 0) | A^S wrong: mean (> 0) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, a in rows.items():
+        if not a:
+            continue
+        f, sc = a["flip_ratio"], a["step_scores"]
+        right, wrong = sc["rule-correct steps"], sc["rule-wrong steps"]
+        lines.append(f"| {name} | {fmt(f['all action tokens'])} | {fmt(f['successful trajectories'])} | "
+                     f"{fmt(f['failed trajectories'])} | {fmt(f['rule-correct steps'])} | {fmt(f['rule-wrong steps'])} | "
+                     f"{fmt(a['new_signal'])} | {fmt(right['mean'])} ({fmt(right['positive'])}) | "
+                     f"{fmt(wrong['mean'])} ({fmt(wrong['positive'])}) |")
+    return "\n".join(lines)
 
 
 def table(results: dict) -> str:

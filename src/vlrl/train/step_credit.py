@@ -320,6 +320,9 @@ def shape_step_credit(advantages: torch.Tensor, loss_mask: torch.Tensor, traject
     else:
         if teacher_model is None:
             raise ValueError("step_credit: signal=forward_proxy needs a teacher model")
+        if any(getattr(t, "turns", None) for t in trajectories):
+            raise ValueError("step_credit: signal=forward_proxy scores single-turn responses (the teacher context is "
+                             "the prompt plus the reference plan); use signal=rule for multi-turn episodes")
         prompts, visions = teacher_prompts(policy, trajectories, options.teacher_template)
         responses = [t.response_ids for t in trajectories]
         teacher = sequence_logprobs(teacher_model, policy, prompts, responses, visions, temperature)
