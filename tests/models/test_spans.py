@@ -63,3 +63,25 @@ def test_special_tokens_and_multibyte_characters(tokenizer):
     fallback = type(offsets)(offsets.text, prefix, "prefix_decode")
     assert tokenizer.decode([ids[t] for t in fallback.tokens_in((start, start + 4))]).strip() == "café"
     assert offsets.tokens_in(None) == []
+
+
+def test_windowed_prefix_decoding_equals_the_exact_one(tokenizer):
+    from vlrl.models.spans import _decoder, _full_prefix_offsets, _windowed_offsets
+
+    decoder = _decoder(tokenizer)
+    for text in (TEXT * 3, '[{"action_id": 5, "action_name": "put the café ü ñ"}]' * 2):
+        for ids in (tokenizer(text, add_special_tokens=False)["input_ids"], _split_encoding(tokenizer, text, range(1, len(text), 2))):
+            windowed = _windowed_offsets(decoder, ids, text)
+            assert windowed is not None and windowed == _full_prefix_offsets(decoder, ids, text)
+
+
+def test_a_decoder_that_drops_a_leading_space_falls_back_to_exact_prefix_decoding(tokenizer):
+    from vlrl.models.spans import _full_prefix_offsets, _windowed_offsets
+
+    plain = tokenizer(" find a mug, pick up the mug, find a fridge, open the fridge", add_special_tokens=False)["input_ids"]
+    assert len(plain) > 8  # so that some window starts after the first token
+    lstrip = lambda ids: tokenizer.decode(ids).lstrip(" ")  # noqa: E731  (SentencePiece-like: no leading space)
+    text = lstrip(plain)
+    assert _windowed_offsets(lstrip, plain, text) is None  # a window starting at " pick" decodes to "pick"
+    exact = _full_prefix_offsets(lstrip, plain, text)
+    assert exact[-1][1] == len(text) and all(b >= a for a, b in exact)
