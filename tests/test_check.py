@@ -43,6 +43,8 @@ def test_detect_recipe():
     assert detect_recipe({"rollout": {"n": 4}}) == "rl"
     assert detect_recipe({"train": {"batch_size": 8}}) == "sft"
     assert detect_recipe({"model": {}}, "configs/my_sft.yaml") == "sft"
+    assert detect_recipe({"stages": [{"name": "a", "prompt_template": "answer"}]}, "x.yaml") == "rl"
+    assert detect_recipe({"stages": [{"name": "a", "train": {"batch_size": 8}}]}, "x.yaml") == "sft"
 
 
 def test_vision_tokens_must_match_the_models_features(tmp_path):

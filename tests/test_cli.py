@@ -98,3 +98,32 @@ def test_rl_writes_a_report_and_report_compares_runs(tmp_path):
     assert '[&#34;text_rl&#34;, &#34;copy&#34;]' in (tmp_path / "cmp.html").read_text()  # data-runs of the charts
     result = runner.invoke(app, ["report", str(tmp_path / "nowhere")])
     assert result.exit_code == 2 and "not a run directory" in result.output
+
+
+def test_data_pack_then_sft_from_the_plan(tmp_path):
+    runner.invoke(app, ["data", "gen", "arith", "--n", "24", "--out", str(tmp_path / "data")])
+    data = tmp_path / "data" / "train.jsonl"
+    result = runner.invoke(app, ["data", "pack", "--data", str(data), "--model", "tiny-qwen2", "--capacity", "120",
+                                 "--out", str(tmp_path / "plan.npz"), "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    stats = json.loads((tmp_path / "plan.json").read_text())["stats"]
+    assert stats["packed_samples"] == 24 and stats["bins"] < 24 and "lower bound" in result.output
+    result = runner.invoke(app, ["sft", "--data", str(data), f"out={tmp_path / 'run'}", "model.path=tiny-qwen2",
+                                 f"data.packing_plan={tmp_path / 'plan.npz'}", "data.suite=arith", "data.tasks=[add]", "data.n_test=4",
+                                 "train.steps=2", "train.batch_size=2", "train.micro_batch_size=1", "eval.samples=1",
+                                 "eval.max_new_tokens=2", "report.html=false"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["train"]["steps"] == 2
+
+
+def test_data_pack_reports_bad_input(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"id": "a", "task": "t", "prompt": "<image>hi", "images": ["nope.png"], "reward": "number", "response": "1"}\n')
+    result = runner.invoke(app, ["data", "pack", "--data", str(tmp_path / "bad.jsonl"), "--capacity", "64",
+                                 "--out", str(tmp_path / "p.npz")])
+    assert result.exit_code == 2 and "bad.jsonl:1: cannot count the tokens of sample 'a': image file not found" in result.output
+
+
+def test_sft_stages_option_names_unknown_stages(tmp_path):
+    result = runner.invoke(app, ["sft", "--config", "src/vlrl/configs/three_stage_sft.yaml", "--stages", "alignn",
+                                 f"out={tmp_path}"])
+    assert result.exit_code == 2 and "unknown stage(s) ['alignn']" in result.output and "align, " not in result.output

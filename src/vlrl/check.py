@@ -100,6 +100,10 @@ def _stages(cfg: RunConfig) -> tuple[list[tuple[str, SFTStage]], list[tuple[str,
     """(field prefix, stage) of the SFT and RL stages of a config: ``("sft.", ...)`` in a demo, ``("", cfg)``."""
     if isinstance(cfg, DemoConfig):
         return [("sft.", cfg.sft)], [("rl.", cfg.rl)]
+    if isinstance(cfg, SFTConfig) and cfg.stages:  # staged SFT: each stage has its own train section
+        return [(f"stages.{k}.", stage) for k, stage in enumerate(cfg.stages)], []
+    if isinstance(cfg, RLConfig) and cfg.stages:  # RL curriculum: each stage has its own sections
+        return [], [(f"stages.{k}.", stage) for k, stage in enumerate(cfg.stages)]
     return ([("", cfg)] if isinstance(cfg, SFTConfig) else []), ([("", cfg)] if isinstance(cfg, RLConfig) else [])
 
 
@@ -264,12 +268,14 @@ def _load_processor(report: CheckReport, model) -> _Processor | None:
 
     from vlrl.models import PRESETS, build_preset
     from vlrl.models.adapters import adapter_for
+    from vlrl.models.policy import set_pixel_bounds
 
     path = model.path
     name = path.removeprefix("preset:")
     if name in PRESETS and not Path(path).exists():
         with torch.device("meta"):  # parameters get shapes, no storage: nothing is loaded onto a device
             policy = build_preset(name, seed=model.init_seed)
+        set_pixel_bounds(policy.image_processor, model.min_pixels, model.max_pixels)
         return _Processor(policy.model.config, policy.tokenizer, policy.adapter, f"preset {name}")
     local = Path(path)
     if local.exists() and not (local / "config.json").is_file():
@@ -283,6 +289,7 @@ def _load_processor(report: CheckReport, model) -> _Processor | None:
         config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         image_processor = _load_image_processor(path) if hasattr(config, "vision_config") else None
+        set_pixel_bounds(image_processor, model.min_pixels, model.max_pixels)
         adapter = adapter_for(config, tokenizer, image_processor)
     except Exception as err:  # OSError (missing files, no hub), ValueError (unsupported family), ...
         report.problem("model.path", f"cannot load the config/tokenizer/processor of {path!r}: {_first_line(err)}")
@@ -373,7 +380,12 @@ def detect_recipe(raw: dict[str, Any], path: str | Path | None = None) -> str:
         return "demo"
     if {"rollout", "algo"} & set(raw):
         return "rl"
+    stages = raw.get("stages") if isinstance(raw.get("stages"), list) else []
+    if any(isinstance(st, dict) and {"rollout", "algo", "prompt_template", "staleness"} & set(st) for st in stages):
+        return "rl"  # an RL curriculum
     train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    if any(isinstance(st, dict) and isinstance(st.get("train"), dict) and "batch_size" in st["train"] for st in stages):
+        return "sft"  # staged SFT
     if "batch_size" in train or (path is not None and "sft" in Path(path).stem):
         return "sft"
     return "rl"

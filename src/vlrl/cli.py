@@ -59,12 +59,24 @@ def demo(
 def sft(
     config: Path | None = CONFIG,
     data: str | None = typer.Option(None, "--data", help="Training samples file/dir (sets data.train)."),
+    stages: str | None = typer.Option(None, "--stages", help="Run only these stages of a staged config, e.g. "
+                                      "midtrain,instruct (set model.path to the previous stage's checkpoint)."),
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
-    """Supervised fine-tuning on reference responses."""
+    """Supervised fine-tuning on reference responses (one stage, or the stages of the config in order)."""
     from vlrl.train.recipes import run_sft
 
-    _run(run_sft, _load(SFTConfig, config, overrides, [f"data.train={data}"] if data else []))
+    cfg = _load(SFTConfig, config, overrides, [f"data.train={data}"] if data else [])
+    if stages is not None:
+        wanted = [s.strip() for s in stages.split(",") if s.strip()]
+        known = [s.name for s in cfg.stages]
+        unknown = [s for s in wanted if s not in known]
+        if unknown or not wanted:
+            typer.secho(f"--stages: unknown stage(s) {unknown or wanted}; the config's stages: {known or 'none'}",
+                        fg="red", err=True)
+            raise typer.Exit(2)
+        cfg.stages = [s for s in cfg.stages if s.name in wanted]
+    _run(run_sft, cfg)
 
 
 @app.command()
@@ -224,6 +236,170 @@ def data_gen(
     with progress.task(f"write {target}"):
         path = write_samples(samples, target)
     typer.echo(f"wrote {len(samples)} {suite} samples to {path} (suites: {', '.join(TASK_SUITES.names())})")
+
+
+@data_app.command("pack")
+def data_pack(
+    data: Path = typer.Option(..., "--data", help="Sample file (.jsonl/.parquet) or directory to plan."),
+    out: Path = typer.Option(..., "--out", help="Plan file (.npz); the statistics go to the .json beside it."),
+    capacity: int = typer.Option(..., "--capacity", help="Tokens per packed sequence (e.g. 8192)."),
+    model: str = typer.Option("tiny-qwen2-vl", "--model", help="Model whose tokenizer/processor counts tokens (no weights loaded)."),
+    min_pixels: int | None = typer.Option(None, "--min-pixels", help="Native-resolution lower bound (as model.min_pixels)."),
+    max_pixels: int | None = typer.Option(None, "--max-pixels", help="Native-resolution upper bound (as model.max_pixels)."),
+    init_seed: int = typer.Option(0, "--init-seed", help="model.init_seed of a tiny preset."),
+    workers: int = typer.Option(1, "--workers", help="Processes counting tokens."),
+    seed: int = typer.Option(0, "--seed", help="The plan is deterministic for a seed."),
+    on_overlong: str = typer.Option("drop", "--on-overlong", help="Samples longer than the capacity: drop, truncate or raise."),
+    greedy_only: bool = typer.Option(False, "--greedy-only", help="Skip the diversity-first phase (fill greedily)."),
+    on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip (they are then not in the plan's file set)."),
+) -> None:
+    """Offline packing: count every sample's tokens, plan bins of --capacity tokens, write the plan once."""
+    from vlrl.data import DataError, read_samples
+    from vlrl.data.packing import PackingError, plan_samples
+    from vlrl.models.lengths import TokenCounter
+    from vlrl.models.policy import load_processor
+
+    if on_overlong not in ("drop", "truncate", "raise") or on_error not in ("raise", "skip"):
+        typer.secho("vlrl data pack: --on-overlong is drop, truncate or raise; --on-error is raise or skip", fg="red", err=True)
+        raise typer.Exit(2)
+    progress = _progress()
+    try:
+        with progress.task(f"read {data}"):
+            samples = read_samples(data, on_error=on_error, verify_images=False).samples
+        with progress.task(f"load the processor of {model}"):
+            processor = load_processor(model, seed=init_seed, min_pixels=min_pixels, max_pixels=max_pixels)
+        with progress.task(f"count tokens of {len(samples)} samples and pack"):
+            plan = plan_samples(samples, TokenCounter(processor), capacity, workers=workers, source=str(data),
+                                model={"path": model, "init_seed": init_seed, "min_pixels": min_pixels,
+                                       "max_pixels": max_pixels},
+                                seed=seed, on_overlong=on_overlong, diversity=not greedy_only)
+        path = plan.save(out)
+    except (DataError, PackingError, ValueError, OSError) as err:
+        typer.secho(f"vlrl data pack: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    s = plan.meta["stats"]
+    typer.echo(f"wrote {path} (+ {path.with_suffix('.json').name}): {s['packed_samples']} samples in {s['bins']} bins of "
+               f"{capacity} tokens (lower bound {s['lower_bound']}), fill {s['fill_ratio']:.2%}, padding compression "
+               f"vs one sample per sequence {s['compression_vs_naive']:.1f}x; {s['truncated']} truncated, "
+               f"{s['dropped']} dropped (longer than the capacity, listed in the .json)")
+
+
+@data_app.command("balance")
+def data_balance(
+    data: Path = typer.Option(..., "--data", help="Sample file (.jsonl/.parquet) or directory to balance."),
+    vocabulary: Path = typer.Option(..., "--vocabulary", help="Concept vocabulary: one concept per line."),
+    out: Path = typer.Option(..., "--out", help="Output directory: index.json, report.json, coverage.png, train.jsonl."),
+    embedder: str = typer.Option("clip", "--embedder", help="Registered embedder (clip) or pkg.mod:factory."),
+    embedder_path: str = typer.Option(..., "--embedder-path", help="Local directory of the embedding model."),
+    template: str = typer.Option("a photo of {}.", "--template", help="Prompt each concept is embedded in ({} = the concept)."),
+    top_k: int = typer.Option(5, "--top-k", help="Concepts retrieved per sample."),
+    n_out: int | None = typer.Option(None, "--n-out", help="Samples to draw (default: as many as the input holds)."),
+    power: float = typer.Option(1.0, "--power", help="Weight exponent: w ∝ mean f_c^(−power) over the sample's concepts."),
+    replace: bool | None = typer.Option(None, "--replace/--no-replace", help="Draw with replacement (default: only when --n-out exceeds the input)."),
+    seed: int = typer.Option(0, "--seed"),
+    batch_size: int = typer.Option(64, "--batch-size", help="Samples embedded per batch."),
+    write_data: bool = typer.Option(True, "--write-data/--index-only", help="Also write the resampled samples as train.jsonl."),
+    on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them."),
+) -> None:
+    """Concept balancing: top-K concepts per image, inverse-frequency resampling, coverage before/after."""
+    from vlrl.data import DataError, read_samples, write_samples
+    from vlrl.data.balance import balance_samples, get_embedder, plot_coverage, read_vocabulary, resampled
+    from vlrl.data.packing import ids_fingerprint
+    from vlrl.registry import RegistryError
+
+    progress = _progress()
+    try:
+        words = read_vocabulary(str(vocabulary))
+        samples = read_samples(data, on_error=on_error).samples
+        model = get_embedder(embedder)(embedder_path)
+        with progress.task(f"embed {len(samples)} samples, {len(words)} concepts"):
+            result = balance_samples(samples, model, words, top_k=top_k, n_out=n_out, power=power, replace=replace,
+                                     seed=seed, batch_size=batch_size, template_texts=[template.replace("{}", w) for w in words])
+    except (DataError, RegistryError, ValueError, OSError) as err:
+        typer.secho(f"vlrl data balance: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    out.mkdir(parents=True, exist_ok=True)
+    ids = [s.id for s in samples]
+    (out / "index.json").write_text(json.dumps({"data": str(data), "ids_sha256": ids_fingerprint(ids),
+                                                "indices": result.indices.tolist(),
+                                                "ids": [ids[i] for i in result.indices.tolist()]}) + "\n")
+    (out / "report.json").write_text(json.dumps(result.report, indent=2) + "\n")
+    plot_coverage(result, str(out / "coverage.png"))
+    if write_data:
+        write_samples(resampled(samples, result.indices), out / "train.jsonl")
+    r = result.report
+    for name in ("pool", "uniform", "balanced"):
+        c = r[name]
+        typer.echo(f"{name:9s} {c['samples']:>8} samples: {c['concepts_covered']}/{len(words)} concepts covered "
+                   f"({c['coverage']:.1%}), evenness {c['evenness']:.3f}, top-1% concepts hold {c['head_1pct_share']:.1%} "
+                   "of mentions")
+    typer.echo(f"wrote {out}/index.json, report.json, coverage.png" + (", train.jsonl" if write_data else ""))
+
+
+@data_app.command("select")
+def data_select(
+    data: Path = typer.Option(..., "--data", help="Prompts (.jsonl/.parquet file or directory) with answers and rewards."),
+    model: str = typer.Option(..., "--model", help="The current model: directory, preset or hub id."),
+    out: Path = typer.Option(..., "--out", help="Output directory: selected.jsonl, stats.jsonl, summary.json."),
+    n: int = typer.Option(8, "--n", help="Rollouts per prompt (N)."),
+    k: int | None = typer.Option(None, "--k", help="pass@k of the gap (default: k = N)."),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    min_mean_reward: float | None = typer.Option(0.1, "--min-mean-reward", help="Drop items whose mean reward is lower (unsolvable)."),
+    max_mean_reward: float | None = typer.Option(0.9, "--max-mean-reward", help="Drop items whose mean reward is higher (trivial)."),
+    min_gap: float | None = typer.Option(None, "--min-gap", help="Keep only items with pass@k − pass@1 ≥ this."),
+    store: Path | None = typer.Option(None, "--store", help="Rollout cache (jsonl) to reuse and extend; default OUT/rollouts.jsonl."),
+    servers: str | None = typer.Option(None, "--servers", help="Comma-separated rollout servers (vlrl serve / SGLang) already serving --model."),
+    batch_prompts: int = typer.Option(64, "--batch-prompts", help="Prompts per generate call."),
+    seed: int = typer.Option(0, "--seed"),
+    on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them."),
+) -> None:
+    """Discrepancy-driven selection: N rollouts per prompt, pass@1 / pass@k / mean reward, keep the band."""
+    from vlrl.data import DataError, read_samples, write_samples
+    from vlrl.data.select import Band, RolloutStore, rollout_and_score, select, summarise
+    from vlrl.models import load_policy
+    from vlrl.rollout import HFEngine, SamplingParams
+    from vlrl.train.common import reward_names_check, seed_everything
+
+    progress = _progress()
+    engine = None
+    try:
+        samples = read_samples(data, on_error=on_error, check=reward_names_check).samples
+        band = Band(min_mean_reward=min_mean_reward, max_mean_reward=max_mean_reward, min_gap=min_gap, k=k or n)
+        rollout_store = RolloutStore(store or out / "rollouts.jsonl")
+        seed_everything(seed)
+        with progress.task(f"load {model}"):
+            if servers:
+                from vlrl.models.policy import load_processor
+                from vlrl.rollout.http_engine import HTTPEngine
+
+                engine = HTTPEngine(load_processor(model), [u.strip() for u in servers.split(",") if u.strip()],
+                                    weights_dir=out / "weights")
+            else:
+                engine = HFEngine(load_policy(model))
+        sampling = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens)
+        with progress.task(f"roll out {len(samples)} prompts × {n}", total=len(samples)) as task:
+            rollouts, generated, failures = rollout_and_score(
+                engine, samples, sampling, rollout_store, model=model, batch_prompts=batch_prompts,
+                on_progress=lambda done: task.update(completed=done))
+        kept, stats = select(samples, rollouts, band)
+    except (DataError, ValueError, OSError) as err:
+        typer.secho(f"vlrl data select: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    out.mkdir(parents=True, exist_ok=True)
+    write_samples(kept, out / "selected.jsonl")
+    with open(out / "stats.jsonl", "w", encoding="utf-8") as handle:
+        for s in stats:
+            handle.write(json.dumps({**s.__dict__, "gap": s.gap}) + "\n")
+    summary = {**summarise(stats), "band": band.__dict__, "generated": generated,
+               "reused_from_store": len(samples) - generated, "reward_failures": failures,
+               "store": str(rollout_store.path), "model": model, "n": n}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    typer.echo(f"kept {len(kept)} of {len(samples)} items ({summary['verdicts']}); rolled out {generated}, reused "
+               f"{len(samples) - generated} from {rollout_store.path}; wrote {out}/selected.jsonl, stats.jsonl, summary.json")
 
 
 def _progress():

@@ -37,6 +37,20 @@ class ModelConfig(Section):
     )
     device: str = Field("cpu", description="Torch device for the policy, e.g. 'cpu' or 'cuda'.")
     init_seed: int = Field(0, description="Seed of the random initialisation of a tiny preset.")
+    min_pixels: int | None = Field(
+        None, ge=1, description="Native-resolution lower bound: images with fewer pixels are upscaled (set on the "
+        "image processor; Qwen2-VL default 56·56). Unset: the processor's own setting.",
+    )
+    max_pixels: int | None = Field(
+        None, ge=1, description="Native-resolution upper bound: larger images are downscaled to at most this many "
+        "pixels, keeping the aspect ratio (LLaVA-OV-1.5 evaluation: 3,240,000). Unset: the processor's own setting.",
+    )
+
+    @model_validator(mode="after")
+    def _check_pixels(self) -> ModelConfig:
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"model.min_pixels ({self.min_pixels}) exceeds model.max_pixels ({self.max_pixels})")
+        return self
 
 
 class DataConfig(Section):
@@ -59,6 +73,11 @@ class DataConfig(Section):
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="Bad records in data files: 'raise' stops with file:line; 'skip' skips and counts them."
     )
+    packing_plan: str | None = Field(
+        None, description="SFT: a packing plan written by `vlrl data pack` for `train` (.npz + .json sidecar). "
+        "Training then reads packed sequences from the plan (no packing at run time) and train.batch_size / "
+        "train.micro_batch_size count packed sequences instead of samples.",
+    )
 
 
 class EvalConfig(Section):
@@ -75,6 +94,11 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then constant learning rate.")
+    module_lr: dict[str, float] = Field(
+        default_factory=dict, description="Per-module learning rates: module group of the model family (Qwen2-VL: "
+        "projector, vision, llm) or parameter-name prefix → lr; parameters not matched use `lr`. The most specific "
+        "match wins. E.g. {vision: 2e-6, projector: 1e-5, llm: 1e-5}.",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- SFT stage
@@ -85,6 +109,15 @@ class SFTTrainConfig(Section):
     max_samples: int | None = Field(None, ge=1, description="Train on only the first N training samples (a small labelled set).")
     max_seconds: float | None = Field(None, gt=0, description="Wall-clock budget of the stage; stops after the step that crosses it.")
     log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
+    padding_free: bool = Field(
+        False, description="Without a packing plan: pack each micro-batch's samples into rows at run time (no padding "
+        "between samples, per-sample position ids). With data.packing_plan this is always on.",
+    )
+    trainable: list[str] = Field(
+        default_factory=lambda: ["all"], description="Parameters trained in this stage: 'all', or module groups of the "
+        "model family (Qwen2-VL: projector, vision, llm) and/or parameter-name prefixes; the rest is frozen. "
+        "LLaVA-OV-1.5 stage 1 (align): [projector].",
+    )
 
 
 class SFTStage(Section):
@@ -222,6 +255,10 @@ class RLTrainConfig(Section):
     max_samples: int | None = Field(None, ge=1, description="Draw prompts from only the first N training samples.")
     max_seconds: float | None = Field(None, gt=0, description="Wall-clock budget of the stage; stops after the step that crosses it.")
     log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+    padding_free: bool = Field(
+        False, description="Teacher-forced passes (update, π_old, π_ref) pack each micro-batch's sequences into rows "
+        "with per-sequence position ids instead of padding them (same values, fewer tokens; vlrl.models.packed).",
+    )
 
 
 class RLStage(Section):
@@ -298,12 +335,73 @@ class RunConfig(Section):
     check: CheckConfig = Field(default_factory=CheckConfig, description="The preflight check run before loading weights.")
 
 
+class SFTStageSpec(SFTStage):
+    """One named stage of a staged SFT run (LLaVA-OV-1.5: align → midtrain → instruct)."""
+
+    name: str = Field(..., min_length=1, description="Stage name: metrics stage, checkpoint directory checkpoints/<name>.")
+    data: DataConfig | None = Field(
+        None, description="Training data of this stage (train file, packing plan, ...). Unset: the run's `data` section.",
+    )
+
+
 class SFTConfig(RunConfig, SFTStage):
     """`vlrl sft`: supervised fine-tuning on the reference responses (assistant tokens only)."""
+
+    stages: list[SFTStageSpec] = Field(
+        default_factory=list, description="Staged SFT: stages run in order, each starting from the previous stage's "
+        "checkpoint with its own optimizer, trainable modules and data. Empty: one stage from `optim` and `train`. "
+        "See configs/three_stage_sft.yaml.",
+    )
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> SFTConfig:
+        if self.stages:
+            top = sorted({"optim", "train"} & self.model_fields_set)
+            if top:
+                raise ValueError(f"{', '.join(top)}: with `stages` set, every stage has its own optim and train "
+                                 "sections; move these settings into the stages")
+            names = [s.name for s in self.stages]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ValueError(f"stages: duplicate stage name(s) {duplicates}")
+        return self
+
+
+class RLStageSpec(RLStage):
+    """One stage of an RL curriculum (LLaVA-OV-1.5-RL: answer-only, then chain-of-thought)."""
+
+    name: str = Field(..., min_length=1, description="Stage name: metrics stage, checkpoint directory checkpoints/<name>.")
+    data: DataConfig | None = Field(
+        None, description="Prompts of this stage (train file or procedural suite). Unset: the run's `data` section.",
+    )
+    prompt_template: str | None = Field(
+        None, description="Instruction put at the end of every prompt's last user turn, replacing a known one: "
+        "'answer' (Put ONLY your final answer within <answer></answer>.), 'think' (step by step in <think></think>, "
+        "then <answer></answer>), 'none', or literal text. Unset: prompts as they are.",
+    )
 
 
 class RLConfig(RunConfig, RLStage):
     """`vlrl rl`: GRPO-family RL with verifiable rewards, synchronous or asynchronous (``rollout.mode``)."""
+
+    stages: list[RLStageSpec] = Field(
+        default_factory=list, description="RL curriculum: stages run in order, each starting from the previous "
+        "stage's checkpoint with its own data, prompt template, rollout, algo, optim and train sections. Empty: one "
+        "stage from the top-level sections. See configs/curriculum_grpo.yaml.",
+    )
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> RLConfig:
+        if self.stages:
+            top = sorted({"rollout", "algo", "optim", "train", "staleness"} & self.model_fields_set)
+            if top:
+                raise ValueError(f"{', '.join(top)}: with `stages` set, every stage has its own rollout, algo, optim, "
+                                 "train and staleness sections; move these settings into the stages")
+            names = [s.name for s in self.stages]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ValueError(f"stages: duplicate stage name(s) {duplicates}")
+        return self
 
 
 class DemoConfig(RunConfig):

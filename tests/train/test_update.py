@@ -83,3 +83,18 @@ def test_update_steps_once_per_minibatch_and_logs_its_statistics(rollout):
         assert key in stats, key
     assert stats["policy/approx_kl_old"][0] < 1e-10  # the first micro-batch is on-policy (π_θ = π_old)
     assert stats["policy/approx_kl_old"][-1] > 1e-8  # the last one is not: the weights moved 3 times
+
+
+def test_padding_free_update_equals_the_padded_one(rollout):
+    """train.padding_free packs each micro-batch into rows (per-sequence positions, no cross-attention): the
+    π_old pass and the minibatch gradient equal the padded ones."""
+    policy, trajectories = rollout
+    padded = _batch(policy, trajectories, minibatches=2)
+    packed = _batch(policy, trajectories, minibatches=2, padding_free=True)
+    assert torch.allclose(packed.old_logp, padded.old_logp, atol=1e-5)
+    normaliser = normaliser_for("token_mean", padded.loss_mask)
+    reference = minibatch_gradient(policy, padded, range(6), _settings("token_mean", 4), normaliser=normaliser)
+    free = minibatch_gradient(policy, padded, range(6), _settings("token_mean", 4, padding_free=True), normaliser=normaliser)
+    assert max(float(g.abs().max()) for g in reference.values()) > 1e-4
+    for name, g in reference.items():
+        assert torch.allclose(free[name], g, rtol=1e-4, atol=1e-6), name

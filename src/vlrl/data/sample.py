@@ -143,6 +143,30 @@ def load_image(source: ImageSource) -> Image.Image:
     return image.convert("RGB")
 
 
+def image_size(source: ImageSource) -> tuple[int, int]:
+    """(width, height) of an image source from its header alone (no pixel decoding); `SampleError` if unreadable."""
+    if isinstance(source, Image.Image):
+        return source.size
+    try:
+        if isinstance(source, bytes):
+            handle = io.BytesIO(source)
+        elif isinstance(source, str) and _DATA_URL.match(source):
+            handle = io.BytesIO(base64.b64decode(_DATA_URL.sub("", source, count=1)))
+        elif isinstance(source, str):
+            if not Path(source).is_file():
+                raise SampleError(f"image file not found: {source}")
+            handle = source
+        else:
+            raise SampleError(f"unsupported image source of type {type(source).__name__}")
+        with Image.open(handle) as image:
+            return image.size
+    except SampleError:
+        raise
+    except Exception as err:
+        where = source if isinstance(source, str) and len(source) < 300 else "<bytes>"
+        raise SampleError(f"cannot read the size of image {where}: {err}") from err
+
+
 def image_to_png_bytes(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")

@@ -150,6 +150,33 @@ class TextAdapter:
     def special_token_ids(self) -> list[int]:
         return sorted(set(self.tokenizer.all_special_ids))
 
+    # --- packing and staged training (vlrl.data.packing, vlrl.models.packed, vlrl.train.stages)
+    # Parameter groups by name prefix, for freezing (`align` trains only the projector) and per-module learning
+    # rates. A text model has no vision tower and no projector.
+    module_groups: dict[str, tuple[str, ...]] = {"llm": ("model.", "lm_head.")}
+
+    def image_token_count(self, width: int, height: int) -> int:
+        """Vision tokens of one ``width`` × ``height`` image, by the processor's own arithmetic."""
+        raise ValueError("a text-only model cannot take images")
+
+    def count_prompt_tokens(self, messages: list[dict[str, Any]], image_sizes: list[tuple[int, int]]) -> int:
+        """``len(encode_prompt(messages, images).input_ids)`` from the images' sizes alone (no pixel decoding):
+        the rendered prompt holds one placeholder token per image, which expands to that image's count."""
+        base = len(self.encode_text(self.render(messages)))
+        return base + sum(self.image_token_count(w, h) - 1 for w, h in image_sizes)
+
+    def segment_position_ids(self, model: torch.nn.Module, input_ids: torch.Tensor, vision: VisionInputs | None) -> torch.Tensor:
+        """(1, L) positions of one sequence laid out alone in a packed row: 0, 1, ..., L − 1."""
+        return torch.arange(len(input_ids)).unsqueeze(0)
+
+    def packed_forward_inputs(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, vision: VisionInputs | None
+    ) -> dict[str, Any]:
+        """Forward kwargs of a packed (N, T) batch: positions restart at 0 for every sequence and there is no
+        attention mask, so transformers builds a block-diagonal causal mask (sdpa/eager) or hands the
+        boundaries to flash-attention varlen (``position_ids`` → ``cu_seqlens``)."""
+        return {"input_ids": input_ids, "position_ids": position_ids[0]}  # (N, T)
+
 
 class Qwen2VLAdapter(TextAdapter):
     """Qwen2-VL / Qwen2.5-VL (and any model with the same processor and M-RoPE interface)."""
@@ -208,6 +235,32 @@ class Qwen2VLAdapter(TextAdapter):
             "image_grid_thw": vision.image_grid_thw,
             "mm_token_type_ids": mm_token_type_ids,
         }
+
+    # Qwen2-VL / Qwen2.5-VL: the vision tower is ``model.visual`` (its ``merger`` is the projector into the LLM).
+    module_groups = {"projector": ("model.visual.merger.",), "vision": ("model.visual.",),
+                     "llm": ("model.language_model.", "lm_head.")}
+
+    def image_token_count(self, width: int, height: int) -> int:
+        return self.image_processor.get_number_of_image_patches(height, width) // self.merge_size**2
+
+    def segment_position_ids(self, model, input_ids, vision):
+        """(4, L): the text positions 0..L − 1 (which transformers reads to find the sequence boundaries of a
+        packed row), then the sequence's own M-RoPE (t, h, w) positions from the model's `get_rope_index`."""
+        text = torch.arange(len(input_ids)).unsqueeze(0)  # (1, L)
+        if vision is None:
+            return text.expand(4, -1)
+        ids = input_ids.unsqueeze(0)  # (1, L)
+        inner = model.model if hasattr(model, "model") else model
+        mrope, _ = inner.get_rope_index(ids, mm_token_type_ids=self._mm_token_type_ids(ids),
+                                        image_grid_thw=vision.image_grid_thw.to(ids.device))  # (3, 1, L)
+        return torch.cat([text.to(mrope.device), mrope[:, 0]], dim=0)
+
+    def packed_forward_inputs(self, input_ids, position_ids, vision):
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}  # (4, N, T)
+        if vision is not None:
+            kwargs.update(pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
+                          mm_token_type_ids=self._mm_token_type_ids(input_ids))
+        return kwargs
 
     def generate_inputs(self, input_ids, attention_mask, vision):
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}

@@ -60,8 +60,14 @@ class Policy:
         return out_dir
 
 
-def load_policy(name_or_path: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> Policy:
-    """Load a policy from a preset name, a local directory, or a hub id."""
+def load_policy(
+    name_or_path: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
+    min_pixels: int | None = None, max_pixels: int | None = None,
+) -> Policy:
+    """Load a policy from a preset name, a local directory, or a hub id.
+
+    ``min_pixels`` / ``max_pixels``: native-resolution bounds set on the image processor (`set_pixel_bounds`).
+    """
     from vlrl.models.presets import PRESETS, build_preset
 
     if dtype not in DTYPES:
@@ -72,7 +78,57 @@ def load_policy(name_or_path: str, *, dtype: str = "float32", device: str = "cpu
     else:
         policy = _load_pretrained(name_or_path, DTYPES[dtype])
     policy.model.to(device=device, dtype=DTYPES[dtype])
+    set_pixel_bounds(policy.image_processor, min_pixels, max_pixels)
     return policy
+
+
+def load_processor(
+    name_or_path: str, *, seed: int = 0, min_pixels: int | None = None, max_pixels: int | None = None
+) -> Policy:
+    """The tokenizer, image processor and adapter of a model with no weights in memory: a preset is built on
+    the ``meta`` device, a directory or hub id reads only its config, tokenizer and processor files. The
+    returned `Policy` encodes and counts tokens; its model cannot run."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from vlrl.models.presets import PRESETS, build_preset
+
+    name = name_or_path.removeprefix("preset:")
+    with torch.device("meta"):  # parameters get shapes, no storage
+        if name in PRESETS and not Path(name_or_path).exists():
+            policy = build_preset(name, seed=seed)
+        else:
+            local = Path(name_or_path)
+            if local.exists() and not (local / "config.json").is_file():
+                raise FileNotFoundError(f"{name_or_path}: not a model directory (no config.json)")
+            config = AutoConfig.from_pretrained(name_or_path)
+            is_vision = hasattr(config, "vision_config")
+            model = (AutoModelForImageTextToText if is_vision else AutoModelForCausalLM).from_config(config)
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            image_processor = _load_image_processor(name_or_path) if is_vision else None
+            policy = Policy.from_parts(model, tokenizer, image_processor, source=str(name_or_path))
+    set_pixel_bounds(policy.image_processor, min_pixels, max_pixels)
+    return policy
+
+
+def set_pixel_bounds(image_processor: Any | None, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Native resolution: images keep their aspect ratio and are resized only into [min_pixels, max_pixels]
+    (Qwen2-VL's ``size = {shortest_edge: min_pixels, longest_edge: max_pixels}``). None keeps a bound as is."""
+    if min_pixels is None and max_pixels is None:
+        return
+    if image_processor is None:
+        raise ValueError("model.min_pixels / model.max_pixels: this model has no image processor")
+    size = getattr(image_processor, "size", None)
+    if size is None or "longest_edge" not in size or "shortest_edge" not in size:
+        raise ValueError(f"model.min_pixels / model.max_pixels: {type(image_processor).__name__} has no "
+                         "shortest_edge/longest_edge pixel bounds")
+    from transformers.image_utils import SizeDict
+
+    bounds = {k: v for k, v in dict(size).items() if v is not None}
+    if min_pixels is not None:
+        bounds["shortest_edge"] = int(min_pixels)
+    if max_pixels is not None:
+        bounds["longest_edge"] = int(max_pixels)
+    image_processor.size = SizeDict(**bounds)
 
 
 def _load_pretrained(path: str, dtype: torch.dtype) -> Policy:

@@ -31,7 +31,8 @@ from vlrl.algos.shaping import (
     get_reward_shaping,
 )
 from vlrl.config import RLStage, ShapingSpec
-from vlrl.models import Policy, collate, response_logprobs
+from vlrl.models import Policy
+from vlrl.models.packed import sequence_logprobs
 from vlrl.rollout import Status, Trajectory
 from vlrl.train import step_credit as _step_credit  # noqa: F401  (registers the step_credit advantage shaper)
 from vlrl.train.update import UpdateBatch, UpdateSettings
@@ -96,6 +97,7 @@ def build_algorithm(stage: RLStage, policy: Policy, *, apply_behaviour_weight: b
         temperature=stage.rollout.temperature, micro_batch_size=train.micro_batch_size, minibatches=train.minibatches,
         ppo_epochs=train.ppo_epochs, grad_clip=stage.optim.grad_clip,
         behaviour_weight_cap=stage.staleness.behaviour_weight_cap, apply_behaviour_weight=apply_behaviour_weight,
+        padding_free=train.padding_free,
     )
     return Algorithm(
         advantage_fn=functools.partial(estimator, **algo.advantage_options),
@@ -116,8 +118,10 @@ def prepare_batch(algorithm: Algorithm, policy: Policy, trajectories: Sequence[T
     # π_old (= π_prox in async) is needed only if the weights move before the last minibatch: with one update
     # per batch the update uses logp.detach() of its own forward pass. π_ref only with a KL term.
     n_updates = settings.ppo_epochs * settings.minibatches
-    old_logp = score(policy.model, policy, trajectories, settings.temperature) if n_updates > 1 else None
-    ref_logp = score(algorithm.reference, policy, trajectories, settings.temperature) if algorithm.reference is not None else None
+    free = settings.padding_free
+    old_logp = score(policy.model, policy, trajectories, settings.temperature, padding_free=free) if n_updates > 1 else None
+    ref_logp = (score(algorithm.reference, policy, trajectories, settings.temperature, padding_free=free)
+                if algorithm.reference is not None else None)
     context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step,
                           run_dir=run_dir)
     # reward shaping (per response, per group), then the reward sits on the last model token
@@ -176,13 +180,15 @@ def place_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, last_index: to
 
 
 @torch.no_grad()
-def score(model: torch.nn.Module, policy: Policy, trajectories: Sequence[Trajectory], temperature: float) -> torch.Tensor:
-    """Teacher-forced log-probs (B, R) of the trajectories' responses under ``model``."""
-    tokens = collate([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
-                     [t.vision for t in trajectories], pad_token_id=policy.pad_token_id)
+def score(model: torch.nn.Module, policy: Policy, trajectories: Sequence[Trajectory], temperature: float, *,
+          padding_free: bool = False) -> torch.Tensor:
+    """Teacher-forced log-probs (B, R) of the trajectories' responses under ``model`` (padded, or packed into
+    rows without padding between sequences: the same values)."""
     was_training = model.training
     model.eval()
-    logp, _ = response_logprobs(model, policy.adapter, tokens, temperature=temperature)
+    logp, _, _ = sequence_logprobs(model, policy.adapter, [t.prompt_ids for t in trajectories],
+                                   [t.response_ids for t in trajectories], [t.vision for t in trajectories],
+                                   pad_token_id=policy.pad_token_id, temperature=temperature, padding_free=padding_free)
     model.train(was_training)
     return logp
 

@@ -21,9 +21,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW over trainable parameters, with linear warm-up to a constant learning rate."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def make_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, module_groups: dict[str, tuple[str, ...]] | None = None
+) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over trainable parameters, with linear warm-up to a constant learning rate.
+
+    ``cfg.module_lr`` gives modules their own learning rate; its names are the family's ``module_groups``
+    (the policy adapter's) or parameter-name prefixes (`vlrl.train.modules`).
+    """
+    from vlrl.train.modules import param_groups
+
+    params = param_groups(model, cfg.lr, cfg.module_lr, module_groups or {})
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     warmup = cfg.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)

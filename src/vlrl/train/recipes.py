@@ -9,14 +9,17 @@ Every recipe reads the same way:
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from vlrl.check import PreflightError, preflight
-from vlrl.config import DemoConfig, RLConfig, RunConfig, SFTConfig
+from vlrl.config import DataConfig, DemoConfig, RLConfig, RunConfig, SFTConfig
 from vlrl.data import Sample
+from vlrl.data.curriculum import with_template
+from vlrl.data.packing import PackingPlan
 from vlrl.eval import evaluate
 from vlrl.models import Policy, load_policy
 from vlrl.report import MetricsLogger, make_sink
@@ -85,7 +88,8 @@ def _check(cfg: RunConfig, logger: MetricsLogger, train: list[Sample], test: lis
 def _load(cfg: RunConfig, logger: MetricsLogger) -> Policy:
     seed_everything(cfg.seed)
     with logger.progress.task("load policy"):
-        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, seed=cfg.model.init_seed)
+        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, seed=cfg.model.init_seed,
+                             min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
     logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}")
     return policy
 
@@ -112,19 +116,20 @@ def _eval(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, st
 
 
 def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: int, name: str = "sft",
-         max_seconds: float | None = None) -> dict:
+         max_seconds: float | None = None, plan: PackingPlan | None = None) -> dict:
     with logger.progress.task(name, total=None if max_seconds else stage.train.steps, stage=name):
-        stats = train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds)
+        stats = train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds,
+                          plan=plan)
     _log_last_step(logger, name, stats)
     return stats
 
 
-def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger) -> dict:
-    with logger.progress.task("rl", total=stage.train.steps, stage="rl"), \
-            engine.training("rl", total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
+def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger, name: str = "rl") -> dict:
+    with logger.progress.task(name, total=stage.train.steps, stage=name), \
+            engine.training(name, total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
         loop = train_async_grpo if stage.rollout.mode == "async" else train_grpo
-        stats = loop(policy, engine, train, stage, logger=logger, seed=cfg.seed)
-    _log_last_step(logger, "rl", stats)
+        stats = loop(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name)
+    _log_last_step(logger, name, stats)
     return stats
 
 
@@ -147,12 +152,42 @@ def run_sft(cfg: SFTConfig) -> dict:
         train, test = _data(cfg, logger)
         _check(cfg, logger, train, test)
         policy = _load(cfg, logger)
-        stats = _sft(policy, train, cfg, cfg, logger, seed=cfg.seed)
-        _save(policy, run_dir / "checkpoints" / "final", logger)
+        if cfg.stages:
+            policy, stats = _sft_stages(policy, train, cfg, run_dir, logger)
+        else:
+            stats = _sft(policy, train, cfg, cfg, logger, seed=cfg.seed, plan=_plan(cfg.data, logger))
+            _save(policy, run_dir / "checkpoints" / "final", logger)
         engine = _engine(policy, cfg, logger, _samples(cfg, run_dir))
         summary = {"sft": _eval(engine, test, cfg, logger, "final"), "train": stats}
         write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def _plan(data: DataConfig, logger: MetricsLogger) -> PackingPlan | None:
+    if data.packing_plan is None:
+        return None
+    plan = PackingPlan.load(data.packing_plan)
+    stats = plan.meta.get("stats", {})
+    logger.info(f"packing plan {data.packing_plan}: {plan.num_bins} sequences of {plan.capacity} tokens, fill "
+                f"{stats.get('fill_ratio', 0):.1%}, {len(plan.truncated)} truncated, {len(plan.dropped)} dropped samples")
+    return plan
+
+
+def _sft_stages(policy: Policy, train: list[Sample], cfg: SFTConfig, run_dir: Path, logger: MetricsLogger):
+    """Staged SFT (LLaVA-OV-1.5: align → midtrain → instruct): each stage trains with its own data, optimizer
+    and trainable modules, is saved to checkpoints/<name>, and the next stage starts from that checkpoint."""
+    stats = {}
+    for k, stage in enumerate(cfg.stages):
+        data = stage.data or cfg.data
+        samples = train if stage.data is None else load_split(stage.data, "train", logger)
+        stats[stage.name] = _sft(policy, samples, stage, cfg, logger, seed=cfg.seed, name=stage.name,
+                                 plan=_plan(data, logger))
+        checkpoint = _save(policy, run_dir / "checkpoints" / stage.name, logger)
+        if k + 1 < len(cfg.stages):  # the next stage continues from this checkpoint, with a fresh optimizer
+            policy = load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
+                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    _link_final(run_dir, cfg.stages[-1].name)
+    return policy, stats
 
 
 def run_rl(cfg: RLConfig) -> dict:
@@ -161,6 +196,10 @@ def run_rl(cfg: RLConfig) -> dict:
         train, test = _data(cfg, logger)
         _check(cfg, logger, train, test)
         policy = _load(cfg, logger)
+        if cfg.stages:
+            summary = _rl_stages(policy, train, test, cfg, run_dir, logger)
+            write_json(run_dir / "summary.json", summary)
+            return summary
         # in-process, or rollout.servers over HTTP (rollout.mode=async)
         engine = WatchedEngine(make_engine(cfg.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
         try:
@@ -173,6 +212,45 @@ def run_rl(cfg: RLConfig) -> dict:
                 engine.engine.close()
         write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def _rl_stages(policy: Policy, train: list[Sample], test: list[Sample], cfg: RLConfig, run_dir: Path,
+               logger: MetricsLogger) -> dict:
+    """RL curriculum (LLaVA-OV-1.5-RL: answer-only, then chain-of-thought): each stage trains on its own data
+    with its own prompt template, is saved to checkpoints/<name> and evaluated (held-out prompts in the same
+    template), and the next stage starts from that checkpoint."""
+    summary: dict = {"train": {}}
+    for k, stage in enumerate(cfg.stages):
+        samples = train if stage.data is None else load_split(stage.data, "train", logger)
+        held_out = test
+        if stage.prompt_template is not None:
+            samples, held_out = with_template(samples, stage.prompt_template), with_template(test, stage.prompt_template)
+        engine = WatchedEngine(make_engine(stage.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
+        try:
+            if k == 0:
+                summary["initial"] = _eval(engine, held_out, cfg, logger, "initial")
+            summary["train"][stage.name] = _rl(policy, engine, samples, stage, cfg, logger, name=stage.name)
+            checkpoint = _save(policy, run_dir / "checkpoints" / stage.name, logger)
+            summary[stage.name] = _eval(engine, held_out, cfg, logger, stage.name)
+        finally:
+            if hasattr(engine.engine, "close"):
+                engine.engine.close()
+        if k + 1 < len(cfg.stages):
+            policy = load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
+                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    summary["rl"] = summary[cfg.stages[-1].name]
+    _link_final(run_dir, cfg.stages[-1].name)
+    return summary
+
+
+def _link_final(run_dir: Path, stage: str) -> None:
+    """checkpoints/final → checkpoints/<last stage>."""
+    final = run_dir / "checkpoints" / "final"
+    if final.is_symlink() or final.is_file():
+        final.unlink()
+    elif final.is_dir():
+        shutil.rmtree(final)
+    final.symlink_to(stage, target_is_directory=True)
 
 
 def run_demo(cfg: DemoConfig) -> dict:

@@ -6,6 +6,13 @@ image tokens) is context, never a target. The loss is the token mean over the wh
     L = − Σ_i Σ_t log π_θ(y_it | x_i, y_i<t) / Σ_i |y_i|
 
 with the denominator taken over the full optimizer batch, so micro-batching does not change the gradient.
+
+Batches are padded (`collate`) or padding-free (`vlrl.models.packed`: sequences packed into rows, each with
+its own positions, none attending to another), which gives the same loss and gradients with fewer tokens
+processed. With a packing plan (``data.packing_plan``, written by `vlrl data pack`) the unit of a batch is a
+planned bin of samples, read from the plan with no packing at run time; ``train.padding_free`` packs each
+micro-batch of samples at run time instead. ``train.trainable`` freezes everything else for the stage (the
+`align` stage trains only the projector) and ``optim.module_lr`` sets per-module learning rates.
 """
 
 from __future__ import annotations
@@ -17,11 +24,14 @@ import torch
 
 from vlrl.config import SFTStage
 from vlrl.data import Sample
+from vlrl.data.packing import PackingPlan
 from vlrl.data.sample import load_image
 from vlrl.models import Policy, collate, response_logprobs
 from vlrl.models.adapters import VisionInputs
+from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
 from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
+from vlrl.train.modules import restore_trainable, set_trainable
 
 
 @dataclass
@@ -30,9 +40,17 @@ class SFTExample:
     target_ids: list[int]
     vision: VisionInputs | None
 
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.target_ids)
 
-def encode_sft(policy: Policy, sample: Sample) -> SFTExample:
-    """Prompt ids (chat template, generation prompt) and target ids (response + EOS) of one sample."""
+
+def encode_sft(policy: Policy, sample: Sample, *, max_tokens: int | None = None) -> SFTExample:
+    """Prompt ids (chat template, generation prompt) and target ids (response + EOS) of one sample.
+
+    ``max_tokens``: cut the target's tail so that prompt + target fit (a sample a packing plan marked as
+    truncated); a prompt that does not leave room for one target token is an error.
+    """
     if sample.response is None:
         raise ValueError(
             f"sample {sample.id} ({sample.source or 'generated'}): SFT needs a reference 'response' "
@@ -40,6 +58,12 @@ def encode_sft(policy: Policy, sample: Sample) -> SFTExample:
         )
     encoded = policy.adapter.encode_prompt(sample.messages, [load_image(src) for src in sample.images])
     target = policy.adapter.encode_text(sample.response) + [policy.eos_token_ids[0]]
+    if max_tokens is not None and len(encoded.input_ids) + len(target) > max_tokens:
+        room = max_tokens - len(encoded.input_ids)
+        if room < 1:
+            raise ValueError(f"sample {sample.id} ({sample.source or 'generated'}): its prompt of "
+                             f"{len(encoded.input_ids)} tokens leaves no room for a target within {max_tokens} tokens")
+        target = target[:room]
     return SFTExample(encoded.input_ids, target, encoded.vision)
 
 
@@ -52,41 +76,98 @@ def train_sft(
     seed: int,
     stage_name: str = "sft",
     max_seconds: float | None = None,
+    plan: PackingPlan | None = None,
 ) -> dict[str, float]:
-    """Run the SFT loop on ``samples``; returns the last logged metrics plus ``steps`` and ``seconds``."""
+    """Run the SFT loop on ``samples`` (or on the bins of ``plan``, a plan computed for ``samples``); returns
+    the last logged metrics plus ``steps``, ``seconds`` and ``epochs``."""
     train = stage.train
     budget = max_seconds if max_seconds is not None else train.max_seconds
-    if train.max_samples is not None:
-        samples = samples[: train.max_samples]
-    examples = {s.id: encode_sft(policy, s) for s in samples}
-    cursor = PromptCursor(samples, seed)
+    units, examples = _units(policy, samples, stage, plan)
+    packed = plan is not None or train.padding_free
+    frozen = set_trainable(policy.model, train.trainable, policy.adapter.module_groups)
+    cursor = PromptCursor(list(range(len(units))), seed)  # type: ignore[arg-type]  (any list works)
     model = policy.model
     model.train()
-    optimizer, scheduler = make_optimizer(model, stage.optim)
+    optimizer, scheduler = make_optimizer(model, stage.optim, policy.adapter.module_groups)
     start, last, step = time.time(), {}, 0
-    while step < train.steps and not (budget is not None and time.time() - start >= budget):
-        step_start = time.time()
-        batch = [examples[s.id] for s in cursor.next(train.batch_size)]
-        n_tokens = sum(len(e.target_ids) for e in batch)  # the normaliser of the whole optimizer batch
-        total_loss = 0.0
-        for k in range(0, len(batch), train.micro_batch_size):
-            micro = batch[k : k + train.micro_batch_size]
-            tokens = collate([e.prompt_ids for e in micro], [e.target_ids for e in micro], [e.vision for e in micro],
-                             pad_token_id=policy.pad_token_id)
-            logp, _ = response_logprobs(model, policy.adapter, tokens)  # (b, R), 0 at padding
-            loss = -logp.sum() / n_tokens
-            loss.backward()
-            total_loss += float(loss.detach())
-        grad_norm = clip_and_step(model, optimizer, scheduler, stage.optim.grad_clip)
-        step += 1
-        seconds = time.time() - step_start
-        last = {"sft/loss": total_loss, "sft/grad_norm": grad_norm, "perf/step_seconds": seconds,
-                "perf/tokens_per_s": sum(len(e.prompt_ids) + len(e.target_ids) for e in batch) / max(seconds, 1e-9),
-                "sft/lr": scheduler.get_last_lr()[0]}
-        if step % train.log_every == 0 or step == train.steps:
-            logger.log(stage_name, step, last, show=("sft/loss", "sft/grad_norm", "perf/step_seconds"))
-    model.eval()
+    try:
+        while step < train.steps and not (budget is not None and time.time() - start >= budget):
+            step_start = time.time()
+            batch = [units[u] for u in cursor.next(train.batch_size)]
+            n_tokens = sum(len(examples[i].target_ids) for unit in batch for i in unit)  # the optimizer batch's normaliser
+            total_loss, processed, real = 0.0, 0, 0
+            for k in range(0, len(batch), train.micro_batch_size):
+                micro = batch[k : k + train.micro_batch_size]
+                logp, n_processed = _micro_logprobs(policy, [[examples[i] for i in unit] for unit in micro],
+                                                    packed=packed, planned=plan is not None)
+                loss = -logp.sum() / n_tokens
+                loss.backward()
+                total_loss += float(loss.detach())
+                processed += n_processed
+                real += sum(examples[i].length for unit in micro for i in unit)
+            grad_norm = clip_and_step(model, optimizer, scheduler, stage.optim.grad_clip)
+            step += 1
+            seconds = time.time() - step_start
+            last = {"sft/loss": total_loss, "sft/grad_norm": grad_norm, "perf/step_seconds": seconds,
+                    "perf/tokens_per_s": real / max(seconds, 1e-9), "perf/padding_frac": 1 - real / max(processed, 1),
+                    "sft/lr": scheduler.get_last_lr()[0]}
+            if step % train.log_every == 0 or step == train.steps:
+                logger.log(stage_name, step, last, show=("sft/loss", "sft/grad_norm", "perf/step_seconds"))
+    finally:
+        restore_trainable(model, frozen)
+        model.eval()
     return {**last, "steps": step, "seconds": time.time() - start, "epochs": cursor.epoch}
+
+
+def _units(policy: Policy, samples: list[Sample], stage: SFTStage, plan: PackingPlan | None):
+    """The units a batch is drawn from — a planned bin of sample indices, or one sample — and the encoded
+    examples by sample index (truncated samples cut to the plan's capacity)."""
+    if plan is None:
+        if stage.train.max_samples is not None:
+            samples = samples[: stage.train.max_samples]
+        return [[k] for k in range(len(samples))], {k: encode_sft(policy, s) for k, s in enumerate(samples)}
+    if stage.train.max_samples is not None:
+        raise ValueError("train.max_samples cannot be combined with data.packing_plan (the plan covers the whole file)")
+    plan.check_samples([s.id for s in samples])
+    truncated = set(plan.truncated.tolist())
+    units = [[int(i) for i in b] for b in plan.bins()]
+    examples = {i: encode_sft(policy, samples[i], max_tokens=plan.capacity if i in truncated else None)
+                for unit in units for i in unit}
+    _check_bins(units, examples, plan)
+    return units, examples
+
+
+def _micro_logprobs(policy: Policy, units: list[list[SFTExample]], *, packed: bool, planned: bool):
+    """Target log-probs (b, R) of one micro-batch and the number of token positions the forward processed.
+
+    Padded: one row per sample, padded to the longest. Packed: a planned bin per row (``planned``), or the
+    micro-batch's samples first-fit into rows as long as its longest sample; flash-attention gets one flat row.
+    """
+    flat = [e for unit in units for e in unit]
+    groups = None
+    if planned:
+        groups, offset = [], 0
+        for unit in units:
+            groups.append(list(range(offset, offset + len(unit))))
+            offset += len(unit)
+    logp, _, processed = sequence_logprobs(
+        policy.model, policy.adapter, [e.prompt_ids for e in flat], [e.target_ids for e in flat],
+        [e.vision for e in flat], pad_token_id=policy.pad_token_id, padding_free=packed, groups=groups)
+    return logp, processed
+
+
+def _check_bins(units: list[list[int]], examples: dict[int, SFTExample], plan: PackingPlan) -> None:
+    """The plan's lengths must be this model's: a bin that overflows means it was planned with another
+    tokenizer or image processor (or other pixel bounds)."""
+    for b, unit in enumerate(units):
+        total = sum(examples[i].length for i in unit)
+        if total > plan.capacity:
+            model = plan.meta.get("model", {})
+            raise ValueError(
+                f"data.packing_plan: bin {b} holds {total} tokens with this model's processor but the plan's capacity is "
+                f"{plan.capacity} (the plan was computed with model {model.get('path', '?')!r}, min_pixels "
+                f"{model.get('min_pixels')}, max_pixels {model.get('max_pixels')}); re-run `vlrl data pack` for this model"
+            )
 
 
 def sft_step_check(policy: Policy, samples: list[Sample]) -> torch.Tensor:

@@ -27,7 +27,8 @@ import torch
 
 from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, masked_mean, normaliser_for
 from vlrl.algos.staleness import behaviour_weight_stats, behaviour_weights, logp_drift
-from vlrl.models import Policy, collate, response_logprobs
+from vlrl.models import Policy
+from vlrl.models.packed import sequence_logprobs
 from vlrl.train.common import clip_and_step
 
 
@@ -63,6 +64,7 @@ class UpdateSettings:
     grad_clip: float
     behaviour_weight_cap: float = 5.0
     apply_behaviour_weight: bool = False  # multiply L_t by w_t = min(π_prox / π_behave, cap) (async recipe)
+    padding_free: bool = False  # pack each micro-batch into rows, no padding between sequences (vlrl.models.packed)
 
 
 def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, optimizer, scheduler, *, seed: int,
@@ -103,13 +105,13 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
     for start in range(0, len(rows), settings.micro_batch_size):
         micro = list(rows[start : start + settings.micro_batch_size])
         trajectories = [batch.trajectories[i] for i in micro]
-        tokens = collate([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
-                         [t.vision for t in trajectories], pad_token_id=policy.pad_token_id)
-        R = tokens.response_len
+        logp, entropy, _ = sequence_logprobs(
+            model, policy.adapter, [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+            [t.vision for t in trajectories], pad_token_id=policy.pad_token_id, temperature=settings.temperature,
+            with_entropy=True, padding_free=settings.padding_free)  # (b, R) each, 0 at padding
+        R = logp.shape[1]
         mask = batch.loss_mask[micro, :R]
         behaviour = batch.behaviour_logp[micro, :R]
-        logp, entropy = response_logprobs(model, policy.adapter, tokens, temperature=settings.temperature,
-                                          with_entropy=True)
         old = batch.old_logp[micro, :R] if batch.old_logp is not None else logp.detach()
         out = settings.loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=batch.advantages[micro, :R],
                                                 loss_mask=mask, behaviour_logp=behaviour))

@@ -1,0 +1,210 @@
+"""Padding-free teacher-forced log-probs: sequences packed into rows, each attending only to itself.
+
+`response_logprobs` (logprobs.py) pads every sequence of a batch to the longest; here sequences (prompt +
+response) are concatenated into rows with no padding between them. Every sequence gets its own position ids
+(restarting at 0, and for Qwen2-VL its own M-RoPE positions from the model's ``get_rope_index``) and no
+attention mask is passed, which is transformers' standard packed-sequence input (the same as
+``DataCollatorWithFlattening``): with sdpa/eager attention the model builds a block-diagonal causal mask from
+the position ids; with flash-attention it derives ``cu_seqlens`` from them and calls the varlen kernel. So a
+token never attends across sequences and the result equals the padded pass (tests/models/test_packed.py
+checks log-probs, losses and gradients).
+
+Layouts (``rows``): one flat row for flash-attention (varlen cost is Σ Lᵢ²), or one row per group of
+sequences (a packing bin) for sdpa/eager on CPU, whose dense masked attention costs rows × T² — rows of about
+the capacity keep that near the padded pass's cost per real token. `default_rows` picks by the model's
+attention implementation.
+
+Only the logits that predict a response token are computed (``logits_to_keep`` as a boolean mask); the
+result is laid out as `response_logprobs` lays it out, (B, R) right-padded, so losses do not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vlrl.models.adapters import TextAdapter, VisionInputs
+
+
+@dataclass
+class PackedBatch:
+    """Sequences packed into rows.
+
+    Attributes:
+        input_ids: (N, T) rows of concatenated sequences; a row shorter than T ends with a pad segment.
+        position_ids: (D, N, T) per-sequence positions (D = 1 for text models, 4 for Qwen2-VL: text + M-RoPE).
+        vision: vision inputs of all sequences, in the order their image tokens appear (row-major).
+        keep: (N, T) True where the logit predicts a response token.
+        targets: (K,) those response tokens, in row-major order of ``keep``.
+        out_index: (K,) where each target goes in the flattened (B, R) output.
+        response_mask: (B, R) 1 for real response tokens.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    vision: VisionInputs | None
+    keep: torch.Tensor
+    targets: torch.Tensor
+    out_index: torch.Tensor
+    response_mask: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.response_mask.shape[0]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_mask.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward pass processes (real tokens + the end padding of shorter rows)."""
+        return self.input_ids.numel()
+
+
+def default_rows(model: torch.nn.Module, groups: Sequence[Sequence[int]] | None, n: int) -> list[list[int]]:
+    """Flash-attention: everything in one row (varlen). Otherwise one row per group (bin), or one row per
+    sequence when no groups are given."""
+    implementation = str(getattr(model.config, "_attn_implementation", "") or "")
+    if "flash" in implementation:
+        return [list(range(n)) if groups is None else [i for g in groups for i in g]]
+    return [[i] for i in range(n)] if groups is None else [list(g) for g in groups]
+
+
+def first_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Group sequences into rows of at most ``capacity`` tokens (first fit, longest first); a sequence longer
+    than ``capacity`` gets a row of its own. For run-time batches (RL micro-batches) that have no plan."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+    return [sorted(r) for r in rows]
+
+
+def pack_sequences(
+    model: torch.nn.Module,
+    adapter: TextAdapter,
+    prompts: Sequence[Sequence[int] | torch.Tensor],
+    responses: Sequence[Sequence[int] | torch.Tensor],
+    visions: Sequence[VisionInputs | None],
+    *,
+    pad_token_id: int,
+    rows: Sequence[Sequence[int]] | None = None,
+) -> PackedBatch:
+    """Pack (prompt, response) pairs into rows; ``rows`` lists the sequence indices of each row (in order),
+    default: `default_rows` for the model, one sequence per row on CPU."""
+    prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
+    responses = [torch.as_tensor(r, dtype=torch.long) for r in responses]
+    B = len(prompts)
+    rows = default_rows(model, None, B) if rows is None else [list(r) for r in rows]
+    if sorted(i for r in rows for i in r) != list(range(B)):
+        raise ValueError(f"rows must hold every sequence index 0..{B - 1} exactly once, got {rows}")
+    R = max(1, max(len(r) for r in responses))
+    sequences = [torch.cat([p, r]) for p, r in zip(prompts, responses, strict=True)]
+    T = max(sum(len(sequences[i]) for i in row) for row in rows)
+    D = len(adapter.segment_position_ids(model, sequences[0][:1], None))  # 1 (text) or 4 (M-RoPE)
+    input_ids = torch.full((len(rows), T), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((D, len(rows), T), dtype=torch.long)
+    keep = torch.zeros((len(rows), T), dtype=torch.bool)
+    targets, out_index, vision_order = [], [], []
+    for n, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            ids, p, r = sequences[i], len(prompts[i]), len(responses[i])
+            L = len(ids)
+            input_ids[n, offset : offset + L] = ids
+            position_ids[:, n, offset : offset + L] = adapter.segment_position_ids(model, ids, visions[i])
+            if r:  # logits at p − 1 ... p + r − 2 predict the response tokens p ... p + r − 1
+                keep[n, offset + p - 1 : offset + p + r - 1] = True
+            vision_order.append(visions[i])
+            offset += L
+        if offset < T:  # the end padding is a sequence of its own (positions restart), never a target
+            position_ids[:, n, offset:] = torch.arange(T - offset)
+    # targets in row-major order of ``keep`` (rows in order, sequences in row order, positions in order)
+    for row in rows:
+        for i in row:
+            r = len(responses[i])
+            targets.append(responses[i])
+            out_index.append(i * R + torch.arange(r))
+    response_mask = torch.zeros((B, R), dtype=torch.long)
+    for i, r in enumerate(responses):
+        response_mask[i, : len(r)] = 1
+    return PackedBatch(
+        input_ids=input_ids, position_ids=position_ids, vision=VisionInputs.concat(vision_order), keep=keep,
+        targets=torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long),
+        out_index=torch.cat(out_index) if out_index else torch.zeros(0, dtype=torch.long),
+        response_mask=response_mask,
+    )
+
+
+def packed_response_logprobs(
+    model: torch.nn.Module,
+    adapter: TextAdapter,
+    batch: PackedBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of every response token (logits / temperature) from one packed forward pass, laid out (B, R)
+    right-padded with 0 at padding, exactly as `response_logprobs` returns it; optionally the entropy."""
+    device = next(model.parameters()).device
+    kwargs = adapter.packed_forward_inputs(
+        batch.input_ids.to(device), batch.position_ids.to(device),
+        batch.vision.to(device) if batch.vision is not None else None,
+    )
+    keep = batch.keep.to(device)
+    logits = model(**kwargs, logits_to_keep=keep, use_cache=False).logits  # (K, V) or (1, K, V)
+    logits = logits.reshape(-1, logits.shape[-1]).float() / max(temperature, 1e-6)  # (K, V)
+    log_probs = F.log_softmax(logits, dim=-1)
+    targets = batch.targets.to(device)
+    logp_k = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (K,)
+    B, R = batch.batch_size, batch.response_len
+    index = batch.out_index.to(device)
+    logp = torch.zeros(B * R, device=device, dtype=logp_k.dtype).index_put((index,), logp_k).view(B, R)
+    entropy = None
+    if with_entropy:
+        entropy_k = -(log_probs.exp() * log_probs).sum(-1)  # (K,)
+        entropy = torch.zeros(B * R, device=device, dtype=entropy_k.dtype).index_put((index,), entropy_k).view(B, R)
+    return logp, entropy
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    adapter: TextAdapter,
+    prompts: Sequence[Sequence[int] | torch.Tensor],
+    responses: Sequence[Sequence[int] | torch.Tensor],
+    visions: Sequence[VisionInputs | None],
+    *,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    padding_free: bool = False,
+    groups: Sequence[Sequence[int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(B, R) response log-probs (and entropy) of a micro-batch, padded (`collate` + `response_logprobs`) or
+    padding-free; also the number of token positions the forward pass processed. Padding-free rows: ``groups``
+    (e.g. the bins of a packing plan) or the sequences first-fit into rows as long as the longest one; with
+    flash-attention, one flat row."""
+    from vlrl.models.logprobs import collate, response_logprobs
+
+    if not padding_free:
+        tokens = collate(prompts, responses, visions, pad_token_id=pad_token_id)
+        logp, entropy = response_logprobs(model, adapter, tokens, temperature=temperature, with_entropy=with_entropy)
+        return logp, entropy, tokens.input_ids.numel()
+    if groups is None:
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+        groups = first_fit_rows(lengths, max(lengths))
+    batch = pack_sequences(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
+                           rows=default_rows(model, groups, len(prompts)))
+    logp, entropy = packed_response_logprobs(model, adapter, batch, temperature=temperature, with_entropy=with_entropy)
+    return logp, entropy, batch.num_tokens

@@ -1,0 +1,107 @@
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from vlrl.data import Sample
+from vlrl.data.select import Band, RolloutStore, item_stats, rollout_and_score, select, summarise
+from vlrl.rollout import Request, SamplingParams, Trajectory
+
+# correct responses out of 8 per item
+CORRECT = {"a": 8, "b": 0, "c": 1, "d": 7, "e": 4}
+
+
+def _sample(sid):
+    return Sample(id=sid, task=f"t/{sid in 'ab'}", messages=[{"role": "user", "content": "What is 1 + 2?"}],
+                  answer="3", reward="number")
+
+
+class ScriptedEngine:
+    """Item x answers right in its first CORRECT[x] samples, wrong in the rest."""
+
+    weight_version = 0
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode(self, sample):
+        return Request(sample=sample, prompt_ids=[1, 2, 3])
+
+    def generate(self, requests, sampling):
+        self.calls += 1
+        out = []
+        for g, request in enumerate(requests):
+            for j in range(sampling.n):
+                text = "<answer>3</answer>" if j < CORRECT[request.sample.id] else "<answer>4</answer>"
+                out.append(Trajectory(sample=request.sample, prompt_ids=torch.tensor([1, 2, 3]),
+                                      response_ids=torch.tensor([5]), loss_mask=torch.ones(1, dtype=torch.long),
+                                      behaviour_logp=torch.zeros(1), response_text=text, group_index=g))
+        return out
+
+
+def test_selection_keeps_exactly_the_items_in_the_band(tmp_path):
+    samples = [_sample(x) for x in "abcde"]
+    engine, store = ScriptedEngine(), RolloutStore(tmp_path / "rollouts.jsonl")
+    sampling = SamplingParams(n=8, temperature=1.0, max_new_tokens=8)
+    rollouts, generated, failures = rollout_and_score(engine, samples, sampling, store, model="m", batch_prompts=2)
+    assert (generated, failures, engine.calls) == (5, 0, 3)
+    assert rollouts["c"].rewards == [1.0] + [0.0] * 7
+    # mean reward in [0.1, 0.9]: a (8/8 = 1) too easy, b (0/8) too hard; c 0.125, d 0.875, e 0.5 kept
+    kept, stats = select(samples, rollouts, Band(min_mean_reward=0.1, max_mean_reward=0.9))
+    assert [s.id for s in kept] == ["c", "d", "e"]
+    assert [s.verdict for s in stats] == ["too_easy", "too_hard", "keep", "keep", "keep"]
+    # gap with k = 4: pass@4 = 1 − C(8 − c, 4) / C(8, 4); C(8, 4) = 70
+    #   c: 1 − C(7,4)/70 = 1 − 35/70 = 0.5,     gap 0.5 − 0.125 = 0.375 (< 0.4: dropped)
+    #   d: 1 (8 − 7 < 4),                        gap 1 − 0.875 = 0.125  (dropped)
+    #   e: 1 − C(4,4)/70 = 69/70 = 0.98571,      gap 0.98571 − 0.5 = 0.48571 (kept)
+    kept, stats = select(samples, rollouts, Band(min_mean_reward=0.1, max_mean_reward=0.9, min_gap=0.4, k=4))
+    assert [s.id for s in kept] == ["e"]
+    by_id = {s.id: s for s in stats}
+    assert by_id["c"].pass_at_k == pytest.approx(0.5) and by_id["c"].gap == pytest.approx(0.375)
+    assert by_id["e"].pass_at_k == pytest.approx(69 / 70) and by_id["d"].verdict == "small_gap"
+    summary = summarise(stats)
+    assert summary["verdicts"] == {"too_easy": 1, "too_hard": 1, "small_gap": 2, "keep": 1}
+    assert summary["kept_pass_at_1"] == pytest.approx(0.5)
+
+
+def test_the_store_is_reused_and_keyed_by_model_and_sampling(tmp_path):
+    samples = [_sample(x) for x in "abc"]
+    path = tmp_path / "rollouts.jsonl"
+    engine = ScriptedEngine()
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=8)
+    rollout_and_score(engine, samples, sampling, RolloutStore(path), model="m")
+    reopened = RolloutStore(path)  # a later selection: everything comes from the file
+    rollouts, generated, _ = rollout_and_score(engine, samples, sampling, reopened, model="m")
+    assert generated == 0 and engine.calls == 1 and rollouts["a"].rewards == [1.0] * 4
+    assert reopened.item_stats("m", rollouts["a"].sampling)["c"] == (4, 1, 0.25)
+    _, generated, _ = rollout_and_score(engine, samples, SamplingParams(n=4, temperature=0.7, max_new_tokens=8),
+                                        reopened, model="m")
+    assert generated == 3  # another temperature: not the same rollouts
+    _, generated, _ = rollout_and_score(engine, samples, sampling, reopened, model="other-checkpoint")
+    assert generated == 3
+    path.write_text(path.read_text() + "{broken\n")
+    with pytest.raises(ValueError, match=r"rollouts.jsonl:\d+: not a rollout record"):
+        RolloutStore(path)
+
+
+def test_item_stats_checks_k():
+    with pytest.raises(ValueError, match="k = 9 must be in 1..8"):
+        item_stats(_sample("a"), [1.0] * 8, [1.0] * 8, 9)
+
+
+def test_select_command_on_a_tiny_model(tmp_path):
+    from vlrl.cli import app
+
+    runner = CliRunner()
+    runner.invoke(app, ["data", "gen", "arith", "--n", "6", "--out", str(tmp_path / "data")])
+    args = ["data", "select", "--data", str(tmp_path / "data" / "train.jsonl"), "--model", "tiny-qwen2", "--n", "2",
+            "--max-new-tokens", "4", "--out", str(tmp_path / "sel"), "--min-mean-reward", "0", "--max-mean-reward", "1"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "sel" / "summary.json").read_text())
+    assert summary["items"] == 6 and summary["verdicts"] == {"keep": 6} and summary["generated"] == 6
+    assert len((tmp_path / "sel" / "stats.jsonl").read_text().splitlines()) == 6
+    assert len((tmp_path / "sel" / "selected.jsonl").read_text().splitlines()) == 6
+    again = runner.invoke(app, args)  # the second selection reuses the store
+    assert again.exit_code == 0 and json.loads((tmp_path / "sel" / "summary.json").read_text())["generated"] == 0
