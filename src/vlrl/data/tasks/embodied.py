@@ -69,7 +69,7 @@ _VERBS = {"find a ": "find", "pick up the ": "pick up", "open the ": "open", "cl
 
 
 def parse_action(action_id: int) -> tuple[str, str]:
-    """``(verb, target)`` of an action id: ``(“find”, “apple”)``, ``(“put”, “”)``; KeyError if unknown."""
+    """``(verb, target)`` of an action id: ``("find", "apple")``, ``("put", "")``; KeyError if unknown."""
     if isinstance(action_id, bool) or not isinstance(action_id, int) or not 0 <= action_id < len(ACTIONS):
         raise KeyError(action_id)
     name = ACTIONS[action_id]
