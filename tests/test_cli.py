@@ -18,6 +18,16 @@ def test_data_gen_writes_readable_samples(tmp_path):
     assert len(read_samples(tmp_path / "test.jsonl").samples) == 6
 
 
+def test_data_gen_embodied_round_trips_its_scene(tmp_path):
+    from vlrl.data import read_samples
+    from vlrl.rewards import compose
+
+    result = runner.invoke(app, ["data", "gen", "embodied", "--n", "4", "--out", str(tmp_path), "--tasks", "cool"])
+    assert result.exit_code == 0, result.output
+    for sample in read_samples(tmp_path / "train.jsonl").samples:  # metadata (scene, actions) survives JSON
+        assert compose(sample.response, sample.answer, sample.reward, sample.metadata).overall == 1.0
+
+
 def test_unknown_suite_is_a_clear_error(tmp_path):
     result = runner.invoke(app, ["data", "gen", "juggling", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unknown task suite 'juggling'" in result.output

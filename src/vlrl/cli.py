@@ -291,13 +291,14 @@ def plan(
 
 @data_app.command("gen")
 def data_gen(
-    suite: str = typer.Argument(..., help="Task suite: shapes or arith."),
+    suite: str = typer.Argument(..., help="Task suite: shapes, arith or embodied."),
     n: int = typer.Option(100, "--n", help="Number of samples."),
     split: str = typer.Option("train", "--split", help="train or test (separate random streams)."),
     out: Path = typer.Option(..., "--out", help="Output directory (writes <split>.jsonl and images/) or a .parquet file."),
     seed: int = typer.Option(0, "--seed"),
     tasks: str | None = typer.Option(None, "--tasks", help="Comma-separated sub-tasks, e.g. count,color."),
-    template: str = typer.Option("answer", "--template", help="Prompt template: answer, think or none."),
+    template: str | None = typer.Option(
+        None, "--template", help="Prompt template of shapes/arith: answer (their default), think or none."),
 ) -> None:
     """Generate a procedural task suite as Sample files."""
     from vlrl.data import TASK_SUITES, generate, write_samples
@@ -306,8 +307,8 @@ def data_gen(
     progress = _progress()
     try:
         with progress.task(f"generate {n} {suite} samples"):
-            samples = generate(suite, n, split=split, seed=seed, tasks=tasks.split(",") if tasks else None,
-                               template=template)
+            options = {"template": template} if template is not None else {}  # embodied has a fixed JSON prompt
+            samples = generate(suite, n, split=split, seed=seed, tasks=tasks.split(",") if tasks else None, **options)
     except (RegistryError, ValueError) as err:
         typer.secho(f"vlrl data gen: {err}", fg="red", err=True)
         raise typer.Exit(2) from None

@@ -59,10 +59,10 @@ class DataConfig(Section):
         "Unset: generate `n_train` samples of the procedural `suite`."
     )
     test: str | None = Field(None, description="Held-out samples (same formats). Unset: generate `n_test` of `suite`.")
-    suite: str = Field("shapes", description="Procedural task suite used when train/test are unset: shapes or arith.")
+    suite: str = Field("shapes", description="Procedural task suite used when train/test are unset: shapes, arith or embodied.")
     tasks: list[str] = Field(
         default_factory=lambda: ["count", "color"],
-        description="Sub-tasks of the suite (shapes: count, color, locate, ocr; arith: add, sub, mul, two_step).",
+        description="Sub-tasks of the suite (shapes: count, color, locate, ocr; arith: add, sub, mul, two_step; embodied: pick_place, clean, cool, heat, pick_two).",
     )
     suite_options: dict[str, Any] = Field(
         default_factory=dict, description="Extra options of the suite generator, e.g. {template: think, max_shapes: 4}."

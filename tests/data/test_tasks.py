@@ -15,7 +15,7 @@ def test_generation_is_deterministic_and_splits_differ():
     assert [s.metadata for s in a] != [s.metadata for s in c]
 
 
-@pytest.mark.parametrize("suite", ["shapes", "arith"])
+@pytest.mark.parametrize("suite", ["shapes", "arith", "embodied"])
 def test_reference_responses_earn_full_reward(suite):
     for sample in generate(suite, 40):
         out = compose(sample.response, sample.answer, sample.reward, sample.metadata)

@@ -52,7 +52,7 @@ IMAGE_SIDE = 112  # the shapes images; 112x112 with 14px patches and 2x2 merge =
 
 def tokenizer_corpus() -> list[str]:
     """Text the preset tokenizers are trained on: every task suite's prompts and responses, all templates."""
-    from vlrl.data.tasks import TEMPLATES, generate
+    from vlrl.data.tasks import TEMPLATES, embodied, generate
     from vlrl.data.tasks.shapes import TASKS as SHAPE_TASKS
 
     corpus = ["system", "user", "assistant", "You are a helpful assistant."]
@@ -63,6 +63,7 @@ def tokenizer_corpus() -> list[str]:
                 corpus.append(sample.prompt_text().replace("<image>", ""))
                 corpus.append(sample.response or "")
     corpus += [f"[{a}, {b}, {a + 20}, {b + 20}]" for a in range(0, 112, 3) for b in range(0, 112, 7)]
+    corpus += embodied.text_corpus(300)  # JSON action plans
     return corpus
 
 

@@ -4,8 +4,10 @@ Sections, top to bottom: a headline per run; the training dynamics DAPO §3.3.3 
 task, accuracy, entropy, generation probability, response length, truncation, clip fractions, KL, grad norm,
 staleness / behaviour weights, diversity — each shown when the run logged it); evaluation before / after;
 sampled responses per task with rewards, sub-scores and images; for Syn-GRPO runs, the original → synthesised
-images with their descriptions (``synth_gallery.jsonl``); every logged metric by group (whatever
-groups appear); the resolved configuration (and, for several runs, the settings that differ).
+images with their descriptions (``synth_gallery.jsonl``); step-level credit (sign flips, A^S by rule correctness,
+per-token advantage heatmaps — when the run used the ``step_credit`` shaper, `vlrl.report.step_credit`); every
+logged metric by group (whatever groups appear); the resolved configuration (and, for several runs, the
+settings that differ).
 
 With several run directories every chart overlays the runs.
 """
@@ -378,6 +380,30 @@ def _headline(run: Run) -> dict[str, Any]:
             "steps": steps, "wall": run.wall_seconds, "evals": evals}
 
 
+def step_credit_sections(runs: list[Run]) -> list[dict[str, Any]]:
+    """The step-credit analysis of every run that has one (`vlrl.report.step_credit`), images as data URLs."""
+    from vlrl.report.step_credit import summarize
+
+    out = []
+    for run in runs:
+        summary, notes = summarize(run.path)
+        run.notes.extend(notes)
+        if summary is None:
+            continue
+        totals = summary.totals
+        out.append({
+            "label": run.label, "signal": summary.signal, "steps": summary.steps_logged, "flips": summary.flips,
+            "proxy": summary.proxy, "histogram": _data_url(summary.histogram) if summary.histogram else None,
+            "heatmaps": [(name, _data_url(png)) for name, png in summary.heatmaps],
+            "parsing": {"responses": int(totals["responses"]), "parse_failures": int(totals["parse_failures"]),
+                        "prefix_decode": totals["prefix_decode"] / max(totals["parsed"], 1),
+                        "truncated_plans": totals["truncated_plans"] / max(totals["parsed"], 1),
+                        "step_acc": totals["correct_steps"] / max(totals["steps"], 1),
+                        "success": totals["successes"] / max(totals["responses"], 1)},
+        })
+    return out
+
+
 def build_report(run_dirs: list[str | Path], *, title: str | None = None) -> str:
     """The report page of one or several runs, as an HTML string."""
     from jinja2 import Environment, PackageLoader, select_autoescape
@@ -402,6 +428,7 @@ def build_report(run_dirs: list[str | Path], *, title: str | None = None) -> str
         eval_chart=eval_chart(tables),
         samples=[(run.label, sample_sections(run)) for run in runs],
         galleries=[(run.label, rows) for run in runs if (rows := gallery_rows(run))],
+        step_credit=step_credit_sections(runs),
         groups=group_charts(runs, series),
         differences=config_differences(runs) if len(runs) > 1 else [],
         notes=[note for run in runs for note in run.notes],

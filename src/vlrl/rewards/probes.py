@@ -19,6 +19,9 @@ REF_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" width="64" height="64">'
            '<rect x="8" y="8" width="48" height="48" fill="red"/></svg>')
 PLAN = {"executable_plan": [{"action_id": 3, "action_name": "find apple"}, {"action_id": 7, "action_name": "pick up apple"},
                             {"action_id": 9, "action_name": "put down apple"}]}
+SCENE = {"task": "pick_place", "objects": {"apple": "table"}, "targets": ["apple"], "destination": "counter",
+         "open": {"fridge": False, "microwave": False, "cabinet": False},
+         "cells": {"table": 0, "counter": 1, "shelf": 2, "fridge": 3, "microwave": 4, "cabinet": 5, "sink": 6}}
 CODE_TESTS = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 7\n", "output": "12\n"}]
 FAST_CODE = {"timeout": 1.0, "cpu_seconds": 1.0, "time_budget": 4.0}  # per-test limits for the probes
 
@@ -127,6 +130,8 @@ def probes() -> list[Probe]:
     for verifier in ("format", "answer_format", "cot_format", "json_plan"):
         for name, response in _bombs(answer_tag=False):
             out.append(Probe(f"{verifier}/{name}", verifier, response, None))
+    for name, response in _bombs(answer_tag=False):  # plan text is read by a step scanner: it must stay linear
+        out.append(Probe(f"plan_success/{name}", "plan_success", response, None, meta={"scene": SCENE}))
     out += [
         Probe("cot_format/box_everything", "cot_format", "<think>x</think>\\boxed{" + "so the answer is 3 " * 50 + "}", None),
         Probe("json_plan/deep_json", "json_plan", "{" * 100_000, None),
@@ -134,6 +139,13 @@ def probes() -> list[Probe]:
               '{"executable_plan": ' + str([PLAN["executable_plan"][0]] * 50).replace("'", '"') + "}", PLAN,
               bound=2 / 12),  # R(1; 3) = 1·2 / (3·4)
         Probe("plan_prefix/deep_json", "plan_prefix", "[" * 100_000, PLAN),
+        # a plan cut off after thousands of steps: read step by step (linear), the first step is its only credit
+        Probe("plan_prefix/cut_step_spam", "plan_prefix",
+              '{"executable_plan": [' + '{"action_id": 3, "action_name": "find apple"}, ' * 3000, PLAN, bound=2 / 12),
+        # the executor reads at most 64 steps; looping "find a apple" never reaches the goal
+        Probe("plan_success/endless_plan", "plan_success",
+              '{"executable_plan": [' + '{"action_id": 0, "action_name": "find a apple"}, ' * 3000 + "]}", None,
+              meta={"scene": SCENE}),
         Probe("overlong/huge", "overlong", "x", None, bound=-1.0,
               meta={"max_length": 100, "cache_length": 20, "response_length": 10**9}),
     ]

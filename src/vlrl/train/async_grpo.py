@@ -389,7 +389,8 @@ def train_async_grpo(
             baseline = torch.tensor([g.baseline_reward for g in groups for _ in g.trajectories]) \
                 if rollout.greedy_baseline else None
             batch = prepare_batch(algorithm, policy, trajectories, step=step, max_new_tokens=rollout_cfg.max_new_tokens,
-                                  same_version=s == 0, baseline_rewards=baseline)
+                                  same_version=s == 0, baseline_rewards=baseline,
+                                  run_dir=logger.path.parent if logger.path is not None else None)
             # 4. decoupled PPO update (and the critic's, when the estimator uses values)
             stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
                                critic=algorithm.critic)

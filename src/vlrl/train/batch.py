@@ -19,6 +19,7 @@ import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from vlrl.models.packed import sequence_logprobs
 from vlrl.report.watch import generation_prob
 from vlrl.rollout import Status, Trajectory
 from vlrl.train.critic import Critic
+from vlrl.train import step_credit as _step_credit  # noqa: F401  (registers the step_credit advantage shaper)
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
@@ -53,6 +55,7 @@ class StepContext:
     reference: torch.nn.Module | None
     temperature: float
     step: int
+    run_dir: Path | None = None  # where a shaper may write analysis files (None: no files)
 
 
 class ShapingChain:
@@ -133,9 +136,10 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
 
 def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Sequence[Trajectory], *, step: int,
                   max_new_tokens: int, same_version: torch.Tensor | None = None,
-                  baseline_rewards: torch.Tensor | None = None) -> UpdateBatch:
+                  baseline_rewards: torch.Tensor | None = None, run_dir: Path | None = None) -> UpdateBatch:
     """Steps 4–5 of an RL step: tensors, the extra no-grad passes, shaped rewards, advantages.
-    ``baseline_rewards`` (B,): the reward of the greedy response to each response's prompt (for ``remax``)."""
+    ``baseline_rewards`` (B,): the reward of the greedy response to each response's prompt (for ``remax``).
+    ``run_dir``: where shapers may write analysis files (None: none)."""
     settings = algorithm.settings
     tensors = batch_tensors(trajectories)
     B = len(trajectories)
@@ -149,7 +153,8 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
     ref_logp = (score(algorithm.reference, policy, trajectories, settings.temperature, padding_free=free)
                 if algorithm.reference is not None else None)
     values = algorithm.critic.values(trajectories) if algorithm.critic is not None else None  # (B, R)
-    context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step)
+    context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step,
+                          run_dir=run_dir)
     # reward shaping (per response, per group), then the reward sits on the last model token
     rewards, metrics = algorithm.reward_shaping.apply(RewardShapingInputs(
         rewards=tensors["rewards"], group_index=tensors["group_index"], response_length=tensors["response_length"],

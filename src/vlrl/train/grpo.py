@@ -74,6 +74,7 @@ def train_grpo(
                 algorithm.critic.load_state_dict(carry_over["critic"])
         if step:
             engine.update_weights(version=step)
+        run_dir = logger.path.parent if logger.path is not None and rt.ctx.is_main else None  # shapers' analysis files
         start, last = time.time(), {}
         while step < train.steps and not rt.out_of_time(time.time() - start, budget):
             t0 = time.time()
@@ -82,7 +83,7 @@ def train_grpo(
             t_gen = time.time() - t0
             # 4. shaped rewards → advantages over the whole batch (B sequences, R response columns)
             batch = prepare_batch(algorithm, policy, sampled.trajectories, step=step, max_new_tokens=rollout.max_new_tokens,
-                                  baseline_rewards=sampled.baseline_rewards)
+                                  baseline_rewards=sampled.baseline_rewards, run_dir=run_dir)
             # 5. updates (and the critic's, when the estimator uses values)
             stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
                                critic=algorithm.critic, runtime=rt)

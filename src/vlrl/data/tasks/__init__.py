@@ -36,6 +36,6 @@ def format_response(answer_text: str, template: str) -> str:
 
 def generate(suite: str, n: int, *, split: str = "train", seed: int = 0, tasks: list[str] | None = None, **options):
     """Generate ``n`` samples of a registered suite (see `TASK_SUITES`)."""
-    from vlrl.data.tasks import arith, shapes  # noqa: F401  (registers the built-in suites)
+    from vlrl.data.tasks import arith, embodied, shapes  # noqa: F401  (registers the built-in suites)
 
     return TASK_SUITES.get(suite)(n, split=split, seed=seed, tasks=tasks, **options)
