@@ -40,11 +40,19 @@ def test_overlong_penalty_by_hand():
 
 
 def test_every_registered_shaper_runs_on_a_fake_batch():
+    import dataclasses
+
+    from tests.train.fakes import fake_trajectories
+
     options = {"overlong_penalty": {"cache_length": 4}}
+    trajectories = fake_trajectories([1.0, 0.0, 0.5], [0, 0, 0], [3, 9, 12], accuracy=[1.0, 0.0, 0.5])
+    for t, v in zip(trajectories, ["0.5", "0.2", "0.9"], strict=True):  # the Syn-GRPO template, for syn_diversity
+        t.response_text = f"<diversity>{v}</diversity><description>a wall</description><answer>1</answer>"
     for name, fn in REWARD_SHAPING.items():
         if not fn.__module__.startswith("vlrl."):  # plug-ins registered by other tests
             continue
-        out = fn(_inputs([1.0, 0.0, 0.5], [3, 9, 12]), **options.get(name, {}))
+        inputs = dataclasses.replace(_inputs([1.0, 0.0, 0.5], [3, 9, 12]), trajectories=tuple(trajectories))
+        out = fn(inputs, **options.get(name, {}))
         assert out.values.shape == (3,) and torch.isfinite(out.values).all(), name
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     for name, fn in ADVANTAGE_SHAPING.items():
