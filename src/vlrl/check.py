@@ -129,6 +129,7 @@ def _check_sizes(report: CheckReport, sft, rl) -> None:
 
 # ----------------------------------------------------------------------------------------------- names
 def _check_names(report: CheckReport, cfg: RunConfig, rl) -> None:
+    import vlrl.train.step_credit  # noqa: F401  (registers the step_credit advantage shaper, as the recipe does)
     from vlrl.algos import get_advantage, get_advantage_shaping, get_policy_loss, get_reward_shaping
     from vlrl.report.sinks import SINKS, sink_requirement
 

@@ -40,8 +40,8 @@ from vlrl.models import Policy
 from vlrl.models.packed import sequence_logprobs
 from vlrl.report.watch import generation_prob
 from vlrl.rollout import Status, Trajectory
-from vlrl.train.critic import Critic
 from vlrl.train import step_credit as _step_credit  # noqa: F401  (registers the step_credit advantage shaper)
+from vlrl.train.critic import Critic
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
