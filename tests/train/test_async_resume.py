@@ -235,3 +235,22 @@ def test_check_scalable_allows_async_checkpoints_and_refuses_async_under_torchru
     many_ranks = Runtime(DistContext(world_size=2), torch.nn.Linear(1, 1))
     with pytest.raises(ValueError, match="rollout.mode=async: the asynchronous recipe runs in one process"):
         train_async_grpo(None, GatedEngine(), [], _stage(), logger=None, seed=0, runtime=many_ranks)
+
+
+def test_vlrl_rl_async_with_checkpoints_resumes_through_the_recipe(tmp_path):
+    """`vlrl rl rollout.mode=async checkpoint.every=1`, stopped after 2 steps, then `--resume auto` with 3
+    steps: metrics.jsonl holds steps 1, 2, 3 once each and the summary counts 3 steps."""
+    import json
+
+    from vlrl.train.recipes import run_rl
+
+    args = ["rollout.mode=async", "rollout.n=2", "rollout.max_new_tokens=4", "staleness.eta=1", "train.prompts_per_step=2",
+            "data.n_train=8", "data.n_test=2", "eval.samples=1", "eval.max_new_tokens=4", "checkpoint.every=1",
+            f"out={tmp_path}"]
+    run_rl(load_config(RLConfig, None, [*args, "train.steps=2"]))
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000002"
+    summary = run_rl(load_config(RLConfig, None, [*args, "train.steps=3", "checkpoint.resume=auto"]))
+    steps = [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if r["stage"] == "rl"]
+    assert steps == [1, 2, 3] and summary["train"]["steps"] == 3
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000003"

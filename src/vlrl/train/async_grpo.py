@@ -20,7 +20,8 @@ run then equals the synchronous recipe step for step. The η filter in `prepare_
 before every loss catch anything the admission rule cannot (out-of-order completion, retried requests).
 
 Every drawn prompt is accounted for: trained, discarded as stale, waiting in the buffer, or re-queued
-(aborted by a weight update, or in flight when the run ended); see `AsyncRollout.accounting`.
+(aborted by a weight update, or in flight when the run ended); see `AsyncRollout.accounting`. Checkpoints
+(one process) carry all of it over a restart: see `AsyncRollout.checkpoint_state`.
 """
 
 from __future__ import annotations
