@@ -160,6 +160,24 @@ def test_a_restored_group_older_than_eta_is_discarded_not_trained(first_run, tmp
     assert accounted_for(state)
 
 
+def test_the_two_recipes_refuse_each_others_checkpoints(first_run, tmp_path):
+    """An async checkpoint holds buffered groups and in-flight prompts the synchronous loop has no place for
+    (and a sync checkpoint lacks the rollout state): resuming across recipes stops, naming the field."""
+    from vlrl.rollout import HFEngine
+    from vlrl.train.grpo import train_grpo
+
+    checkpoint, carry, _, _ = first_run
+    policy = load_policy("tiny-qwen2-vl")
+    with pytest.raises(ValueError, match="checkpoint.resume: .* asynchronous recipe; resume it with rollout.mode=async"):
+        train_grpo(policy, HFEngine(policy), _samples(), _stage(), logger=MetricsLogger(None, quiet=True), seed=0,
+                   runtime=_runtime(policy, tmp_path, resume_from=checkpoint))
+    synchronous = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, synchronous)
+    torch.save({k: v for k, v in carry.items() if k != "rollout"}, synchronous / "carry_over" / "rank_00000.pt")
+    with pytest.raises(ValueError, match="checkpoint.resume: .* synchronous recipe"):
+        _run(tmp_path, 3, resume_from=synchronous)
+
+
 class GatedEngine(ScriptedEngine):
     """A scripted `AsyncEngine` whose requests stay in flight until ``gate`` is set."""
 
