@@ -256,8 +256,8 @@ def test_check_scalable_allows_async_checkpoints_and_refuses_async_under_torchru
 
 
 def test_vlrl_rl_async_with_checkpoints_resumes_through_the_recipe(tmp_path):
-    """`vlrl rl rollout.mode=async checkpoint.every=1`, stopped after 2 steps, then `--resume auto` with 3
-    steps: metrics.jsonl holds steps 1, 2, 3 once each and the summary counts 3 steps."""
+    """`vlrl rl rollout.mode=async checkpoint.every=1`, stopped after 1 step, then `--resume auto` with 2
+    steps: metrics.jsonl holds steps 1 and 2 once each and the summary counts 2 steps."""
     import json
 
     from vlrl.train.recipes import run_rl
@@ -265,10 +265,10 @@ def test_vlrl_rl_async_with_checkpoints_resumes_through_the_recipe(tmp_path):
     args = ["rollout.mode=async", "rollout.n=2", "rollout.max_new_tokens=4", "staleness.eta=1", "train.prompts_per_step=2",
             "data.n_train=8", "data.n_test=2", "eval.samples=1", "eval.max_new_tokens=4", "checkpoint.every=1",
             f"out={tmp_path}"]
-    run_rl(load_config(RLConfig, None, [*args, "train.steps=2"]))
-    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000002"
-    summary = run_rl(load_config(RLConfig, None, [*args, "train.steps=3", "checkpoint.resume=auto"]))
+    run_rl(load_config(RLConfig, None, [*args, "train.steps=1"]))
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000001"
+    summary = run_rl(load_config(RLConfig, None, [*args, "train.steps=2", "checkpoint.resume=auto"]))
     steps = [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
              if r["stage"] == "rl"]
-    assert steps == [1, 2, 3] and summary["train"]["steps"] == 3
-    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000003"
+    assert steps == [1, 2] and summary["train"]["steps"] == 2
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000002"
