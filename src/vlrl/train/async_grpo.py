@@ -20,13 +20,15 @@ run then equals the synchronous recipe step for step. The η filter in `prepare_
 before every loss catch anything the admission rule cannot (out-of-order completion, retried requests).
 
 Every drawn prompt is accounted for: trained, discarded as stale, waiting in the buffer, or re-queued
-(aborted by a weight update, or in flight when the run ended); see `AsyncRollout.accounting`.
+(aborted by a weight update, or in flight when the run ended); see `AsyncRollout.accounting`. Checkpoints
+(one process) carry all of it over a restart: see `AsyncRollout.checkpoint_state`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import dataclasses
 import logging
 import threading
@@ -48,7 +50,9 @@ from vlrl.rollout.http_engine import AsyncEngine, HTTPEngine
 from vlrl.rollout.server import ThreadedEngine
 from vlrl.synth.workflow import start_synthesis
 from vlrl.train.batch import build_algorithm, prepare_batch, step_metrics
+from vlrl.train.checkpoint import algorithm_state, load_algorithm_state
 from vlrl.train.common import PromptCursor, make_optimizer
+from vlrl.train.distributed import Runtime
 from vlrl.train.sampling import group_is_informative
 from vlrl.train.update import ppo_update
 
@@ -145,6 +149,22 @@ class GroupBuffer:
         with self._cond:
             return [g.draw.ticket for g in self._groups]
 
+    def groups(self) -> list[Group]:
+        """The undrained groups themselves, oldest first: they keep their weight versions and draw tickets, so
+        a resumed run trains them (or discards them as stale) exactly as this run would have."""
+        with self._cond:
+            return list(self._groups)
+
+    def load_state(self, groups: list[Group]) -> None:
+        """Put back the undrained groups of a checkpoint (`groups`), oldest first, ahead of anything new."""
+        with self._cond:
+            if len(groups) > self.capacity:
+                raise ValueError(f"the checkpoint holds {len(groups)} undrained groups, the buffer takes {self.capacity}: "
+                                 "resume with the same train.prompts_per_step, staleness.eta and "
+                                 "rollout.max_concurrent_rollouts")
+            self._groups.extendleft(reversed(groups))
+            self._cond.notify_all()
+
 
 # ----------------------------------------------------------------------------------------------- rollout workers
 class AsyncRollout:
@@ -218,6 +238,35 @@ class AsyncRollout:
         with self._lock:
             return {"cursor": self.cursor.state(), "version": self.version,
                     "requeue": [{"draw": d.ticket, "sample_id": d.sample.id} for d in self._requeue]}
+
+    def checkpoint_state(self) -> tuple[PromptCursor, dict[str, Any]]:
+        """One consistent cut of everything drawn so far, for a checkpoint: (a copy of the data cursor, the
+        rollout's state). Taken while holding the rollout's lock (then the buffer's), so no prompt is drawn, no
+        group is pushed and no prompt is given back during the cut — each drawn ticket is in exactly one place.
+
+        In-flight requests are not waited for (no stall at a checkpoint): they go on and are trained in this
+        run, while the checkpoint lists them with the re-queued draws, so a resumed run generates them again
+        from the restored weights. A group already pushed but not yet marked finished counts as buffered."""
+        with self._lock:
+            buffered = self.buffer.groups()
+            in_buffer = {g.draw.ticket for g in buffered}
+            in_flight = sorted((d for t, d in self._in_flight.items() if t not in in_buffer), key=lambda d: d.ticket)
+            state = {"drawn": self.drawn, "requeued": self.requeued, "requeue": list(self._requeue),
+                     "in_flight": in_flight, "buffer": buffered,
+                     "started": self.started - len(in_flight)}  # the in-flight prompts are given back on resume
+            return copy.copy(self.cursor), state  # shallow: the cursor replaces (never mutates) its order list
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from a `checkpoint_state` (before `start`; the cursor is restored by the caller): the
+        buffer's groups go back, the draws that were re-queued or in flight are drawn again first (same
+        tickets), and the ticket and admission counters continue where they were."""
+        if self._thread.is_alive():
+            raise RuntimeError("AsyncRollout.load_state: the rollout is running; restore its state before start()")
+        with self._lock:
+            self.drawn, self.started = int(state["drawn"]), int(state["started"])
+            self.requeued = int(state["requeued"]) + len(state["in_flight"])
+            self._requeue = collections.deque(sorted([*state["in_flight"], *state["requeue"]], key=lambda d: d.ticket))
+        self.buffer.load_state(state["buffer"])
 
     def _notify(self) -> None:
         if self._loop is not None and self._wake is not None:
@@ -339,13 +388,23 @@ def train_async_grpo(
     stage_name: str = "rl",
     max_seconds: float | None = None,
     state_out: dict[str, Any] | None = None,
+    runtime: Runtime | None = None,
 ) -> dict[str, float]:
     """Run the asynchronous loop; returns the last step's metrics plus ``steps`` and ``seconds``. If
     ``state_out`` is given it receives the final state: data cursor, re-queued prompts, undrained buffer,
-    and the draw tickets of every bucket (``trained``, ``discarded``, ``buffered``, ``pending``)."""
+    and the draw tickets of every bucket (``trained``, ``discarded``, ``filtered``, ``buffered``, ``pending``).
+
+    ``runtime`` (`vlrl.train.distributed`; one process only) brings checkpoints: a due checkpoint keeps, beside
+    weights, optimizer and RNG, the undrained groups, the re-queued and in-flight draws, the ticket ledger and
+    the data cursor (`AsyncRollout.checkpoint_state`), so a resumed run loses no drawn prompt and trains no
+    group older than η. It is not bitwise the uninterrupted run: what is in flight when depends on timing."""
     if not isinstance(engine, AsyncEngine):
         raise TypeError(f"rollout.mode=async needs an engine with `agenerate` (ThreadedEngine or HTTPEngine), "
                         f"got {type(engine).__name__}")
+    rt = runtime or Runtime.single(policy.model)
+    if rt.ctx.enabled:
+        raise ValueError("rollout.mode=async: the asynchronous recipe runs in one process; use rollout.mode=sync "
+                         "under torchrun")
     train, rollout_cfg, eta = stage.train, stage.rollout, stage.staleness.eta
     budget = max_seconds if max_seconds is not None else train.max_seconds
     if train.max_samples is not None:
@@ -356,18 +415,21 @@ def train_async_grpo(
     # the decoupled objective: L_t = w_t · L_clip(π_θ / π_prox)_t, w_t = min(π_prox / π_behave, cap)  (when enabled)
     algorithm = build_algorithm(stage, policy, apply_behaviour_weight=stage.staleness.apply_behaviour_weight)
     model = policy.model
-    optimizer, scheduler = make_optimizer(model, stage.optim)
+    optimizer, scheduler = make_optimizer(rt.module, stage.optim)
     max_concurrent = rollout_cfg.max_concurrent_rollouts or 2 * P
     buffer = GroupBuffer(capacity=(eta + 1) * P + max_concurrent)
-    engine.update_weights(version=0, state_dict=model.state_dict())  # the rollout starts from the trainer's weights
     synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
     samples = synthesis.dataset if synthesis is not None else samples
     rollout = AsyncRollout(engine, PromptCursor(samples, seed), sampling, buffer, prompts_per_step=P, eta=eta,
-                           max_concurrent=max_concurrent, greedy_baseline="baseline_rewards" in algorithm.needs).start()
-    trained: list[int] = []
-    discarded: list[int] = []
-    filtered: list[int] = []  # dynamic sampling: groups dropped for equal rewards
-    start, last, step = time.time(), {}, 0
+                           max_concurrent=max_concurrent, greedy_baseline="baseline_rewards" in algorithm.needs)
+    # a resumed run: weights, optimizer, cursor, shapers, critic, the buffer's groups and the drawn tickets
+    step, ledger = _restore(rt, stage_name, optimizer, scheduler, rollout, algorithm)
+    trained, discarded = ledger["trained"], ledger["discarded"]
+    filtered = ledger["filtered"]  # dynamic sampling: groups dropped for equal rewards
+    engine.update_weights(version=step, state_dict=model.state_dict())  # the rollout starts from the trainer's weights
+    rollout.set_version(step)
+    rollout.start()
+    start, last = time.time(), {}
     try:
         while step < train.steps and not (budget is not None and time.time() - start >= budget):
             t0 = time.time()
@@ -393,7 +455,7 @@ def train_async_grpo(
                                   run_dir=logger.path.parent if logger.path is not None else None)
             # 4. decoupled PPO update (and the critic's, when the estimator uses values)
             stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
-                               critic=algorithm.critic)
+                               critic=algorithm.critic, runtime=rt)
             trained.extend(g.draw.ticket for g in groups)
             # 5-8. pause → update weights → set version → resume
             t_sync = time.time()
@@ -414,6 +476,8 @@ def train_async_grpo(
                          "data/epoch": max(g.draw.epoch for g in groups)})
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "staleness/mean", "perf/step_seconds"))
+            if rt.checkpoint_due(step):
+                _save_checkpoint(rt, step, stage_name, optimizer, scheduler, rollout, algorithm, ledger)
     finally:
         rollout.stop()
         if synthesis is not None:
@@ -425,6 +489,37 @@ def train_async_grpo(
                           "buffered": buffer.tickets(), "pending": held["pending"] + held["in_flight"], "drawn": rollout.drawn,
                           "requeued": rollout.requeued})
     return {**last, "steps": step, "seconds": time.time() - start}
+
+
+def _restore(rt: Runtime, stage_name: str, optimizer, scheduler, rollout: AsyncRollout,
+             algorithm) -> tuple[int, dict[str, list[int]]]:
+    """Load the checkpoint ``rt`` resumes from, if any, into the optimizer, scheduler, the rollout's cursor and
+    state (not started yet), the shapers and the critic. Returns (step, the ticket ledger: ``trained``,
+    ``discarded``, ``filtered``); (0, empty ledger) for a fresh start."""
+    step, carry_over = rt.restore(stage_name, optimizer, scheduler, rollout.cursor)
+    ledger: dict[str, list[int]] = {"trained": [], "discarded": [], "filtered": []}
+    if not carry_over:
+        return step, ledger
+    if "rollout" not in carry_over:
+        raise ValueError(f"checkpoint.resume: {rt.checkpointer.resume_from} was written by the synchronous recipe "
+                         "(no rollout state); resume it with rollout.mode=sync")
+    load_algorithm_state(algorithm, carry_over)
+    rollout.load_state(carry_over["rollout"])
+    if algorithm.critic is not None:
+        algorithm.critic.load_state_dict(carry_over["critic"])
+    return step, {key: list(carry_over["ledger"][key]) for key in ledger}
+
+
+def _save_checkpoint(rt: Runtime, step: int, stage_name: str, optimizer, scheduler, rollout: AsyncRollout, algorithm,
+                     ledger: dict[str, list[int]]) -> None:
+    """Checkpoint ``step``: weights, optimizer, RNG and the cursor (`Runtime.after_step`) plus the loop's
+    carry-over — shaper states, critic, the ticket ledger and the rollout's cut (`AsyncRollout.checkpoint_state`:
+    undrained groups as objects with their versions, re-queued and in-flight draws, counters). The rollout is
+    not paused: the cut holds its lock, and generating on meanwhile changes nothing the checkpoint holds."""
+    cursor, state = rollout.checkpoint_state()
+    rt.after_step(step, stage_name, optimizer, scheduler, cursor, carry_over={
+        **algorithm_state(algorithm), "rollout": state, "ledger": {key: list(v) for key, v in ledger.items()},
+        "critic": algorithm.critic.state_dict() if algorithm.critic is not None else None})
 
 
 def _flatten(groups: list[Group]) -> list[Trajectory]:

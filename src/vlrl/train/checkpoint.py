@@ -8,7 +8,8 @@ Layout of ``OUT/checkpoints/step_00000012/``:
     trainer_state.json   stage, step, data cursor, scheduler, the RNG states of every rank, the position of
                          metrics.jsonl
     carry_over/          each rank's loop state beyond the weights (torch.save): the RL shapers' states
-                         (e.g. an EMA baseline; dynamic-sampling leftovers once they exist)
+                         (e.g. an EMA baseline), dynamic-sampling leftovers, the critic; the async recipe's
+                         undrained groups, re-queued and in-flight draws and ticket ledger
     hf/                  (checkpoint.export_hf) config + safetensors + tokenizer + image processor, which plain
                          transformers, vLLM and SGLang load
 

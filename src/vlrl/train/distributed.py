@@ -238,10 +238,14 @@ class Runtime:
         cursor.load_state(state["cursor"])
         return int(state["step"]), state["carry_over"]
 
+    def checkpoint_due(self, step: int) -> bool:
+        """A checkpoint is written at ``step`` (loops with state that is costly to gather ask first)."""
+        return self.checkpointer is not None and self.checkpointer.due(step)
+
     def after_step(self, step: int, stage: str, optimizer, scheduler, cursor: PromptCursor,
                    carry_over: Any = None) -> None:
         """Save a checkpoint when one is due at ``step``."""
-        if self.checkpointer is not None and self.checkpointer.due(step):
+        if self.checkpoint_due(step):
             self.checkpointer.save(step, stage=stage, module=self.module, optimizer=optimizer, scheduler=scheduler,
                                    cursor=cursor.state(), carry_over=carry_over)
 
@@ -256,9 +260,9 @@ def check_scalable(cfg, world_size: int) -> None:
     rollout = getattr(cfg, "rollout", None)
     if rollout is None:
         return
-    if rollout.mode == "async" and scaled:
-        raise ValueError("rollout.mode=async: the asynchronous recipe runs in one process and is not resumable yet; "
-                         "use rollout.mode=sync with torchrun / checkpoint.every / --resume")
+    if rollout.mode == "async" and world_size > 1:
+        raise ValueError("rollout.mode=async: the asynchronous recipe runs in one process (checkpoints and --resume "
+                         "do work); use rollout.mode=sync under torchrun")
     synth = getattr(cfg, "synth", None)
     if synth is not None and synth.enabled and scaled:
         raise ValueError("synth.enabled: Syn-GRPO rewrites the dataset as it trains; it runs in one process without "

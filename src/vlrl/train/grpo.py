@@ -67,6 +67,9 @@ def train_grpo(
                                shard=lambda prompts: rt.ctx.shard(prompts, what="train.prompts_per_step"))
         optimizer, scheduler = make_optimizer(rt.module, stage.optim)
         step, carry_over = rt.restore(stage_name, optimizer, scheduler, cursor)
+        if carry_over and "rollout" in carry_over:  # its buffered groups and in-flight prompts would be lost
+            raise ValueError(f"checkpoint.resume: {rt.checkpointer.resume_from} was written by the asynchronous "
+                             "recipe; resume it with rollout.mode=async")
         load_algorithm_state(algorithm, carry_over)
         if carry_over:  # dynamic sampling's surplus groups and the critic resume too
             sampler.carry = list(carry_over.get("sampler_carry") or [])

@@ -148,7 +148,8 @@ def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: Met
     with logger.progress.task(name, total=stage.train.steps, stage=name), \
             engine.training(name, total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
         if stage.rollout.mode == "async":
-            stats = train_async_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name)
+            stats = train_async_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name,
+                                     runtime=runtime)
         else:
             stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name,
                                runtime=runtime)
