@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from vlrl.config import RLConfig, SFTConfig, load_config
 from vlrl.train.recipes import run_rl, run_sft
 
-from .dist_helpers import COMPARED, kill_process_tree, quiet_env, run_args, run_checked, torchrun
+from .dist_helpers import COMPARED, kill_process_tree, quiet_env, run_args, run_checked, torchrun, write_rl_data
 
 RECIPES = {"sft": (SFTConfig, run_sft, 5), "rl": (RLConfig, run_rl, 4)}  # config, recipe, steps (dist_helpers)
 
@@ -107,3 +107,27 @@ def test_killed_at_a_random_step_resumes_exactly(two_ranks, tiny_vlm_dir, tmp_pa
     weights_b = load_file(resumed / "checkpoints" / "final" / "model.safetensors")
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     assert json.loads((resumed / "summary.json").read_text())["train"]["steps"] == steps
+
+
+def test_dynamic_sampling_carry_and_the_critic_resume_exactly(tiny_vlm_dir, tmp_path):
+    """The sync recipe's state beyond weights and cursor — dynamic sampling's carried-over groups and the critic
+    (weights, AdamW) — is in the checkpoint: 1 step, then a resume to 4, equals the 4 steps run at once.
+    oversample=2 on a dense reward leaves surplus informative groups after the first step."""
+    data = write_rl_data(tmp_path / "data" / "train.jsonl")
+    args = [*run_args("rl", tiny_vlm_dir, data, nproc=1), "algo.kl_coef=0", "algo.advantage=gae",
+            "algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.oversample=2"]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    in_process("rl", [*args, f"out={reference}"])
+    in_process("rl", [*args, f"out={resumed}", "train.steps=1"])
+    in_process("rl", [*args, f"out={resumed}", "checkpoint.resume=auto"])
+
+    expected, got = records(reference, "rl"), records(resumed, "rl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert got[1]["sampling/carried_in"] > 0  # the first resumed step trains groups carried over from step 1
+    keys = (*COMPARED["rl"][:-2], "response/length_mean", "critic/value_loss", "critic/grad_norm",
+            "sampling/carried_in", "sampling/prompts_generated")
+    for a, b in zip(expected, got, strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, f"step {a['step']}"
+    weights_a = load_file(reference / "checkpoints" / "final" / "model.safetensors")
+    weights_b = load_file(resumed / "checkpoints" / "final" / "model.safetensors")
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
