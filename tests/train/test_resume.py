@@ -22,7 +22,15 @@ from safetensors.torch import load_file
 from vlrl.config import RLConfig, SFTConfig, load_config
 from vlrl.train.recipes import run_rl, run_sft
 
-from .dist_helpers import COMPARED, kill_process_tree, quiet_env, run_args, run_checked, torchrun, write_rl_data
+from .dist_helpers import (
+    COMPARED,
+    kill_process_tree,
+    quiet_env,
+    run_args,
+    run_checked,
+    torchrun,
+    write_rl_data,
+)
 
 RECIPES = {"sft": (SFTConfig, run_sft, 5), "rl": (RLConfig, run_rl, 4)}  # config, recipe, steps (dist_helpers)
 
