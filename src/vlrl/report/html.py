@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from vlrl.report.plots import Line, Panel, render_bars, render_panel
-from vlrl.report.samples import read_sample_rows
+from vlrl.report.samples import read_jsonl_rows, read_sample_rows
 from vlrl.report.sinks import RESERVED, flatten
 
 REPORT_FILE = "report.html"
@@ -300,21 +300,11 @@ def sample_sections(run: Run, *, max_groups: int = 12) -> list[dict[str, Any]]:
 
 def gallery_rows(run: Run, *, limit: int = 24) -> list[dict[str, Any]]:
     """Original → synthesised pairs of a Syn-GRPO run (``synth_gallery.jsonl``), images as data URLs."""
-    path = run.path / "synth_gallery.jsonl"
-    if not path.is_file():
-        return []
+    gallery, problems = read_jsonl_rows(run.path / "synth_gallery.jsonl")
+    run.notes.extend(problems)
     images: dict[str, str | None] = {}
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as err:
-            run.notes.append(f"{path}:{number}: skipped ({err})")
-            continue
+    for row in gallery:
         rows.append({**row, "source": _image(run, str(row.get("source", "")), images) if row.get("source") else None,
                      "result": _image(run, str(row.get("result", "")), images) if row.get("result") else None})
         if len(rows) >= limit:

@@ -92,7 +92,11 @@ def _choose_prompts(trajectories: Sequence[Trajectory], per_task: int) -> set[in
 
 def read_sample_rows(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     """The rows of ``samples.jsonl`` (empty if absent) and a note per unreadable line (``file:line: reason``)."""
-    path = Path(run_dir) / SAMPLES_FILE
+    return read_jsonl_rows(Path(run_dir) / SAMPLES_FILE)
+
+
+def read_jsonl_rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The JSON-object rows of a JSONL file (empty if absent) and a note per unreadable line."""
     rows, problems = [], []
     if not path.exists():
         return rows, problems
