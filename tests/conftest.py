@@ -38,3 +38,15 @@ def tiny_vlm_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen2-vl")
     load_policy("tiny-qwen2-vl").save(path)
     return path
+
+
+@pytest.fixture
+def one_thread():
+    """Torch single-threaded for one test. Tiny models gain nothing from a second intra-op thread, and where
+    the test runs threads of its own (a trainer and a rollout worker, a server, a synthesis client) torch's
+    threads on top of them oversubscribe the 2 cores (measured 10-15x slower steps under load). Modules opt in
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -4,7 +4,6 @@ import contextlib
 import dataclasses
 
 import pytest
-import torch
 
 from vlrl.rollout.http_engine import HTTPEngine
 from vlrl.rollout.server import ContinuousBatcher, ServerThread, create_app, private_copy
@@ -18,15 +17,6 @@ class Served:
     batcher: ContinuousBatcher
     thread: ServerThread
 
-
-@pytest.fixture
-def one_thread():
-    """The server's worker thread and the test's thread share 2 cores: torch intra-op threads on top of
-    them oversubscribe the machine, so these tests run torch single-threaded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -14,14 +14,9 @@ API_KEY = "synth-test-key"
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Server threads and the test share 2 cores: torch single-threaded avoids oversubscription."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_threaded(one_thread):
+    """Server threads and the test share 2 cores: every synth test runs torch single-threaded."""
     yield
-    torch.set_num_threads(threads)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -19,15 +19,7 @@ from vlrl.rollout.server import ThreadedEngine
 from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.grpo import train_grpo
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two threads (trainer and rollout) share the 2 cores; torch's own intra-op threads on top of them
-    oversubscribe the machine (several-fold slower), so these tests run torch single-threaded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @register_reward("test_async_length_reward")

@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 import vlrl.train.async_grpo as async_grpo
 from vlrl.models import load_policy
@@ -22,13 +21,6 @@ from .test_async_grpo import _samples, _stage, accounted_for
 pytestmark = pytest.mark.usefixtures("one_thread")
 KEY = "test-key"
 
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _spy_staleness(monkeypatch):

@@ -34,13 +34,7 @@ P, N, ETA = 4, 4, 1  # prompts per step, responses per prompt, staleness bound o
 PARAM = "lm_head.weight"  # the tensor whose AdamW moment is compared across the restart
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Trainer and rollout threads share the 2 cores: torch single-threaded (as in test_async_grpo.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _runtime(policy, root, *, resume_from=None):

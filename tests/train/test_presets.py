@@ -24,14 +24,7 @@ TINY = ["rollout.n=4", "rollout.max_new_tokens=6", "train.steps=2", "train.promp
         "train.micro_batch_size=8", "train.ppo_epochs=1", "train.log_every=1", "optim.lr=3e-3"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second intra-op thread, and on a loaded 2-core machine two threads are
-    many times slower than one (measured ~15× at load 7): run torch single-threaded here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @register_reward("test_preset_length_reward")

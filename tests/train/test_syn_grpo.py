@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from vlrl.config import RLStage
 from vlrl.data import generate
@@ -25,14 +24,7 @@ from vlrl.train.grpo import train_grpo
 KEY = "syn-grpo-test-key"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The synthesis server's threads and the trainer share 2 cores: torch intra-op threads on top of them
-    oversubscribe the machine (10x slower steps), so these tests run torch single-threaded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TemplateEngine:

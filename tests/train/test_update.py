@@ -14,15 +14,7 @@ from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.common import make_optimizer
 from vlrl.train.update import UpdateSettings, minibatch_gradient, ppo_update
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second intra-op thread, and on a loaded 2-core machine two threads are
-    many times slower than one (measured ~15× at load 7): run torch single-threaded here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
