@@ -21,6 +21,20 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the field."""
 
 
+
+def _check_stages(cfg, per_stage: tuple[str, ...], described: str) -> None:
+    """With ``stages`` set, the per-stage sections may not also be set at the top, and names are unique."""
+    if not cfg.stages:
+        return
+    top = sorted(set(per_stage) & cfg.model_fields_set)
+    if top:
+        raise ValueError(f"{', '.join(top)}: with `stages` set, every stage has its own {described} "
+                         "sections; move these settings into the stages")
+    names = [s.name for s in cfg.stages]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"stages: duplicate stage name(s) {duplicates}")
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -516,15 +530,7 @@ class SFTConfig(RunConfig, SFTStage):
 
     @model_validator(mode="after")
     def _check_stages(self) -> SFTConfig:
-        if self.stages:
-            top = sorted({"optim", "train"} & self.model_fields_set)
-            if top:
-                raise ValueError(f"{', '.join(top)}: with `stages` set, every stage has its own optim and train "
-                                 "sections; move these settings into the stages")
-            names = [s.name for s in self.stages]
-            duplicates = sorted({n for n in names if names.count(n) > 1})
-            if duplicates:
-                raise ValueError(f"stages: duplicate stage name(s) {duplicates}")
+        _check_stages(self, ("optim", "train"), "optim and train")
         return self
 
 
@@ -553,15 +559,7 @@ class RLConfig(RunConfig, RLStage):
 
     @model_validator(mode="after")
     def _check_stages(self) -> RLConfig:
-        if self.stages:
-            top = sorted({"rollout", "algo", "optim", "train", "staleness"} & self.model_fields_set)
-            if top:
-                raise ValueError(f"{', '.join(top)}: with `stages` set, every stage has its own rollout, algo, optim, "
-                                 "train and staleness sections; move these settings into the stages")
-            names = [s.name for s in self.stages]
-            duplicates = sorted({n for n in names if names.count(n) > 1})
-            if duplicates:
-                raise ValueError(f"stages: duplicate stage name(s) {duplicates}")
+        _check_stages(self, ("rollout", "algo", "optim", "train", "staleness"), "rollout, algo, optim, train and staleness")
         return self
 
 
