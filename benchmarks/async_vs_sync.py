@@ -60,7 +60,8 @@ def main() -> None:
 
     key = secrets.token_urlsafe(16)
     server, url, log = start_server(args, key)
-    weights = Path(tempfile.mkdtemp(prefix="vlrl-bench-"))
+    shm = Path("/dev/shm")  # weights travel through a RAM disk where there is one (both modes publish every step)
+    weights = Path(tempfile.mkdtemp(prefix="vlrl-bench-", dir=shm if shm.is_dir() else None))
     try:
         samples = generate("shapes", 256, tasks=["count", "color"])
         stage = RLStage.model_validate({
