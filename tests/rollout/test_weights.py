@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from vlrl.rollout.server import private_copy
-from vlrl.rollout.weights import WeightLoadError, checkpoint_names, copy_weights, read_weights, weight_checksum
+from vlrl.rollout.weights import (
+    WeightLoadError,
+    checkpoint_names,
+    copy_weights,
+    read_weights,
+    weight_checksum,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -32,6 +32,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -241,13 +242,13 @@ class HTTPEngine:
             task = self._loop.create_task(self._answer(chunk, sampling, url))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            futures = [f for _, f in chunk]
+            for future in futures:
+                future.add_done_callback(functools.partial(self._cancel_if_abandoned, task, futures))
 
-            def cancel_if_abandoned(_, task=task, futures=[f for _, f in chunk]) -> None:
-                if all(f.cancelled() for f in futures):
-                    self._loop.call_soon_threadsafe(task.cancel)
-
-            for _, future in chunk:
-                future.add_done_callback(cancel_if_abandoned)
+    def _cancel_if_abandoned(self, task: asyncio.Task, futures: list[concurrent.futures.Future], _: Any) -> None:
+        if all(f.cancelled() for f in futures):
+            self._loop.call_soon_threadsafe(task.cancel)
 
     async def _answer(self, chunk: list[tuple[Request, concurrent.futures.Future]], sampling: SamplingParams,
                       url: str) -> None:
