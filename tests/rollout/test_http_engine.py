@@ -150,3 +150,56 @@ def test_a_sync_while_requests_are_in_flight_never_mis_tags_them(tiny_vlm, http_
         logp = _teacher_forced(weights, trajectories, 1.0)
         for i, t in enumerate(trajectories):
             assert torch.allclose(logp[i, : len(t.response_ids)], t.behaviour_logp, atol=1e-4)
+
+
+def test_agenerate_calls_made_together_share_one_request_and_giving_up_cancels_it(tiny_vlm, http_engine_factory):
+    """Three `agenerate` calls started together reach the server as one batched request (one job); when every
+    caller of a request gives up, the HTTP request is cancelled too (nothing stays in flight)."""
+    import asyncio
+    import time
+
+    engine, servers = http_engine_factory(tiny_vlm)
+    batcher = servers[0].batcher
+    requests = _requests(engine, 3)
+    sampling = SamplingParams(n=2, max_new_tokens=3)
+
+    async def together():
+        return await asyncio.gather(*(engine.agenerate([r], sampling) for r in requests))
+
+    jobs = []
+    real_submit = batcher.submit
+    batcher.submit = lambda requests, sampling: jobs.append(len(requests)) or real_submit(requests, sampling)
+    groups = asyncio.run(together())
+    assert [len(g) for g in groups] == [2, 2, 2] and jobs == [3]  # one job of three prompts
+    assert [t.sample.id for g in groups for t in g] == [r.sample.id for r in requests for _ in range(2)]
+    assert all(t.group_index == 0 for g in groups for t in g)  # each caller's own numbering
+    gate = _Gate(batcher)
+
+    async def give_up():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(together(), 0.5)
+
+    try:
+        assert engine.servers[0].in_flight == 0
+        asyncio.run(give_up())
+        deadline = time.time() + 10
+        while engine.servers[0].in_flight and time.time() < deadline:
+            time.sleep(0.02)
+        assert engine.servers[0].in_flight == 0
+    finally:
+        gate.release.set()
+
+
+def test_a_call_larger_than_a_server_batch_goes_out_as_one_request_per_batch(tiny_vlm, http_engine_factory):
+    """The server decodes 4 sequences at once: 5 prompts × n = 2 go out as requests of 2, 2 and 1 prompts, so
+    the first answers do not wait for the last batch."""
+    engine, servers = http_engine_factory(tiny_vlm, batcher_options={"max_batch_size": 4})
+    batcher = servers[0].batcher
+    jobs = []
+    real_submit = batcher.submit
+    batcher.submit = lambda requests, sampling: jobs.append(len(requests)) or real_submit(requests, sampling)
+    requests = _requests(engine, 5)
+    trajectories = engine.generate(requests, SamplingParams(n=2, max_new_tokens=2))
+    assert sorted(jobs) == [1, 2, 2]
+    assert [t.sample.id for t in trajectories] == [r.sample.id for r in requests for _ in range(2)]
+    assert [t.group_index for t in trajectories] == [i for i in range(5) for _ in range(2)]

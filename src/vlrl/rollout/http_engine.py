@@ -75,6 +75,17 @@ class AsyncEngine(Engine, Protocol):
         ...
 
 
+def _settle(future: concurrent.futures.Future, result: Any = None, *, error: BaseException | None = None) -> None:
+    """Set a prompt's outcome unless its caller cancelled it meanwhile."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 class NoServersLeft(RuntimeError):
     """Every rollout server failed and was dropped from the pool."""
 
@@ -90,7 +101,8 @@ class ServerState:
     failures: int = 0  # consecutive
     alive: bool = True
     dtype: str | None = None
-    served: int = 0  # requests answered
+    served: int = 0  # prompts answered
+    max_batch_size: int | None = None  # sequences it decodes at once, if it says (vlrl's server does)
 
 
 class HTTPEngine:
@@ -165,7 +177,9 @@ class HTTPEngine:
                         raise RolloutRequestError(f"{server.url}: 401 unauthorised: set ${API_KEY_ENV} to the "
                                                   "server's --api-key")
                     response.raise_for_status()
-                    server.dtype = response.json().get("dtype")
+                    info = response.json()
+                    server.dtype = info.get("dtype")
+                    server.max_batch_size = info.get("max_batch_size")
                     break
                 except RolloutRequestError:
                     raise
@@ -222,15 +236,15 @@ class HTTPEngine:
 
     def _dispatch(self, prompts: list[tuple[Request, concurrent.futures.Future]], sampling: SamplingParams) -> None:
         """On the engine's loop: give each prompt in turn to the live server with the fewest prompts in flight
-        (counting those given out here) and send each server its prompts as one batched request. Each prompt's
-        future gets its n trajectories (or the request's error); a request whose prompts were all cancelled is
-        cancelled."""
-        prompts = [(r, f) for r, f in prompts if f.set_running_or_notify_cancel()]
+        (counting those given out here) and send each server its prompts as batched requests, each at most what
+        the server decodes at once (its ``max_batch_size``, when it reports one). Each prompt's future gets its
+        n trajectories (or the request's error); a request whose prompts were all cancelled is cancelled."""
+        prompts = [(r, f) for r, f in prompts if not f.cancelled()]  # (left pending, so that callers can cancel)
         live = self.live_servers()
         if not live:
             error = NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
             for _, future in prompts:
-                future.set_exception(error)
+                _settle(future, error=error)
             return
         load = {s.url: s.in_flight for s in live}
         assigned: dict[str, list[tuple[Request, concurrent.futures.Future]]] = {}
@@ -238,7 +252,12 @@ class HTTPEngine:
             server = min(live, key=lambda s: (load[s.url], s.failures, s.served))
             load[server.url] += 1
             assigned.setdefault(server.url, []).append(prompt)
-        for url, chunk in assigned.items():
+        servers = {s.url: s for s in live}
+        chunks = []
+        for url, given in assigned.items():  # a request per batch the server decodes, so the first answers come early
+            size = max(1, (servers[url].max_batch_size or len(given) * sampling.n) // sampling.n)
+            chunks += [(url, given[i : i + size]) for i in range(0, len(given), size)]
+        for url, chunk in chunks:
             task = self._loop.create_task(self._answer(chunk, sampling, url))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -257,14 +276,12 @@ class HTTPEngine:
             trajectories = await self._generate_chunk([r for r, _ in chunk], sampling, first=url)
         except BaseException as err:
             for future in futures:
-                if not future.done():
-                    future.set_exception(err if isinstance(err, Exception) else RolloutRequestError("cancelled"))
+                _settle(future, error=err if isinstance(err, Exception) else RolloutRequestError("cancelled"))
             if not isinstance(err, Exception):
                 raise
             return
         for i, future in enumerate(futures):
-            if not future.done():
-                future.set_result(trajectories[i * sampling.n : (i + 1) * sampling.n])
+            _settle(future, trajectories[i * sampling.n : (i + 1) * sampling.n])
 
     def _payload(self, requests: Sequence[Request], sampling: SamplingParams) -> dict[str, Any]:
         """SGLang's batched ``/generate`` body: ``input_ids`` and ``image_data`` one item per prompt."""
