@@ -53,6 +53,7 @@ from vlrl.rollout.server import (
     _sampling_key,
     encode_image,
     quiet_transformers,
+    settle,
     weight_checksum,
 )
 from vlrl.rollout.types import Engine, Request, SamplingParams, Status, Trajectory
@@ -73,17 +74,6 @@ class AsyncEngine(Engine, Protocol):
 
     def close(self) -> None:
         ...
-
-
-def _settle(future: concurrent.futures.Future, result: Any = None, *, error: BaseException | None = None) -> None:
-    """Set a prompt's outcome unless its caller cancelled it meanwhile."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
 
 
 class NoServersLeft(RuntimeError):
@@ -244,7 +234,7 @@ class HTTPEngine:
         if not live:
             error = NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
             for _, future in prompts:
-                _settle(future, error=error)
+                settle(future, error=error)
             return
         load = {s.url: s.in_flight for s in live}
         assigned: dict[str, list[tuple[Request, concurrent.futures.Future]]] = {}
@@ -276,12 +266,12 @@ class HTTPEngine:
             trajectories = await self._generate_chunk([r for r, _ in chunk], sampling, first=url)
         except BaseException as err:
             for future in futures:
-                _settle(future, error=err if isinstance(err, Exception) else RolloutRequestError("cancelled"))
+                settle(future, error=err if isinstance(err, Exception) else RolloutRequestError("cancelled"))
             if not isinstance(err, Exception):
                 raise
             return
         for i, future in enumerate(futures):
-            _settle(future, trajectories[i * sampling.n : (i + 1) * sampling.n])
+            settle(future, trajectories[i * sampling.n : (i + 1) * sampling.n])
 
     def _payload(self, requests: Sequence[Request], sampling: SamplingParams) -> dict[str, Any]:
         """SGLang's batched ``/generate`` body: ``input_ids`` and ``image_data`` one item per prompt."""

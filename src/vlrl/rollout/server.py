@@ -96,8 +96,8 @@ def _sampling_key(sampling: SamplingParams) -> tuple:
     return (sampling.n, sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens, tuple(sampling.stop))
 
 
-def _resolve(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
-    """Set a job's outcome unless its caller already cancelled it."""
+def settle(future: concurrent.futures.Future, result: Any = None, *, error: BaseException | None = None) -> None:
+    """Set a future's outcome (a job's, a prompt's) unless its caller already cancelled it."""
     try:
         if error is not None:
             future.set_exception(error)
@@ -202,7 +202,7 @@ class ContinuousBatcher:
             old_version = self._active.weight_version
             self._cond.notify_all()
         for job in dropped:
-            _resolve(job.future, aborted_trajectories(job.requests, job.sampling.n, old_version))
+            settle(job.future, aborted_trajectories(job.requests, job.sampling.n, old_version))
         return checksum
 
     def load_in_place(self, weights: Mapping[str, torch.Tensor], *, version: int, abort: bool = False) -> str:
@@ -233,7 +233,7 @@ class ContinuousBatcher:
             self._pending.clear()
             self._cond.notify_all()
         for job in dropped:
-            _resolve(job.future, error=RuntimeError("the batcher was closed"))
+            settle(job.future, error=RuntimeError("the batcher was closed"))
         self._thread.join(timeout=60)
 
     def _take(self) -> tuple[HFEngine, list[_Job]] | None:
@@ -289,18 +289,18 @@ class ContinuousBatcher:
         except Exception as err:  # a bad batch fails its own requests, never the server
             log.exception("generation failed")
             for job in jobs:
-                _resolve(job.future, error=err)
+                settle(job.future, error=err)
             return
         n, start = jobs[0].sampling.n, 0
         for job in jobs:
             count = len(job.requests) * n
             if job.aborted:
-                _resolve(job.future, aborted_trajectories(job.requests, n, engine.weight_version))
+                settle(job.future, aborted_trajectories(job.requests, n, engine.weight_version))
             else:
                 trajectories = out[start : start + count]
                 for t in trajectories:
                     t.group_index -= start // n  # index within the job
-                _resolve(job.future, trajectories)
+                settle(job.future, trajectories)
             start += count
 
 
