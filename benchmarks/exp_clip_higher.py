@@ -101,6 +101,7 @@ def summarise(records: list[dict], window: int) -> dict[str, float]:
         "clip_high_of_pos": mean("policy/clip_high", records) / max(mean("policy/pos_adv", records), 1e-12),
         "clip_high_of_low_p": mean("policy/clip_high", records) / max(mean("policy/pos_adv_low_p", records), 1e-12),
         "kl_old_max": max(r["policy/approx_kl_old"] for r in records),
+        "kl_old_median": sorted(r["policy/approx_kl_old"] for r in records)[len(records) // 2],
         "kl_old_over_1": sum(r["policy/approx_kl_old"] > 1.0 for r in records),
         "zero_adv_mean": mean("policy/zero_adv_groups_frac", records),
         "zero_adv_max": max(r["policy/zero_adv_groups_frac"] for r in records),
@@ -113,12 +114,12 @@ def summarise(records: list[dict], window: int) -> dict[str, float]:
 def print_table(title: str, rows: dict[str, dict[str, float]]) -> None:
     print(f"\n{title}")
     header = ("run", "H first", "H last", "H mean", "clip lo", "clip hi", "clip hi / A>0", "clip hi / A>0,p<.78",
-              "R first", "R last", "KL_old max", "steps KL_old>1", "zero-adv", "zero-adv max", "samples/step",
+              "R first", "R last", "KL_old max", "KL_old median", "steps KL_old>1", "zero-adv", "zero-adv max", "samples/step",
               "seconds")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     keys = ("entropy_first", "entropy_last", "entropy_mean", "clip_low", "clip_high", "clip_high_of_pos",
-            "clip_high_of_low_p", "reward_first", "reward_last", "kl_old_max", "kl_old_over_1", "zero_adv_mean",
+            "clip_high_of_low_p", "reward_first", "reward_last", "kl_old_max", "kl_old_median", "kl_old_over_1", "zero_adv_mean",
             "zero_adv_max", "samples_per_step", "seconds")
     for name, s in rows.items():
         cells = [f"{s[k]:.4f}" if k.startswith(("entropy", "clip")) else f"{s[k]:.0f}" if k == "kl_old_over_1"
