@@ -7,10 +7,13 @@ similar time (both are measured and printed first). Then, against the same serve
 
 - sync:  `train_grpo` with the HTTP engine — generate a batch, train on it, publish the weights, repeat;
          each partition idles while the other works.
-- async: `train_async_grpo` (η = 1 by default) — the server generates the next batch while the trainer trains.
+- async: `train_async_grpo` at each η given (1 and 2 by default) — the server generates the next batches while the
+         trainer trains, and loads each new version while the trainer trains on (`HTTPEngine.publish`).
+         With η = 1 the server may run one batch ahead: it idles from the end of that batch until the trainer's next
+         version is confirmed. η = 2 (the seed's η is 4) lets it keep one more batch queued.
 
     python benchmarks/async_vs_sync.py                       # 8 prompts x 6 samples, <= 40 tokens, 20 steps, 2 repeats
-    python benchmarks/async_vs_sync.py --steps 40 --eta 2    # longer, more staleness allowed
+    python benchmarks/async_vs_sync.py --steps 40 --eta 4    # longer, more staleness allowed
 
 Prints the samples/s of each mode (trajectories trained per second of loop wall time) and their ratio.
 Both runs start from the same weights; the machine's load average is printed because other processes on
@@ -38,11 +41,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--n", type=int, default=6, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=40)
-    parser.add_argument("--eta", type=int, default=1, help="max staleness of the async run")
+    parser.add_argument("--eta", type=int, nargs="+", default=[1, 2], help="max staleness of each async run")
     parser.add_argument("--server-core", type=int, default=0)
     parser.add_argument("--trainer-core", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="alternate sync/async this many times")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 3 steps, 1 repeat")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.repeats = 3, 1
 
     os.sched_setaffinity(0, {args.trainer_core})  # this process = the trainer partition
     import torch
@@ -60,14 +66,17 @@ def main() -> None:
 
     key = secrets.token_urlsafe(16)
     server, url, log = start_server(args, key)
-    weights = Path(tempfile.mkdtemp(prefix="vlrl-bench-"))
+    shm = Path("/dev/shm")  # weights travel through a RAM disk where there is one (both modes publish every step)
+    weights = Path(tempfile.mkdtemp(prefix="vlrl-bench-", dir=shm if shm.is_dir() else None))
     try:
         samples = generate("shapes", 256, tasks=["count", "color"])
-        stage = RLStage.model_validate({
-            "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens, "max_concurrent_rollouts": 2 * args.prompts},
-            "train": {"steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": args.prompts * args.n},
-            "staleness": {"eta": args.eta}, "optim": {"lr": 5e-4},
-        })
+        def stage(eta: int) -> RLStage:
+            return RLStage.model_validate({
+                "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens, "max_concurrent_rollouts": 2 * args.prompts},
+                "train": {"steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": args.prompts * args.n},
+                "staleness": {"eta": eta}, "optim": {"lr": 5e-4},
+            })
+
         sampling = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens)
 
         def fresh():
@@ -95,16 +104,17 @@ def main() -> None:
               f"one generation batch {t_gen:.3f} s (server core {args.server_core}), one forward+backward "
               f"{t_train:.3f} s (trainer core {args.trainer_core})", flush=True)
 
-        results: dict[str, list[float]] = {"sync": [], "async": []}
+        modes = ["sync", *(f"async η={eta}" for eta in args.eta)]
+        results: dict[str, list[float]] = {mode: [] for mode in modes}
         for _ in range(args.repeats):
-            for mode in ("sync", "async"):
+            for mode, eta in zip(modes, [0, *args.eta], strict=True):
                 policy, engine = fresh()
                 torch.manual_seed(0)
                 logger = MetricsLogger(None, quiet=True)
                 loop = train_grpo if mode == "sync" else train_async_grpo
                 load = os.getloadavg()[0]
                 before = server_info(url, key)
-                stats = loop(policy, engine, samples, stage, logger=logger, seed=0)
+                stats = loop(policy, engine, samples, stage(eta), logger=logger, seed=0)
                 engine.close()
                 after = server_info(url, key)
                 per_batch = (after["rows"] - before["rows"]) / max(1, after["batches"] - before["batches"])
@@ -114,20 +124,21 @@ def main() -> None:
                 if mode == "sync":
                     gen = sum(r["perf/gen_seconds"] for r in logger.records) / len(logger.records)
                     extra = f", the trainer waits {gen:.2f} s/step for generation"
-                if mode == "async":
+                if mode != "sync":
                     stale = [r["staleness/mean"] for r in logger.records]
                     extra = (f", mean staleness {sum(stale) / len(stale):.2f}, discarded "
                              f"{logger.records[-1]['staleness/discarded_total']}")
                     wait = sum(r["perf/wait_seconds"] for r in logger.records) / len(logger.records)
                     sync_s = sum(r["perf/sync_seconds"] for r in logger.records) / len(logger.records)
                     extra += f", the trainer waits {wait:.2f} s/step for data, weight sync {sync_s:.2f} s/step"
-                print(f"{mode:5s}: {stats['steps']} steps in {stats['seconds']:.1f} s -> {rate:.1f} trained samples/s "
+                print(f"{mode:9s}: {stats['steps']} steps in {stats['seconds']:.1f} s -> {rate:.1f} trained samples/s "
                       f"({per_batch:.0f} sequences per server batch{extra}; load average {load:.1f})", flush=True)
         sync_rate = sum(results["sync"]) / len(results["sync"])
-        async_rate = sum(results["async"]) / len(results["async"])
-        pairs = " ".join(f"{a / b:.2f}x" for a, b in zip(results["async"], results["sync"], strict=True))
-        print(f"async / sync = {async_rate / sync_rate:.2f}x (mean rates; per repeat: {pairs}) "
-              "(goal >= 1.8x; AReaL reports 2.77x on GPUs)")
+        for mode in modes[1:]:
+            async_rate = sum(results[mode]) / len(results[mode])
+            pairs = " ".join(f"{a / b:.2f}x" for a, b in zip(results[mode], results["sync"], strict=True))
+            print(f"{mode} / sync = {async_rate / sync_rate:.2f}x (mean rates; per repeat: {pairs}) "
+                  "(goal >= 1.8x; AReaL reports 2.77x on GPUs)")
     finally:
         server.terminate()
         server.wait(30)

@@ -8,7 +8,7 @@ import torch
 from vlrl.data import generate
 from vlrl.rollout import SamplingParams, Status
 from vlrl.rollout.http_engine import HTTPEngine, NoServersLeft, RolloutRequestError
-from vlrl.rollout.server import WeightSyncError
+from vlrl.rollout.server import WeightSyncError, private_copy
 
 from .test_server import _Gate
 
@@ -92,3 +92,114 @@ def test_wrong_api_key_fails_at_start(tiny_vlm, http_engine_factory, tmp_path):
     _, servers = http_engine_factory(tiny_vlm)
     with pytest.raises(RolloutRequestError, match="401"):
         HTTPEngine(tiny_vlm, [servers[0].url], weights_dir=tmp_path, api_key="wrong", startup_timeout=5)
+
+
+def test_publish_returns_before_the_servers_confirm_and_bumps_the_version_after(tiny_vlm, http_engine_factory):
+    """The trainer may move its weights as soon as `publish` returns: the servers still load (and checksum)
+    what was published; `weight_version` moves only when the slow server confirmed."""
+    import threading
+
+    from vlrl.rollout.server import weight_checksum
+
+    engine, servers = http_engine_factory(tiny_vlm)
+    batcher = servers[0].batcher
+    loading, release = threading.Event(), threading.Event()
+    real_load = batcher.load_in_place
+
+    def slow_load(weights, **kwargs):
+        loading.set()
+        release.wait(30)
+        return real_load(weights, **kwargs)
+
+    batcher.load_in_place = slow_load
+    with torch.no_grad():
+        next(tiny_vlm.model.parameters()).add_(1.0)
+    published = weight_checksum(tiny_vlm.model)
+    update = engine.publish(version=1)
+    assert loading.wait(30) and not update.done() and engine.weight_version == 0
+    with torch.no_grad():  # the next optimizer step, while the server loads
+        next(tiny_vlm.model.parameters()).add_(1.0)
+    release.set()
+    assert update.result(30) == 1 and engine.weight_version == 1
+    assert batcher.version == (1, published)  # what was published, not the moved weights
+
+
+def test_a_sync_while_requests_are_in_flight_never_mis_tags_them(tiny_vlm, http_engine_factory):
+    """Prompts decoding when version 1 is published finish on version 0's weights and say so; prompts sent
+    after it are tagged 1. The log-probs of each equal a teacher-forced pass of the weights of its tag."""
+    import concurrent.futures
+
+    from .test_engine_contract import _teacher_forced
+
+    engine, servers = http_engine_factory(tiny_vlm)
+    old = private_copy(tiny_vlm)
+    gate = _Gate(servers[0].batcher)
+    sampling = SamplingParams(n=2, max_new_tokens=4)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(engine.generate, _requests(engine, 2), sampling)
+        assert gate.entered.wait(30)
+        with torch.no_grad():
+            for p in tiny_vlm.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.publish(version=1).result(30)  # confirmed while the old batch still decodes
+        gate.release.set()
+        before = in_flight.result(30)
+    after = engine.generate(_requests(engine, 2), sampling)
+    assert {t.weight_version for t in before} == {0} and {t.weight_version for t in after} == {1}
+    for weights, trajectories in ((old, before), (tiny_vlm, after)):
+        logp = _teacher_forced(weights, trajectories, 1.0)
+        for i, t in enumerate(trajectories):
+            assert torch.allclose(logp[i, : len(t.response_ids)], t.behaviour_logp, atol=1e-4)
+
+
+def test_agenerate_calls_made_together_share_one_request_and_giving_up_cancels_it(tiny_vlm, http_engine_factory):
+    """Three `agenerate` calls started together reach the server as one batched request (one job); when every
+    caller of a request gives up, the HTTP request is cancelled too (nothing stays in flight)."""
+    import asyncio
+    import time
+
+    engine, servers = http_engine_factory(tiny_vlm)
+    batcher = servers[0].batcher
+    requests = _requests(engine, 3)
+    sampling = SamplingParams(n=2, max_new_tokens=3)
+
+    async def together():
+        return await asyncio.gather(*(engine.agenerate([r], sampling) for r in requests))
+
+    jobs = []
+    real_submit = batcher.submit
+    batcher.submit = lambda requests, sampling: jobs.append(len(requests)) or real_submit(requests, sampling)
+    groups = asyncio.run(together())
+    assert [len(g) for g in groups] == [2, 2, 2] and jobs == [3]  # one job of three prompts
+    assert [t.sample.id for g in groups for t in g] == [r.sample.id for r in requests for _ in range(2)]
+    assert all(t.group_index == 0 for g in groups for t in g)  # each caller's own numbering
+    gate = _Gate(batcher)
+
+    async def give_up():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(together(), 0.5)
+
+    try:
+        assert engine.servers[0].in_flight == 0
+        asyncio.run(give_up())
+        deadline = time.time() + 10
+        while engine.servers[0].in_flight and time.time() < deadline:
+            time.sleep(0.02)
+        assert engine.servers[0].in_flight == 0
+    finally:
+        gate.release.set()
+
+
+def test_a_call_larger_than_a_server_batch_goes_out_as_one_request_per_batch(tiny_vlm, http_engine_factory):
+    """The server decodes 4 sequences at once: 5 prompts × n = 2 go out as requests of 2, 2 and 1 prompts, so
+    the first answers do not wait for the last batch."""
+    engine, servers = http_engine_factory(tiny_vlm, batcher_options={"max_batch_size": 4})
+    batcher = servers[0].batcher
+    jobs = []
+    real_submit = batcher.submit
+    batcher.submit = lambda requests, sampling: jobs.append(len(requests)) or real_submit(requests, sampling)
+    requests = _requests(engine, 5)
+    trajectories = engine.generate(requests, SamplingParams(n=2, max_new_tokens=2))
+    assert sorted(jobs) == [1, 2, 2]
+    assert [t.sample.id for t in trajectories] == [r.sample.id for r in requests for _ in range(2)]
+    assert [t.group_index for t in trajectories] == [i for i in range(5) for _ in range(2)]

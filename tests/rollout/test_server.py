@@ -228,3 +228,74 @@ def test_update_weights_from_disk(served, tiny_vlm, tmp_path):
     missing = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
     assert missing.status_code == 400 and not missing.json()["success"]
     assert client.get("/get_weight_version").json() == {"weight_version": "7"}  # unchanged
+
+
+def test_a_batched_generate_decodes_as_one_batch_answered_prompt_major(served, tiny_vlm):
+    """SGLang's list form: three prompts of different lengths, n = 2 → six answers, prompt 0's two first."""
+    client, batcher = served
+    samples = generate("shapes", 3, tasks=["count", "color"])
+    requests = [HFEngine(tiny_vlm).encode(s) for s in samples]
+    body = {"input_ids": [r.prompt_ids[: 30 + 5 * i] if not r.images else r.prompt_ids for i, r in enumerate(requests)],
+            "image_data": [[encode_image(im) for im in r.images] or None for r in requests],
+            "sampling_params": {"n": 2, "max_new_tokens": 3}, "return_logprob": True}
+    batches = batcher.batches
+    out = client.post("/generate", json=body).json()
+    deadline = time.time() + 10
+    while batcher.batches == batches and time.time() < deadline:  # counted just after the answers are sent
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert len(out) == 6 and batcher.batches == batches + 1  # one job, one batch
+    lengths = [len(ids) for ids in body["input_ids"]]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [n for n in lengths for _ in range(2)]
+    one = client.post("/generate", json={"input_ids": [requests[0].prompt_ids], "image_data": [body["image_data"][0]],
+                                         "sampling_params": {"max_new_tokens": 2}}).json()
+    assert isinstance(one, list) and len(one) == 1  # a batch of one is still answered as a list
+    wrong = client.post("/generate", json={**body, "image_data": body["image_data"][:2]})
+    assert wrong.status_code == 400 and "image_data" in wrong.json()["error"] and "3 prompts" in wrong.json()["error"]
+
+
+def test_updates_from_disk_copy_in_place_into_the_spare_copy(served, tiny_vlm, tmp_path, monkeypatch):
+    """No model is built per update: version 1 goes into a new spare copy, version 2 into the weights version 1
+    retired, and each answer carries its version and the checksum of exactly what was written."""
+    import vlrl.rollout.server as server_module
+
+    client, batcher = served
+    monkeypatch.setattr(server_module, "_load_weights", lambda *a: pytest.fail("from_pretrained was called"))
+    request, body = _prompt(tiny_vlm)
+    original = batcher.policy.model
+    models = []
+    for version in (1, 2):
+        moved = _moved(tiny_vlm)
+        moved.model.save_pretrained(tmp_path / f"v{version}")
+        answer = client.post("/update_weights_from_disk",
+                             json={"model_path": str(tmp_path / f"v{version}"), "weight_version": str(version)}).json()
+        assert answer["success"] and answer["weight_checksum"] == weight_checksum(moved.model)
+        out = client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 2}}).json()
+        assert out["meta_info"]["weight_version"] == str(version)  # the swap happened at this batch
+        models.append(batcher.policy.model)
+        tiny_vlm = moved
+    assert models[0] is not original and models[1] is original  # two copies, alternating
+
+
+def test_an_in_place_load_never_writes_the_weights_a_batch_is_decoding_with(tiny_vlm):
+    """While a batch decodes on version 1, versions 2 and 3 are loaded: both go into the spare copy (3
+    overwrites the not-yet-used 2), never into the decoding weights, which keep version 1's values."""
+    batcher = ContinuousBatcher(private_copy(tiny_vlm))
+    request = HFEngine(tiny_vlm).encode(generate("shapes", 1)[0])
+    sampling = SamplingParams(n=2, max_new_tokens=3)
+    state = {k: v.clone() for k, v in tiny_vlm.model.state_dict().items()}
+    batcher.load_in_place({k: v + 0.01 for k, v in state.items()}, version=1)
+    batcher.submit([request], sampling).result(30)  # version 1 is active now
+    decoding_weights = batcher.policy.model
+    v1 = weight_checksum(decoding_weights)
+    gate = _Gate(batcher)
+    decoding = batcher.submit([request], sampling)
+    assert gate.entered.wait(30)
+    batcher.load_in_place({k: v + 0.02 for k, v in state.items()}, version=2)
+    v3 = batcher.load_in_place({k: v + 0.03 for k, v in state.items()}, version=3)
+    assert weight_checksum(decoding_weights) == v1  # untouched while decoding
+    gate.release.set()
+    assert {t.weight_version for t in decoding.result(30)} == {1}
+    assert {t.weight_version for t in batcher.submit([request], sampling).result(30)} == {3}
+    assert batcher.version == (3, v3) and batcher.policy.model is not decoding_weights
+    batcher.close()

@@ -129,3 +129,37 @@ def test_killing_one_of_two_servers_mid_run_loses_no_prompt(monkeypatch, tmp_pat
                 process.terminate()
                 process.wait(30)
             log.close()
+
+
+def test_the_trainer_trains_on_while_servers_load_and_versions_stay_exact(monkeypatch, tmp_path):
+    """Each weight load takes the server 0.4 s: the trainer does not wait for it (it trains its next step
+    meanwhile), the rollout's version moves only on confirmation, and no trained sample is older than η or
+    tagged with a version the server had not confirmed."""
+    seen = _spy_staleness(monkeypatch)
+    policy = load_policy("tiny-qwen2-vl")
+    batcher = ContinuousBatcher(private_copy(policy))
+    real_load = batcher.load_in_place
+    confirmed = []
+
+    def slow_load(weights, *, version, abort=False):
+        time.sleep(0.4)
+        checksum = real_load(weights, version=version, abort=abort)
+        confirmed.append(version)
+        return checksum
+
+    batcher.load_in_place = slow_load
+    server = ServerThread(create_app(batcher, api_key=KEY))
+    engine = HTTPEngine(policy, [server.url], weights_dir=tmp_path / "w", api_key=KEY)
+    logger = MetricsLogger(None, quiet=True)
+    state = {}
+    try:
+        stats = train_async_grpo(policy, engine, _samples(), _stage(train={"steps": 5}, staleness={"eta": 1}),
+                                 logger=logger, seed=0, state_out=state)
+    finally:
+        engine.close()
+        server.stop()
+        batcher.close()
+    assert stats["steps"] == 5 and engine.weight_version == 5 and confirmed[-1] == 5  # the last update confirmed too
+    assert all(r["perf/sync_seconds"] < 0.4 for r in logger.records)  # never blocked on a server's load
+    assert all(0 <= s <= 1 for batch in seen for s in batch)
+    assert accounted_for(state)

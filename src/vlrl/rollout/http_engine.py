@@ -6,7 +6,7 @@ Prompts are encoded locally (tokenizer + image processor, exactly as `HFEngine` 
 weight version (a server that does not report it is tagged with the version current when the request
 started — the oldest weights it can have used, so staleness is never under-estimated).
 
-Reliability: each request goes to the live server with the fewest requests in flight. A transport error,
+Reliability: each request goes to the live server with the fewest prompts in flight. A transport error,
 timeout or 5xx answer counts as a failure of that server and the request is retried on another one (up to
 ``max_retries`` times); a server with ``max_server_failures`` consecutive failures is dropped from the pool
 with a warning. A 503/429 (queue full) is waited out, not counted. A 4xx is a bug in the request and raises.
@@ -15,7 +15,12 @@ Weight updates: `update_weights` saves the trainer's weights (``save_pretrained`
 ``weights_dir``, asks every live server to load them (``/update_weights_from_disk``), and bumps
 ``weight_version`` only after every server confirmed. vlrl's servers answer with a checksum of what they
 loaded; a mismatch with the trainer's own checksum raises `WeightSyncError` (the run stops). A server that
-reports no checksum (e.g. SGLang) is warned about once.
+reports no checksum (e.g. SGLang) is warned about once. `publish` is the same without waiting: it returns
+once the weights are saved, and a future that resolves when every server confirmed (the asynchronous recipe
+trains its next step meanwhile). Put ``weights_dir`` on a RAM disk (``/dev/shm``) when servers share the host.
+
+Batching: the prompts of one `generate` call (or of the `agenerate` calls made together) are sent as one
+batched ``/generate`` per server (SGLang's list form of ``input_ids``), split evenly over the live servers.
 
 The engine owns an asyncio loop on a background thread: `generate` (the synchronous `Engine` method) and
 `agenerate` (awaitable from any other event loop) both run there.
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -43,6 +50,7 @@ from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.server import (
     API_KEY_ENV,
     WeightSyncError,
+    _sampling_key,
     encode_image,
     quiet_transformers,
     weight_checksum,
@@ -67,6 +75,17 @@ class AsyncEngine(Engine, Protocol):
         ...
 
 
+def _settle(future: concurrent.futures.Future, result: Any = None, *, error: BaseException | None = None) -> None:
+    """Set a prompt's outcome unless its caller cancelled it meanwhile."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 class NoServersLeft(RuntimeError):
     """Every rollout server failed and was dropped from the pool."""
 
@@ -82,7 +101,8 @@ class ServerState:
     failures: int = 0  # consecutive
     alive: bool = True
     dtype: str | None = None
-    served: int = 0  # requests answered
+    served: int = 0  # prompts answered
+    max_batch_size: int | None = None  # sequences it decodes at once, if it says (vlrl's server does)
 
 
 class HTTPEngine:
@@ -111,6 +131,10 @@ class HTTPEngine:
         self._images: collections.OrderedDict[int, tuple[Request, list[str]]] = collections.OrderedDict()
         self._warned_no_checksum: set[str] = set()
         self._saved: list[Path] = []
+        self._gathering: dict[tuple, list[tuple[list[Request], asyncio.Future]]] = {}
+        self._publishing: concurrent.futures.Future | None = None
+        self._closing = False
+        self._tasks: set[asyncio.Task] = set()
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._loop = asyncio.new_event_loop()
@@ -133,6 +157,7 @@ class HTTPEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
+        self._closing = True
         if self._loop.is_running():
             self._call(self._client.aclose())
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -152,7 +177,9 @@ class HTTPEngine:
                         raise RolloutRequestError(f"{server.url}: 401 unauthorised: set ${API_KEY_ENV} to the "
                                                   "server's --api-key")
                     response.raise_for_status()
-                    server.dtype = response.json().get("dtype")
+                    info = response.json()
+                    server.dtype = info.get("dtype")
+                    server.max_batch_size = info.get("max_batch_size")
                     break
                 except RolloutRequestError:
                     raise
@@ -170,10 +197,36 @@ class HTTPEngine:
         return self._call(self._generate(requests, sampling))
 
     async def agenerate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._generate(requests, sampling), self._loop))
+        """`generate`, awaitable from another event loop. The calls made in one iteration of that loop (e.g. one
+        per prompt, started together) are sent together, as batched ``/generate`` requests, so a server decodes
+        them as one batch however slowly they would otherwise trickle in; each call returns as soon as its own
+        prompts are answered."""
+        loop = asyncio.get_running_loop()
+        key = (id(loop), _sampling_key(sampling))
+        if key not in self._gathering:
+            self._gathering[key] = []
+            loop.call_soon(self._flush, key, sampling)  # after every call already scheduled in this iteration
+        futures = [concurrent.futures.Future() for _ in requests]
+        self._gathering[key].extend(zip(requests, futures, strict=True))
+        return await self._collect([asyncio.wrap_future(f) for f in futures], futures)
+
+    def _flush(self, key: tuple, sampling: SamplingParams) -> None:
+        self._loop.call_soon_threadsafe(self._dispatch, self._gathering.pop(key), sampling)
 
     async def _generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
-        groups = await asyncio.gather(*(self._generate_one(r, sampling) for r in requests))
+        futures = [concurrent.futures.Future() for _ in requests]
+        self._dispatch(list(zip(requests, futures, strict=True)), sampling)
+        return await self._collect([asyncio.wrap_future(f) for f in futures], futures)
+
+    @staticmethod
+    async def _collect(waiting: list[asyncio.Future], futures: list[concurrent.futures.Future]) -> list[Trajectory]:
+        """The trajectories of one call's prompts, in order, ``group_index`` = the prompt's position."""
+        try:
+            groups = await asyncio.gather(*waiting)
+        except BaseException:
+            for future in futures:  # the caller gave up (or one prompt failed): give up the others too
+                future.cancel()
+            raise
         out = []
         for i, group in enumerate(groups):
             for t in group:
@@ -181,17 +234,65 @@ class HTTPEngine:
             out.extend(group)
         return out
 
-    def _payload(self, request: Request, sampling: SamplingParams) -> dict[str, Any]:
-        payload: dict[str, Any] = {
-            "input_ids": list(request.prompt_ids),
+    def _dispatch(self, prompts: list[tuple[Request, concurrent.futures.Future]], sampling: SamplingParams) -> None:
+        """On the engine's loop: give each prompt in turn to the live server with the fewest prompts in flight
+        (counting those given out here) and send each server its prompts as batched requests, each at most what
+        the server decodes at once (its ``max_batch_size``, when it reports one). Each prompt's future gets its
+        n trajectories (or the request's error); a request whose prompts were all cancelled is cancelled."""
+        prompts = [(r, f) for r, f in prompts if not f.cancelled()]  # (left pending, so that callers can cancel)
+        live = self.live_servers()
+        if not live:
+            error = NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
+            for _, future in prompts:
+                _settle(future, error=error)
+            return
+        load = {s.url: s.in_flight for s in live}
+        assigned: dict[str, list[tuple[Request, concurrent.futures.Future]]] = {}
+        for prompt in prompts:
+            server = min(live, key=lambda s: (load[s.url], s.failures, s.served))
+            load[server.url] += 1
+            assigned.setdefault(server.url, []).append(prompt)
+        servers = {s.url: s for s in live}
+        chunks = []
+        for url, given in assigned.items():  # a request per batch the server decodes, so the first answers come early
+            size = max(1, (servers[url].max_batch_size or len(given) * sampling.n) // sampling.n)
+            chunks += [(url, given[i : i + size]) for i in range(0, len(given), size)]
+        for url, chunk in chunks:
+            task = self._loop.create_task(self._answer(chunk, sampling, url))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            futures = [f for _, f in chunk]
+            for future in futures:
+                future.add_done_callback(functools.partial(self._cancel_if_abandoned, task, futures))
+
+    def _cancel_if_abandoned(self, task: asyncio.Task, futures: list[concurrent.futures.Future], _: Any) -> None:
+        if all(f.cancelled() for f in futures):
+            self._loop.call_soon_threadsafe(task.cancel)
+
+    async def _answer(self, chunk: list[tuple[Request, concurrent.futures.Future]], sampling: SamplingParams,
+                      url: str) -> None:
+        futures = [f for _, f in chunk]
+        try:
+            trajectories = await self._generate_chunk([r for r, _ in chunk], sampling, first=url)
+        except BaseException as err:
+            for future in futures:
+                _settle(future, error=err if isinstance(err, Exception) else RolloutRequestError("cancelled"))
+            if not isinstance(err, Exception):
+                raise
+            return
+        for i, future in enumerate(futures):
+            _settle(future, trajectories[i * sampling.n : (i + 1) * sampling.n])
+
+    def _payload(self, requests: Sequence[Request], sampling: SamplingParams) -> dict[str, Any]:
+        """SGLang's batched ``/generate`` body: ``input_ids`` and ``image_data`` one item per prompt."""
+        return {
+            "input_ids": [list(r.prompt_ids) for r in requests],
+            "image_data": [self._encoded_images(r) if r.images else None for r in requests],
             "sampling_params": {"n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
                                 "top_k": sampling.top_k if sampling.top_k > 0 else -1,
                                 "max_new_tokens": sampling.max_new_tokens, "stop": list(sampling.stop)},
             "return_logprob": True,
         }
-        if request.images:
-            payload["image_data"] = self._encoded_images(request)
-        return payload
 
     def _encoded_images(self, request: Request) -> list[str]:
         """PNG data URLs of a request's images, cached (LRU) because prompts recur every epoch."""
@@ -212,31 +313,36 @@ class HTTPEngine:
         fresh = [s for s in live if s.url not in tried] or live
         return min(fresh, key=lambda s: (s.in_flight, s.failures, s.served))
 
-    async def _generate_one(self, request: Request, sampling: SamplingParams) -> list[Trajectory]:
-        payload = self._payload(request, sampling)
+    async def _generate_chunk(self, requests: Sequence[Request], sampling: SamplingParams, *,
+                              first: str | None = None) -> list[Trajectory]:
+        """One batched request to server ``first`` (retried whole on others); its trajectories, prompt-major."""
+        payload = self._payload(requests, sampling)
         tried: set[str] = set()
         attempts, deadline = 0, time.monotonic() + 4 * self.request_timeout
         while True:
-            server = self._pick(tried)
+            server = next((s for s in self.live_servers() if s.url == first), None) if not tried else None
+            server = server or self._pick(tried)
             version_at_start = self.weight_version
-            server.in_flight += 1
+            server.in_flight += len(requests)
             try:
                 response = await self._client.post(f"{server.url}/generate", json=payload, headers=self._headers)
             except Exception as err:  # connection refused/reset, timeout: the server is down or stalled
+                if self._closing:  # our own client was closed under the request: not the server's failure
+                    raise RolloutRequestError("the HTTP engine was closed") from err
                 failure = f"{type(err).__name__}: {err}"
             else:
                 if response.status_code in (429, 503) and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)  # queue full: wait, not a failure
                     continue
                 if response.status_code < 400:
-                    server.failures, server.served = 0, server.served + 1
-                    return self._parse(response.json(), request, sampling, version_at_start, server.url)
+                    server.failures, server.served = 0, server.served + len(requests)
+                    return self._parse(response.json(), requests, sampling, version_at_start, server.url)
                 if response.status_code < 500:
                     raise RolloutRequestError(f"{server.url}/generate rejected the request: "
                                               f"{response.status_code} {response.text[:500]}")
                 failure = f"HTTP {response.status_code}: {response.text[:200]}"
             finally:
-                server.in_flight -= 1
+                server.in_flight -= len(requests)
             self._record_failure(server, failure)
             tried.add(server.url)
             attempts += 1
@@ -254,13 +360,16 @@ class HTTPEngine:
         self.dropped.append(f"{server.url}: {reason}")
         log.warning("dropping rollout server %s from the pool (%s); %d left", server.url, reason, len(self.live_servers()))
 
-    def _parse(self, body: Any, request: Request, sampling: SamplingParams, version_at_start: int, url: str) -> list[Trajectory]:
+    def _parse(self, body: Any, requests: Sequence[Request], sampling: SamplingParams, version_at_start: int,
+               url: str) -> list[Trajectory]:
         items = body if isinstance(body, list) else [body]
-        if len(items) != sampling.n:
-            raise RolloutRequestError(f"{url}: asked for n = {sampling.n} samples, got {len(items)}")
-        prompt_ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
+        if len(items) != len(requests) * sampling.n:
+            raise RolloutRequestError(f"{url}: asked for {len(requests)} prompt(s) × n = {sampling.n} samples, "
+                                      f"got {len(items)}")
         out = []
-        for item in items:
+        for k, item in enumerate(items):  # prompt-major: the n samples of prompt 0, then of prompt 1, ...
+            request = requests[k // sampling.n]
+            prompt_ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
             meta = item.get("meta_info", {})
             pairs = meta.get("output_token_logprobs")
             if pairs is None:
@@ -278,13 +387,24 @@ class HTTPEngine:
                 behaviour_logp=torch.tensor([float(p[0]) for p in pairs], dtype=torch.float),
                 vision=request.vision, images=request.images,
                 weight_version=int(version) if version not in (None, "default") else version_at_start,
-                status=_FINISH[finish], response_text=text,
+                status=_FINISH[finish], response_text=text, group_index=k // sampling.n,
             ))
         return out
 
     # -------------------------------------------------------------------------------------------- weights
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Save the weights, have every live server load them, check checksums, then adopt ``version``."""
+        self.publish(version=version, state_dict=state_dict).result()
+
+    def publish(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> concurrent.futures.Future:
+        """`update_weights` without waiting for the servers: save the weights and predict their checksums now (so
+        the caller may change its parameters as soon as this returns), then have every live server load them in
+        the background. The returned future resolves to ``version`` once every server confirmed a matching
+        checksum — only then is ``weight_version`` bumped — or raises `WeightSyncError` / `NoServersLeft`.
+        Publications are applied in order: a new one first waits for the previous one (and raises its error)."""
+        previous, self._publishing = self._publishing, None
+        if previous is not None:
+            previous.result()
         path = self.weights_dir / f"v{version:06d}"
         model = self.policy.model
         with quiet_transformers():
@@ -295,11 +415,16 @@ class HTTPEngine:
             if server.dtype not in checksums:
                 dtype = DTYPES.get(server.dtype or "")
                 checksums[server.dtype] = weight_checksum(weights, dtype=dtype)
-        self._call(self._load_everywhere(str(path.resolve()), version, checksums))
+        self._publishing = asyncio.run_coroutine_threadsafe(self._publish(path, version, checksums), self._loop)
+        return self._publishing
+
+    async def _publish(self, path: Path, version: int, checksums: dict[str | None, str]) -> int:
+        await self._load_everywhere(str(path.resolve()), version, checksums)
         self.weight_version = version
         self._saved.append(path)
         while len(self._saved) > self.keep_checkpoints:
             shutil.rmtree(self._saved.pop(0), ignore_errors=True)
+        return version
 
     async def _load_everywhere(self, path: str, version: int, checksums: dict[str | None, str]) -> None:
         live = self.live_servers()
@@ -309,6 +434,8 @@ class HTTPEngine:
                                        return_exceptions=True)
         for server, result in zip(live, results, strict=True):
             if isinstance(result, BaseException):
+                if self._closing:
+                    raise RolloutRequestError("the HTTP engine was closed during a weight update") from result
                 self._drop(server, f"weight update failed: {type(result).__name__}: {result}")
                 continue
             answer = result.json() if result.headers.get("content-type", "").startswith("application/json") else {}

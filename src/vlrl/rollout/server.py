@@ -9,10 +9,14 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
   and ``meta_info`` with ``finish_reason`` (``{"type": "stop" | "length" | "abort", ...}``),
   ``output_token_logprobs`` (``[[logprob, token_id, null], ...]``, log-softmax of logits / temperature,
   as SGLang returns by default), ``prompt_tokens``, ``completion_tokens`` and ``weight_version``; a list of
-  ``n`` such objects when ``n > 1``.
+  ``n`` such objects when ``n > 1``. A batch (``text`` / ``input_ids`` a list of B prompts, ``image_data``
+  and ``rid`` then one item per prompt) is decoded as one batch and answered as a list of B × n objects,
+  prompt-major (SGLang's order).
 - ``POST /update_weights_from_disk``: ``model_path`` (a transformers directory), ``weight_version``,
   ``abort_all_requests``; answers ``success``, ``message``, and (vlrl extensions) the new
   ``weight_version`` and a ``weight_checksum`` of the loaded weights that the trainer compares with its own.
+  Safetensors weights are copied in place into a spare copy of the model (`vlrl.rollout.weights`); other
+  formats are loaded with ``from_pretrained``.
 - ``GET /health``, ``GET /get_model_info``, ``GET /get_weight_version``.
 
 Batching: one worker thread decodes; requests that arrive while a batch decodes join the next batch
@@ -34,11 +38,11 @@ import asyncio
 import base64
 import binascii
 import collections
+import collections.abc
 import concurrent.futures
 import contextlib
 import copy
 import dataclasses
-import hashlib
 import io
 import logging
 import os
@@ -54,6 +58,7 @@ from vlrl.data.sample import Sample, SampleError, load_image
 from vlrl.models.policy import DTYPES, Policy
 from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
+from vlrl.rollout.weights import checkpoint_names, copy_weights, read_weights, weight_checksum
 from vlrl.serving import (
     API_KEY_ENV,
     ServerThread,
@@ -64,29 +69,10 @@ from vlrl.serving import (
 )
 
 __all__ = ["API_KEY_ENV", "ContinuousBatcher", "ServerThread", "ThreadedEngine", "bind_socket", "create_app",
-           "is_loopback", "serve"]
+           "is_loopback", "serve", "weight_checksum"]
 
 log = logging.getLogger(__name__)
 
-
-
-# ----------------------------------------------------------------------------------------------- checksums
-def weight_checksum(weights: torch.nn.Module | Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> str:
-    """SHA-256 over (name, dtype, shape, bytes) of every tensor of a state dict, in name order.
-
-    ``dtype`` casts floating-point tensors first, so a trainer in float32 can predict the checksum of a
-    server that loaded the same weights in bfloat16.
-    """
-    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        tensor = tensor.cpu().contiguous().reshape(-1)
-        digest.update(f"{name}|{tensor.dtype}|{tuple(state[name].shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------- batching
@@ -140,7 +126,9 @@ class ContinuousBatcher:
     `HFEngine.generate` per distinct sampling setting), resolves the futures, and repeats. With
     ``batch_window > 0`` it first waits while requests keep arriving (at most that many seconds apart), so
     the requests of one burst decode together instead of the first one alone. `load` installs new
-    weights beside the active ones; the worker swaps them in before its next batch.
+    weights beside the active ones; the worker swaps them in before its next batch. `load_in_place` does the
+    same without building a model: it copies the tensors into the spare copy that no batch uses (the weights
+    the last swap retired), so the server holds two copies of the weights and never waits for a batch.
     """
 
     def __init__(self, policy: Policy, *, max_batch_size: int = 256, max_queued_requests: int = 1024,
@@ -151,6 +139,8 @@ class ContinuousBatcher:
         self._active = self._engine(policy, version)
         self._active_checksum = weight_checksum(policy.model)
         self._standby: tuple[HFEngine, str] | None = None
+        self._spare: Policy | None = None  # weights no batch uses (retired by the last swap): `load_in_place` fills them
+        self._load_lock = threading.Lock()
         self._pending: collections.deque[_Job] = collections.deque()
         self._running: list[_Job] = []
         self._cond = threading.Condition()
@@ -199,6 +189,8 @@ class ContinuousBatcher:
         checksum = weight_checksum(policy.model)
         engine = self._engine(policy, version)
         with self._cond:
+            if self._standby is not None and self._spare is None:  # replaced before any batch used it
+                self._spare = self._standby[0].policy
             self._standby = (engine, checksum)
             if abort:
                 for job in self._running:
@@ -212,6 +204,27 @@ class ContinuousBatcher:
         for job in dropped:
             _resolve(job.future, aborted_trajectories(job.requests, job.sampling.n, old_version))
         return checksum
+
+    def load_in_place(self, weights: Mapping[str, torch.Tensor], *, version: int, abort: bool = False) -> str:
+        """`load` without building a model: copy ``weights`` (state-dict names; see `copy_weights`) into the
+        spare copy — the weights the last swap retired, or the standby not yet swapped in (taken back first),
+        or on the first call a new copy of the active model — then install it as ``version``. No batch reads
+        the spare while it is written, so decoding goes on meanwhile. Returns the checksum of the result."""
+        with self._load_lock:
+            with self._cond:
+                if self._standby is not None:  # not swapped in yet: no batch uses it
+                    spare, self._standby = self._standby[0].policy, None
+                else:
+                    spare, self._spare = self._spare, None
+            if spare is None:
+                spare = private_copy(self.policy, tokenizer=self.policy.tokenizer)
+            try:
+                copy_weights(spare.model, weights)
+            except BaseException:
+                with self._cond:
+                    self._spare = self._spare or spare
+                raise
+            return self.load(spare, version=version, abort=abort)
 
     def close(self) -> None:
         with self._cond:
@@ -233,7 +246,8 @@ class ContinuousBatcher:
                 self._gather()
                 if self._pending:  # (an abort may have emptied the queue meanwhile)
                     break
-            if self._standby is not None:  # batch boundary: swap in the new weights
+            if self._standby is not None:  # batch boundary: swap in the new weights; the old ones become the spare
+                self._spare = self._active.policy
                 self._active, self._active_checksum = self._standby
                 self._standby = None
             jobs = [self._pending.popleft()]
@@ -312,7 +326,8 @@ class ThreadedEngine:
     Implements `Engine` and the asynchronous `agenerate`. The `agenerate` calls made in one iteration of an
     event loop (e.g. one per prompt, started together) are submitted as one job, so they decode as one batch
     exactly as `HFEngine.generate` would decode the same requests. `update_weights` copies the trainer's
-    weights into a fresh private copy, checks its checksum and swaps it in at the next batch boundary.
+    weights into the batcher's spare copy (`ContinuousBatcher.load_in_place`), checks its checksum and swaps
+    it in at the next batch boundary.
     """
 
     def __init__(self, policy: Policy, *, max_batch_size: int = 256, abort_on_update: bool = False) -> None:
@@ -361,11 +376,9 @@ class ThreadedEngine:
         job.add_done_callback(distribute)
 
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        fresh = private_copy(self.policy, tokenizer=self._batcher.policy.tokenizer)
-        if state_dict is not None:
-            fresh.model.load_state_dict(state_dict)
-        expected = weight_checksum(state_dict if state_dict is not None else self.policy.model)
-        loaded = self._batcher.load(fresh, version=version, abort=self.abort_on_update)
+        weights = state_dict if state_dict is not None else self.policy.model.state_dict()
+        expected = weight_checksum(weights)
+        loaded = self._batcher.load_in_place(weights, version=version, abort=self.abort_on_update)
         if loaded != expected:
             raise WeightSyncError(f"in-process rollout copy: checksum {loaded[:12]} != trainer's {expected[:12]}")
         self.weight_version = version
@@ -396,15 +409,16 @@ class SamplingBody(BaseModel):
 
 
 class GenerateBody(BaseModel):
-    """SGLang's ``GenerateReqInput`` for one prompt."""
+    """SGLang's ``GenerateReqInput``: one prompt, or a batch (``text`` / ``input_ids`` a list of prompts, then
+    ``image_data`` and ``rid`` one item per prompt) sharing one ``sampling_params``."""
 
     model_config = ConfigDict(extra="forbid")
-    text: str | None = None
-    input_ids: list[int] | None = None
-    image_data: str | list[str] | None = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    image_data: str | list[str | list[str] | None] | None = None
     sampling_params: SamplingBody = Field(default_factory=SamplingBody)
     return_logprob: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None
     stream: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
@@ -448,23 +462,55 @@ def _decode_image(item: str, k: int) -> Image.Image:
         raise BadRequest(f"{where}: {err}") from None
 
 
-def build_request(policy: Policy, body: GenerateBody, rid: str) -> Request:
-    """Turn a `GenerateBody` into a `Request` (tokenize ``text``, process images, expand image tokens)."""
+def is_batched(body: GenerateBody) -> bool:
+    """Whether ``body`` holds a batch of prompts (SGLang: ``text`` or ``input_ids`` is a list of prompts)."""
+    return isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
+
+
+def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Iterator[str]) -> list[Request]:
+    """Turn a `GenerateBody` into its `Request` (one prompt) or requests (a batch), in order; a prompt
+    without ``rid`` is named by ``rids``."""
     if (body.text is None) == (body.input_ids is None):
-        raise BadRequest("give exactly one of 'text' or 'input_ids' (batched inputs are not supported: "
-                         "send one request per prompt)")
+        raise BadRequest("give exactly one of 'text' or 'input_ids'")
     if body.stream:
         raise BadRequest("field 'stream': streaming is not supported")
-    items = [body.image_data] if isinstance(body.image_data, str) else list(body.image_data or [])
+    if not is_batched(body):
+        if isinstance(body.image_data, list) and not all(isinstance(item, str) for item in body.image_data):
+            raise BadRequest("field 'image_data': one prompt takes a string or a list of strings")
+        if isinstance(body.rid, list):
+            raise BadRequest("field 'rid': one prompt takes one string")
+        return [build_request(policy, body.text, body.input_ids, body.image_data, body.rid or next(rids))]
+    prompts = body.text if body.text is not None else body.input_ids
+    if any(isinstance(p, int) for p in prompts):
+        raise BadRequest("field 'input_ids': a batch is a list of token-id lists")
+    B = len(prompts)
+    images = body.image_data if body.image_data is not None else [None] * B
+    rid = body.rid if body.rid is not None else [next(rids) for _ in range(B)]
+    for field, value in (("image_data", images), ("rid", rid)):
+        if not isinstance(value, list) or len(value) != B:
+            raise BadRequest(f"field '{field}': a batch of {B} prompts takes a list of {B} items")
+    out = []
+    for i, prompt in enumerate(prompts):
+        try:
+            text, ids = (prompt, None) if body.text is not None else (None, prompt)
+            out.append(build_request(policy, text, ids, images[i], rid[i]))
+        except BadRequest as err:
+            raise BadRequest(f"prompt {i} of the batch: {err}") from None
+    return out
+
+
+def build_request(policy: Policy, text: str | None, input_ids: list[int] | None, image_data: str | list[str] | None,
+                  rid: str) -> Request:
+    """One prompt as a `Request` (tokenize ``text``, process images, expand image tokens)."""
+    items = [image_data] if isinstance(image_data, str) else list(image_data or [])
     images = [_decode_image(item, k) for k, item in enumerate(items)]
     adapter = policy.adapter
     try:
         vision = adapter.encode_images(images)
-        if body.text is not None:
-            text = adapter.expand_image_tokens(body.text, vision) if images else body.text
-            ids = adapter.encode_text(text)
+        if text is not None:
+            ids = adapter.encode_text(adapter.expand_image_tokens(text, vision) if images else text)
         else:
-            ids = _expand_ids(policy, list(body.input_ids), vision)
+            ids = _expand_ids(policy, list(input_ids), vision)
     except ValueError as err:
         raise BadRequest(f"field 'image_data': {err}") from None
     if not ids:
@@ -534,6 +580,7 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
     app = FastAPI(title="vlrl rollout server")
     counter = iter(range(1 << 62))
     update_lock = asyncio.Lock()
+    names: dict[str, Any] = {}  # checkpoint → state-dict names of the served model, found at the first update
 
     install_bearer_auth(app, api_key)
 
@@ -566,17 +613,16 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
 
     @app.post("/generate")
     async def generate(body: GenerateBody):
-        rid = body.rid or f"req-{next(counter)}"
-        request = build_request(batcher.policy, body, rid)
+        requests = build_requests(batcher.policy, body, (f"req-{i}" for i in counter))
         sampling = body.sampling_params.to_params()
         try:
-            future = batcher.submit([request], sampling)
+            future = batcher.submit(requests, sampling)  # one job: a batch's prompts decode together
         except QueueFullError as err:
             return JSONResponse({"error": f"server busy: {err}"}, 503, headers={"Retry-After": "1"})
         trajectories = await asyncio.wrap_future(future)
         policy = batcher.policy
         out = [sglang_output(policy, t, sampling, return_logprob=body.return_logprob) for t in trajectories]
-        return out[0] if sampling.n == 1 else out
+        return out if is_batched(body) or sampling.n > 1 else out[0]  # a batch: prompt-major, n per prompt
 
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsBody):
@@ -586,10 +632,10 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
             raise BadRequest(f"field 'weight_version': vlrl versions are integers, got {body.weight_version!r}") from None
         async with update_lock:
             try:
-                policy = await asyncio.to_thread(_load_weights, batcher.policy, body.model_path)
+                checksum = await asyncio.to_thread(_update_from_disk, batcher, body.model_path, version=version,
+                                                   abort=body.abort_all_requests, names=names)
             except (OSError, ValueError) as err:
                 return JSONResponse({"success": False, "message": f"cannot load {body.model_path}: {err}"}, 400)
-            checksum = await asyncio.to_thread(batcher.load, policy, version=version, abort=body.abort_all_requests)
         return {"success": True, "message": f"loaded {body.model_path} as version {version}",
                 "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum}
 
@@ -625,6 +671,18 @@ def quiet_transformers():
     finally:
         if enabled:
             hf_logging.enable_progress_bar()
+
+
+def _update_from_disk(batcher: ContinuousBatcher, path: str, *, version: int, abort: bool, names: dict[str, Any]) -> str:
+    """Load the transformers directory ``path`` as ``version``: its safetensors copied in place into the
+    batcher's spare weights (`ContinuousBatcher.load_in_place`), or — for other formats, or a model whose
+    checkpoint layout is more than a renaming — a new model built by ``from_pretrained``. Returns the checksum."""
+    if "names" not in names:
+        names["names"] = checkpoint_names(batcher.policy.model)
+    weights = read_weights(path, names["names"]) if names["names"] is not None else None
+    if weights is not None:
+        return batcher.load_in_place(weights, version=version, abort=abort)
+    return batcher.load(_load_weights(batcher.policy, path), version=version, abort=abort)
 
 
 def _load_weights(current: Policy, path: str) -> Policy:

@@ -12,6 +12,9 @@
         rollout.set_version(step + 1)            7. samples generated from now on carry the new version
         rollout.resume()                         8.
 
+Steps 6-8 overlap the next step's training with HTTP servers (`_publish`): the weights are saved at once, the
+servers load them in the background, and 7-8 happen when every server confirmed.
+
 Meanwhile `AsyncRollout` workers (asyncio, on a background thread) keep up to ``max_concurrent_rollouts``
 prompts in flight, score every finished group and push it with its weight version into a bounded
 `GroupBuffer`. They never start more than ``(version + η + 1) × prompts_per_step`` prompts in total (AReaL's
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import copy
 import dataclasses
 import logging
@@ -430,17 +434,24 @@ def train_async_grpo(
     rollout.set_version(step)
     rollout.start()
     start, last = time.time(), {}
+    syncing: concurrent.futures.Future | None = None  # the last weight update, until every server confirmed it
+
+    def check() -> None:  # while waiting for data: a failed rollout or weight update stops the run
+        rollout.check()
+        if syncing is not None and syncing.done():
+            syncing.result()
+
     try:
         while step < train.steps and not (budget is not None and time.time() - start >= budget):
             t0 = time.time()
             # 1. dequeue a batch of scored groups; groups older than η are dropped (and their quota returned)
-            groups, stale = buffer.prepare_batch(P, version=step, eta=eta, check=rollout.check)
+            groups, stale = buffer.prepare_batch(P, version=step, eta=eta, check=check)
             rollout.release(len(stale))
             discarded.extend(g.draw.ticket for g in stale)
             dynamic = {}
             if stage.algo.dynamic_sampling.enabled:  # DAPO: drop all-equal groups, wait for replacements
                 groups, dynamic = _drop_uninformative(groups, buffer, rollout, stage, step=step, discarded=discarded,
-                                                      filtered=filtered)
+                                                      filtered=filtered, check=check)
             trajectories = _flatten(groups)
             versions = torch.tensor([t.weight_version for t in trajectories])
             assert_fresh(versions, step, eta=eta)  # no sample older than η reaches the loss below
@@ -458,11 +469,10 @@ def train_async_grpo(
                                critic=algorithm.critic, runtime=rt)
             trained.extend(g.draw.ticket for g in groups)
             # 5-8. pause → update weights → set version → resume
+            #      (the servers load in the background while the trainer goes on: see `_publish`)
             t_sync = time.time()
             rollout.pause()
-            engine.update_weights(version=step + 1, state_dict=model.state_dict())
-            rollout.set_version(step + 1)
-            rollout.resume()
+            syncing = _publish(engine, rollout, step + 1, model.state_dict())
             t_sync = time.time() - t_sync
             step += 1
             last = step_metrics(batch, stats, [f for g in groups for f in g.reward_failures])
@@ -478,6 +488,8 @@ def train_async_grpo(
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "staleness/mean", "perf/step_seconds"))
             if rt.checkpoint_due(step):
                 _save_checkpoint(rt, step, stage_name, optimizer, scheduler, rollout, algorithm, ledger)
+        if syncing is not None:
+            syncing.result()  # the servers hold the final weights (or the error is raised)
     finally:
         rollout.stop()
         if synthesis is not None:
@@ -489,6 +501,31 @@ def train_async_grpo(
                           "buffered": buffer.tickets(), "pending": held["pending"] + held["in_flight"], "drawn": rollout.drawn,
                           "requeued": rollout.requeued})
     return {**last, "steps": step, "seconds": time.time() - start}
+
+
+def _publish(engine: AsyncEngine, rollout: AsyncRollout, version: int,
+             state_dict: dict[str, torch.Tensor]) -> concurrent.futures.Future:
+    """Steps 6-8 of the seed's loop: update the weights to ``version``, then set the rollout's version and
+    resume it. An engine with ``publish`` (`HTTPEngine`) saves the weights now and has the servers load them in
+    the background: the trainer starts its next step meanwhile, and the rollout moves to ``version`` (its
+    admission limit with it) only when every server confirmed. Nothing is mis-tagged by the overlap: a sample
+    carries the version its server reports having generated it with, and staleness is counted from the
+    trainer's own version. Other engines load at once. Returns a future of the update (its error stops the run)."""
+    publish = getattr(engine, "publish", None)
+    if publish is None:
+        engine.update_weights(version=version, state_dict=state_dict)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(version)
+    else:
+        done = publish(version=version, state_dict=state_dict)
+
+    def adopt(update: concurrent.futures.Future) -> None:
+        if not update.cancelled() and update.exception() is None:
+            rollout.set_version(version)
+            rollout.resume()
+
+    done.add_done_callback(adopt)
+    return done
 
 
 def _restore(rt: Runtime, stage_name: str, optimizer, scheduler, rollout: AsyncRollout,
@@ -533,7 +570,8 @@ def _flatten(groups: list[Group]) -> list[Trajectory]:
 
 
 def _drop_uninformative(groups: list[Group], buffer: GroupBuffer, rollout: AsyncRollout, stage: RLStage, *, step: int,
-                        discarded: list[int], filtered: list[int]) -> tuple[list[Group], dict[str, float]]:
+                        discarded: list[int], filtered: list[int],
+                        check: Callable[[], None]) -> tuple[list[Group], dict[str, float]]:
     """DAPO dynamic sampling on the async path: drop groups whose rewards are all equal (their admission quota
     is returned, so the workers generate replacements) and dequeue more until ``prompts_per_step`` remain or
     ``(max_extra_rounds + 1) × prompts_per_step`` groups were dropped this step."""
@@ -547,7 +585,7 @@ def _drop_uninformative(groups: list[Group], buffer: GroupBuffer, rollout: Async
         kept += [g for g, ok in zip(groups, flags, strict=True) if ok]
         if len(kept) >= P or dropped >= (cfg.max_extra_rounds + 1) * P:
             break
-        groups, stale = buffer.prepare_batch(P - len(kept), version=step, eta=eta, check=rollout.check)
+        groups, stale = buffer.prepare_batch(P - len(kept), version=step, eta=eta, check=check)
         rollout.release(len(stale))
         discarded.extend(g.draw.ticket for g in stale)
     if not kept:

@@ -1,0 +1,120 @@
+"""Moving weights from the trainer to rollout servers: write, read, copy in place, checksum.
+
+The trainer writes each weight version as a transformers directory (``config.json`` + ``model.safetensors``
+in the checkpoint layout, exactly what ``save_pretrained`` writes and what SGLang's
+``/update_weights_from_disk`` loads). vlrl's server does not build a new model per version: it reads the
+safetensors file and copies the tensors into a spare copy of its model (`copy_weights`), which the batcher
+swaps in at the next batch boundary (`ContinuousBatcher.load_in_place`). This is the reference server's
+version of SGLang's in-place ``update_weights_from_disk`` (``ModelRunner.update_weights_from_disk`` loads the
+new tensors into the existing parameters instead of re-initialising the model).
+
+Checkpoint names can differ from the in-memory ones (transformers 5 renames e.g. Qwen2-VL's
+``model.layers.*`` to ``model.language_model.layers.*`` on load). `checkpoint_names` finds the renaming
+once per model by asking transformers for its reverse conversion (the one ``save_pretrained`` applies); a
+model whose conversion is more than a renaming (tensors merged or split) gets ``None`` and the server falls
+back to ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class WeightLoadError(ValueError):
+    """A weights directory does not fit the served model (missing, unknown or mis-shaped tensors)."""
+
+
+def weight_checksum(weights: torch.nn.Module | Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> str:
+    """SHA-256 over one line ``name|dtype|shape|crc32(bytes)`` per tensor of a state dict, in name order.
+
+    Every tensor's bytes go through CRC-32 (zlib; ~10× faster than SHA-256 over the bytes on these CPUs and
+    without a copy), which detects any change confined to 32 bits and misses a random one with probability
+    2⁻³² per tensor: it is a consistency check between trainer and server (wrong version, dtype, partial
+    load), not a defence against tampering. ``dtype`` casts floating-point tensors first, so a trainer in
+    float32 can predict the checksum of a server that loaded the same weights in bfloat16.
+    """
+    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        flat = tensor.cpu().contiguous().reshape(-1)
+        crc = zlib.crc32(memoryview(flat.view(torch.uint8).numpy()))
+        digest.update(f"{name}|{flat.dtype}|{tuple(state[name].shape)}|{crc:08x}\n".encode())
+    return digest.hexdigest()
+
+
+def checkpoint_names(model: torch.nn.Module) -> dict[str, str] | None:
+    """{checkpoint name → state-dict name} for every tensor ``save_pretrained`` writes (tied copies are
+    written once), or None when the model's checkpoint conversion is more than a renaming."""
+    state = model.state_dict()
+    by_storage = {(t.data_ptr(), tuple(t.shape)): name for name, t in state.items()}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        saved = revert_weight_conversion(model, dict(state))
+    except ImportError:  # an older transformers: checkpoints use the state-dict names
+        saved = state
+    except Exception:
+        return None
+    names = {}
+    for saved_name, tensor in saved.items():
+        name = by_storage.get((tensor.data_ptr(), tuple(tensor.shape)))
+        if name is None:  # a converted (merged or split) tensor, not a renamed one
+            return None
+        names[saved_name] = name
+    return names
+
+
+def read_weights(path: str | Path, names: Mapping[str, str]) -> dict[str, torch.Tensor] | None:
+    """The safetensors weights of the transformers directory ``path`` under their state-dict names (via
+    ``names`` from `checkpoint_names`; names already in state-dict form pass through). None when the
+    directory holds no safetensors file (other formats go through ``from_pretrained``)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    if (path / SAFETENSORS_INDEX).is_file():
+        index = json.loads((path / SAFETENSORS_INDEX).read_text())
+        files = sorted(set(index["weight_map"].values()))
+    elif (path / SAFETENSORS).is_file():
+        files = [SAFETENSORS]
+    else:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        for saved_name, tensor in load_file(path / file).items():
+            out[names.get(saved_name, saved_name)] = tensor
+    return out
+
+
+def copy_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``weights`` (state-dict names) into ``model``'s tensors in place (casting to their dtype).
+
+    Every tensor of the state dict must be given, except copies of a tied tensor (one of them suffices);
+    an unknown name or a shape mismatch raises `WeightLoadError` naming it, before anything is copied."""
+    state = model.state_dict()
+    unknown = sorted(set(weights) - set(state))
+    if unknown:
+        raise WeightLoadError(f"{len(unknown)} tensor(s) the model does not have, e.g. {unknown[:3]}")
+    given = {state[name].data_ptr() for name in weights}
+    missing = sorted(name for name, t in state.items() if name not in weights and t.data_ptr() not in given)
+    if missing:
+        raise WeightLoadError(f"{len(missing)} tensor(s) of the model are missing, e.g. {missing[:3]}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(state[name].shape):
+            raise WeightLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, the model's is {tuple(state[name].shape)}")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            state[name].copy_(tensor)
