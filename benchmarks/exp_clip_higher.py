@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/exp_clip_higher.py            # the full run (see docs/experiments/)
     OMP_NUM_THREADS=1 python benchmarks/exp_clip_higher.py --quick    # a smoke run (tiny numbers, ~1 min)
     OMP_NUM_THREADS=1 python benchmarks/exp_clip_higher.py --runs symmetric clip-higher \
-        --lr 1e-4 --minibatches 8 --epochs 2 --steps 80 --window 20   # the stable regime where the upper clip binds
+        --lr 1e-4 --minibatches 8 --epochs 2      # 16 updates per rollout step: the upper clip binds, runs stay calm
 
 On the shapes count + colour tasks with the tiny Qwen2-VL preset:
 
