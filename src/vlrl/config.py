@@ -368,6 +368,11 @@ class RLTrainConfig(Section):
         False, description="Teacher-forced passes (update, π_old, π_ref) pack each micro-batch's sequences into rows "
         "with per-sequence position ids instead of padding them (same values, fewer tokens; vlrl.models.packed).",
     )
+    skip_zero_advantage: bool = Field(
+        False, description="Leave sequences whose advantages are all 0 out of the update's forward/backward (one "
+        "process, no KL loss term): their loss is 0, the normaliser still counts them, so the gradient is the same "
+        "and the step cheaper. policy/entropy and the clip metrics then cover the trained sequences only.",
+    )
 
 
 class RLStage(Section):

@@ -123,3 +123,43 @@ def test_padding_free_update_equals_the_padded_one(rollout):
     assert max(float(g.abs().max()) for g in reference.values()) > 1e-4
     for name, g in reference.items():
         assert torch.allclose(free[name], g, rtol=1e-4, atol=1e-6), name
+
+
+def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(rollout):
+    """train.skip_zero_advantage: rows whose advantages are all 0 are left out of the forward/backward, the
+    normaliser still counts them, so the weights after two optimizer steps are those of the full update."""
+    policy, trajectories = rollout
+    batch = _batch(policy, trajectories, minibatches=2)
+    batch.advantages[[1, 4]] = 0.0  # two rows with nothing to learn (one in each minibatch or both in one)
+    state = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    after, skipped = [], []
+    for skip in (False, True):
+        policy.model.load_state_dict(state)
+        optimizer, scheduler = make_optimizer(policy.model, RLStage().optim)
+        stats = ppo_update(policy, batch, _settings("token_mean", 2, minibatches=2, skip_zero_advantage=skip),
+                           optimizer, scheduler, seed=0, step=0)
+        after.append({k: v.clone() for k, v in policy.model.state_dict().items()})
+        skipped.append(sum(stats["policy/skipped_rows_frac"]))
+    policy.model.load_state_dict(state)
+    assert skipped[0] == 0 and skipped[1] == pytest.approx(2 / 3)  # 2 of 6 rows over 2 minibatches of 3
+    assert any(not torch.equal(after[0][k], state[k]) for k in state)
+    for name, value in after[0].items():
+        assert torch.allclose(after[1][name], value, rtol=1e-4, atol=1e-6), name
+
+
+def test_skip_zero_advantage_refuses_a_loss_that_is_not_zero_there(rollout, monkeypatch):
+    from vlrl.algos.losses import POLICY_LOSSES, LossOutput
+
+    def with_bonus(inputs, *, clip_low=0.2, clip_high=0.2):  # an entropy-style term: not 0 at Â = 0
+        return LossOutput(per_token_loss=-inputs.advantages * inputs.logp + 0.01 * inputs.logp, metrics={})
+
+    policy, _ = rollout
+    monkeypatch.setitem(POLICY_LOSSES._entries, "test_bonus", with_bonus)  # registered for this test only
+    stage = RLStage.model_validate({"algo": {"policy_loss": "test_bonus"}, "train": {"skip_zero_advantage": True}})
+    with pytest.raises(ValueError, match="train.skip_zero_advantage.*test_bonus"):
+        build_algorithm(stage, policy, apply_behaviour_weight=False)
+    stage.train.skip_zero_advantage = False
+    build_algorithm(stage, policy, apply_behaviour_weight=False)  # fine without the option
+    for name in [n for n in POLICY_LOSSES.names() if n != "test_bonus"]:  # every registered loss is 0 at Â = 0
+        stage = RLStage.model_validate({"algo": {"policy_loss": name}, "train": {"skip_zero_advantage": True}})
+        build_algorithm(stage, policy, apply_behaviour_weight=False)

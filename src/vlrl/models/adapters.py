@@ -26,9 +26,13 @@ class VisionInputs:
 
     pixel_values: torch.Tensor  # (num_patches, patch_dim)
     image_grid_thw: torch.Tensor  # (num_images, 3)
+    # (num_occurrences,) which of the images above each image placeholder run shows, in order; None = one each.
+    # Set by `concat_shared` when rows share images (a GRPO group's n responses), so each is encoded once.
+    image_index: torch.Tensor | None = None
 
     def to(self, device) -> VisionInputs:
-        return VisionInputs(self.pixel_values.to(device), self.image_grid_thw.to(device))
+        index = self.image_index.to(device) if self.image_index is not None else None
+        return VisionInputs(self.pixel_values.to(device), self.image_grid_thw.to(device), index)
 
     @staticmethod
     def concat(items: list[VisionInputs | None]) -> VisionInputs | None:
@@ -39,6 +43,25 @@ class VisionInputs:
             pixel_values=torch.cat([v.pixel_values for v in present]),
             image_grid_thw=torch.cat([v.image_grid_thw for v in present]),
         )
+
+    @staticmethod
+    def concat_shared(items: list[VisionInputs | None]) -> VisionInputs | None:
+        """`concat`, but rows holding the same `VisionInputs` object (the n responses of one prompt) contribute
+        its images once, with ``image_index`` mapping every occurrence to them; plain `concat` when none repeat."""
+        present = [v for v in items if v is not None]
+        unique: dict[int, tuple[int, VisionInputs]] = {}  # id → (index of its first image, inputs)
+        index: list[int] = []
+        n_images = 0
+        for v in present:
+            if id(v) not in unique:
+                unique[id(v)] = (n_images, v)
+                n_images += len(v.image_grid_thw)
+            first = unique[id(v)][0]
+            index.extend(range(first, first + len(v.image_grid_thw)))
+        if len(unique) == len(present):
+            return VisionInputs.concat(items)
+        shared = VisionInputs.concat([v for _, v in unique.values()])
+        return VisionInputs(shared.pixel_values, shared.image_grid_thw, torch.tensor(index, dtype=torch.long))
 
 
 @dataclass
@@ -224,10 +247,19 @@ class Qwen2VLAdapter(TextAdapter):
         mm_token_type_ids = self._mm_token_type_ids(input_ids)
         model = getattr(model, "module", model)  # a DDP wrapper holds the transformers model in .module
         inner = model.model if hasattr(model, "model") else model
+        grid = vision.image_grid_thw if vision.image_index is None else vision.image_grid_thw[vision.image_index]
         position_ids, _ = inner.get_rope_index(
-            input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=vision.image_grid_thw,
-            attention_mask=attention_mask,
+            input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid, attention_mask=attention_mask,
         )  # (3, B, L)
+        if vision.image_index is not None:  # shared images: encode each once, copy its features to every row
+            features = inner.get_image_features(vision.pixel_values, vision.image_grid_thw).pooler_output  # per image
+            copies = torch.cat([features[k] for k in vision.image_index.tolist()])  # (image tokens, D)
+            embeds = inner.get_input_embeddings()(input_ids)  # (B, L, D)
+            slots = (input_ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
+            if int(slots[..., 0].sum()) != copies.shape[0]:
+                raise ValueError(f"{int(slots[..., 0].sum())} image tokens in the batch but {copies.shape[0]} image features")
+            return {"inputs_embeds": embeds.masked_scatter(slots, copies.to(embeds.dtype)), "attention_mask": attention_mask,
+                    "position_ids": position_ids}
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,

@@ -26,7 +26,7 @@ class TokenBatch:
         attention_mask: (B, P + R) 1 for real tokens.
         response_ids: (B, R) the response part of ``input_ids``.
         response_mask: (B, R) 1 for real (non-pad) response tokens.
-        vision: the vision inputs of all rows, concatenated in row order (or None).
+        vision: the vision inputs of all rows, concatenated in row order, shared images once (or None).
         prompt_len: P.
     """
 
@@ -66,7 +66,7 @@ def collate(
         attention_mask=attention_mask,
         response_ids=input_ids[:, P:],
         response_mask=attention_mask[:, P:].clone(),
-        vision=VisionInputs.concat(list(visions)),
+        vision=VisionInputs.concat_shared(list(visions)),  # a group's shared image is encoded once
         prompt_len=P,
     )
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from vlrl.algos import AdvantageInputs, get_advantage, get_policy_loss, masked_mean
+from vlrl.algos import AdvantageInputs, PolicyLossInputs, get_advantage, get_policy_loss, masked_mean
 from vlrl.algos.advantages import advantage_needs, group_variance
 from vlrl.algos.filters import mask_truncated
 from vlrl.algos.kl import kl_reward_penalty
@@ -99,6 +99,18 @@ class Algorithm:
     mask_truncated: bool  # DAPO overlong filtering
 
 
+def check_zero_at_zero_advantage(loss_fn: Callable, name: str) -> None:
+    """``train.skip_zero_advantage`` is exact only for a policy loss that is 0 wherever Â = 0 (every registered
+    one is Â · f(ratio)); probe the configured loss once on random log-probs and refuse it otherwise."""
+    g = torch.Generator().manual_seed(0)
+    logp, old = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)
+    out = loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=torch.zeros(2, 3), loss_mask=torch.ones(2, 3),
+                                   behaviour_logp=old - 0.1))
+    if bool((out.per_token_loss != 0).any()):
+        raise ValueError(f"train.skip_zero_advantage: algo.policy_loss={name!r} is not 0 where the advantage is 0, "
+                         "so leaving those sequences out would change the gradient; set it to false")
+
+
 def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_weight: bool,
                     reference: torch.nn.Module | None = None) -> Algorithm:
     """Bind ``stage.algo`` (and ``stage.critic``) once. ``apply_behaviour_weight``: multiply the loss by
@@ -118,7 +130,10 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         behaviour_weight_cap=stage.staleness.behaviour_weight_cap,
         apply_behaviour_weight=apply_behaviour_weight and not applies_behaviour_weight(loss),
         padding_free=train.padding_free,
+        skip_zero_advantage=train.skip_zero_advantage,
     )
+    if train.skip_zero_advantage:
+        check_zero_at_zero_advantage(loss_fn, algo.policy_loss)
     return Algorithm(
         advantage_fn=functools.partial(estimator, **algo.advantage_options),
         needs=needs,

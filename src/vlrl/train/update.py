@@ -69,6 +69,7 @@ class UpdateSettings:
     behaviour_weight_cap: float = 5.0
     apply_behaviour_weight: bool = False  # multiply L_t by w_t = min(π_prox / π_behave, cap) (async recipe)
     padding_free: bool = False  # pack each micro-batch into rows, no padding between sequences (vlrl.models.packed)
+    skip_zero_advantage: bool = False  # leave rows with Â = 0 everywhere out of the forward/backward (loss 0 there)
 
 
 def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, optimizer, scheduler, *, seed: int,
@@ -87,12 +88,15 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
     weights_seen: list[torch.Tensor] = []
     B = len(batch.trajectories)
     generator = torch.Generator().manual_seed(seed * 7919 + step)
+    skippable = zero_advantage_rows(batch, settings, world_size=rt.ctx.world_size)  # (B,) bool
     for _ in range(settings.ppo_epochs):
         order = torch.randperm(B, generator=generator) if settings.minibatches > 1 else torch.arange(B)
         for minibatch in order.chunk(settings.minibatches):
             rows = minibatch.tolist()
-            normaliser = rt.global_normaliser(normaliser_for(settings.loss_agg, batch.loss_mask[rows]))
-            for name, values in accumulate(policy, batch, rows, settings, normaliser=normaliser, runtime=rt).items():
+            normaliser = rt.global_normaliser(normaliser_for(settings.loss_agg, batch.loss_mask[rows]))  # all rows
+            trained = [r for r in rows if not skippable[r]] or rows[:1]  # ≥ 1 row: AdamW steps on a real gradient
+            stats["policy/skipped_rows_frac"].append(1 - len(trained) / max(len(rows), 1))
+            for name, values in accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt).items():
                 (weights_seen if name == "behaviour_weights" else stats[name]).extend(values)
             stats["policy/grad_norm"].append(clip_and_step(model, optimizer, scheduler, settings.grad_clip))
             if critic is not None:
@@ -109,6 +113,20 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
     if drift_tokens:
         stats["policy/logp_drift"] = [drift_sum / drift_tokens]
     return stats
+
+
+def zero_advantage_rows(batch: UpdateBatch, settings: UpdateSettings, *, world_size: int = 1) -> torch.Tensor:
+    """(B,) bool: rows `ppo_update` may leave out of the forward/backward with ``settings.skip_zero_advantage``.
+
+    A row whose advantages are 0 on every trained token adds exactly 0 to the loss when there is no KL loss term
+    (every registered policy loss is Â · f(ratio); `build_algorithm` checks the configured one), while the
+    normaliser, computed over all rows, still counts its tokens — so the gradient is unchanged. Only in one
+    process: data-parallel ranks must run the same number of backward passes."""
+    mask = batch.loss_mask.bool()
+    zero = ~((batch.advantages != 0) & mask).any(dim=1)
+    if not settings.skip_zero_advantage or world_size > 1 or (batch.ref_logp is not None and settings.kl_coef > 0):
+        return torch.zeros_like(zero)
+    return zero
 
 
 def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,
