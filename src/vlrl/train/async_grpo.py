@@ -7,16 +7,13 @@
         advantages = advantage_fn(batch)         3. shaped rewards → advantages (vlrl.train.batch.prepare_batch)
         ppo_update(batch)                        4. decoupled loss  w · L_clip(π_θ / π_prox),  w = min(π_prox / π_behave, 5)
                                                     (vlrl.train.update.ppo_update, shared with the sync recipe)
-        rollout.pause()                          5. no new requests (on_weight_update=abort; see below)
+        rollout.pause()                          5. no new requests
         engine.update_weights(version=step + 1)  6. save → every server loads → checksums compared
         rollout.set_version(step + 1)            7. samples generated from now on carry the new version
         rollout.resume()                         8.
 
 Steps 6-8 overlap the next step's training with HTTP servers (`_publish`): the weights are saved at once, the
-servers load them in the background, and 7-8 happen when every server confirmed. Step 5 applies only when the
-update aborts in-flight requests (``rollout.on_weight_update=abort``): by default the engines swap weights at a
-batch boundary and tag each sample with the version that generated it, so new prompts keep reaching the servers
-during the load (the admission limit, set from the last confirmed version, still bounds staleness).
+servers load them in the background, and 7-8 happen when every server confirmed.
 
 Meanwhile `AsyncRollout` workers (asyncio, on a background thread) keep up to ``max_concurrent_rollouts``
 prompts in flight, score every finished group and push it with its weight version into a bounded
@@ -472,13 +469,9 @@ def train_async_grpo(
                                critic=algorithm.critic, runtime=rt)
             trained.extend(g.draw.ticket for g in groups)
             # 5-8. pause → update weights → set version → resume
-            #      (the servers load in the background while the trainer goes on: see `_publish`). The pause is
-            #      for on_weight_update=abort, whose update would abort what starts now; otherwise the engines
-            #      swap weights between batches and tag each sample with the version that generated it, so
-            #      prompts keep flowing during the load, within the admission limit of the confirmed version.
+            #      (the servers load in the background while the trainer goes on: see `_publish`)
             t_sync = time.time()
-            if rollout_cfg.on_weight_update == "abort":
-                rollout.pause()
+            rollout.pause()
             syncing = _publish(engine, rollout, step + 1, model.state_dict())
             t_sync = time.time() - t_sync
             step += 1
