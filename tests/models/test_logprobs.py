@@ -72,6 +72,9 @@ def test_a_shared_image_is_encoded_once_with_the_same_values_and_gradient(tiny_v
                       pad_token_id=tiny_vlm.pad_token_id)
     assert shared.vision.image_index.tolist() == [0, 1, 0, 0] and len(shared.vision.image_grid_thw) == 2
     assert private.vision.image_index is None and len(private.vision.image_grid_thw) == 4
+    expanded = shared.vision.expanded()  # what DDP / FSDP2 models get: one copy per occurrence
+    assert torch.equal(expanded.pixel_values, private.vision.pixel_values)
+    assert torch.equal(expanded.image_grid_thw, private.vision.image_grid_thw)
     results = []
     for tokens in (shared, private):
         tiny_vlm.model.zero_grad(set_to_none=True)

@@ -44,6 +44,15 @@ class VisionInputs:
             image_grid_thw=torch.cat([v.image_grid_thw for v in present]),
         )
 
+    def expanded(self) -> VisionInputs:
+        """The same images one copy per occurrence (``image_index`` resolved): what `concat` would have built."""
+        if self.image_index is None:
+            return self
+        sizes = self.image_grid_thw.prod(-1).tolist()  # patches per image
+        pieces = torch.split(self.pixel_values, sizes)
+        index = self.image_index.tolist()
+        return VisionInputs(torch.cat([pieces[k] for k in index]), self.image_grid_thw[self.image_index])
+
     @staticmethod
     def concat_shared(items: list[VisionInputs | None]) -> VisionInputs | None:
         """`concat`, but rows holding the same `VisionInputs` object (the n responses of one prompt) contribute
@@ -62,6 +71,13 @@ class VisionInputs:
             return VisionInputs.concat(items)
         shared = VisionInputs.concat([v for _, v in unique.values()])
         return VisionInputs(shared.pixel_values, shared.image_grid_thw, torch.tensor(index, dtype=torch.long))
+
+
+def _wrapped(model: torch.nn.Module) -> bool:
+    """A DDP or FSDP2 module: its submodules must not be called outside its own forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(model, "module") or isinstance(model, FSDPModule)
 
 
 @dataclass
@@ -245,6 +261,8 @@ class Qwen2VLAdapter(TextAdapter):
             return {"input_ids": input_ids, "attention_mask": attention_mask,
                     "position_ids": position_ids.unsqueeze(0).expand(3, -1, -1)}
         mm_token_type_ids = self._mm_token_type_ids(input_ids)
+        if vision.image_index is not None and _wrapped(model):  # DDP / FSDP2 run their hooks in the root's forward
+            vision = vision.expanded()  # only: let the model encode every copy itself
         model = getattr(model, "module", model)  # a DDP wrapper holds the transformers model in .module
         inner = model.model if hasattr(model, "model") else model
         grid = vision.image_grid_thw if vision.image_index is None else vision.image_grid_thw[vision.image_index]
