@@ -19,8 +19,10 @@ $(BIN)/.vlrl-installed: pyproject.toml
 demo: $(BIN)/.vlrl-installed
 	$(BIN)/vlrl demo --out $(RUN)
 
+# One pytest-xdist worker per core (a file's tests stay on one worker: its module fixtures are built once).
+WORKERS ?= 2
 test: $(BIN)/.vlrl-installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
 
 lint: $(BIN)/.vlrl-installed
 	$(BIN)/ruff check src tests benchmarks
