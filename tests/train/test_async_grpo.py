@@ -215,3 +215,37 @@ def test_a_rollout_error_stops_the_run_naming_it():
     samples[2].images = ["/nonexistent/image.png"]  # undecodable: encoding it fails on the rollout thread
     with pytest.raises(RuntimeError, match="rollout failed: .*image file not found"):
         _run_async(_stage(train={"steps": 3}), samples)
+
+
+def test_stale_groups_give_their_quota_back_while_the_trainer_waits():
+    """The buffer holds only groups older than η. `prepare_batch` must hand them to ``on_stale`` (which returns
+    their admission quota) before it waits: the workers generate the replacement only then. Before this, the
+    quota came back after the batch was complete — which it never was (a hang seen with a slow server)."""
+    from vlrl.train.async_grpo import Draw, Group, GroupBuffer
+
+    from .fakes import fake_trajectories
+
+    def group(ticket, version):
+        trajectories = fake_trajectories([1.0, 0.0], [0, 0], [2, 2])
+        for t in trajectories:
+            t.weight_version = version
+        return Group(trajectories, Draw(ticket, trajectories[0].sample, 0))
+
+    buffer = GroupBuffer(capacity=8)
+    buffer.put(group(0, version=0))
+    buffer.put(group(1, version=0))
+    returned = []
+
+    def on_stale(found):  # the rollout: quota back → it draws, generates and pushes a fresh group
+        returned.extend(g.draw.ticket for g in found)
+        threading.Timer(0.05, buffer.put, args=(group(2 + len(returned), version=3),)).start()
+
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(zip(("batch", "stale"), buffer.prepare_batch(
+        1, version=3, eta=1, check=lambda: None, on_stale=on_stale))), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "prepare_batch waited for a group whose quota it still held"
+    assert returned[:2] == [0, 1]  # both stale groups reported before the wait
+    assert [g.draw.ticket for g in result["stale"]] == [0, 1]
+    assert [g.weight_version for g in result["batch"]] == [3]

@@ -124,21 +124,31 @@ class GroupBuffer:
             self._groups.append(group)
             self._cond.notify_all()
 
-    def prepare_batch(self, size: int, *, version: int, eta: int, check: Callable[[], None]) -> tuple[list[Group], list[Group]]:
+    def prepare_batch(self, size: int, *, version: int, eta: int, check: Callable[[], None],
+                      on_stale: Callable[[list[Group]], None] | None = None) -> tuple[list[Group], list[Group]]:
         """Pop groups in order until ``size`` have staleness ≤ η; return (batch, discarded stale groups).
-        Waits while the buffer is empty, calling ``check`` (which raises if the rollout failed)."""
+        Waits while the buffer is empty, calling ``check`` (which raises if the rollout failed). Stale groups are
+        handed to ``on_stale`` as soon as they are found, before any wait, outside the buffer's lock: their
+        admission quota must go back while the trainer waits, or the workers could never generate the
+        replacements it waits for."""
         batch: list[Group] = []
         stale: list[Group] = []
-        with self._cond:
-            while len(batch) < size:
-                while not self._groups:
-                    check()
+        while True:
+            with self._cond:
+                found = len(stale)
+                while self._groups and len(batch) < size:
+                    group = self._groups.popleft()
+                    versions = torch.tensor([t.weight_version for t in group.trajectories])
+                    (batch if bool(fresh_mask(versions, version, eta=eta).all()) else stale).append(group)
+                self._cond.notify_all()
+            if on_stale is not None and len(stale) > found:
+                on_stale(stale[found:])
+            if len(batch) >= size:
+                return batch, stale
+            check()
+            with self._cond:
+                if not self._groups:
                     self._cond.wait(0.05)
-                group = self._groups.popleft()
-                versions = torch.tensor([t.weight_version for t in group.trajectories])
-                (batch if bool(fresh_mask(versions, version, eta=eta).all()) else stale).append(group)
-            self._cond.notify_all()
-        return batch, stale
 
     def state_dict(self) -> list[dict[str, Any]]:
         """The undrained groups as plain data (token lists, log-probs, rewards, versions), for checkpoints."""
@@ -445,8 +455,8 @@ def train_async_grpo(
         while step < train.steps and not (budget is not None and time.time() - start >= budget):
             t0 = time.time()
             # 1. dequeue a batch of scored groups; groups older than η are dropped (and their quota returned)
-            groups, stale = buffer.prepare_batch(P, version=step, eta=eta, check=check)
-            rollout.release(len(stale))
+            groups, stale = buffer.prepare_batch(P, version=step, eta=eta, check=check,
+                                                 on_stale=lambda found: rollout.release(len(found)))
             discarded.extend(g.draw.ticket for g in stale)
             dynamic = {}
             if stage.algo.dynamic_sampling.enabled:  # DAPO: drop all-equal groups, wait for replacements
@@ -585,8 +595,8 @@ def _drop_uninformative(groups: list[Group], buffer: GroupBuffer, rollout: Async
         kept += [g for g, ok in zip(groups, flags, strict=True) if ok]
         if len(kept) >= P or dropped >= (cfg.max_extra_rounds + 1) * P:
             break
-        groups, stale = buffer.prepare_batch(P - len(kept), version=step, eta=eta, check=check)
-        rollout.release(len(stale))
+        groups, stale = buffer.prepare_batch(P - len(kept), version=step, eta=eta, check=check,
+                                             on_stale=lambda found: rollout.release(len(found)))
         discarded.extend(g.draw.ticket for g in stale)
     if not kept:
         raise RuntimeError(f"dynamic sampling: {dropped} groups in a row had equal rewards (zero advantage); raise "
