@@ -242,7 +242,7 @@ def test_stale_groups_give_their_quota_back_while_the_trainer_waits():
 
     result = {}
     worker = threading.Thread(target=lambda: result.update(zip(("batch", "stale"), buffer.prepare_batch(
-        1, version=3, eta=1, check=lambda: None, on_stale=on_stale))), daemon=True)
+        1, version=3, eta=1, check=lambda: None, on_stale=on_stale), strict=True)), daemon=True)
     worker.start()
     worker.join(timeout=10)
     assert not worker.is_alive(), "prepare_batch waited for a group whose quota it still held"
