@@ -1,7 +1,12 @@
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
+import vlrl
 from vlrl.rewards.sandbox import SandboxLimits, isolation, run_python
 
 FAST = SandboxLimits(cpu_seconds=1, wall_seconds=1.0, total_seconds=5)
@@ -51,3 +56,38 @@ def test_namespaced_sandbox_hides_the_machine():
         assert (uid, cwd) == ("65534", "/tmp/work") and int(processes) <= 3  # runner, test (and maybe a zombie)
     else:  # without root there is no uid to drop to; the run still works
         assert run.ok
+
+
+def test_a_fresh_tmpfs_keeps_the_interpreter_reachable(tmp_path):
+    """A virtualenv under /tmp (a CI clone there) must survive the sandbox's private /tmp: `_fresh_tmpfs` covers
+    a directory with an empty tmpfs but binds back, read-only, the entries holding the interpreter. Checked in a
+    private mount namespace on a directory of our own (``unshare --mount`` as in the sandbox's namespaced modes)."""
+    mode = isolation()
+    assert mode in ("root", "user", "none")
+    if mode == "none":  # no namespaces on this machine: the function is never called (mount_tmpfs is off)
+        return
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").write_text("interpreter")
+    (tmp_path / "secret.txt").write_text("hidden")
+    script = f"""
+import json, os, sys
+sys.path.insert(0, {str(Path(vlrl.__file__).resolve().parents[1])!r})
+from vlrl.rewards._sandbox_child import _fresh_tmpfs
+root = {str(tmp_path)!r}
+_fresh_tmpfs(root, 1 << 20, keep=[root + "/venv/bin"])
+try:
+    open(root + "/venv/new", "w")
+    writable = True
+except OSError:
+    writable = False
+print(json.dumps({{"listing": sorted(os.listdir(root)), "kept": open(root + "/venv/bin/python").read(),
+                  "writable": writable}}))
+"""
+    user = ["--user", "--map-root-user"] if mode == "user" else []
+    out = subprocess.run(["unshare", *user, "--mount", "--", sys.executable, "-c", script], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen == {"listing": ["venv"], "kept": "interpreter", "writable": False}
+    assert (tmp_path / "secret.txt").read_text() == "hidden"  # outside the namespace nothing changed
+

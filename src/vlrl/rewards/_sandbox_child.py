@@ -34,7 +34,7 @@ import traceback
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MNT_DETACH = 2, 4, 8, 4096, 16384, 2
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MNT_DETACH = 1, 2, 4, 8, 32, 4096, 16384, 2
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -88,12 +88,11 @@ def _private_filesystem(job: dict) -> bool:
     """Fresh tmpfs on /tmp, /var/tmp, /dev/shm; the interpreter reachable by the test user; cwd /tmp/work."""
     try:
         interpreter = [sys.base_prefix, sys.prefix, *[p for p in sys.path if os.path.exists(p)]]
-        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['disk_bytes']},mode=1777")
+        for path, size in (("/tmp", job["disk_bytes"]), ("/var/tmp", 1 << 20), ("/dev/shm", 1 << 20)):
+            if os.path.isdir(path):
+                _fresh_tmpfs(path, size, keep=interpreter)
         if job["drop_uid"] is not None:
             _expose(interpreter, stash="/tmp/.stash")
-        for path in ("/var/tmp", "/dev/shm"):
-            if os.path.isdir(path):
-                _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=1777")
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this PID namespace's processes only
     except OSError:
         return False
@@ -101,6 +100,25 @@ def _private_filesystem(job: dict) -> bool:
     os.chmod("/tmp/work", 0o777)
     os.chdir("/tmp/work")
     return True
+
+
+def _fresh_tmpfs(path: str, size: int, *, keep: list[str]) -> None:
+    """An empty tmpfs on ``path``, except that the entries of ``path`` holding any of ``keep`` (the interpreter,
+    e.g. a virtualenv under /tmp) are bind-mounted back, read-only, from the covered directory (reached through
+    a file descriptor opened before the mount)."""
+    root = os.path.realpath(path)
+    names = {os.path.relpath(os.path.realpath(p), root).split(os.sep)[0] for p in keep
+             if os.path.realpath(p).startswith(root + os.sep)}
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
+        for name in sorted(names):
+            target = f"{root}/{name}"
+            os.mkdir(target)
+            _mount(f"/proc/self/fd/{fd}/{name}", target, None, MS_BIND | MS_REC)
+            _mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    finally:
+        os.close(fd)
 
 
 def _expose(paths: list[str], stash: str) -> None:
