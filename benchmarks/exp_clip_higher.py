@@ -5,7 +5,8 @@
     OMP_NUM_THREADS=1 python benchmarks/exp_clip_higher.py --runs symmetric clip-higher \
         --lr 1e-4 --minibatches 8 --epochs 2      # 16 updates per rollout step: the upper clip binds, runs stay calm
 
-On the shapes count + colour tasks with the tiny Qwen2-VL preset:
+On the shapes count + colour tasks (``--tasks``: others, e.g. ``locate --max-new-tokens 16``) with the tiny
+Qwen2-VL preset:
 
 1. SFT warm start from random weights (the same checkpoint for every run);
 2. for each seed, three GRPO runs from that checkpoint with the same prompts and sampling seed:
@@ -73,7 +74,7 @@ def ppo_clip_counted(inputs: PolicyLossInputs, *, clip_low: float = 0.2, clip_hi
 def rl_stage(args, changes: dict) -> RLStage:
     loss = "__main__:ppo_clip_counted" if __name__ == "__main__" else f"{__name__}:ppo_clip_counted"
     raw = {
-        "rollout": {"n": args.n, "temperature": 1.0, "max_new_tokens": 8},
+        "rollout": {"n": args.n, "temperature": 1.0, "max_new_tokens": args.max_new_tokens},
         "algo": {"advantage": "grpo", "policy_loss": loss, "loss_agg": "token_mean", "kl_coef": 0.0},
         "optim": {"lr": args.lr},
         "train": {"steps": args.steps, "prompts_per_step": args.prompts, "minibatches": args.minibatches,
@@ -138,6 +139,9 @@ def main() -> None:
     parser.add_argument("--minibatches", type=int, default=4, help="optimizer steps per RL step")
     parser.add_argument("--epochs", type=int, default=1, help="passes over each rollout batch (ppo_epochs)")
     parser.add_argument("--lr", type=float, default=5e-4, help="RL learning rate")
+    parser.add_argument("--tasks", nargs="+", default=["count", "color"],
+                        help="shapes tasks (e.g. locate: a 4-number box, IoU reward); the warm start must match")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="response budget (a locate answer is 12 tokens)")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="which runs to do")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--window", type=int, default=10, help="steps averaged for 'first' and 'last'")
@@ -153,8 +157,9 @@ def main() -> None:
 
     t0 = time.time()
     seed_everything(0)
-    train = generate("shapes", 4000, split="train", tasks=["count", "color"])
-    warm_dir = Path(args.warm_start or f"runs/exp_clip_higher/sft{args.sft_steps}")
+    train = generate("shapes", 4000, split="train", tasks=args.tasks)
+    suffix = "" if args.tasks == ["count", "color"] else "_" + "-".join(args.tasks)
+    warm_dir = Path(args.warm_start or f"runs/exp_clip_higher/sft{args.sft_steps}{suffix}")
     if not (warm_dir / "config.json").is_file():
         policy = load_policy("tiny-qwen2-vl")
         sft = SFTStage.model_validate({"optim": {"lr": 1e-3, "betas": [0.5, 0.9]},
