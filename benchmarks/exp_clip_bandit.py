@@ -15,7 +15,8 @@ the clip itself, with many seeds, so that the direction of the effect can be rea
   ``ppo_clip`` loss with ``token_mean`` aggregation, and makes ``minibatches × epochs`` Adam (or SGD) steps
   on the batch, as the VLM runs do (16 per rollout step);
 - every arm of a seed shares the initial logits, the prompt order and the generator seed; arms differ only
-  in (ε_low, ε_high): ``symmetric`` 0.2/0.2, ``clip-higher`` 0.2/0.28 (DAPO), ``no-upper`` 0.2/∞.
+  in (ε_low, ε_high): ``symmetric`` 0.2/0.2, ``clip-higher`` 0.2/0.28 (DAPO), ``no-upper`` 0.2/∞, and two arms
+  that tell ε_high's part from the asymmetry's — ``wide`` 0.28/0.28 and ``lower-wider`` 0.28/0.2.
 
 Entropy is the mean over all prompts of the exact entropy of the policy's answer distribution (no sampling
 noise in the metric). Printed per setting: entropy at the start and end, the run-mean entropy difference to
@@ -32,7 +33,7 @@ import torch
 
 from vlrl.algos import AdvantageInputs, PolicyLossInputs, aggregate, get_advantage, get_policy_loss
 
-ARMS = {"symmetric": (0.2, 0.2), "clip-higher": (0.2, 0.28), "no-upper": (0.2, 1e9)}
+ARMS = {"symmetric": (0.2, 0.2), "clip-higher": (0.2, 0.28), "no-upper": (0.2, 1e9), "wide": (0.28, 0.28), "lower-wider": (0.28, 0.2)}
 
 # (name, reward, init, optimizer, lr): init "spread" = logits ~ N(0, 1.5²); "peaked-wrong" = logits ~ N(0, 0.5²)
 # with +3 on one wrong answer and +1.5 on the (first) correct one — confidently wrong, correct answer the
