@@ -146,10 +146,10 @@ def eval_(
     out: Path | None = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
     """Greedy accuracy, sampled accuracy and pass@k per task on held-out data."""
-    from vlrl.config import DataConfig
+    from vlrl.config import DataConfig, RolloutConfig
     from vlrl.eval import evaluate
     from vlrl.models import load_policy
-    from vlrl.rollout import HFEngine
+    from vlrl.rollout import build_engine
     from vlrl.train.common import load_split
 
     progress = _progress()
@@ -157,10 +157,9 @@ def eval_(
         policy = load_policy(model)
     test = load_split(DataConfig(test=data, n_test=n), "test")
     with progress.task(f"eval {len(test)} prompts × {samples}"):
-        result = evaluate(HFEngine(policy), test,
+        result = evaluate(build_engine(RolloutConfig(), policy), test,
                           EvalConfig(samples=samples, temperature=temperature, max_new_tokens=max_new_tokens))
-    result.pop("examples")
-    text = json.dumps(result, indent=2)
+    text = json.dumps(result.to_dict(examples=False), indent=2)
     if out:
         out.write_text(text + "\n")
     typer.echo(text)
@@ -435,10 +434,11 @@ def data_select(
     on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them."),
 ) -> None:
     """Discrepancy-driven selection: N rollouts per prompt, pass@1 / pass@k / mean reward, keep the band."""
+    from vlrl.config import RolloutConfig
     from vlrl.data import DataError, read_samples, write_samples
     from vlrl.data.select import Band, RolloutStore, rollout_and_score, select, summarise
     from vlrl.models import load_policy
-    from vlrl.rollout import HFEngine, SamplingParams
+    from vlrl.rollout import SamplingParams, build_engine, close_engine
     from vlrl.train.common import reward_names_check, seed_everything
 
     progress = _progress()
@@ -449,14 +449,14 @@ def data_select(
         rollout_store = RolloutStore(store or out / "rollouts.jsonl")
         seed_everything(seed)
         with progress.task(f"load {model}"):
-            if servers:
+            if servers:  # they already serve --model: only its tokenizer and processor are loaded here
                 from vlrl.models.policy import load_processor
-                from vlrl.rollout.http_engine import HTTPEngine
 
-                engine = HTTPEngine(load_processor(model), [u.strip() for u in servers.split(",") if u.strip()],
-                                    weights_dir=out / "weights")
+                urls = [u.strip() for u in servers.split(",") if u.strip()]
+                engine = build_engine(RolloutConfig(servers=urls, weights_dir=str(out / "weights")),
+                                      load_processor(model), sync_weights=False)
             else:
-                engine = HFEngine(load_policy(model))
+                engine = build_engine(RolloutConfig(), load_policy(model))
         sampling = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens)
         with progress.task(f"roll out {len(samples)} prompts × {n}", total=len(samples)) as task:
             rollouts, generated, failures = rollout_and_score(
@@ -467,8 +467,7 @@ def data_select(
         typer.secho(f"vlrl data select: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
     finally:
-        if hasattr(engine, "close"):
-            engine.close()
+        close_engine(engine)
     out.mkdir(parents=True, exist_ok=True)
     write_samples(kept, out / "selected.jsonl")
     with open(out / "stats.jsonl", "w", encoding="utf-8") as handle:

@@ -34,8 +34,8 @@ from vlrl.models.adapters import VisionInputs
 from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
 from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
-from vlrl.train.distributed import Runtime
 from vlrl.train.modules import restore_trainable, set_trainable
+from vlrl.train.runtime import Runtime
 
 
 @dataclass
