@@ -32,6 +32,7 @@ from vlrl.algos.losses import (
     register_policy_loss,
     value_loss,
 )
+from vlrl.algos.rollout_correction import RolloutCorrection, rollout_correction
 from vlrl.algos.shaping import (
     ADVANTAGE_SHAPING,
     REWARD_SHAPING,
@@ -52,5 +53,6 @@ __all__ = [
     "group_stats", "group_variance", "informative_groups", "kl_estimate", "kl_reward_penalty", "mask_truncated",
     "masked_mean", "normaliser_for", "register_advantage", "register_advantage_shaping", "register_policy_loss",
     "register_reward_shaping", "select_descriptions", "syn_diversity", "value_loss",
-    "clip_cov_selection", "kl_cov_selection", "policy_loss_needs", "token_covariance",
+    "RolloutCorrection", "clip_cov_selection", "kl_cov_selection", "policy_loss_needs", "rollout_correction",
+    "token_covariance",
 ]
