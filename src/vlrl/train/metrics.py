@@ -1,6 +1,6 @@
 """The metrics of one RL step — one function for both recipes (`step_metrics`), over the whole batch of every rank.
 
-    reward/…        mean, std, per task, verifier failures                 (the scored responses)
+    reward/…        mean, std, per task, verifier failures, and ReMax's greedy baseline (the scored responses)
     accuracy/…      per task (`Trajectory.accuracy`), macro mean
     response/…      length mean / max, truncated fraction
     rollout/…       gen_prob (mean probability of the sampled tokens), diversity (Syn-GRPO eq. 4)
@@ -41,9 +41,11 @@ def step_metrics(batch: UpdateBatch, stats: UpdateStats, groups: Sequence[Group]
     group_index, shaping = batch.group_index, dict(batch.metrics)
     failures = sum(len(g.reward_failures) for g in groups)
     epoch = max((g.draw.epoch for g in groups), default=0)
+    baselines = [g.baseline_reward for g in groups if g.baseline_reward is not None]
     if ctx is not None and ctx.enabled:
         parts = ctx.gather_objects({"rows": [_light(t) for t in trajectories], "adv": seq_adv, "group": group_index,
-                                    "stats": stats, "failures": failures, "shaping": shaping, "epoch": epoch})
+                                    "stats": stats, "failures": failures, "shaping": shaping, "epoch": epoch,
+                                    "baselines": baselines})
         trajectories, offset, shifted = [], 0, []
         for part in parts:
             trajectories += part["rows"]
@@ -52,9 +54,12 @@ def step_metrics(batch: UpdateBatch, stats: UpdateStats, groups: Sequence[Group]
         seq_adv, group_index = torch.cat([p["adv"] for p in parts]), torch.cat(shifted)
         stats = UpdateStats.merge([p["stats"] for p in parts])
         failures, epoch = sum(p["failures"] for p in parts), max(p["epoch"] for p in parts)
+        baselines = [b for p in parts for b in p["baselines"]]
         shaping = {k: sum(p["shaping"].get(k, 0.0) for p in parts) / len(parts) for k in parts[0]["shaping"]}
     metrics = response_metrics(trajectories, group_index)
     metrics["reward/failures"] = failures
+    if baselines:  # ReMax: the reward of the greedy response to each prompt, the baseline of its group
+        metrics["reward/greedy_baseline"] = sum(baselines) / len(baselines)
     zero = [bool((seq_adv[group_index == g] == 0).all()) for g in group_index.unique()]
     metrics["policy/zero_adv_groups_frac"] = sum(zero) / len(zero)
     metrics.update(stats.metrics())

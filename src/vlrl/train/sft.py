@@ -94,6 +94,7 @@ def train_sft(
     units, examples = _units(policy, samples, stage, plan)
     packed = plan is not None or train.padding_free
     frozen = set_trainable(policy.model, train.trainable, policy.adapter.module_groups)
+    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)  # logged: train.trainable's effect
     cursor = PromptCursor(list(range(len(units))), seed)  # type: ignore[arg-type]  (any list works)
     model = rt.module
     model.train()
@@ -112,7 +113,7 @@ def train_sft(
             seconds = time.time() - step_start
             last = {"sft/loss": total_loss, "sft/grad_norm": grad_norm, "perf/step_seconds": seconds,
                     "perf/tokens_per_s": real / max(seconds, 1e-9), "perf/padding_frac": 1 - real / max(processed, 1),
-                    "sft/lr": scheduler.get_last_lr()[0]}
+                    "sft/lr": scheduler.get_last_lr()[0], "sft/trainable_params": trainable}
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("sft/loss", "sft/grad_norm", "perf/step_seconds"))
             rt.after_step(step, stage_name, optimizer, scheduler, cursor)
