@@ -112,7 +112,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
                     reference: torch.nn.Module | None = None) -> Algorithm:
     """Bind ``stage.algo`` (and ``stage.critic``) once. ``apply_behaviour_weight``: multiply the loss by
     w = min(π_prox / π_behave, cap) — the async recipe's decoupled objective — unless the loss does it itself.
-    ``reference``: a frozen reference already built (e.g. FSDP2-sharded by `vlrl.train.distributed`);
+    ``reference``: a frozen reference already built (e.g. FSDP2-sharded by `vlrl.train.runtime.make_runtime`);
     unset, a frozen copy of the policy is made when ``algo.kl_coef > 0``."""
     algo, train = stage.algo, stage.train
     estimator = get_advantage(algo.advantage)

@@ -29,7 +29,7 @@ from vlrl.config import SFTStage
 from vlrl.data import Sample
 from vlrl.data.packing import PackingPlan
 from vlrl.data.sample import load_image
-from vlrl.models import Policy, collate, response_logprobs
+from vlrl.models import Policy
 from vlrl.models.adapters import VisionInputs
 from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
@@ -86,7 +86,7 @@ def train_sft(
     """Run the SFT loop on ``samples`` (or on the bins of ``plan``, a plan computed for ``samples``); returns
     the last logged metrics plus ``steps``, ``seconds`` and ``epochs``.
 
-    ``runtime`` (`vlrl.train.distributed`): the ranks, the wrapped module and the checkpointer; default one
+    ``runtime`` (`vlrl.train.runtime`): the ranks, the wrapped module and the checkpointer; default one
     process, no checkpoints. Resuming restores the step, cursor, optimizer and RNG from its checkpoint."""
     train = stage.train
     rt = runtime or Runtime.single(policy.model)
@@ -199,12 +199,3 @@ def _check_bins(units: list[list[int]], examples: dict[int, SFTExample], plan: P
                 f"{model.get('min_pixels')}, max_pixels {model.get('max_pixels')}); re-run `vlrl data pack` for this model"
             )
 
-
-def sft_step_check(policy: Policy, samples: list[Sample]) -> torch.Tensor:
-    """Mean assistant-token NLL of ``samples`` under the policy (no gradient), for tests and reports."""
-    examples = [encode_sft(policy, s) for s in samples]
-    tokens = collate([e.prompt_ids for e in examples], [e.target_ids for e in examples], [e.vision for e in examples],
-                     pad_token_id=policy.pad_token_id)
-    with torch.no_grad():
-        logp, _ = response_logprobs(policy.model, policy.adapter, tokens)
-    return -logp.sum() / tokens.response_mask.sum()
