@@ -18,6 +18,7 @@ from vlrl.config import EvalConfig
 from vlrl.data import Sample
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import Engine, SamplingParams, Trajectory
+from vlrl.rollout.agent import agent_metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -43,21 +44,25 @@ class EvalResult:
     n_prompts: int
     reward_failures: int  # verifier units that failed (timed out, raised) and scored the fallback
     examples: list[dict[str, Any]] = field(default_factory=list)  # a few greedy responses with their answers
+    agent: dict[str, float] = field(default_factory=dict)  # multi-turn: `agent_metrics` of the sampled episodes
 
     def to_dict(self, *, examples: bool = True) -> dict[str, Any]:
         """The JSON layout of ``summary.json`` and ``vlrl eval``: ``{"accuracy": {...}, "greedy": {...},
         "pass@k": {...}, "reward": {...}, "k": k, "n_prompts": n, "reward_failures": f[, "examples": [...]]}``."""
         out = {"k": self.k, "n_prompts": self.n_prompts, "reward_failures": self.reward_failures,
                "accuracy": self.accuracy, "greedy": self.greedy, "pass@k": self.pass_at_k, "reward": self.reward}
+        if self.agent:
+            out["agent"] = self.agent
         if examples:
             out["examples"] = self.examples
         return out
 
     def metrics(self) -> dict[str, float]:
-        """What an evaluation logs: ``accuracy/<task>``, ``greedy/<task>``, ``pass@<k>/<task>`` (and ``mean``)."""
+        """What an evaluation logs: ``accuracy/<task>``, ``greedy/<task>``, ``pass@<k>/<task>`` (and ``mean``),
+        and for episodes their ``agent/…`` metrics."""
         return {**{f"accuracy/{task}": v for task, v in self.accuracy.items()},
                 **{f"greedy/{task}": v for task, v in self.greedy.items()},
-                **{f"pass@{self.k}/{task}": v for task, v in self.pass_at_k.items()}}
+                **{f"pass@{self.k}/{task}": v for task, v in self.pass_at_k.items()}, **self.agent}
 
 
 def evaluate(engine: Engine, samples: list[Sample], cfg: EvalConfig) -> EvalResult:
@@ -88,8 +93,10 @@ def evaluate(engine: Engine, samples: list[Sample], cfg: EvalConfig) -> EvalResu
         tables[metric] = table
     examples = [{"task": t.sample.task, "id": t.sample.id, "response": t.response_text, "answer": t.sample.answer,
                  "reward": t.reward} for t in greedy[:8]]
+    agent = agent_metrics(sampled) if any(t.turns for t in sampled) else {}
     return EvalResult(accuracy=tables["accuracy"], greedy=tables["greedy"], pass_at_k=tables["pass@k"],
-                      reward=tables["reward"], k=k, n_prompts=len(samples), reward_failures=failures, examples=examples)
+                      reward=tables["reward"], k=k, n_prompts=len(samples), reward_failures=failures, examples=examples,
+                      agent=agent)
 
 
 def _mean(values: list[float]) -> float:
