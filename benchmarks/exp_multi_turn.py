@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-sft", action="store_true", help="reuse OUT/sft")
     parser.add_argument("--rl", nargs="*", default=[], help="extra overrides of the RL run, e.g. optim.lr=5e-4")
+    parser.add_argument("--rl-name", default="rl", help="the RL run's directory under OUT (several arms, one SFT)")
     args = parser.parse_args()
     out = Path(args.out)
     seconds = {}
@@ -57,8 +58,8 @@ def main() -> None:
                              "train.log_every=50", f"seed={args.seed}", f"out={out / 'sft'}")
     seconds["rl"] = run("rl", "--config", "configs/shapes_feedback_grpo.yaml",
                         f"model.path={out / 'sft' / 'checkpoints' / 'final'}", f"train.steps={args.rl_steps}",
-                        "train.log_every=1", f"seed={args.seed}", *args.rl, f"out={out / 'rl'}")
-    rl = records(out / "rl", "rl")
+                        "train.log_every=1", f"seed={args.seed}", *args.rl, f"out={out / args.rl_name}")
+    rl = records(out / args.rl_name, "rl")
     print(f"\nRL steps {len(rl)}; wall seconds {seconds}")
     print("| steps | reward/mean | accuracy/mean | right on turn 1 | agent/turns_mean | response tokens |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -68,7 +69,7 @@ def main() -> None:
               f"| {mean([r.get('accuracy/mean', float('nan')) for r in w]):.3f} "
               f"| {mean([r.get('agent/turns=1', 0.0) for r in w]):.3f} | {mean([r['agent/turns_mean'] for r in w]):.3f} "
               f"| {mean([r['agent/action_tokens_mean'] for r in w]):.1f} |")
-    summary = json.loads((out / "rl" / "summary.json").read_text())
+    summary = json.loads((out / args.rl_name / "summary.json").read_text())
     for key in ("initial", "rl"):
         s = summary[key]
         agent = s.get("agent", {})
