@@ -1,7 +1,14 @@
 import pytest
 from PIL import Image
 
-from vlrl.data.sample import Sample, SampleError, image_size, load_image, messages_from_prompt, sample_from_json
+from vlrl.data.sample import (
+    Sample,
+    SampleError,
+    image_size,
+    load_image,
+    messages_from_prompt,
+    sample_from_json,
+)
 
 
 def test_prompt_shorthand_becomes_image_parts():
