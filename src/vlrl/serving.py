@@ -118,7 +118,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await self._refuse(send, f"more than {self.max_bytes}")
+                return await self._refuse(send, None)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -133,9 +133,10 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Callable, size: str) -> None:
-        await send_json(send, 413, {"error": f"request body of {size} bytes exceeds the server's limit of "
-                                             f"{self.max_bytes} bytes ({self.setting})"})
+    async def _refuse(self, send: Callable, declared: str | None) -> None:
+        size = f" of {declared} bytes" if declared is not None else ""
+        await send_json(send, 413, {"error": f"request body{size} exceeds the server's limit of {self.max_bytes} bytes "
+                                             f"({self.setting})"})
 
 
 class BearerAuth:

@@ -186,6 +186,7 @@ class ContinuousBatcher:
         self.batches = 0  # batches decoded so far (for tests and metrics)
         self.rows = 0  # sequences decoded so far
         self.decode_steps = 0  # decode steps taken so far (every batch, every step)
+        self.cancelled = 0  # jobs whose future was cancelled (their client went away), queued or decoding
         self.early_stops: collections.deque[EarlyStop] = collections.deque(maxlen=256)
         self._thread = threading.Thread(target=self._loop, name="vlrl-batcher", daemon=True)
         self._thread.start()
@@ -244,6 +245,7 @@ class ContinuousBatcher:
             self.tokens_in_flight -= job.tokens
             job.tokens = 0
             if job.future.cancelled():
+                self.cancelled += 1
                 job.cancel_step = self.decode_steps
                 if job in self._pending:  # never decoded: leave the queue now
                     self._pending.remove(job)
@@ -934,7 +936,7 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
                 "max_body_bytes": limits.max_body_bytes, "max_image_pixels": limits.max_image_pixels,
                 "queued_requests": batcher.queued(), "tokens_in_flight": batcher.tokens_in_flight,
                 "batches": batcher.batches, "rows": batcher.rows, "decode_steps": batcher.decode_steps,
-                "early_stops": len(batcher.early_stops), "server": "vlrl"}
+                "early_stops": len(batcher.early_stops), "cancelled": batcher.cancelled, "server": "vlrl"}
 
     @app.get("/get_weight_version")
     async def get_weight_version():
