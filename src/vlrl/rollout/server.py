@@ -25,8 +25,14 @@ and swapped in at the next batch boundary, so a batch that was decoding finishes
 tagged with the old version. With ``abort_all_requests`` the queued requests and the decoding batch are
 answered with ``finish_reason.type == "abort"`` instead (the client re-queues them).
 
-Safety: binds to loopback and requires ``Authorization: Bearer <key>`` (except ``/health``) by default; the
-queue is bounded (503 when full); malformed requests get a 400 naming the field.
+Safety: binds to loopback and requires ``Authorization: Bearer <key>`` (except ``/health``) by default. Every
+request is bounded before it is admitted (`ServeLimits`: ``max_new_tokens``, prompt + new tokens ≤ the model's
+context, body bytes counted as received, image pixels and vision tokens read from headers; the batcher: samples
+= prompts × n against the queue, tokens in flight) — a 400 naming the field, 413 for the body, 503 while full.
+JSON is parsed off the event loop (`vlrl.serving.BodyParser`), tokenizing and image decoding run on one
+preprocessing thread, so ``/health`` answers under any load. A client that disconnects, or a request past its
+deadline, stops at the next decode step. Unexpected errors answer 500 with an id (the traceback goes to the
+log); server paths in ``image_data`` are read only under configured roots. SIGTERM drains within a bound.
 
 `ThreadedEngine` is the same batcher used in-process, on a private copy of the trainer's policy — the
 asynchronous recipe's engine when no server is configured.
