@@ -882,7 +882,7 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
     parser = BodyParser(max_values=(budget if budget is not None else 1 << 22) + 65_536,
                         max_string_chars=max_text_chars or 1 << 24)
     prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlrl-prep")  # one tokenizer user
-    state = {"draining": False, "aborted": 0}
+    state = {"draining": False}
 
     def close() -> None:
         parser.close()
@@ -976,8 +976,7 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
         except QueueFullError as err:
             return SafeJSON({"error": f"server busy: {err}"}, 503, headers={"Retry-After": "1"})
         trajectories = await _answer_or_abandon(request.receive, future)
-        if trajectories is None:  # the client is gone: nobody reads an answer
-            state["aborted"] += 1
+        if trajectories is None:  # the client is gone (counted in batcher.cancelled): nobody reads an answer
             return SafeJSON({"error": "client disconnected"}, 499)
         why = ("the server shut down" if state["draining"] else "the request's deadline passed"
                if time.monotonic() >= deadline - 1e-3 else "aborted by a weight update")
