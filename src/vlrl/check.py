@@ -11,7 +11,8 @@ first few of every task and the longest prompts — to check:
 - prompt + ``max_new_tokens`` (rollout and eval) and prompt + reference response (SFT) fit the context;
 - batch, group and micro-batch sizes divide;
 - every reward name, estimator, policy loss, metric sink and dotted path (``pkg.mod:fn``, e.g. an
-  environment) resolves; the procedural suite and its tasks exist; data files exist and parse.
+  environment) resolves; every verifier the data names has its optional dependencies; the procedural suite
+  and its tasks exist; data files exist and parse.
 
 Every problem names the config field or the ``file:line``; all of them are listed at once.
 """
@@ -89,6 +90,7 @@ def preflight(cfg: RunConfig, *, splits: dict[str, list[Sample]] | None = None) 
     _check_synth(report, rl)
     if splits is None:
         splits = _read_splits(report, cfg)
+    _check_reward_dependencies(report, splits)
     _check_sft_responses(report, splits.get("train", []), sft)
     bundle = _load_processor(report, cfg.model)
     if bundle is not None:
@@ -227,6 +229,19 @@ def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]
             report.problem(f"data.{split}", f"{path}: no usable samples")
         out[split] = read.samples
     return out
+
+
+def _check_reward_dependencies(report: CheckReport, splits: dict[str, list[Sample]]) -> None:
+    """Every verifier the samples name has its optional modules (``math`` without math-verify: the install command)."""
+    from vlrl.rewards import missing_dependency
+
+    for name in sorted({name for samples in splits.values() for s in samples for name in s.reward_names()}):
+        try:
+            message = missing_dependency(name)
+        except RegistryError:
+            continue  # unknown names are reported where the records are read
+        if message:
+            report.problem("data", message)
 
 
 @contextmanager

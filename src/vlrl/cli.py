@@ -113,7 +113,19 @@ def serve(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", "--device", help="Torch device, e.g. cpu or cuda."),
     max_batch_size: int = typer.Option(256, "--max-batch-size", help="Sequences decoded at once."),
-    max_queued_requests: int = typer.Option(1024, "--max-queued-requests", help="Queue bound; further requests get 503."),
+    max_queued_requests: int = typer.Option(1024, "--max-queued-requests",
+                                            help="Queue bound in samples (prompts × n); further requests get 503."),
+    max_new_tokens: int = typer.Option(4096, "--max-new-tokens", help="Largest sampling_params.max_new_tokens accepted."),
+    max_tokens_in_flight: int = typer.Option(1 << 20, "--max-tokens-in-flight",
+                                             help="Budget of Σ samples × (prompt + max_new_tokens) queued or decoding."),
+    max_body_mb: float = typer.Option(32.0, "--max-body-mb", help="Largest request body (413 beyond; chunked too)."),
+    max_image_pixels: int = typer.Option(16 << 20, "--max-image-pixels", help="Largest image (pixels, from its header)."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout",
+                                          help="Seconds after which a request is aborted at the next decode step."),
+    image_root: list[str] | None = typer.Option(None, "--image-root", help="Directory whose files image_data may "
+                                                "name by path (repeatable; default: no server paths)."),
+    drain_seconds: float = typer.Option(30.0, "--drain-seconds",
+                                        help="On SIGTERM, requests in flight get this long; the rest are aborted."),
     batch_window_ms: float = typer.Option(10.0, "--batch-window-ms",
                                           help="Wait while requests keep arriving at most this far apart before decoding."),
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
@@ -122,14 +134,19 @@ def serve(
     """Serve a policy over SGLang's native HTTP API (/generate, /update_weights_from_disk, /health, /get_model_info)."""
     import torch
 
+    from vlrl.rollout.server import ServeLimits
     from vlrl.rollout.server import serve as run_server
 
     if threads:
         torch.set_num_threads(threads)
     try:
+        limits = ServeLimits(max_new_tokens=max_new_tokens, max_body_bytes=int(max_body_mb * (1 << 20)),
+                             max_image_pixels=max_image_pixels, request_timeout=request_timeout,
+                             image_roots=tuple(image_root or ()), drain_seconds=drain_seconds)
         run_server(model, host=host, port=port, api_key=api_key, no_auth=no_auth, dtype=dtype, device=device,
                    max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
-                   batch_window_ms=batch_window_ms, init_seed=init_seed)
+                   batch_window_ms=batch_window_ms, init_seed=init_seed, max_tokens_in_flight=max_tokens_in_flight,
+                   limits=limits)
     except ValueError as err:
         typer.secho(f"vlrl serve: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
