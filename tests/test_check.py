@@ -134,19 +134,21 @@ def test_data_files_must_exist_and_parse(tmp_path):
     assert _where(report) == {"data.train"} and "no such file" in report.problems[0].message
     data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), "{broken", _record(2, reward="no_such_reward"),
                                                    _record(3, images=["missing.png"], prompt="<image>x")])
-    report = preflight(_rl(f"data.train={data}", "data.suite=arith", "data.tasks=[add]", "model.path=tiny-qwen2"))
+    test = _write_jsonl(tmp_path / "test.jsonl", [_record(9)])
+    report = preflight(_rl(f"data.train={data}", f"data.test={test}", "model.path=tiny-qwen2"))
     problems = {p.where: p.message for p in report.problems}
     assert set(problems) == {f"{data}:2", f"{data}:3", f"{data}:4"}
     assert "malformed JSON" in problems[f"{data}:2"]
     assert "unknown reward 'no_such_reward'" in problems[f"{data}:3"]
     assert "image file not found" in problems[f"{data}:4"]
-    skipping = preflight(_rl(f"data.train={data}", "data.suite=arith", "data.tasks=[add]", "model.path=tiny-qwen2", "data.on_error=skip"))
+    skipping = preflight(_rl(f"data.train={data}", f"data.test={test}", "model.path=tiny-qwen2", "data.on_error=skip"))
     assert skipping.ok and len(skipping.warnings) == 3  # skipped and counted, not fatal
 
 
 def test_sft_needs_reference_responses(tmp_path):
     data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), _record(1, response=None)])
-    report = preflight(load_config(SFTConfig, None, [*SMALL, f"data.train={data}", "data.suite=arith", "data.tasks=[add]", "model.path=tiny-qwen2"]))
+    test = _write_jsonl(tmp_path / "test.jsonl", [_record(9)])
+    report = preflight(load_config(SFTConfig, None, [*SMALL, f"data.train={data}", f"data.test={test}", "model.path=tiny-qwen2"]))
     assert _where(report) == {"data.train"}
     assert "1 of 2 samples have no reference 'response'" in report.problems[0].message
     assert f"{data}:2" in report.problems[0].message

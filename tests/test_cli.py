@@ -40,19 +40,28 @@ def test_bad_override_exits_with_the_field_name(tmp_path):
 
 
 def test_sft_on_a_user_file_then_eval(tmp_path):
+    """A training file without a test file: 10 % of it is held out (16 samples → round(1.6) = 2), never the
+    procedural suite; `vlrl eval` on the run's checkpoint evaluates those same 2 prompts by default."""
     runner.invoke(app, ["data", "gen", "arith", "--n", "16", "--out", str(tmp_path / "data")])
     result = runner.invoke(app, ["sft", "--data", str(tmp_path / "data" / "train.jsonl"), f"out={tmp_path / 'run'}",
-                                 "model.path=tiny-qwen2", "data.suite=arith", "data.tasks=[add]", "data.n_test=8",
-                                 "train.steps=2", "train.batch_size=4", "eval.samples=2"])
+                                 "model.path=tiny-qwen2", "data.suite=shapes", "train.steps=2", "train.batch_size=4",
+                                 "eval.samples=2"])
     assert result.exit_code == 0, result.output
+    assert "held out 2 of 16 samples" in " ".join(result.output.split())
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert set(summary["sft"]["accuracy"]) == {"arith/add", "mean"}
+    assert summary["sft"]["n_prompts"] == 2 and all(t.startswith("arith/") for t in summary["sft"]["accuracy"] if t != "mean")
     assert (tmp_path / "run" / "checkpoints" / "final" / "model.safetensors").exists()
-    result = runner.invoke(app, ["eval", "--model", str(tmp_path / "run" / "checkpoints" / "final"),
-                                 "--data", str(tmp_path / "data" / "train.jsonl"), "--samples", "2",
+    result = runner.invoke(app, ["eval", "--model", str(tmp_path / "run" / "checkpoints" / "final"), "--seed", "1",
                                  "--out", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output
-    assert "pass@k" in json.loads((tmp_path / "eval.json").read_text())
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    assert evaluated["n_prompts"] == 2 and evaluated["settings"]["samples"] == 2  # the run's eval.samples
+    assert set(evaluated["accuracy"]) == set(summary["sft"]["accuracy"])
+    assert "the run's held-out split of" in result.output
+    result = runner.invoke(app, ["eval", "--model", str(tmp_path / "run" / "checkpoints" / "final"),
+                                 "--data", str(tmp_path / "data" / "train.jsonl"), "--samples", "2", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert '"n_prompts": 16' in result.output and '"max_new_tokens": 4' in result.output
 
 
 def test_check_lists_every_problem_and_exits_1(tmp_path):
@@ -109,7 +118,7 @@ def test_data_pack_then_sft_from_the_plan(tmp_path):
     stats = json.loads((tmp_path / "plan.json").read_text())["stats"]
     assert stats["packed_samples"] == 24 and stats["bins"] < 24 and "lower bound" in result.output
     result = runner.invoke(app, ["sft", "--data", str(data), f"out={tmp_path / 'run'}", "model.path=tiny-qwen2",
-                                 f"data.packing_plan={tmp_path / 'plan.npz'}", "data.suite=arith", "data.tasks=[add]", "data.n_test=4",
+                                 f"data.packing_plan={tmp_path / 'plan.npz'}", "--test", str(data),
                                  "train.steps=2", "train.batch_size=2", "train.micro_batch_size=1", "eval.samples=1",
                                  "eval.max_new_tokens=2", "report.html=false"])
     assert result.exit_code == 0, result.output
