@@ -607,8 +607,9 @@ class DemoConfig(RunConfig):
 # ----------------------------------------------------------------------------------------------- loading
 def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[BaseModel] | None = None,
                     base: Path | None = None) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place. Given the config
-    class and a ``base`` directory, input paths among the values are resolved against it (`resolve_paths`)."""
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place; a number indexes a
+    list already there (``stages.0.train.steps=10``). Given the config class and a ``base`` directory, input
+    paths among the values are resolved against it (`resolve_paths`)."""
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -625,10 +626,17 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[Base
             value = node[parts[-1]]
         node = raw
         for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
+            if isinstance(node, list):  # stages.1.train.steps: an index into a list of sections
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"override {item!r}: {part!r} is not an index of the {len(node)} item(s) there")
+                child = node[int(part)]
+            else:
+                child = node.setdefault(part, {})
+            if not isinstance(child, (dict, list)):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child
+        if isinstance(node, list):
+            raise ConfigError(f"override {item!r}: {parts[-1]!r} would replace one item of a list; set a field inside it")
         node[parts[-1]] = value
     return raw
 
@@ -680,8 +688,11 @@ def _path_fields(cls: type[BaseModel], node: Any):
             if isinstance(node[name], str):
                 yield node, name, kind
             continue
+        children = node[name] if isinstance(node[name], list) else [node[name]]
+        if isinstance(node[name], dict) and node[name] and all(str(k).isdigit() for k in node[name]):
+            children = list(node[name].values())  # an override into a list item: {"0": {...}}
         for section in _sections(field.annotation):
-            for child in node[name] if isinstance(node[name], list) else [node[name]]:
+            for child in children:
                 yield from _path_fields(section, child)
 
 

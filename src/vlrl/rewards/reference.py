@@ -21,8 +21,9 @@ def unscorable_answer(answer: Any, reward: str | Mapping[str, float], metadata: 
                       response: str | None = None) -> str | None:
     """Why ``answer`` can never score as correct on its verifier(s), or None when it can (or cannot be told).
 
-    Candidates: ``response`` (the sample's reference response, if any), ``<answer>{answer}</answer>``
-    (a non-string answer as JSON), and for a list of accepted strings its first one. A verifier passes when
+    Candidates: ``response`` (the sample's reference response, if any), ``<answer>{answer}</answer>`` and
+    the bare answer (a non-string answer as JSON: a plan verifier reads the whole response), and for a list
+    of accepted strings its first one. A verifier passes when
     one candidate has accuracy ≥ 0.5. User verifiers given as dotted paths are not run: their answer format
     is theirs to define."""
     candidates = _candidates(answer, response)
@@ -45,12 +46,16 @@ def unscorable_answer(answer: Any, reward: str | Mapping[str, float], metadata: 
     return None
 
 
+def _text(answer: Any) -> str:
+    return answer if isinstance(answer, str) else json.dumps(answer)
+
+
 def _plain(answer: Any) -> str:
-    return f"<answer>{answer if isinstance(answer, str) else json.dumps(answer)}</answer>"
+    return f"<answer>{_text(answer)}</answer>"
 
 
 def _candidates(answer: Any, response: str | None) -> list[str]:
-    out = [_plain(answer)]
+    out = [_plain(answer), _text(answer)]  # bare: what verifiers reading JSON from the whole response want
     if isinstance(answer, (list, tuple)) and answer and isinstance(answer[0], str):
         out.append(f"<answer>{answer[0]}</answer>")
     if response is not None:
