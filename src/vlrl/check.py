@@ -69,7 +69,8 @@ class CheckReport:
         lines += [f"  ✗ {p}" for p in self.problems]
         verdict = (f"preflight: {len(self.problems)} problem(s) — the run would fail; nothing was loaded onto a device"
                    if self.problems else "preflight: ok" + (f" ({len(self.warnings)} warning(s))" if self.warnings else ""))
-        return "\n".join([*lines, verdict])
+        here = str(Path.cwd()).rstrip("/") + "/"  # config paths are absolute: show those under the cwd relative
+        return "\n".join([*lines, verdict]).replace(here, "")
 
 
 class PreflightError(RuntimeError):
