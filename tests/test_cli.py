@@ -136,3 +136,50 @@ def test_sft_stages_option_names_unknown_stages(tmp_path):
     result = runner.invoke(app, ["sft", "--config", "src/vlrl/configs/three_stage_sft.yaml", "--stages", "alignn",
                                  f"out={tmp_path}"])
     assert result.exit_code == 2 and "unknown stage(s) ['alignn']" in result.output and "align, " not in result.output
+
+
+def test_eval_reads_the_eval_settings_and_data_of_any_runs_config(tmp_path, tiny_vlm_dir):
+    """A staged run's config.yaml (whose top-level optim/train would not load as an SFTConfig again) still gives
+    `vlrl eval` its data and eval sections; options win over them; a plain model gets the defaults."""
+    from vlrl.config import SFTConfig, dump_config, load_config
+
+    runner.invoke(app, ["data", "gen", "shapes", "--n", "3", "--split", "test", "--out", str(tmp_path / "data")])
+    run = tmp_path / "staged"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "final").symlink_to(tiny_vlm_dir, target_is_directory=True)
+    cfg = load_config(SFTConfig, None, [f"data.test={tmp_path / 'data' / 'test.jsonl'}", "eval.samples=2",
+                                        "eval.max_new_tokens=3", "stages=[{name: a}, {name: b}]"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    result = runner.invoke(app, ["eval", "--model", str(run / "checkpoints" / "final"), "--temperature", "0.5",
+                                 "--out", str(tmp_path / "e.json")])
+    assert result.exit_code == 0, result.output
+    evaluated = json.loads((tmp_path / "e.json").read_text())
+    assert evaluated["n_prompts"] == 3 and evaluated["k"] == 2
+    assert evaluated["settings"] == {"samples": 2, "temperature": 0.5, "max_new_tokens": 3, "max_batch_size": 256,
+                                     "seed": 0}
+    assert "the run's held-out file" in result.output
+    result = runner.invoke(app, ["eval", "--model", str(tiny_vlm_dir), "--n", "2", "--samples", "1",
+                                 "--out", str(tmp_path / "plain.json")])
+    assert result.exit_code == 0, result.output
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    assert plain["n_prompts"] == 2 and plain["settings"]["max_new_tokens"] == 16  # EvalConfig's default
+    assert "procedural shapes test prompts" in result.output
+
+
+def test_eval_seed_fixes_the_sampled_responses(tmp_path, tiny_vlm_dir):
+    """The reward is −(characters of the response) / 40 (DAPO's soft overlong punishment with L_max = L_cache = 40,
+    counted in characters): its mean moves with every sampled text, so equal numbers mean equal samples."""
+    meta = {"max_length": 40, "cache_length": 40, "unit": "chars"}
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"id": f"q{k}", "task": "t", "prompt": f"Say {k} words.",
+                                                          "reward": "overlong", "metadata": meta}) + "\n"
+                                              for k in range(3)))
+    outputs = []
+    for seed in (5, 5, 6):
+        result = runner.invoke(app, ["eval", "--model", str(tiny_vlm_dir), "--data", str(tmp_path / "t.jsonl"),
+                                     "--samples", "4", "--max-new-tokens", "12", "--seed", str(seed),
+                                     "--out", str(tmp_path / "e.json")])
+        assert result.exit_code == 0, result.output
+        outputs.append(json.loads((tmp_path / "e.json").read_text()))
+    assert outputs[0]["reward"]["t"] < 0  # the texts are not empty: the measure moves
+    assert outputs[0] == outputs[1]  # the same seed: the same samples, to the last digit
+    assert outputs[2]["reward"] != outputs[0]["reward"] and outputs[2]["settings"]["seed"] == 6

@@ -205,23 +205,35 @@ def eval_(
 
 
 def _run_config_of(model: str):
-    """The resolved config of the run a checkpoint belongs to (``RUN/checkpoints/<name>[/…]`` with
-    ``RUN/config.yaml``), or None."""
+    """The model, data and eval sections of the run a checkpoint belongs to (``RUN/checkpoints/<name>[/…]`` with
+    ``RUN/config.yaml``), as a `RunConfig`; None for any other model. Only these sections are read, so a staged
+    or demo run's config serves as well; its paths are absolute (relative ones, from older runs, are taken from
+    the current directory, where that run was started)."""
     import yaml
+    from pydantic import ValidationError
 
-    from vlrl.check import detect_recipe
+    from vlrl.config import DataConfig, ModelConfig, RunConfig
 
     path = Path(model)
     for parent in list(path.parents)[:3]:
         config = parent.parent / "config.yaml"
-        if parent.name == "checkpoints" and config.is_file():
-            raw = yaml.safe_load(config.read_text())
-            try:
-                return load_config(RECIPES[detect_recipe(raw if isinstance(raw, dict) else {}, config)], config)
-            except ConfigError as err:
-                typer.secho(f"vlrl eval: {config} (the run's config) does not load: {err}", fg="red", err=True)
-                raise typer.Exit(2) from None
+        if parent.name != "checkpoints" or not config.is_file():
+            continue
+        try:
+            raw = yaml.safe_load(config.read_text()) or {}
+            return RunConfig(model=ModelConfig.model_validate(raw.get("model", {})),
+                             data=DataConfig.model_validate(raw.get("data", {})),
+                             eval=EvalConfig.model_validate(raw.get("eval", {})))
+        except (yaml.YAMLError, ValidationError, AttributeError) as err:
+            typer.secho(f"vlrl eval: {config} (the run's config) does not load ({_first_line(err)}); "
+                        "give --data and the eval options", fg="red", err=True)
+            raise typer.Exit(2) from None
     return None
+
+
+def _first_line(err: Exception) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def _eval_source(model: str, data: str | None, run, cfg, settings: EvalConfig) -> str:
