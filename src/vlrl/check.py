@@ -339,11 +339,9 @@ def _load_processor(report: CheckReport, model) -> _Processor | None:
         set_pixel_bounds(policy.image_processor, model.min_pixels, model.max_pixels)
         return _Processor(policy.model.config, policy.tokenizer, policy.adapter, f"preset {name}")
     local = Path(path)
-    if local.exists() and not (local / "config.json").is_file():
-        report.problem("model.path", f"{path}: not a model directory (no config.json)")
-        return None
-    if not local.exists() and not looks_like_hub_id(path):
-        report.problem("model.path", f"{path}: no such directory (and not a preset: {', '.join(PRESETS)})")
+    problem = model_path_problem(path)
+    if problem:
+        report.problem("model.path", problem)
         return None
     try:
         from transformers import AutoConfig, AutoTokenizer
@@ -360,6 +358,21 @@ def _load_processor(report: CheckReport, model) -> _Processor | None:
         report.problem("model.path", f"cannot load the config/tokenizer/processor of {path!r}: {where}{_first_line(err)}")
         return None
     return _Processor(config, tokenizer, adapter, str(path))
+
+
+def model_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot name a model, before anything is read: a directory without ``config.json``, or a path
+    that exists nowhere and cannot be a preset or a hub id (``org/name``); None otherwise."""
+    from vlrl.models import PRESETS
+
+    local = Path(path)
+    if path.removeprefix("preset:") in PRESETS and not local.exists():
+        return None
+    if local.exists() and not (local / "config.json").is_file():
+        return f"{path}: not a model directory (no config.json)"
+    if not local.exists() and not looks_like_hub_id(path):
+        return f"{path}: no such directory (and not a preset: {', '.join(PRESETS)})"
+    return None
 
 
 def looks_like_hub_id(path: str) -> bool:

@@ -144,15 +144,19 @@ def serve(
     """Serve a policy over SGLang's native HTTP API (/generate, /update_weights_from_disk, /health, /get_model_info)."""
     import torch
 
+    from vlrl.check import model_path_problem
     from vlrl.rollout.server import serve as run_server
 
+    if model_path_problem(model):
+        typer.secho(f"vlrl serve: --model {model_path_problem(model)}", fg="red", err=True)
+        raise typer.Exit(2)
     if threads:
         torch.set_num_threads(threads)
     try:
         run_server(model, host=host, port=port, api_key=api_key, no_auth=no_auth, dtype=dtype, device=device,
                    max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
                    batch_window_ms=batch_window_ms, init_seed=init_seed)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # OSError: a model that cannot be read (no hub, missing files)
         typer.secho(f"vlrl serve: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
 
@@ -382,7 +386,7 @@ def plan(
     """Estimate per-device memory and step time of every placement (colocated/separate, FSDP/DDP); rank the feasible ones."""
     import yaml
 
-    from vlrl.check import detect_recipe
+    from vlrl.check import detect_recipe, model_path_problem
     from vlrl.train import planner
 
     if recipe == "auto":
@@ -392,7 +396,14 @@ def plan(
         typer.secho(f"vlrl plan: plans sft and rl runs (got recipe {recipe!r}; pass --recipe)", fg="red", err=True)
         raise typer.Exit(2)
     cfg = _load(RECIPES[recipe], config, overrides, [])
-    model, adapter = planner.meta_model(cfg.model.path, init_seed=cfg.model.init_seed)
+    try:
+        problem = model_path_problem(cfg.model.path)
+        if problem:
+            raise FileNotFoundError(problem)
+        model, adapter = planner.meta_model(cfg.model.path, init_seed=cfg.model.init_seed)
+    except (OSError, ValueError) as err:  # a missing directory, no hub, an unsupported family
+        typer.secho(f"vlrl plan: model.path: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
     shape, work = planner.model_shape(model), planner.workload(cfg, adapter)
     device = planner.Device(gpus, gpu_mem, tflops=tflops, bandwidth_gbs=bandwidth, link_gbs=link, mfu=mfu)
     typer.echo(planner.format_plans(planner.plan_placements(shape, work, device), device, work, shape))
