@@ -206,3 +206,50 @@ def test_readme_commands_run(tmp_path, monkeypatch):
     assert (tmp_path / "runs" / "three_stage_sft" / "checkpoints" / "instruct").is_dir()
     assert any(line.startswith("vlrl rl --config configs/shapes_remax.yaml") for line in ran)
     assert len(ran) >= 25, ran
+
+
+def test_the_plain_transformers_snippet_matches_vlrl(tmp_path, monkeypatch, tiny_vlm_dir):
+    """The README's "Run a checkpoint in plain transformers" code, run as written on a saved checkpoint: its
+    prompt tokens are vlrl's, its first generated token's logits equal vlrl's own forward pass, and leaving
+    mm_token_type_ids out of `generate` changes them without an error (a forward call without it raises;
+    `generate` goes on with wrong positions)."""
+    import contextlib
+    import io
+
+    import torch
+
+    from vlrl.data import generate, load_image
+    from vlrl.models import load_policy
+
+    code = re.search(r"### Run a checkpoint in plain transformers.*?```python\n(.*?)```", README.read_text(), re.S)
+    assert code, "the README lost its plain-transformers example"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "mine_rl" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "runs" / "mine_rl" / "checkpoints" / "final").symlink_to(tiny_vlm_dir, target_is_directory=True)
+    sample = generate("shapes", 1, split="test", tasks=["count"])[0]
+    image = load_image(sample.images[0])
+    (tmp_path / "images").mkdir()
+    image.save(tmp_path / "images" / "q-0001.png")
+    namespace: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        exec(compile(code.group(1), "README.md", "exec"), namespace)  # noqa: S102 (the README's own example)
+    assert printed.getvalue().strip() != "" or namespace["output"].shape[1] > namespace["inputs"]["input_ids"].shape[1]
+
+    policy = load_policy(str(tiny_vlm_dir))
+    encoded = policy.adapter.encode_prompt(namespace["messages"], [image.convert("RGB")])
+    inputs, vision, model = namespace["inputs"], namespace["vision"], namespace["model"]
+    assert inputs["input_ids"][0].tolist() == encoded.input_ids
+    ids = torch.tensor([encoded.input_ids])
+    with torch.no_grad():
+        reference = policy.model(**policy.adapter.forward_inputs(policy.model, ids, torch.ones_like(ids),
+                                                                 encoded.vision)).logits[0, -1]
+
+        def first_logits(kwargs):
+            out = model.generate(**kwargs, **vision, max_new_tokens=1, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+            return out.logits[0][0]
+
+        ours = first_logits(inputs)
+        without = first_logits({k: v for k, v in inputs.items() if k != "mm_token_type_ids"})
+    assert torch.allclose(ours, reference, atol=1e-4)
+    assert (without - reference).abs().max() > 1e-3
