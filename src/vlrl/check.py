@@ -305,7 +305,7 @@ def _load_processor(report: CheckReport, model) -> _Processor | None:
         tokenizer = AutoTokenizer.from_pretrained(path)
         image_processor = _load_image_processor(path) if hasattr(config, "vision_config") else None
         set_pixel_bounds(image_processor, model.min_pixels, model.max_pixels)
-        adapter = adapter_for(config, tokenizer, image_processor)
+        adapter = adapter_for(config, tokenizer, image_processor, source=path)
     except Exception as err:  # OSError (missing files, no hub), ValueError (unsupported family), ...
         report.problem("model.path", f"cannot load the config/tokenizer/processor of {path!r}: {_first_line(err)}")
         return None

@@ -213,7 +213,7 @@ def meta_model(path: str, *, init_seed: int = 0) -> tuple[torch.nn.Module, Any]:
     with torch.device("meta"):
         model = (AutoModelForImageTextToText if is_vision else AutoModelForCausalLM).from_config(config)
     processor = _load_image_processor(path) if is_vision else None
-    return model, adapter_for(config, AutoTokenizer.from_pretrained(path), processor)
+    return model, adapter_for(config, AutoTokenizer.from_pretrained(path), processor, source=path, model=model)
 
 
 def workload(cfg, adapter, *, samples: int = 16) -> Workload:
