@@ -210,6 +210,9 @@ class TextAdapter:
     # rates. A text model has no vision tower and no projector.
     module_groups: dict[str, tuple[str, ...]] = {"llm": ("model.", "lm_head.")}
 
+    # Padding-free rows hold one sequence each (set by `adapter_for`, see `one_sequence_per_row`).
+    one_sequence_per_row = False
+
     def __init__(self, tokenizer: Any, eos_token_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
         # The end-of-turn markers generation stops at (the model's generation config, else the tokenizer's eos).
@@ -652,7 +655,9 @@ def adapter_for(model_config: Any, tokenizer: Any, image_processor: Any | None, 
     processor built from ``tokenizer`` and ``image_processor`` with the settings in ``source``'s
     ``processor_config.json`` unless given), `TextAdapter` otherwise."""
     if not hasattr(model_config, "vision_config"):
-        return TextAdapter(tokenizer, eos_token_ids)
+        adapter = TextAdapter(tokenizer, eos_token_ids)
+        adapter.one_sequence_per_row = one_sequence_per_row(model_config, type(model) if model is not None else None)
+        return adapter
     if processor is None:
         if image_processor is None:
             raise ValueError(f"{model_config.model_type} needs an image processor next to the model "
@@ -667,7 +672,28 @@ def adapter_for(model_config: Any, tokenizer: Any, image_processor: Any | None, 
         adapter.module_groups = _module_groups(model)
     else:
         adapter._model_cls = _model_class(model_config)
+    adapter.one_sequence_per_row = one_sequence_per_row(model_config, adapter._model_cls)
     return adapter
+
+
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+
+
+def one_sequence_per_row(model_config: Any, model_cls: type | None) -> bool:
+    """Whether padding-free rows must hold one sequence each for this model to be exact:
+
+    - recurrent layers (Qwen3.5's Gated DeltaNet, Mamba, ...; a text config's ``layer_types`` other than
+      attention) carry their state from one sequence into the next in a packed row — only varlen kernels
+      (flash-linear-attention with ``cu_seqlens``) would stop it, and transformers' PyTorch fallback has none;
+    - an attention mask that depends on token types (Gemma 3's bidirectional attention within an image, its
+      forward takes ``token_type_ids``): transformers 5 applies the image blocks of sliding-window layers at
+      positions remapped for packing, so an image of a second sequence in the row attends to the wrong tokens.
+    """
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    if layer_types - _ATTENTION_LAYERS:
+        return True
+    return model_cls is not None and "token_type_ids" in _parameters(model_cls, "forward")
 
 
 def _model_class(model_config: Any) -> type | None:

@@ -26,7 +26,7 @@ directory loads back into vlrl through exactly the code a real checkpoint of the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -56,7 +56,14 @@ class PresetSpec:
     markup: str
     build: Callable[[dict[str, int]], tuple[Any, Any, dict[str, Any]]]
     vocab_size: int = 1024
-    notes: dict[str, Any] = field(default_factory=dict)
+    post_init: Callable[[torch.nn.Module], None] | None = None
+
+
+def _draw_projection(model: torch.nn.Module) -> None:
+    """Gemma 3 initialises its image projection to zeros (no image signal, no gradient into the tower until it
+    moves); a random preset draws it like every other weight, so the tiny model sees its images from step 0."""
+    weight = model.model.multi_modal_projector.mm_input_projection_weight
+    torch.nn.init.normal_(weight, std=model.config.initializer_range)
 
 
 def _rope(**extra) -> dict:
@@ -242,7 +249,7 @@ PRESETS: dict[str, PresetSpec] = {
     "tiny-qwen3.5-moe": PresetSpec("qwen3_5_moe", "qwen3_5", _qwen3_5(moe=True)),
     "tiny-glm4v": PresetSpec("glm4v", "glm4v", _glm4v),
     "tiny-internvl": PresetSpec("internvl", "internvl", _internvl),
-    "tiny-gemma3": PresetSpec("gemma3", "gemma3", _gemma3),
+    "tiny-gemma3": PresetSpec("gemma3", "gemma3", _gemma3, post_init=_draw_projection),
     "tiny-llava-onevision": PresetSpec("llava_onevision", "llava_onevision", _llava_onevision),
     "tiny-smolvlm": PresetSpec("smolvlm", "smolvlm", _smolvlm),
     "tiny-qwen2": PresetSpec("qwen2", "qwen", _qwen2),
@@ -301,6 +308,9 @@ def build_preset(name: str, *, seed: int = 0):
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if image_processor is not None else AutoModelForCausalLM
     model = auto.from_config(config)
+    if spec.post_init is not None:
+        with torch.no_grad():
+            spec.post_init(model)
     text = config.get_text_config()
     model.generation_config.eos_token_id = text.eos_token_id
     model.generation_config.pad_token_id = text.pad_token_id
