@@ -161,7 +161,8 @@ def _glm4v(ids):
         video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"],
         tie_word_embeddings=False,
     )
-    pixels = Glm4vImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": IMAGE_SIDE * IMAGE_SIDE},
+    # GLM-4V bounds count the temporal patch too (2 frames per image): 2·112² keeps a 112px image at 8x8 patches
+    pixels = Glm4vImageProcessorPil(size={"shortest_edge": 2 * 56 * 56, "longest_edge": 2 * IMAGE_SIDE * IMAGE_SIDE},
                                     patch_size=14, merge_size=2, temporal_patch_size=2)
     return config, pixels, {}
 
