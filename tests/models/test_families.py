@@ -293,3 +293,73 @@ def test_save_then_plain_transformers_load_gives_identical_logits(name, tmp_path
     again = HFEngine(loaded).encode(copy.deepcopy(sample))
     assert again.prompt_ids == request.prompt_ids
     assert all(torch.equal(v, again.vision.tensors[k]) for k, v in request.vision.tensors.items())
+
+
+@FAMILIES
+def test_the_rollout_server_and_http_engine_sample_exactly(name, tmp_path):
+    """`vlrl serve`'s server (a private copy of the weights) behind `HTTPEngine`: the behaviour log-probs it returns
+    for n = 2 samples of a two-image prompt equal the trainer's teacher-forced ones; a text prompt with one
+    placeholder per image (as a chat template writes it) decodes like the expanded token ids."""
+    import httpx
+
+    from vlrl.rollout.http_engine import HTTPEngine
+    from vlrl.rollout.server import ContinuousBatcher, ServerThread, create_app, encode_image, private_copy
+
+    policy = load_policy(name)
+    batcher = ContinuousBatcher(private_copy(policy))
+    server = ServerThread(create_app(batcher, api_key="k"))
+    engine = HTTPEngine(policy, [server.url], weights_dir=tmp_path / "weights", api_key="k")
+    try:
+        sample = _two_image_sample()
+        request = engine.encode(sample)
+        trajectories = engine.generate([request], SamplingParams(n=2, temperature=1.0, max_new_tokens=6))
+        assert len(trajectories) == 2
+        assert _max_drift(_rescore(policy, trajectories), trajectories) < TOL
+        images = [encode_image(image) for image in request.images]
+        greedy = {"max_new_tokens": 5, "temperature": 0}
+        with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer k"}, timeout=60) as client:
+            by_text = client.post("/generate", json={"text": policy.adapter.render(sample.messages), "image_data": images,
+                                                     "sampling_params": greedy}).json()
+            by_ids = client.post("/generate", json={"input_ids": request.prompt_ids, "image_data": images,
+                                                    "sampling_params": greedy}).json()
+            placeholders = policy.adapter.encode_text(policy.adapter.render(sample.messages))  # one id per image
+            by_placeholders = client.post("/generate", json={"input_ids": placeholders, "image_data": images,
+                                                             "sampling_params": greedy}).json()
+        assert by_text["output_ids"] == by_ids["output_ids"] == by_placeholders["output_ids"]
+        assert by_text["meta_info"]["prompt_tokens"] == len(request.prompt_ids)
+        assert by_placeholders["meta_info"]["prompt_tokens"] == len(request.prompt_ids)
+    finally:
+        engine.close()
+        server.stop()
+        batcher.close()
+
+
+# The planner's stated approximation (vlrl/train/planner.py, "Families"): estimated / measured total memory of one
+# training step. Qwen3.5's Gated DeltaNet layers are counted as attention layers (activations ~0.5×).
+PLAN_TOTAL = {"tiny-qwen3.5": (0.65, 0.95), "tiny-qwen3.5-moe": (0.65, 0.95)}
+
+
+@FAMILIES
+def test_the_planner_estimates_a_measured_training_step(name, tmp_path):
+    from vlrl.config import SFTConfig, load_config
+    from vlrl.train.distributed import fsdp_units
+    from vlrl.train.planner import estimate_train_step, meta_model, measure_train_step, model_shape, workload
+
+    path = str(load_policy(name).save(tmp_path / "model"))
+    cfg = load_config(SFTConfig, None, [f"model.path={path}", "train.batch_size=4", "train.micro_batch_size=2"])
+    model, adapter = meta_model(path)
+    shape, w = model_shape(model), workload(cfg, adapter)
+    assert shape.vision_depth == 2 and w.patches > 0
+    # FSDP2 units: the decoder layers and the vision tower (its own unit, as transformers 5 needs)
+    from vlrl.models.adapters import vision_tower
+
+    units = fsdp_units(model)
+    assert units[-1] is vision_tower(model) is not None
+    layers = model.config.get_text_config().num_hidden_layers
+    assert len([u for u in units if "Decoder" in type(u).__name__]) == layers
+    estimate = estimate_train_step(shape, w)
+    measured = measure_train_step(cfg, load_policy(path), w)
+    for key in ("param", "grad", "opt"):
+        assert estimate[key] == pytest.approx(measured[key], rel=0.01), key
+    low, high = PLAN_TOTAL.get(name, (0.8, 1.2))
+    assert low <= sum(estimate.values()) / measured["total"] <= high

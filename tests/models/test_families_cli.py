@@ -58,3 +58,28 @@ def test_check_sft_rl_and_eval_of_a_saved_family_directory(name, tmp_path):
                                  "--max-new-tokens", "3"])
     assert result.exit_code == 0, result.output
     assert "pass@" in result.output
+
+
+def test_fsdp2_shards_every_family_exactly(tmp_path):
+    """One 2-rank torchrun job (tests/models/fsdp_families_worker.py): each family sharded by `wrap_model` (its
+    vision tower a unit of its own) gives the unsharded model's log-probs and full gradients on the same batch
+    (rows sharing an image included), and greedy generation — which encodes images before the decoder's first
+    forward — gives the same tokens."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    dirs = []
+    for name in FAMILY_PRESETS:
+        dirs.append(str(load_policy(name).save(tmp_path / name)))
+    out = tmp_path / "fsdp.json"
+    worker = Path(__file__).with_name("fsdp_families_worker.py")
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(worker), str(out), *dirs], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = json.loads(out.read_text())
+    assert sorted(results) == sorted(dirs)
+    for path, r in results.items():
+        assert r["logp_gap"] < 1e-5 and r["grad_gap"] < 1e-5 * max(1.0, r["grad_scale"]), (path, r)
+        assert r["same_tokens"], path

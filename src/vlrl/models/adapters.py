@@ -166,6 +166,16 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
+VISION_TOWERS = ("visual", "vision_tower", "vision_model")  # where the families keep their vision encoder
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision encoder of a transformers VLM (``model.visual`` of Qwen / GLM, ``vision_tower`` of InternVL /
+    Gemma 3 / LLaVA-OV, ``vision_model`` of SmolVLM), or None for a text model."""
+    inner = _inner(model)
+    return next((getattr(inner, n) for n in VISION_TOWERS if isinstance(getattr(inner, n, None), torch.nn.Module)), None)
+
+
 @lru_cache(maxsize=None)
 def _parameters(cls: type, method: str) -> frozenset[str]:
     """Parameter names of a transformers method (which processor outputs a model's ``forward`` takes)."""

@@ -24,6 +24,17 @@ from vlrl.models.policy import Policy
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
 
 
+def _gather_root(model: torch.nn.Module) -> None:
+    """FSDP2: gather the root unit's parameters before ``generate``. transformers 5 encodes a prompt's images
+    before the decoder's first forward (``get_image_features`` outside the root's forward), and parts of that
+    encoder may live in the root unit (Gemma 3's / InternVL's / SmolVLM's projector, LLaVA-OneVision's
+    ``image_newline``); the vision tower itself is a unit of its own (`vlrl.train.distributed.fsdp_units`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.unshard()
+
+
 class HFEngine:
     """Generate with a `Policy` living in this process (colocated with the trainer, weights shared)."""
 
@@ -85,6 +96,7 @@ class HFEngine:
             input_ids.to(device), attention_mask.to(device), vision.to(device) if vision is not None else None
         )
         greedy = sampling.temperature <= 0
+        _gather_root(policy.model)
         gen = policy.model.generate(
             **kwargs,
             do_sample=not greedy,
