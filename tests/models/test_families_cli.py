@@ -22,12 +22,22 @@ SMALL = ["data.suite=shapes", "data.tasks=[count]", "data.n_train=8", "data.n_te
          "eval.max_new_tokens=3", "report.html=false"]
 
 
+@pytest.fixture(scope="module")
+def shapes_file(tmp_path_factory):
+    """8 shapes samples written by ``vlrl data gen`` (jsonl + PNG files): the data `vlrl data pack` reads."""
+    out = tmp_path_factory.mktemp("shapes")
+    result = runner.invoke(app, ["data", "gen", "shapes", "--n", "8", "--split", "train", "--out", str(out),
+                                 "--tasks", "count,color"])
+    assert result.exit_code == 0, result.output
+    return out / "train.jsonl"
+
+
 def _records(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
-def test_check_sft_rl_and_eval_of_a_saved_family_directory(name, tmp_path):
+def test_check_sft_rl_and_eval_of_a_saved_family_directory(name, tmp_path, shapes_file):
     model = tmp_path / "model"
     load_policy(name).save(model)
 
@@ -35,9 +45,22 @@ def test_check_sft_rl_and_eval_of_a_saved_family_directory(name, tmp_path):
     assert result.exit_code == 0, result.output
     assert f"family {load_policy(str(model)).adapter.family}" in result.output
 
+    # `vlrl data pack` counts tokens from image headers; the counts equal what SFT encodes, and SFT trains on the plan
+    plan = tmp_path / "plan.npz"
+    result = runner.invoke(app, ["data", "pack", "--data", str(shapes_file), "--model", str(model), "--capacity", "400",
+                                 "--out", str(plan)])
+    assert result.exit_code == 0, result.output
+    from vlrl.data import read_samples
+    from vlrl.data.packing import PackingPlan
+    from vlrl.train.sft import encode_sft
+
+    policy = load_policy(str(model))
+    lengths = [encode_sft(policy, s).length for s in read_samples(shapes_file).samples]
+    assert PackingPlan.load(plan).lengths.tolist() == lengths
     sft = tmp_path / "sft"
-    result = runner.invoke(app, ["sft", f"model.path={model}", f"out={sft}", *SMALL, "train.steps=2",
-                                 "train.batch_size=4", "train.micro_batch_size=4", "train.padding_free=true"])
+    result = runner.invoke(app, ["sft", f"model.path={model}", f"out={sft}", *SMALL, f"data.train={shapes_file}",
+                                 f"data.packing_plan={plan}", "train.steps=2", "train.batch_size=4",
+                                 "train.micro_batch_size=4"])
     assert result.exit_code == 0, result.output
     assert json.loads((sft / "summary.json").read_text())["train"]["steps"] == 2
 

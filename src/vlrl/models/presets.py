@@ -8,19 +8,19 @@ directory loads back into vlrl through exactly the code a real checkpoint of the
 
 | preset | family (model_type) | parameters |
 | --- | --- | --- |
-| ``tiny-qwen2-vl`` | Qwen2-VL (``qwen2_vl``) | ~1.1M |
-| ``tiny-qwen2-vl-20m`` | Qwen2-VL (``qwen2_vl``) | ~17M |
-| ``tiny-qwen2.5-vl`` | Qwen2.5-VL (``qwen2_5_vl``) | ~1.2M |
-| ``tiny-qwen3-vl`` | Qwen3-VL (``qwen3_vl``), DeepStack | ~0.5M |
-| ``tiny-qwen3-vl-moe`` | Qwen3-VL-MoE (``qwen3_vl_moe``) | ~0.6M |
-| ``tiny-qwen3.5`` | Qwen3.5 (``qwen3_5``), linear + full attention | ~0.5M |
-| ``tiny-qwen3.5-moe`` | Qwen3.5-MoE (``qwen3_5_moe``) | ~0.6M |
-| ``tiny-glm4v`` | GLM-4.1V / 4.5V / 4.6V (``glm4v``) | ~0.5M |
-| ``tiny-internvl`` | InternVL 3 / 3.5 (``internvl``), tiles | ~0.4M |
-| ``tiny-gemma3`` | Gemma 3 (``gemma3``) | ~0.4M |
-| ``tiny-llava-onevision`` | LLaVA-OneVision (``llava_onevision``), anyres | ~0.4M |
-| ``tiny-smolvlm`` | SmolVLM / Idefics3 (``smolvlm``), tiles | ~0.4M |
-| ``tiny-qwen2`` | Qwen2 (text only) | ~1.0M |
+| ``tiny-qwen2-vl`` | Qwen2-VL (``qwen2_vl``) | 1.06M |
+| ``tiny-qwen2-vl-20m`` | Qwen2-VL (``qwen2_vl``) | 16.2M |
+| ``tiny-qwen2.5-vl`` | Qwen2.5-VL (``qwen2_5_vl``) | 1.08M |
+| ``tiny-qwen3-vl`` | Qwen3-VL (``qwen3_vl``), DeepStack | 0.33M |
+| ``tiny-qwen3-vl-moe`` | Qwen3-VL-MoE (``qwen3_vl_moe``) | 0.33M |
+| ``tiny-qwen3.5`` | Qwen3.5 (``qwen3_5``), Gated DeltaNet + full attention | 0.31M |
+| ``tiny-qwen3.5-moe`` | Qwen3.5-MoE (``qwen3_5_moe``) | 0.32M |
+| ``tiny-glm4v`` | GLM-4.1V / 4.5V / 4.6V (``glm4v``) | 0.27M |
+| ``tiny-internvl`` | InternVL 3 / 3.5 (``internvl``), tiles | 0.24M |
+| ``tiny-gemma3`` | Gemma 3 (``gemma3``) | 0.17M |
+| ``tiny-llava-onevision`` | LLaVA-OneVision (``llava_onevision``), anyres | 0.23M |
+| ``tiny-smolvlm`` | SmolVLM / Idefics3 (``smolvlm``), tiles | 0.24M |
+| ``tiny-qwen2`` | Qwen2 (text only) | 0.82M |
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 Behaviour log-probs come from the logits `generate` already computed (``output_logits``), divided by the
 temperature — the same quantity the trainer's teacher-forced pass computes — so no extra forward pass is
-spent. Special tokens other than EOS (e.g. ``<|image_pad|>``) are suppressed while sampling: a random tiny
-model would otherwise emit image placeholders that break re-scoring.
+spent. The family's vision markup (every token of an expanded image, the config's vision token ids:
+``<|image_pad|>``, ``<IMG_CONTEXT>``, ``<image_soft_token>``, ``<row_1_col_1>``, ...) and the tokenizer's other
+special tokens, never EOS, are suppressed while sampling (`VisionAdapter.special_token_ids`): a random tiny model
+would otherwise emit image placeholders that break re-scoring.
 
 Multi-turn: to continue a conversation, pass a `Request` whose ``prompt_ids`` are the whole context so far
 (prompt, earlier turns, observations) and whose ``vision`` holds all its images in order; the model family's
