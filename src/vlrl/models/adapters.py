@@ -583,16 +583,22 @@ class VisionAdapter(TextAdapter):
 
     @torch.no_grad()
     def _check_sharing(self, model, kwargs: dict[str, Any], vision: VisionInputs) -> bool:
+        """Both paths on this batch: the log-probs of the last 16 positions (they see every image's features) of a
+        language model, or the hidden states of a backbone without a head (the critic's), must agree to 1e-4."""
+        keep = min(16, kwargs["input_ids"].shape[1])
+        extra = {"use_cache": False}
+        if "logits_to_keep" in _parameters(type(getattr(model, "module", model)), "forward"):
+            extra["logits_to_keep"] = keep
         try:
-            shared = model(**kwargs, **self._shared_kwargs(model, vision), logits_to_keep=0, use_cache=False).logits
+            shared = _output(model(**kwargs, **self._shared_kwargs(model, vision), **extra))
         except (NotShareable, TypeError, ValueError, RuntimeError) as err:
             log.info("%s: the shared-image path is not used (%s)", self.family, err)
             return False
-        per_row = model(**kwargs, **self._vision_kwargs(model, vision), logits_to_keep=0, use_cache=False).logits
-        mask = kwargs["attention_mask"].bool()
-        diff = float((shared.float().log_softmax(-1) - per_row.float().log_softmax(-1))[mask].abs().max())
+        per_row = _output(model(**kwargs, **self._vision_kwargs(model, vision), **extra))
+        mask = kwargs["attention_mask"][:, -shared.shape[1]:].bool()
+        diff = float((shared - per_row)[mask].abs().max())
         if diff > 1e-4:
-            log.warning("%s: encoding a shared image once changes the log-probs by %.3g; using the per-row path",
+            log.warning("%s: encoding a shared image once changes the model's output by %.3g; using the per-row path",
                         self.family, diff)
             return False
         return True
@@ -620,6 +626,14 @@ class VisionAdapter(TextAdapter):
         if vision is not None:
             kwargs.update({k: v for k, v in vision.expanded().tensors.items() if k in params})
         return kwargs
+
+
+def _output(out: Any) -> torch.Tensor:
+    """What the sharing check compares: log-softmax of the logits, or a backbone's last hidden state."""
+    logits = getattr(out, "logits", None)
+    if logits is not None:
+        return logits.float().log_softmax(-1)
+    return out.last_hidden_state.float()
 
 
 def _config_id(config: Any, *names: str) -> int | None:
