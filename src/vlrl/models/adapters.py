@@ -382,6 +382,7 @@ class VisionAdapter(TextAdapter):
         self._video_type_ids = [i for i in getattr(processor, "video_token_ids", []) if i is not None]
         self._sharing: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
         self._replacement_by_size: dict[tuple, str] = {}
+        self._markup_by_sizes: dict[tuple, list[str]] = {}
         self.module_groups: dict[str, tuple[str, ...]] = {}  # found in the model by `adapter_for`
         self.markup_token_ids = self._markup_token_ids()
 
@@ -447,7 +448,13 @@ class VisionAdapter(TextAdapter):
             raise ValueError(f"the prompt holds {len(pieces) - 1} image placeholder(s) but {len(image_sizes)} "
                              "image(s) were given")
         if len(image_sizes) > 1:  # the markup of an image can depend on how many share its sample (LLaVA-OV)
-            markup = self.encode_images([Image.new("RGB", size) for size in image_sizes]).replacements
+            key = (tuple(tuple(size) for size in image_sizes), repr(getattr(self.image_processor, "size", None)))
+            if key not in self._markup_by_sizes:
+                if len(self._markup_by_sizes) > 4096:
+                    self._markup_by_sizes.clear()
+                images = [Image.new("RGB", tuple(size)) for size in image_sizes]
+                self._markup_by_sizes[key] = self.encode_images(images).replacements
+            markup = self._markup_by_sizes[key]
         else:
             markup = [self._replacement(size) for size in image_sizes]
         out = [pieces[0]]
