@@ -343,7 +343,7 @@ PLAN_TOTAL = {"tiny-qwen3.5": (0.65, 0.95), "tiny-qwen3.5-moe": (0.65, 0.95)}
 def test_the_planner_estimates_a_measured_training_step(name, tmp_path):
     from vlrl.config import SFTConfig, load_config
     from vlrl.train.distributed import fsdp_units
-    from vlrl.train.planner import estimate_train_step, meta_model, measure_train_step, model_shape, workload
+    from vlrl.train.planner import estimate_train_step, measure_train_step, meta_model, model_shape, workload
 
     path = str(load_policy(name).save(tmp_path / "model"))
     cfg = load_config(SFTConfig, None, [f"model.path={path}", "train.batch_size=4", "train.micro_batch_size=2"])

@@ -39,7 +39,7 @@ import inspect
 import logging
 import weakref
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import torch
@@ -176,7 +176,7 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return next((getattr(inner, n) for n in VISION_TOWERS if isinstance(getattr(inner, n, None), torch.nn.Module)), None)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _parameters(cls: type, method: str) -> frozenset[str]:
     """Parameter names of a transformers method (which processor outputs a model's ``forward`` takes)."""
     fn = getattr(cls, method, None)

@@ -17,14 +17,14 @@ LLaVA-OneVision, ``image_seq_len`` of SmolVLM, ...) are read from ``processor_co
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 PROCESSOR_CONFIG = "processor_config.json"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _relaxed(cls: type) -> type:
     """``cls`` with ``video_processor=None`` (or any absent optional sub-processor) accepted."""
 
