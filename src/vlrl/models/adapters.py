@@ -313,6 +313,10 @@ class TextAdapter:
         return sorted(set(self.tokenizer.all_special_ids))
 
     # --- packing (vlrl.data.packing, vlrl.models.packed)
+    def image_token_count(self, width: int, height: int) -> int:
+        """Vision tokens of one ``width`` × ``height`` image."""
+        raise ValueError("a text-only model cannot take images")
+
     def count_prompt_tokens(self, messages: list[dict[str, Any]], image_sizes: list[tuple[int, int]]) -> int:
         """``len(encode_prompt(messages, images).input_ids)`` from the images' sizes alone (no pixel decoding)."""
         if image_sizes:
