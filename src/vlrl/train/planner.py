@@ -262,13 +262,14 @@ def meta_model(path: str, *, init_seed: int = 0) -> tuple[torch.nn.Module, Any]:
 def workload(cfg, adapter, *, samples: int = 16) -> Workload:
     """Sizes of one step of ``cfg`` (an `SFTConfig` or `RLConfig`): the longest of a few encoded samples."""
     from vlrl.config import RLConfig
-    from vlrl.data import generate, load_image, read_samples
+    from vlrl.data import load_image, read_samples
+    from vlrl.train.common import generate_split, media_limits
 
     data = cfg.data
     if data.train is not None:
-        picked = read_samples(data.train, on_error="skip").samples[:samples]
+        picked = read_samples(data.train, on_error="skip", media=media_limits(data)).samples[:samples]
     else:
-        picked = generate(data.suite, samples, split="train", seed=data.seed, tasks=data.tasks, **data.suite_options)
+        picked = generate_split(data, "train", samples)
     prompt, patches, response = 1, 0, 1
     for sample in picked:
         encoded = adapter.encode_prompt(sample.messages, [load_image(src) for src in sample.images])
@@ -491,12 +492,11 @@ def measure_train_step(cfg, policy, w: Workload) -> dict[str, float]:
     P + R tokens tracked by torch's `MemTracker` — the quantity `activations` + `trained_state` estimate."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from vlrl.data import generate, load_image
+    from vlrl.data import load_image
     from vlrl.models import collate, response_logprobs
-    from vlrl.train.common import make_optimizer
+    from vlrl.train.common import generate_split, make_optimizer
 
-    data = cfg.data
-    samples = generate(data.suite, w.micro_batch, split="train", seed=data.seed, tasks=data.tasks, **data.suite_options)
+    samples = generate_split(cfg.data, "train", w.micro_batch)
     encoded = [policy.adapter.encode_prompt(s.messages, [load_image(x) for x in s.images]) for s in samples]
     filler = policy.adapter.encode_text("a")[0]
     tokens = collate([e.input_ids for e in encoded], [[filler] * w.response_tokens] * len(encoded),
