@@ -1,7 +1,7 @@
 """Every vision-language family preset through every in-process path, exactly.
 
-For each family (`vlrl.models.presets.FAMILY_PRESETS`): sampling n = 4 responses to a prompt with two images,
-a three-turn episode with an image in turn 3, padded and padding-free scoring, the shared-image path, a text-only
+For each family (`vlrl.models.presets.FAMILY_PRESETS`): sampling n = 4 responses to a prompt with two images
+and to a video (its sampled frames fed as images, `vlrl.data.video`), a three-turn episode with an image in turn 3, padded and padding-free scoring, the shared-image path, a text-only
 prompt, an SFT step, a GRPO step, token counting and a save → plain-transformers load. "Exact" means the
 trainer's teacher-forced log-probs equal the sampler's behaviour log-probs (max |Δ| < 1e-4 per row), which
 is what on-policy RL assumes (`policy/logp_drift`).
@@ -84,6 +84,27 @@ def test_n4_samples_of_a_two_image_prompt_score_exactly(name):
     # sampling never emits the vision markup (a random model would, and re-scoring would then fail)
     markup = set(policy.adapter.markup_token_ids)
     assert scattered in markup and not any(int(x) in markup for t in trajectories for x in t.response_ids)
+
+
+@FAMILIES
+def test_n4_samples_of_a_video_prompt_score_exactly(name):
+    from vlrl.config import DataConfig
+    from vlrl.train.common import generate_split
+
+    # the loader every recipe uses: a 3-frame shapes clip becomes 3 image parts (frames fed as images)
+    data = DataConfig(suite="shapes", tasks=["video_count"], suite_options={"frames": 3}, max_frames=3)
+    (sample,) = generate_split(data, "train", 1)
+    assert sample.metadata["video_frames"] == [3] and sample.num_image_parts() == 3 and not sample.videos
+    policy = load_policy(name)
+    engine = HFEngine(policy)
+    request = engine.encode(sample)
+    assert request.vision.num_images == 3
+    sizes = [image.size for image in request.images]
+    assert request.prompt_ids.count(policy.adapter.image_token_id) == sum(policy.adapter.image_token_count(*s) for s in sizes)
+    trajectories = engine.generate([request], SamplingParams(n=4, temperature=1.0, max_new_tokens=8))
+    assert len(trajectories) == 4
+    assert _max_drift(_rescore(policy, trajectories), trajectories) < TOL
+    assert _max_drift(_rescore(policy, trajectories, padding_free=True), trajectories) < TOL
 
 
 class _ThreeTurnEnv:
