@@ -95,8 +95,11 @@ def load_split(cfg: DataConfig, split: str, logger: MetricsLogger | None = None)
     split of a training file is `load_splits`'.)"""
     path = cfg.train if split == "train" else cfg.test
     if path is None:
-        return generate_split(cfg, split, cfg.n_train if split == "train" else cfg.n_test)
+        samples = generate_split(cfg, split, cfg.n_train if split == "train" else cfg.n_test)
+        _log_videos(samples, cfg, split, logger)
+        return samples
     report = read_samples(path, on_error=cfg.on_error, check=sample_check, media=media_limits(cfg))
+    _log_videos(report.samples, cfg, split, logger)
     if logger is not None:
         logger.info(f"data {split}: {path}: {report.summary()}")
         if report.skipped:
@@ -104,6 +107,18 @@ def load_split(cfg: DataConfig, split: str, logger: MetricsLogger | None = None)
     if not report.samples:
         raise DataError(f"{path}: no usable samples ({len(report.skipped)} skipped)")
     return report.samples
+
+
+def _log_videos(samples: list[Sample], cfg: DataConfig, split: str, logger: MetricsLogger | None) -> None:
+    """State how many videos a split holds and how many frames they became (``data/<split>_videos``,
+    ``data/<split>_frames_per_video``)."""
+    frames = [n for s in samples for n in s.metadata.get("video_frames", [])]
+    if logger is None or not frames:
+        return
+    mean = sum(frames) / len(frames)
+    logger.info(f"data {split}: {len(frames)} video(s) fed as sampled frames, {mean:.1f} per video on average "
+                f"(data.video_fps {cfg.video_fps:g}, data.max_frames {cfg.max_frames}; each frame is an image)")
+    logger.log("data", 0, {f"data/{split}_videos": len(frames), f"data/{split}_frames_per_video": mean})
 
 
 def holds_out(cfg: DataConfig) -> bool:
