@@ -1,5 +1,6 @@
 """Video through the doors a user takes: the shipped `configs/shapes_video_grpo.yaml` under `vlrl rl` (procedural
-clips given as frame lists), and `vlrl sft` / async `vlrl rl` on a jsonl of .mp4 files written with PyAV. The
+clips given as frame lists), and `vlrl sft`, `vlrl data pack` and async `vlrl rl` on a jsonl of .mp4 files written
+with PyAV. The
 feature's own signature in each run's output: ``data/train_videos`` and ``data/train_frames_per_video`` in
 metrics.jsonl, the prompts holding one image per frame in samples.jsonl, and on-policy exactness
 (``policy/logp_drift`` < 1e-3 at every step) with the frames in the prompt.
@@ -70,6 +71,21 @@ def test_sft_and_async_rl_on_mp4_files(tmp_path, clips):
     assert json.loads((sft / "summary.json").read_text())["train"]["steps"] == 2
     # data.test unset: 1 of the 10 clips is held out (test_fraction 0.1), 10 are read and become 2 frames each
     _assert_video_run(sft, videos=10, frames=2, stage="eval/final")
+
+    # `vlrl data pack` samples the same frames, so its token counts equal what SFT encodes
+    plan = tmp_path / "plan.npz"
+    result = runner.invoke(app, ["data", "pack", "--data", str(clips), "--capacity", "400", "--out", str(plan),
+                                 "--video-fps", "1"])
+    assert result.exit_code == 0, result.output
+    from vlrl.data import MediaLimits, read_samples
+    from vlrl.data.packing import PackingPlan
+    from vlrl.models import load_policy
+    from vlrl.train.sft import encode_sft
+
+    policy = load_policy("tiny-qwen2-vl")
+    read = read_samples(clips, media=MediaLimits(video_fps=1)).samples
+    assert all(len(s.images) == 2 for s in read)
+    assert PackingPlan.load(plan).lengths.tolist() == [encode_sft(policy, s).length for s in read]
 
     rl = tmp_path / "rl"
     result = runner.invoke(app, ["rl", "--config", CONFIG, f"model.path={sft / 'checkpoints' / 'final'}", f"out={rl}",
