@@ -91,7 +91,7 @@ class DataConfig(Section):
     suite: str = Field("shapes", description="Procedural task suite used when train/test are unset: shapes, arith or embodied.")
     tasks: list[str] = Field(
         default_factory=lambda: ["count", "color"],
-        description="Sub-tasks of the suite (shapes: count, color, locate, ocr; arith: add, sub, mul, two_step; embodied: pick_place, clean, cool, heat, pick_two).",
+        description="Sub-tasks of the suite (shapes: count, color, locate, ocr, video_count; arith: add, sub, mul, two_step; embodied: pick_place, clean, cool, heat, pick_two).",
     )
     suite_options: dict[str, Any] = Field(
         default_factory=dict, description="Extra options of the suite generator, e.g. {template: think, max_shapes: 4}."
