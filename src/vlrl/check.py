@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vlrl.config import DemoConfig, RLConfig, RLStage, RunConfig, SFTConfig, SFTStage
-from vlrl.data import DataError, Sample, generate, load_image, read_samples
+from vlrl.data import DataError, MediaLimits, Sample, load_image, read_samples
 from vlrl.registry import RegistryError
 
 _DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -223,7 +223,7 @@ def _check_held_out(report: CheckReport, cfg: RunConfig) -> None:
 
 
 def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]:
-    from vlrl.train.common import hold_out_problem, holds_out, split_held_out
+    from vlrl.train.common import generate_split, hold_out_problem, holds_out, media_limits, split_held_out
 
     data, out = cfg.data, {}
     for split, path, count in (("train", data.train, data.n_train), ("test", data.test, data.n_test)):
@@ -232,7 +232,9 @@ def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]
         if path is None:
             n = min(count, cfg.check.samples_per_task * max(1, len(data.tasks)) * 2)
             try:
-                out[split] = generate(data.suite, n, split=split, seed=data.seed, tasks=data.tasks, **data.suite_options)
+                out[split] = generate_split(data, split, n)  # videos as frames, within the data.* budgets
+            except DataError as err:
+                report.problem("data", str(err))
             except RegistryError as err:
                 report.problem("data.suite", str(err))
             except TypeError as err:
@@ -240,7 +242,7 @@ def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]
             except ValueError as err:
                 report.problem("data.tasks", str(err))
             continue
-        out[split] = read_data(report, f"data.{split}", path, data.on_error)
+        out[split] = read_data(report, f"data.{split}", path, data.on_error, media_limits(data))
     if holds_out(data) and "train" in out:
         problem = hold_out_problem(data, len(out["train"]) or None)  # an unreadable file is reported already
         if problem:
@@ -266,15 +268,17 @@ def _check_reward_dependencies(report: CheckReport, splits: dict[str, list[Sampl
             report.problem("data", message)
 
 
-def read_data(report: CheckReport, field_name: str, path: str | Path, on_error: str) -> list[Sample]:
+def read_data(report: CheckReport, field_name: str, path: str | Path, on_error: str,
+              media: MediaLimits | None = None) -> list[Sample]:
     """Every usable record of a data file (or directory), each checked as the recipes read it (reward names,
-    images, answers its verifier can score); bad ones become problems (``on_error=raise``) or warnings
+    images, answers its verifier can score, videos as frames within the ``media`` budgets — default ones when
+    None); bad ones become problems (``on_error=raise``) or warnings
     (``skip``) in ``report``, listed one by one, never raised."""
     from vlrl.train.common import sample_check
 
     try:
         with _quiet("vlrl.data.io"):  # its "skipped N records" warning: every record is listed below instead
-            read = read_samples(path, on_error="skip", check=sample_check)
+            read = read_samples(path, on_error="skip", check=sample_check, media=media or MediaLimits())
     except DataError as err:
         report.problem(field_name, str(err))
         return []

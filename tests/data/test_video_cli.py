@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.data.test_video import write_mp4
 from vlrl.cli import app
 from vlrl.data import generate
 from vlrl.data.sample import sample_to_json
 
+from .test_video import write_mp4
+
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 runner = CliRunner()
-CONFIG = str(Path(__file__).parents[1] / "configs" / "shapes_video_grpo.yaml")
+CONFIG = str(Path(__file__).parents[2] / "configs" / "shapes_video_grpo.yaml")
 SMALL = ["data.n_train=8", "data.n_test=2", "eval.samples=1", "eval.max_new_tokens=3", "report.html=false",
          "train.log_every=1"]
 RL_SMALL = ["train.steps=2", "train.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=4"]
