@@ -138,7 +138,8 @@ def test_a_three_turn_episode_with_an_image_in_turn_3_scores_exactly(name):
     later = load_image(generate("shapes", 1, split="test", seed=5, tasks=["color"])[0].images[0]).resize((84, 112))
     agent = AgentSettings(env=lambda: _ThreeTurnEnv(later), max_turns=3)
     request = engine.encode(generate("shapes", 1, tasks=["count"])[0])
-    trajectories = multi_turn(engine, [request], SamplingParams(n=2, temperature=1.0, max_new_tokens=6), agent=agent)
+    trajectories = multi_turn(engine, [request], SamplingParams(n=4, temperature=1.0, max_new_tokens=6), agent=agent)
+    assert len(trajectories) == 4
     for t in trajectories:
         assert t.num_turns == 3 and len(t.images) == 2 and t.vision.num_images == 2
         assert t.turns[1].num_images == 1  # the image arrives after turn 2, in the context of turn 3
