@@ -29,6 +29,10 @@ def shapes_file(tmp_path_factory):
     result = runner.invoke(app, ["data", "gen", "shapes", "--n", "8", "--split", "train", "--out", str(out),
                                  "--tasks", "count,color"])
     assert result.exit_code == 0, result.output
+    # held-out samples beside it: a packing plan covers the whole training file, so none can be held out of it
+    result = runner.invoke(app, ["data", "gen", "shapes", "--n", "2", "--split", "test", "--out", str(out),
+                                 "--tasks", "count"])
+    assert result.exit_code == 0, result.output
     return out / "train.jsonl"
 
 
@@ -59,7 +63,7 @@ def test_check_sft_rl_and_eval_of_a_saved_family_directory(name, tmp_path, shape
     assert PackingPlan.load(plan).lengths.tolist() == lengths
     sft = tmp_path / "sft"
     result = runner.invoke(app, ["sft", f"model.path={model}", f"out={sft}", *SMALL, f"data.train={shapes_file}",
-                                 f"data.packing_plan={plan}", "train.steps=2", "train.batch_size=4",
+                                 f"data.test={shapes_file.parent / 'test.jsonl'}", f"data.packing_plan={plan}", "train.steps=2", "train.batch_size=4",
                                  "train.micro_batch_size=4"])
     assert result.exit_code == 0, result.output
     assert json.loads((sft / "summary.json").read_text())["train"]["steps"] == 2
