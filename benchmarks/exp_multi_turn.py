@@ -50,15 +50,18 @@ def main() -> None:
     parser.add_argument("--skip-sft", action="store_true", help="reuse OUT/sft")
     parser.add_argument("--rl", nargs="*", default=[], help="extra overrides of the RL run, e.g. optim.lr=5e-4")
     parser.add_argument("--rl-name", default="rl", help="the RL run's directory under OUT (several arms, one SFT)")
+    parser.add_argument("--table-only", action="store_true",
+                        help="run nothing: print the tables of OUT/RL_NAME as its metrics.jsonl stands (a cut run too)")
     args = parser.parse_args()
     out = Path(args.out)
     seconds = {}
-    if not args.skip_sft:
+    if not args.skip_sft and not args.table_only:
         seconds["sft"] = run("sft", "--config", "configs/shapes_sft.yaml", f"train.steps={args.sft_steps}",
                              "train.log_every=50", f"seed={args.seed}", f"out={out / 'sft'}")
-    seconds["rl"] = run("rl", "--config", "configs/shapes_feedback_grpo.yaml",
-                        f"model.path={out / 'sft' / 'checkpoints' / 'final'}", f"train.steps={args.rl_steps}",
-                        "train.log_every=1", f"seed={args.seed}", *args.rl, f"out={out / args.rl_name}")
+    if not args.table_only:
+        seconds["rl"] = run("rl", "--config", "configs/shapes_feedback_grpo.yaml",
+                            f"model.path={out / 'sft' / 'checkpoints' / 'final'}", f"train.steps={args.rl_steps}",
+                            "train.log_every=1", f"seed={args.seed}", *args.rl, f"out={out / args.rl_name}")
     rl = records(out / args.rl_name, "rl")
     print(f"\nRL steps {len(rl)}; wall seconds {seconds}")
     print("| steps | reward/mean | accuracy/mean | right on turn 1 | agent/turns_mean | response tokens |")
@@ -69,8 +72,17 @@ def main() -> None:
               f"| {mean([r.get('accuracy/mean', float('nan')) for r in w]):.3f} "
               f"| {mean([r.get('agent/turns=1', 0.0) for r in w]):.3f} | {mean([r['agent/turns_mean'] for r in w]):.3f} "
               f"| {mean([r['agent/action_tokens_mean'] for r in w]):.1f} |")
-    summary = json.loads((out / args.rl_name / "summary.json").read_text())
+    initial = records(out / args.rl_name, "eval/initial")
+    if initial:  # the held-out evaluation before RL, as logged (also in a run cut before its final evaluation)
+        r = initial[0]
+        print(f"held-out initial (metrics.jsonl): sampled {r['accuracy/mean']:.3f}, greedy {r['greedy/mean']:.3f}; "
+              f"sampled episodes: turns {r.get('agent/turns_mean', 0):.3f}, right on turn 1 {r.get('agent/turns=1', 0):.3f}")
+    summary_path = out / args.rl_name / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     for key in ("initial", "rl"):
+        if key not in summary:
+            print(f"held-out {key}: not in summary.json (the run did not finish)")
+            continue
         s = summary[key]
         agent = s.get("agent", {})
         print(f"held-out {key}: sampled {s['accuracy']['mean']:.3f}, greedy {s['greedy']['mean']:.3f}, "

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from vlrl.cli import app
@@ -183,3 +184,37 @@ def test_eval_seed_fixes_the_sampled_responses(tmp_path, tiny_vlm_dir):
     assert outputs[0]["reward"]["t"] < 0  # the texts are not empty: the measure moves
     assert outputs[0] == outputs[1]  # the same seed: the same samples, to the last digit
     assert outputs[2]["reward"] != outputs[0]["reward"] and outputs[2]["settings"]["seed"] == 6
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_dapo_without_an_informative_group_warns_and_goes_on(tmp_path, tiny_vlm_dir, mode):
+    """`vlrl rl --config configs/shapes_dapo.yaml` on prompts no model answers right (count answers of 987654321):
+    every group's rewards are equal, so each step spends its cap of rounds, then trains on the last round's groups
+    (zero advantage), logs sampling/starved = 1 and prints one warning line naming the knobs — no traceback."""
+    import dataclasses
+
+    from vlrl.data import generate, write_samples
+
+    samples = [dataclasses.replace(s, answer="987654321") for s in generate("shapes", 8, split="train", tasks=["count"])]
+    data = write_samples(samples, tmp_path / "data" / "flat.jsonl")
+    test = write_samples(samples[:2], tmp_path / "data" / "test.jsonl")
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["rl", "--config", "configs/shapes_dapo.yaml", "--data", str(data), "--test", str(test),
+                                 f"model.path={tiny_vlm_dir}", f"rollout.mode={mode}", "train.steps=2",
+                                 "train.prompts_per_step=2", "rollout.n=4", "algo.dynamic_sampling.max_extra_rounds=1",
+                                 "train.log_every=1", "eval.samples=1", "report.html=false", f"out={run}"])
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())  # rich wraps long lines
+    assert "Traceback" not in output and output.count("dynamic sampling found no group with differing rewards") == 2
+    for knob in ("algo.dynamic_sampling.max_extra_rounds", "rollout.n", "rollout.temperature", "vlrl data select"):
+        assert knob in output
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    for r in rl:
+        # cap 1 extra round: sync draws ceil(2 × 1.5) = 3 prompts per round, 2 rounds → 6 groups, 2 trained, 4
+        # dropped; async drops one batch of 2, then trains the next 2 (the cap (1 + 1) × 2 = 4 reached)
+        assert r["sampling/starved"] == 1.0 and r["sampling/prompts_used"] == 2
+        assert r["sampling/groups_dropped"] == (4 if mode == "sync" else 2)
+        assert r["policy/zero_adv_groups_frac"] == 1.0 and r["reward/mean"] == 0.0
+    assert (run / "checkpoints" / "final" / "model.safetensors").is_file()

@@ -132,3 +132,27 @@ def test_dynamic_sampling_and_greedy_baseline_in_the_async_recipe():
     for record in logger.records:  # a flat group reaching the loss would have zero advantage (0.5 − 0.5)
         assert record["sampling/prompts_used"] == 2 and record["policy/zero_adv_groups_frac"] == 0.0
         assert _finite(record)
+
+
+def test_async_dynamic_sampling_with_no_informative_group_trains_the_last_batch():
+    """Every prompt flat: each step drops one batch of 2 (cap (1 + 1) × 2 = 4 groups), then trains the next 2
+    (zero advantage), flagged starved. Those 2 count as trained, not filtered, and keep their admission quota:
+    every drawn prompt is in exactly one bucket."""
+    samples = _samples(8)
+    for s in samples:
+        s.reward, s.metadata["flat"] = "test_preset_flat_or_length", True
+    cfg = load_config(RLConfig, CONFIGS / "shapes_dapo.yaml",
+                      TINY + ["staleness.eta=1", "algo.dynamic_sampling.max_extra_rounds=1"])
+    policy = load_policy("tiny-qwen2-vl")
+    engine = ThreadedEngine(policy)
+    logger, state = MetricsLogger(None, quiet=True), {}
+    try:
+        train_async_grpo(policy, engine, samples, cfg, logger=logger, seed=0, state_out=state)
+    finally:
+        engine.close()
+    for record in logger.records:
+        assert record["sampling/starved"] == 1.0 and record["sampling/groups_dropped"] == 2
+        assert record["sampling/prompts_used"] == 2 and record["policy/zero_adv_groups_frac"] == 1.0
+    assert len(state["trained"]) == 4 and len(state["filtered"]) == 4
+    buckets = state["trained"] + state["discarded"] + state["filtered"] + state["buffered"] + state["pending"]
+    assert sorted(buckets) == list(range(state["drawn"]))

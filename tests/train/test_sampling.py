@@ -1,13 +1,12 @@
 """Steps 1–3 of the sync recipe without a model: DAPO dynamic sampling (drop, back-fill, cap, carry-over) and
 ReMax's greedy baseline, on a scripted engine whose responses are fixed per prompt."""
 
-import pytest
 import torch
 
 from vlrl.config import DynamicSamplingConfig
 from vlrl.rollout import SamplingParams
 from vlrl.train.common import PromptCursor
-from vlrl.train.sampling import Draw, Group, GroupSampler, flatten, is_informative
+from vlrl.train.sampling import Draw, Group, GroupSampler, flatten, is_informative, starved_warning
 from vlrl.train.state import GroupRecord
 
 from .fakes import ScriptedEngine, fake_trajectories, scripted_samples
@@ -46,7 +45,7 @@ def test_dynamic_sampling_drops_all_equal_groups_and_back_fills():
         groups = _groups(batch)
         assert len(groups) == 2 and all(len(set(g)) > 1 for g in groups)  # no zero-advantage group left
         m = batch.metrics
-        assert m["sampling/prompts_used"] == 2
+        assert m["sampling/prompts_used"] == 2 and m["sampling/starved"] == 0.0
         assert m["sampling/samples_generated"] == 2 * m["sampling/prompts_generated"]
         # every generated group is used, dropped, or carried over
         assert m["sampling/prompts_generated"] + m["sampling/carried_in"] == \
@@ -55,11 +54,20 @@ def test_dynamic_sampling_drops_all_equal_groups_and_back_fills():
 
 
 def test_dynamic_sampling_round_sizes_by_hand():
-    # only uninformative prompts and a cap of 2 extra rounds: rounds of 2, 2, 2 prompts (missing × 1.0), then stop
+    # only uninformative prompts and a cap of 2 extra rounds: rounds of 2, 2, 2 prompts (missing × 1.0), then the
+    # step goes on with the last round's 2 groups (zero advantage), flagged starved; the 4 before are dropped
     sampler, engine = _sampler([ALL_RIGHT, ALL_WRONG], enabled=True, max_extra_rounds=2)
-    with pytest.raises(RuntimeError, match="max_extra_rounds"):
-        sampler.next_batch()
-    assert engine.prompts_generated == 6
+    batch = sampler.next_batch()
+    assert engine.prompts_generated == 6 and [g.draw.ticket for g in batch.groups] == [4, 5]
+    assert all(not is_informative(g) for g in batch.groups) and sampler.carry == []
+    m = batch.metrics
+    assert (m["sampling/starved"], m["sampling/rounds"], m["sampling/groups_dropped"]) == (1.0, 3, 4)
+    assert m["sampling/prompts_used"] == 2 and m["sampling/prompts_generated"] == 6  # 6 = 2 used + 4 dropped
+    warning = starved_warning(7, m, prompts_per_step=2)
+    assert warning.startswith("step 7: dynamic sampling found no group with differing rewards in 6 groups")
+    for knob in ("algo.dynamic_sampling.max_extra_rounds", "rollout.n", "rollout.temperature", "vlrl data select"):
+        assert knob in warning
+    assert "\n" not in warning
     # oversample 1.5 with 1 informative prompt in 2: round 1 asks ceil(2 × 1.5) = 3 prompts
     sampler, engine = _sampler([MIXED, MIXED, MIXED], enabled=True, oversample=1.5)
     batch = sampler.next_batch()
@@ -81,8 +89,8 @@ def test_dynamic_sampling_on_the_accuracy_part():
     assert [t.reward for t in group.trajectories] == [0.75, 0.5] and [t.accuracy for t in group.trajectories] == [0, 0]
     sampler, _ = _sampler(spec, enabled=True, prompts=1, metric="accuracy", max_extra_rounds=1)
     sampler.cursor.samples[0].reward = "ocr"
-    with pytest.raises(RuntimeError, match="equal rewards"):
-        sampler.next_batch()
+    batch = sampler.next_batch()
+    assert batch.metrics["sampling/starved"] == 1.0 and batch.metrics["sampling/groups_dropped"] == 1
 
 
 def test_greedy_baseline_for_remax():

@@ -44,7 +44,7 @@ from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.common import PromptCursor, make_optimizer
 from vlrl.train.metrics import step_metrics
 from vlrl.train.runtime import Runtime
-from vlrl.train.sampling import Group, flatten, is_informative, sampling_params
+from vlrl.train.sampling import Group, flatten, is_informative, sampling_params, starved_warning
 from vlrl.train.state import AlgorithmState, AsyncState, GroupRecord, Ledger, expect_state
 from vlrl.train.update import ppo_update
 
@@ -117,6 +117,8 @@ def train_async_grpo(
             if stage.algo.dynamic_sampling.enabled:  # DAPO: drop all-equal groups, wait for replacements
                 groups, dynamic = _drop_uninformative(groups, buffer, rollout, stage, step=step, ledger=ledger,
                                                       check=check)
+                if dynamic["sampling/starved"]:
+                    logger.warn(starved_warning(step + 1, dynamic, prompts_per_step=P))
             trajectories, baselines = flatten(groups)
             versions = torch.tensor([t.weight_version for t in trajectories])
             assert_fresh(versions, step, eta=eta)  # no sample older than η reaches the loss below
@@ -217,24 +219,26 @@ def _drop_uninformative(groups: list[Group], buffer: GroupBuffer, rollout: Async
                         ledger: Ledger, check: Callable[[], None]) -> tuple[list[Group], dict[str, float]]:
     """DAPO dynamic sampling on the async path: drop groups whose rewards are all equal (their admission quota
     is returned, so the workers generate replacements) and dequeue more until ``prompts_per_step`` remain or
-    ``(max_extra_rounds + 1) × prompts_per_step`` groups were dropped this step."""
+    ``(max_extra_rounds + 1) × prompts_per_step`` groups were dropped this step. With none informative at the cap
+    the step goes on with the last batch dequeued (zero advantage), as the sync recipe does (`GroupSampler`)."""
     cfg, P, eta = stage.algo.dynamic_sampling, stage.train.prompts_per_step, stage.staleness.eta
     kept, dropped = [], 0
     while True:
         flags = [is_informative(g, cfg.metric) for g in groups]
-        dropped += flags.count(False)
-        ledger.filtered.extend(g.draw.ticket for g, ok in zip(groups, flags, strict=True) if not ok)
-        rollout.release(flags.count(False))
         kept += [g for g, ok in zip(groups, flags, strict=True) if ok]
-        if len(kept) >= P or dropped >= (cfg.max_extra_rounds + 1) * P:
+        done = len(kept) >= P or dropped + flags.count(False) >= (cfg.max_extra_rounds + 1) * P
+        starved = done and not kept
+        bad = [] if starved else [g for g, ok in zip(groups, flags, strict=True) if not ok]
+        kept = groups if starved else kept  # starved: every group of this batch is uninformative; train on them
+        dropped += len(bad)
+        ledger.filtered.extend(g.draw.ticket for g in bad)
+        rollout.release(len(bad))
+        if done:
             break
         groups, stale = buffer.prepare_batch(P - len(kept), version=step, eta=eta, check=check,
                                              on_stale=lambda found: rollout.release(len(found)))
         ledger.discarded.extend(g.draw.ticket for g in stale)
-    if not kept:
-        raise RuntimeError(f"dynamic sampling: {dropped} groups in a row had equal rewards (zero advantage); raise "
-                           f"algo.dynamic_sampling.max_extra_rounds or check the reward")
-    return kept, {"sampling/groups_dropped": dropped, "sampling/prompts_used": len(kept)}
+    return kept, {"sampling/groups_dropped": dropped, "sampling/prompts_used": len(kept), "sampling/starved": float(starved)}
 
 
 def _staleness_metrics(s: torch.Tensor, eta: int, n_stale: int, n_discarded: int, rollout: AsyncRollout,

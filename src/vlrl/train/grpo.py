@@ -33,7 +33,7 @@ from vlrl.train.common import PromptCursor, make_optimizer
 from vlrl.train.distributed import GlobalAdvantage
 from vlrl.train.metrics import step_metrics
 from vlrl.train.runtime import Runtime
-from vlrl.train.sampling import GroupSampler, flatten, sampling_params
+from vlrl.train.sampling import GroupSampler, flatten, sampling_params, starved_warning
 from vlrl.train.state import AlgorithmState, GroupRecord, SyncState, expect_state
 from vlrl.train.update import ppo_update
 
@@ -82,6 +82,8 @@ def train_grpo(
             t0 = time.time()
             # 1-3. prompts (this rank's share) → n responses each → rewards, as groups
             sampled = sampler.next_batch()
+            if sampled.metrics.get("sampling/starved"):
+                logger.warn(starved_warning(step + 1, sampled.metrics, prompts_per_step=train.prompts_per_step))
             trajectories, baselines = flatten(sampled.groups)
             t_gen = time.time() - t0
             # 4. shaped rewards → advantages over the whole batch (B sequences, R response columns)

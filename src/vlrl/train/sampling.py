@@ -5,6 +5,7 @@ informative groups, and flatten the kept groups into the step's batch.
     PromptEncoder     each sample encoded once (token ids + processor outputs), for as long as it is in the data
     score_groups      score a round's responses (and ReMax's greedy responses) and cut them into groups
     is_informative    DAPO eq. 11: a group whose rewards (or accuracies) all agree has zero advantage
+    starved_warning   the line a recipe prints when dynamic sampling found no informative group in a step
     flatten           groups → the batch's trajectories (``group_index`` = position of the group) and baselines
     GroupSampler      the synchronous recipe's steps 1–3; the asynchronous one keeps prompts in flight instead
                       (`vlrl.train.async_grpo.AsyncRollout`) and pushes the same `Group` records into its buffer
@@ -13,7 +14,11 @@ Dynamic sampling (DAPO §3.2.2, eq. 11; verl ``filter_groups``), synchronous rec
 drop the groups whose rewards are all equal (zero advantage, no gradient), and generate more rounds until the
 batch holds ``prompts_per_step`` informative groups or ``max_extra_rounds`` extra rounds were spent. A round asks
 for ``ceil(missing × oversample)`` prompts; informative groups beyond the batch are carried over to the next step
-(they were sampled by weights one step older: the update treats them as on-policy, like verl).
+(they were sampled by weights one step older: the update treats them as on-policy, like verl). At the cap the step
+trains on the informative groups it has; with none at all (a model that is always right or always wrong on these
+prompts) it trains on ``prompts_per_step`` groups of the last round — zero advantage, no policy gradient, the run
+goes on — logs ``sampling/starved`` = 1 and the recipe warns with `starved_warning`. (verl raises at its cap
+``max_num_gen_batches``, stopping the run; a starved step here costs one step and says which knobs to turn.)
 """
 
 from __future__ import annotations
@@ -125,6 +130,16 @@ def flatten(groups: Sequence[Group]) -> tuple[list[Trajectory], torch.Tensor | N
     return trajectories, torch.tensor([g.baseline_reward for g in groups for _ in g.trajectories])
 
 
+def starved_warning(step: int, metrics: dict[str, float], *, prompts_per_step: int) -> str:
+    """The one line a recipe prints when dynamic sampling found no informative group at ``step`` (``metrics``: the
+    step's ``sampling/…`` values): what happened, what the step did instead, and which knobs change it."""
+    return (f"step {step}: dynamic sampling found no group with differing rewards in "
+            f"{int(metrics['sampling/groups_dropped']) + prompts_per_step} groups; this step trains on "
+            f"{prompts_per_step} of them (zero advantage: no policy gradient). If it persists, raise "
+            "algo.dynamic_sampling.max_extra_rounds, rollout.n or rollout.temperature, keep informative prompts with "
+            "`vlrl data select`, start from a better SFT checkpoint, or check the reward")
+
+
 @dataclass
 class SampledBatch:
     groups: list[Group]
@@ -152,6 +167,7 @@ class GroupSampler:
         kept, carried_in = self.carry, len(self.carry)
         self.carry = []
         rounds = generated = dropped = 0
+        groups: list[Group] = []
         while len(kept) < P and rounds <= self.dynamic.max_extra_rounds:
             groups = self._round(math.ceil((P - len(kept)) * self.dynamic.oversample))
             rounds, generated = rounds + 1, generated + len(groups)
@@ -159,14 +175,14 @@ class GroupSampler:
             dropped += len(groups) - len(informative)
             kept = kept + informative
         kept, self.carry = kept[:P], kept[P:]
-        if not kept:
-            raise RuntimeError(f"dynamic sampling: every one of {generated} groups in {rounds} round(s) had equal rewards "
-                               f"(zero advantage); raise algo.dynamic_sampling.max_extra_rounds or check the reward")
+        starved = not kept
+        if starved:  # nothing informative within the cap: go on with the last round's (zero-advantage) groups
+            kept, dropped = groups[:P], dropped - len(groups[:P])
         return SampledBatch(kept, {
             "sampling/rounds": rounds, "sampling/prompts_generated": generated,
             "sampling/samples_generated": generated * self.sampling.n, "sampling/groups_dropped": dropped,
             "sampling/prompts_used": len(kept), "sampling/carried_in": carried_in,
-            "sampling/carried_over": len(self.carry)})
+            "sampling/carried_over": len(self.carry), "sampling/starved": float(starved)})
 
     def draw(self) -> Draw:
         sample = self.cursor.next(1)[0]
