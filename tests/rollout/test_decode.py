@@ -173,3 +173,15 @@ def test_next_tokens_greedy_suppression_top_k_top_p():
     # top_p 0.8 keeps tokens 1 and 2 (0.644 < 0.8 ≤ 0.881)
     assert decode.next_tokens(logits, SamplingParams(top_p=0.5), None).unique().tolist() == [1]
     assert set(decode.next_tokens(logits, SamplingParams(top_p=0.8), None).tolist()) == {1, 2}
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).repeat(20000, 1)
+    drawn = decode.draw(probs)
+    freq = torch.bincount(drawn, minlength=4).double() / len(drawn)
+    assert freq[1] == 0  # zero probability: never
+    # binomial std of a frequency over 20,000 draws ≤ sqrt(0.25 / 20000) ≈ 0.0035: 0.015 is > 4 std
+    assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.6, 0.3], dtype=torch.double), atol=0.015)
+    unnormalised = torch.tensor([[0.0, 0.0, 2.0]])  # (the last index is the only one with mass)
+    assert decode.draw(unnormalised.repeat(100, 1)).unique().tolist() == [2]

@@ -20,14 +20,16 @@ vision tokens per image, n = 8–16) that prefill, vision tower included, is mos
 
 Behaviour log-probs are ``log_softmax(logits / temperature)`` of the raw logits (before suppression, top-k and
 top-p) at the sampled token: the quantity the teacher-forced pass computes. The samples are equal in
-distribution to `generate`'s (the same processors in the same order, ``torch.multinomial`` on the global
-generator), not draw-for-draw: `generate` consumes the random stream per padded row.
+distribution to `generate`'s (the same processors in the same order, then one draw per row from the global
+generator by inverting the cumulative distribution, `draw`), not draw-for-draw: `generate`'s
+``torch.multinomial`` consumes the random stream differently.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -70,6 +72,18 @@ class DecodeStats:
     prefill_tokens: int = 0  # padded prompt positions prefilled
     steps: int = 0
     expanded: bool = True
+    prefill_seconds: float = 0.0  # prompts through the model (vision tower included), cache expansion
+    decode_seconds: float = 0.0  # the token-by-token steps
+
+    def add(self, other: DecodeStats) -> None:
+        """Accumulate ``other`` (one batch) into these totals."""
+        self.rows += other.rows
+        self.prefilled += other.prefilled
+        self.prefill_tokens += other.prefill_tokens
+        self.steps += other.steps
+        self.expanded = self.expanded and other.expanded
+        self.prefill_seconds += other.prefill_seconds
+        self.decode_seconds += other.decode_seconds
 
 
 # ----------------------------------------------------------------------------------------------- grouping
@@ -206,7 +220,17 @@ def next_tokens(logits: torch.Tensor, sampling: SamplingParams, suppress: torch.
         drop = cumulative <= 1 - sampling.top_p
         drop[:, -1] = False  # keep at least the most likely token
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
+    return draw(logits.softmax(-1))
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """(rows,) one draw per row of ``probs`` (rows, V) by inverting the cumulative distribution: one uniform per
+    row and a binary search. Equal in distribution to ``torch.multinomial(probs, 1)``, which draws a random number
+    per vocabulary entry — ~9× slower at V = 1024 on this CPU, and it grows with V (`benchmarks/generation.py`)."""
+    cdf = probs.double().cumsum(-1)  # (rows, V); float64: no drift over a 150k vocabulary
+    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=probs.device) * cdf[:, -1:]  # in [0, total)
+    # the first index whose cdf exceeds u: never a zero-probability token (its cdf equals its predecessor's)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def _stopped_by_string(tokenizer, tokens: list[int], stops: Sequence[str], tail: int) -> bool:
@@ -224,6 +248,7 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
     ``on_step``: called after every decode step, returns a (rows,) bool tensor — those rows stop there."""
     stats = stats if stats is not None else DecodeStats()
     stats.rows, stats.steps = len(rows), 0
+    start = time.perf_counter()
     device = next(model.parameters()).device
     prompts, prompt_of_row = distinct_prompts(rows)
     logits, cache, prompt_mask, last_position, type_keys = prefill(model, adapter, prompts, pad_token_id)
@@ -235,6 +260,8 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
     elif len(prompts) != len(rows):
         logits, prompt_mask, last_position = logits[index], prompt_mask[index], last_position[..., index, :]
 
+    stats.prefill_seconds = time.perf_counter() - start
+    start = time.perf_counter()
     N, T = len(rows), sampling.max_new_tokens
     suppress_ids = torch.tensor(sorted(set(suppress)), dtype=torch.long, device=device) if suppress else None
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
@@ -277,5 +304,6 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
                   "position_ids": last_position + step + 1}
         kwargs.update({k: torch.zeros_like(kwargs["input_ids"], dtype=torch.int32) for k in type_keys})
         logits, cache = _forward(model, kwargs, cache)
+    stats.decode_seconds = time.perf_counter() - start
     return Decoded(tokens=tokens, logp=[torch.stack(lp) if lp else torch.zeros(0) for lp in logps],
                    eos=ended_eos, stop_string=ended_stop)

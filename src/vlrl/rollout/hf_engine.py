@@ -34,7 +34,8 @@ class HFEngine:
         self.weight_version = 0
         eos = set(policy.eos_token_ids)
         self._suppress = [t for t in policy.adapter.special_token_ids() if t not in eos]
-        self.last_stats = decode.DecodeStats()  # what the last batch did (prompts prefilled, steps)
+        self.last_stats = decode.DecodeStats()  # what the last batch did (prompts prefilled, steps, seconds)
+        self.total_stats = decode.DecodeStats()  # summed over every batch since construction
 
     def encode(self, sample: Sample) -> Request:
         """Render, tokenize and process the images of ``sample`` into a `Request`."""
@@ -80,11 +81,13 @@ class HFEngine:
     def _generate_rows(self, rows: list[tuple[int, Request]], sampling: SamplingParams,
                        on_step: Callable[[Sequence[Request]], Sequence[bool]] | None = None) -> list[Trajectory]:
         policy = self.policy
+        self.last_stats = decode.DecodeStats()
         decoded = decode.sample(
             policy.model, policy.adapter, [request for _, request in rows], sampling,
             pad_token_id=policy.pad_token_id, eos_token_ids=policy.eos_token_ids, suppress=self._suppress,
             on_step=_row_flags(rows, on_step) if on_step is not None else None, stats=self.last_stats,
         )
+        self.total_stats.add(self.last_stats)
         trajectories = []
         for k, (group_index, request) in enumerate(rows):
             response = torch.tensor(decoded.tokens[k], dtype=torch.long)
