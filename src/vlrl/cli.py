@@ -50,11 +50,15 @@ def _run(command: str, recipe, cfg) -> None:
     from vlrl.data import DataError
     from vlrl.data.packing import PackingError
     from vlrl.registry import RegistryError
+    from vlrl.train.checkpoint import CheckpointError
 
     try:
         recipe(cfg)
     except PreflightError as err:
         _preflight_failed(command, str(cfg.out), err.report)
+    except CheckpointError as err:  # a corrupt checkpoint to resume from, a save that failed (a full disk)
+        typer.secho(f"vlrl {command}: {err}", fg="red", err=True)
+        raise typer.Exit(1) from None
     except (DataError, RegistryError, PackingError, FileNotFoundError) as err:
         report = preflight(cfg) if cfg.check.enabled else None  # every bad record, not only the first
         if report is not None and not report.ok:

@@ -182,16 +182,17 @@ class PromptCursor:
 
 def prepare_run_dir(out: str | Path, config: Section, *, keep_metrics_bytes: int | None = None) -> tuple[Path, MetricsLogger]:
     """Create the run directory, write the resolved ``config.yaml``, open ``metrics.jsonl`` — a fresh one, or
-    (resuming) the existing one cut back to ``keep_metrics_bytes``, where the checkpoint left it."""
+    (resuming) the existing one, whose first ``keep_metrics_bytes`` are what the checkpoint saw: the clock goes
+    on from their last record. The file is cut back to them only once the checkpoint has loaded
+    (`vlrl.train.checkpoint.Checkpointer.load`), so a resume that fails leaves it whole."""
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     metrics = run_dir / "metrics.jsonl"
     elapsed = 0.0
     if keep_metrics_bytes is not None and metrics.exists():
-        with open(metrics, "r+b") as handle:
-            handle.truncate(keep_metrics_bytes)
-        lines = metrics.read_text().splitlines()
+        with open(metrics, "rb") as handle:
+            lines = handle.read(keep_metrics_bytes).decode("utf-8", errors="replace").splitlines()
         elapsed = float(json.loads(lines[-1]).get("time", 0.0)) if lines else 0.0
     elif metrics.exists():
         metrics.unlink()
