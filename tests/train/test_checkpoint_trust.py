@@ -180,8 +180,9 @@ def _steps(run_dir):
 
 @pytest.mark.e2e
 def test_cli_resume_auto_skips_a_corrupt_newest_checkpoint_and_never_runs_a_planted_pickle(tiny_vlm_dir, tmp_path):
-    """`vlrl sft --resume auto` after the newest checkpoint's shard got flipped bytes and a pickle was planted:
-    the warning names the file, step 1's checkpoint is used, metrics.jsonl continues from step 1 exactly."""
+    """`vlrl sft --resume auto` after the newest checkpoint's shard got flipped bytes, and a pickle was planted in
+    the older one (manifest re-sealed, as an attacker with write access would): the warning names the flipped
+    file, step 1's checkpoint is used without running the pickle, metrics.jsonl continues from step 1 exactly."""
     base = [f"model.path={tiny_vlm_dir}", *SFT_ARGS, "checkpoint.every=1", "checkpoint.keep=3", "report.html=false"]
     reference, run = tmp_path / "reference", tmp_path / "run"
     assert _vlrl(*base, "train.steps=3", f"out={reference}").returncode == 0
@@ -190,7 +191,9 @@ def test_cli_resume_auto_skips_a_corrupt_newest_checkpoint_and_never_runs_a_plan
     shard = next((newest / "dcp").glob("*.distcp"))
     _flip(shard)
     marker = tmp_path / "pwned"
-    (newest / "carry_over" / "rank_00000.pt").write_bytes(pickle.dumps(Payload(marker)))
+    older = run / "checkpoints" / "step_00000001"
+    (older / "carry_over" / "rank_00000.pt").write_bytes(pickle.dumps(Payload(marker)))
+    write_manifest(older)
     done = _vlrl(*base, "train.steps=3", f"out={run}", "--resume", "auto")
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{shard.name}: sha256 differs from the manifest" in done.stderr
