@@ -12,7 +12,14 @@ import torch
 from vlrl.config import CheckpointConfig, OptimConfig
 from vlrl.data import generate
 from vlrl.train import checkpoint as ckpt
-from vlrl.train.checkpoint import Checkpointer, CheckpointError, latest_checkpoint, resolve_resume, rng_state, set_rng_state
+from vlrl.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    latest_checkpoint,
+    resolve_resume,
+    rng_state,
+    set_rng_state,
+)
 from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
 from vlrl.train.distributed import DistContext
 

@@ -129,8 +129,9 @@ def verify_checkpoint(path: str | Path, *, what: str = "checkpoint") -> dict[str
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as err:
         raise CheckpointError(f"{manifest_file}: unreadable or not a format-{FORMAT_VERSION} manifest ({err})") from None
     on_disk = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST_FILE}
-    for name in sorted(on_disk - set(files)):
-        raise CheckpointError(f"{path / name}: not listed in {MANIFEST_FILE} (not written by the save)")
+    unlisted = sorted(on_disk - set(files))
+    if unlisted:
+        raise CheckpointError(f"{path / unlisted[0]}: not listed in {MANIFEST_FILE} (not written by the save)")
     for name, entry in sorted(files.items()):
         file = path / name
         if name not in on_disk:
