@@ -218,3 +218,32 @@ def test_dapo_without_an_informative_group_warns_and_goes_on(tmp_path, tiny_vlm_
         assert r["sampling/groups_dropped"] == (4 if mode == "sync" else 2)
         assert r["policy/zero_adv_groups_frac"] == 1.0 and r["reward/mean"] == 0.0
     assert (run / "checkpoints" / "final" / "model.safetensors").is_file()
+
+
+def test_hostile_and_broken_overrides_are_one_line_naming_the_override_or_field(tmp_path):
+    """Issue 22's probes through the real `vlrl` entry point (a subprocess: no test-runner wrapping): each ends
+    with exit 2 and one line on stderr, never a traceback; `.inf`/`.nan` anywhere (also inside betas and
+    module_lr) and out-of-range seeds are refused at load; a `!!python` tag is refused by the YAML parser."""
+    import subprocess
+    import sys
+
+    cases = {
+        "foo": "override 'foo': expected key=value",
+        "a.b=[1,": "override 'a.b=[1,': the value is not valid YAML (expected the node content",
+        "algo.kl_coef=!!python/object/apply:os.system [touch pwned]":
+            "override 'algo.kl_coef=!!python/object/apply:os.system [touch pwned]': the value is not valid YAML",
+        "nosuch.key=1": "config field 'nosuch': unknown field",
+        "optim.lr=.inf": "config field 'optim.lr': Input should be a finite number",
+        "rollout.temperature=.nan": "config field 'rollout.temperature': Input should be a finite number",
+        "algo.kl_coef=-.inf": "config field 'algo.kl_coef': Input should be a finite number",
+        "optim.betas=[0.9,.inf]": "config field 'optim.betas.1': Input should be a finite number",
+        "optim.module_lr={visual: .nan}": "config field 'optim.module_lr.visual': Input should be a finite number",
+        "seed=100000000000000000000000": "config field 'seed': Input should be less than 4294967296",
+        "seed=-1": "config field 'seed': Input should be greater than or equal to 0",
+    }
+    for override, message in cases.items():
+        done = subprocess.run([sys.executable, "-m", "vlrl.cli", "rl", override, f"out={tmp_path / 'run'}"],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 2, (override, done.stderr[-1500:])
+        assert done.stderr.strip().splitlines() == [done.stderr.strip()] and message in done.stderr, (override, done.stderr)
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "run").exists()

@@ -99,3 +99,42 @@ def test_test_fraction_is_a_share():
     assert load_config(RLConfig, None, []).data.test_fraction == 0.1
     with pytest.raises(ConfigError, match="config field 'data.test_fraction'"):
         load_config(RLConfig, None, ["data.test_fraction=1.5"])
+
+
+def test_every_float_field_of_every_section_refuses_nan_and_inf():
+    """One pydantic rule (`Section.model_config`, allow_inf_nan=False) covers every float field, present and
+    future, also inside tuples and dicts: each refuses nan and ±inf, naming the field."""
+    import math
+    import typing
+
+    from pydantic import ValidationError
+
+    import vlrl.config as config
+
+    def sections(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from sections(sub)
+
+    checked = 0
+    for section in set(sections(config.Section)):
+        for name, info in section.model_fields.items():
+            if info.annotation is float or set(typing.get_args(info.annotation)) == {float, type(None)}:
+                for bad in (math.nan, math.inf, -math.inf):
+                    with pytest.raises(ValidationError) as err:
+                        section.model_validate({name: bad})
+                    assert any(e["loc"] == (name,) and e["type"] == "finite_number" for e in err.value.errors()), \
+                        f"{section.__name__}.{name} accepted {bad}"
+                checked += 1
+    assert checked >= 25  # 27 today: lr, temperatures, clip ranges, KL and loss coefficients, timeouts, ...
+    with pytest.raises(ConfigError, match=r"config field 'optim.betas.0': Input should be a finite number"):
+        load_config(SFTConfig, None, ["optim.betas=[.nan,0.99]"])  # inside a tuple
+    with pytest.raises(ConfigError, match=r"config field 'optim.module_lr.visual': Input should be a finite number"):
+        load_config(SFTConfig, None, ["optim.module_lr={visual: .inf}"])  # inside a dict
+
+
+def test_seeds_are_bounded_to_numpy_range():
+    for field in ("seed", "data.seed", "model.init_seed"):
+        assert load_config(RLConfig, None, [f"{field}={2**32 - 1}"]) is not None
+        with pytest.raises(ConfigError, match=rf"config field '{field}': Input should be less than 4294967296"):
+            load_config(RLConfig, None, [f"{field}={2**32}"])

@@ -50,11 +50,16 @@ def _run(command: str, recipe, cfg) -> None:
     from vlrl.data import DataError
     from vlrl.data.packing import PackingError
     from vlrl.registry import RegistryError
+    from vlrl.train.checkpoint import CheckpointError
+    from vlrl.train.common import NonFiniteError
 
     try:
         recipe(cfg)
     except PreflightError as err:
         _preflight_failed(command, str(cfg.out), err.report)
+    except (CheckpointError, NonFiniteError) as err:  # a corrupt checkpoint, a failed save, a NaN loss/gradient
+        typer.secho(f"vlrl {command}: {err}", fg="red", err=True)
+        raise typer.Exit(1) from None
     except (DataError, RegistryError, PackingError, FileNotFoundError) as err:
         report = preflight(cfg) if cfg.check.enabled else None  # every bad record, not only the first
         if report is not None and not report.ok:

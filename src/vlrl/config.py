@@ -35,8 +35,16 @@ def _check_stages(cfg, per_stage: tuple[str, ...], described: str) -> None:
     if duplicates:
         raise ValueError(f"stages: duplicate stage name(s) {duplicates}")
 
+# numpy's legacy seeding (np.random.seed, used by seed_everything) takes 0 ≤ seed < 2**32; torch and random take
+# more, so numpy's range is the one every seed field is held to.
+SEED_MAX = 2**32
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float field, also inside lists, tuples and dicts (optim.betas, optim.module_lr),
+    # refuses nan and ±inf at load ("Input should be a finite number", naming the field) — a non-finite learning
+    # rate, temperature or coefficient would otherwise train on NaN and export NaN weights.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # ----------------------------------------------------------------------------------------------- run sections
@@ -53,7 +61,7 @@ class ModelConfig(Section):
         "float32", description="Parameter dtype. bfloat16 on GPUs; float32 on CPU."
     )
     device: str = Field("cpu", description="Torch device for the policy, e.g. 'cpu' or 'cuda'.")
-    init_seed: int = Field(0, description="Seed of the random initialisation of a tiny preset.")
+    init_seed: int = Field(0, ge=0, lt=SEED_MAX, description="Seed of the random initialisation of a tiny preset.")
     min_pixels: int | None = Field(
         None, ge=1, description="Native-resolution lower bound: images with fewer pixels are upscaled (set on the "
         "image processor; Qwen2-VL default 56·56). Unset: the processor's own setting.",
@@ -102,7 +110,7 @@ class DataConfig(Section):
         "(see `test_fraction`).",
     )
     seed: int = Field(
-        0, description="Seed of the procedural data (train and test use separate streams) and of the held-out split of `train`."
+        0, ge=0, lt=SEED_MAX, description="Seed of the procedural data (train and test use separate streams) and of the held-out split of `train`."
     )
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="Bad records in data files: 'raise' stops with file:line; 'skip' skips and counts them."
@@ -167,6 +175,11 @@ class SFTTrainConfig(Section):
     max_samples: int | None = Field(None, ge=1, description="Train on only the first N training samples (a small labelled set).")
     max_seconds: float | None = Field(None, gt=0, description="Wall-clock budget of the stage; stops after the step that crosses it.")
     log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A NaN or infinite loss or gradient norm at a step, found before the optimizer applies it: "
+        "'stop' ends the run there with an error naming the step and which value; 'skip' drops that step's update "
+        "(weights and optimizer untouched) and counts it in train/nonfinite_skipped.",
+    )
     padding_free: bool = Field(
         False, description="Without a packing plan: pack each micro-batch's samples into rows at run time (no padding "
         "between samples, per-sample position ids). With data.packing_plan this is always on.",
@@ -408,6 +421,11 @@ class RLTrainConfig(Section):
     max_samples: int | None = Field(None, ge=1, description="Draw prompts from only the first N training samples.")
     max_seconds: float | None = Field(None, gt=0, description="Wall-clock budget of the stage; stops after the step that crosses it.")
     log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A NaN or infinite loss or gradient norm at a step, found before the optimizer applies it: "
+        "'stop' ends the run there with an error naming the step and which value; 'skip' drops that step's update "
+        "(weights and optimizer untouched) and counts it in train/nonfinite_skipped.",
+    )
     padding_free: bool = Field(
         False, description="Teacher-forced passes (update, π_old, π_ref) pack each micro-batch's sequences into rows "
         "with per-sequence position ids instead of padding them (same values, fewer tokens; vlrl.models.packed).",
@@ -549,7 +567,8 @@ class RunConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Training and held-out data.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     out: str = Field("runs/latest", description="Run directory: config.yaml, metrics.jsonl, checkpoints/, summary.json.")
-    seed: int = Field(0, description="Seed of sampling, shuffling and dropout.")
+    seed: int = Field(0, ge=0, lt=SEED_MAX, description="Seed of sampling, shuffling and dropout (0 ≤ seed < 2**32: "
+                      "numpy's range; with several ranks, rank r uses seed + r).")
     report: ReportConfig = Field(default_factory=ReportConfig, description="Metric sinks, progress and the HTML report.")
     check: CheckConfig = Field(default_factory=CheckConfig, description="The preflight check run before loading weights.")
     dist: DistConfig = Field(default_factory=DistConfig, description="Data-parallel training under torchrun / `vlrl launch`.")
@@ -638,7 +657,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[Base
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.clip_high=0.28")
         parts = key.strip().split(".")
-        value = yaml.safe_load(text) if text.strip() else ""
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as err:  # an unclosed bracket, a !!python tag: one line, never a traceback
+            reason = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({reason})") from None
         if cls is not None and base is not None:  # resolve the value where it sits in a config of its own
             alone: dict[str, Any] = {}
             node = alone

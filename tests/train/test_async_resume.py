@@ -24,7 +24,13 @@ from vlrl.rollout import SamplingParams
 from vlrl.rollout.server import ThreadedEngine
 from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.async_rollout import AsyncRollout, GroupBuffer
-from vlrl.train.checkpoint import Checkpointer, latest_checkpoint
+from vlrl.train.checkpoint import (
+    Checkpointer,
+    latest_checkpoint,
+    read_checkpoint_carry_over,
+    write_checkpoint_carry_over,
+    write_manifest,
+)
 from vlrl.train.common import PromptCursor
 from vlrl.train.distributed import DistContext, check_scalable
 from vlrl.train.runtime import Runtime
@@ -97,7 +103,7 @@ def first_run(tmp_path_factory):
     assert stats["steps"] == 2 and [r["step"] for r in records] == [1, 2]
     checkpoint = latest_checkpoint(root)
     assert checkpoint is not None and checkpoint.name == "step_00000002"
-    carry = torch.load(checkpoint / "carry_over" / "rank_00000.pt", weights_only=False)
+    carry = read_checkpoint_carry_over(checkpoint)
     param = dict(policy.model.named_parameters())[PARAM]
     weights = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     return checkpoint, carry, weights, optimizer.state[param]["exp_avg"].clone()
@@ -146,7 +152,8 @@ def test_a_restored_group_older_than_eta_is_discarded_not_trained(first_run, tmp
     old = carry.rollout.buffer[0]
     for r in old.responses:
         r.weight_version = 0  # staleness 2 at step 2
-    torch.save(carry, target / "carry_over" / "rank_00000.pt")
+    write_checkpoint_carry_over(target, carry)
+    write_manifest(target)  # an edit on purpose: re-seal it
     seen = []
     _, records, stats, state, _ = _run(tmp_path, 3, resume_from=target,
                                        spy=lambda policy, batch, _: seen.extend(t.weight_version for t in batch.trajectories))
@@ -171,7 +178,8 @@ def test_the_two_recipes_refuse_each_others_checkpoints(first_run, tmp_path):
                    runtime=_runtime(policy, tmp_path, resume_from=checkpoint))
     synchronous = tmp_path / checkpoint.name
     shutil.copytree(checkpoint, synchronous)
-    torch.save(SyncState(carry.algorithm, drawn=0, carry=[]), synchronous / "carry_over" / "rank_00000.pt")
+    write_checkpoint_carry_over(synchronous, SyncState(carry.algorithm, drawn=0, carry=[]))
+    write_manifest(synchronous)
     with pytest.raises(ValueError, match="checkpoint.resume: .* synchronous recipe"):
         _run(tmp_path, 3, resume_from=synchronous)
 

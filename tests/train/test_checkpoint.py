@@ -3,6 +3,7 @@ RNG and cursor round trips, and the errors that name what is wrong. (2-rank save
 resuming after SIGKILL: test_resume.py.)"""
 
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -11,7 +12,14 @@ import torch
 from vlrl.config import CheckpointConfig, OptimConfig
 from vlrl.data import generate
 from vlrl.train import checkpoint as ckpt
-from vlrl.train.checkpoint import Checkpointer, latest_checkpoint, resolve_resume, rng_state, set_rng_state
+from vlrl.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    latest_checkpoint,
+    resolve_resume,
+    rng_state,
+    set_rng_state,
+)
 from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
 from vlrl.train.distributed import DistContext
 
@@ -74,11 +82,17 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_the_latest(tmp_path,
         raise OSError("disk full")  # the shards are written, trainer_state.json is not
 
     monkeypatch.setattr(ckpt, "_write_durably", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=r"step 2: writing .*step_00000002.partial/trainer_state.json failed: "
+                                              r"OSError: disk full; the previous checkpoint .*step_00000001 is kept"):
         _save(checkpointer, 2, model, optimizer, scheduler)
-    assert (tmp_path / "step_00000002.partial" / "dcp").is_dir()
+    assert not (tmp_path / "step_00000002.partial").exists()  # an exception cleans up
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
     monkeypatch.undo()
+    # a kill (no clean-up) leaves a partial directory, and a step directory without a manifest: neither counts
+    (tmp_path / "step_00000002.partial" / "dcp").mkdir(parents=True)
+    (tmp_path / "step_00000003" / "dcp").mkdir(parents=True)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    shutil.rmtree(tmp_path / "step_00000003")
     assert _save(checkpointer, 2, model, optimizer, scheduler) == tmp_path / "step_00000002"  # the leftover is replaced
     assert not (tmp_path / "step_00000002.partial").exists()
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000002"
@@ -97,9 +111,10 @@ def test_only_the_last_keep_checkpoints_stay(tmp_path):
 def test_resolve_resume(tmp_path):
     assert resolve_resume(CheckpointConfig(), tmp_path) is None
     assert resolve_resume(CheckpointConfig(resume="auto"), tmp_path) is None  # nothing yet: a fresh start
-    (tmp_path / "checkpoints" / "step_00000007").mkdir(parents=True)  # incomplete: no trainer_state.json
-    assert resolve_resume(CheckpointConfig(resume="auto"), tmp_path) is None
-    with pytest.raises(FileNotFoundError, match="checkpoint.resume: .* is not a complete checkpoint"):
+    (tmp_path / "checkpoints" / "step_00000007").mkdir(parents=True)  # incomplete: no manifest.json
+    with pytest.raises(CheckpointError, match="(?s)no intact checkpoint under .*step_00000007 is incomplete: no manifest"):
+        resolve_resume(CheckpointConfig(resume="auto"), tmp_path)  # not a silent fresh start over a run's leftovers
+    with pytest.raises(CheckpointError, match="checkpoint.resume: .*nowhere is not a directory"):
         resolve_resume(CheckpointConfig(resume=str(tmp_path / "nowhere")), tmp_path)
 
 

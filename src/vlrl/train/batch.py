@@ -128,6 +128,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         apply_behaviour_weight=apply_behaviour_weight and not applies_behaviour_weight(loss),
         padding_free=train.padding_free,
         skip_zero_advantage=train.skip_zero_advantage,
+        on_nonfinite=train.on_nonfinite,
     )
     if train.skip_zero_advantage:
         check_zero_at_zero_advantage(loss_fn, algo.policy_loss)

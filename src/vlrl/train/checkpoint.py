@@ -1,5 +1,6 @@
 """Resumable checkpoints: weights and optimizer sharded with `torch.distributed.checkpoint` (DCP), the loop's
-state in ``trainer_state.json``, an optional export in the transformers layout; atomic by rename.
+state in ``trainer_state.json`` and ``carry_over/``, an optional export in the transformers layout, a manifest of
+checksums; atomic by rename, verified before use.
 
 Layout of ``OUT/checkpoints/step_00000012/``:
 
@@ -7,16 +8,25 @@ Layout of ``OUT/checkpoints/step_00000012/``:
                          so a checkpoint written by 2 ranks loads on 1 and vice versa (any DDP/FSDP2 mix).
     trainer_state.json   stage, step, data cursor, scheduler, the RNG states of every rank, the position of
                          metrics.jsonl
-    carry_over/          each rank's loop state beyond the weights (torch.save of the recipe's typed record,
-                         `vlrl.train.state.SyncState` / `AsyncState`): the RL shapers' states (e.g. an EMA
-                         baseline), dynamic-sampling leftovers, the critic; the async recipe's undrained groups,
-                         re-queued and in-flight draws and ticket ledger
+    carry_over/          each rank's loop state beyond the weights, the recipe's typed record
+                         (`vlrl.train.state.SyncState` / `AsyncState`) as rank_N.json + rank_N.safetensors
+                         (`vlrl.train.carry`): the RL shapers' states (e.g. an EMA baseline), dynamic-sampling
+                         leftovers, the critic; the async recipe's undrained groups, re-queued and in-flight draws
+                         and ticket ledger
     hf/                  (checkpoint.export_hf) config + safetensors + tokenizer + image processor, which plain
                          transformers, vLLM and SGLang load
+    manifest.json        size and sha256 of every other file, written last
 
 A save fills ``step_….partial/`` and renames it once every rank has written its shards (DCP's save ends with a
-collective) and rank 0 has written and fsynced ``trainer_state.json``. A crash during a save therefore leaves
-the previous checkpoint the latest complete one: `latest_checkpoint` never returns a partial directory.
+collective) and rank 0 has written and fsynced ``trainer_state.json`` and then ``manifest.json``. A crash or a
+failed write (a full disk) during a save therefore leaves the previous checkpoint the latest complete one; the
+error names the file being written and the cause.
+
+Trust: loading runs no code from the checkpoint. The carry-over is safetensors + JSON decoded into an allow-list
+of record types; DCP's ``.metadata`` (a pickle) is read by an unpickler that admits only DCP's own metadata
+classes, and DCP's non-tensor values (optimizer hyper-parameters) by ``torch.load(weights_only=True)``. Before a
+checkpoint is used every file is checked against the manifest: a missing, truncated, altered or unlisted file
+is reported by name, and ``checkpoint.resume=auto`` falls back to the previous complete checkpoint.
 
 Exactness: restoring weights, optimizer moments and step counts, scheduler, data cursor and every rank's RNG
 (python, numpy, torch CPU and CUDA) makes the resumed steps identical to the uninterrupted run's, as long as
@@ -26,9 +36,11 @@ the world size is the same (with a different one the data order is kept; the sam
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -42,37 +54,116 @@ import numpy as np
 import torch
 
 from vlrl.config import CheckpointConfig
+from vlrl.train.carry import read_carry_over, write_carry_over
 from vlrl.train.distributed import DistContext, unwrap
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 2  # 1: pickled carry-over, no manifest (refused)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used or written; the message names the file and the cause."""
 
 
 # ----------------------------------------------------------------------------------------------- finding checkpoints
-def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
-    """The complete checkpoint (``step_N`` with a trainer_state.json) of the highest step, or None."""
-    root = Path(checkpoint_dir)
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``step_N`` directories under ``root``, newest first."""
     if not root.is_dir():
-        return None
-    complete = [(int(m.group(1)), p) for p in root.iterdir()
-                if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file() and (p / "dcp").is_dir()]
-    return max(complete)[1] if complete else None
+        return []
+    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()),
+                  reverse=True)
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """The complete checkpoint (``step_N`` with a manifest, i.e. a save that finished) of the highest step, or
+    None. Not verified: see `verify_checkpoint` / `resolve_resume`."""
+    return next((p for _, p in _step_dirs(Path(checkpoint_dir)) if (p / MANIFEST_FILE).is_file()), None)
 
 
 def resolve_resume(cfg: CheckpointConfig, out: str | Path) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` asks for: ``auto`` → the latest under OUT/checkpoints (None when
-    there is none: a fresh start), a directory → that checkpoint, unset → None."""
+    """The checkpoint ``checkpoint.resume`` asks for, verified against its manifest: ``auto`` → the newest intact
+    one under OUT/checkpoints (a corrupt or incomplete newer one is reported and skipped; None when there is
+    none at all: a fresh start), a directory → that checkpoint (an error if it is not intact), unset → None."""
     if cfg.resume is None:
         return None
-    if cfg.resume == "auto":
-        return latest_checkpoint(Path(out) / "checkpoints")
-    path = Path(cfg.resume)
-    if not (path / STATE_FILE).is_file() or not (path / "dcp").is_dir():
-        raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no {STATE_FILE} and dcp/)")
-    return path
+    if cfg.resume != "auto":
+        path = Path(cfg.resume)
+        verify_checkpoint(path, what="checkpoint.resume")
+        return path
+    root = Path(out) / "checkpoints"
+    problems = []
+    for _, path in _step_dirs(root):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as err:
+            problems.append(str(err))
+            log.warning("%s; skipping it", err)
+            continue
+        if problems:
+            log.warning("resuming from %s, the newest intact checkpoint", path)
+        return path
+    if problems:
+        raise CheckpointError(f"checkpoint.resume=auto: no intact checkpoint under {root}:\n  " + "\n  ".join(problems))
+    return None
+
+
+def verify_checkpoint(path: str | Path, *, what: str = "checkpoint") -> dict[str, Any]:
+    """Check every file of checkpoint ``path`` against its manifest (present, size, sha256; no unlisted file) and
+    read its trainer state. Raises `CheckpointError` naming the first bad file and why; returns the state."""
+    path = Path(path)
+    manifest_file = path / MANIFEST_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"{what}: {path} is not a directory")
+    if not manifest_file.is_file():
+        raise CheckpointError(f"{what}: {path} is incomplete: no {MANIFEST_FILE} (its save did not finish, or it was "
+                              f"written by a vlrl without manifests)")
+    try:
+        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        assert isinstance(files, dict) and manifest.get("format") == FORMAT_VERSION
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as err:
+        raise CheckpointError(f"{manifest_file}: unreadable or not a format-{FORMAT_VERSION} manifest ({err})") from None
+    on_disk = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST_FILE}
+    unlisted = sorted(on_disk - set(files))
+    if unlisted:
+        raise CheckpointError(f"{path / unlisted[0]}: not listed in {MANIFEST_FILE} (not written by the save)")
+    for name, entry in sorted(files.items()):
+        file = path / name
+        if name not in on_disk:
+            raise CheckpointError(f"{file}: missing (listed in {MANIFEST_FILE})")
+        size = file.stat().st_size
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry.get('bytes')} (truncated or altered)")
+        if _sha256(file) != entry.get("sha256"):
+            raise CheckpointError(f"{file}: sha256 differs from the manifest (the file changed after the save)")
+    return read_trainer_state(path)
+
+
+def write_manifest(path: str | Path) -> Path:
+    """Checksum every file of checkpoint ``path`` into ``manifest.json`` (written to a temporary name, fsynced,
+    renamed: a manifest is either complete or absent). The save calls it last; a test that edits a checkpoint
+    on purpose calls it again."""
+    path = Path(path)
+    files = {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(path.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
+    temporary = path / (MANIFEST_FILE + ".tmp")
+    _write_durably(temporary, json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1) + "\n")
+    os.replace(temporary, path / MANIFEST_FILE)
+    _fsync_dir(path)
+    return path / MANIFEST_FILE
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def metrics_offset(resume_from: Path | None) -> int | None:
@@ -86,11 +177,94 @@ def read_trainer_state(path: str | Path) -> dict[str, Any]:
     file = Path(path) / STATE_FILE
     try:
         state = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{file}: unreadable trainer state ({err})") from err
-    if state.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{file}: format {state.get('format')!r}, this vlrl reads format {FORMAT_VERSION}")
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file}: unreadable trainer state ({err})") from err
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        found = state.get("format") if isinstance(state, dict) else None
+        raise CheckpointError(f"{file}: format {found!r}, this vlrl reads format {FORMAT_VERSION}")
     return state
+
+
+# ----------------------------------------------------------------------------------------------- carry-over files
+def carry_over_files(path: str | Path, rank: int = 0) -> tuple[Path, Path]:
+    """(JSON, safetensors) of ``rank``'s carry-over in checkpoint ``path``."""
+    stem = Path(path) / "carry_over" / f"rank_{rank:05d}"
+    return stem.with_suffix(".json"), stem.with_suffix(".safetensors")
+
+
+def read_checkpoint_carry_over(path: str | Path, rank: int = 0) -> Any:
+    """``rank``'s carry-over state of checkpoint ``path`` (None when it holds none)."""
+    json_path, tensors_path = carry_over_files(path, rank)
+    return read_carry_over(json_path, tensors_path) if json_path.is_file() else None
+
+
+def write_checkpoint_carry_over(path: str | Path, value: Any, rank: int = 0) -> None:
+    """Write ``rank``'s carry-over state into checkpoint directory ``path`` (no manifest update)."""
+    json_path, tensors_path = carry_over_files(path, rank)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    write_carry_over(value, json_path, tensors_path)
+    for file in (json_path, tensors_path):
+        _fsync_file(file)
+
+
+# ----------------------------------------------------------------------------------------------- DCP without pickle
+_DCP_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: admit only DCP's metadata classes, torch.Size, dtypes and layouts."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's DCP metadata")
+
+
+def _safe_dcp_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            file = self._get_metadata_path(kwargs.get("rank"))
+            try:
+                with open(file, "rb") as handle:
+                    metadata = _MetadataUnpickler(handle).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
+                raise CheckpointError(f"{file}: refused ({err})") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def _safe_load_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafePlanner(DefaultLoadPlanner):
+        """DCP's default planner unpickles non-tensor values with weights_only=False; these are numbers, strings,
+        tuples and lists (optimizer hyper-parameters), which weights_only=True reads."""
+
+        def load_bytes(self, read_item, value) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    # partial: parameters that never had a gradient have no optimizer state in the checkpoint
+    return SafePlanner(allow_partial_load=True)
 
 
 # ----------------------------------------------------------------------------------------------- RNG states
@@ -171,36 +345,83 @@ class Checkpointer:
     # --- save
     def save(self, step: int, *, stage: str, module: torch.nn.Module, optimizer, scheduler,
              cursor: dict[str, int], carry_over: Any = None) -> Path:
-        """Write checkpoint ``step`` atomically (all ranks call this)."""
+        """Write checkpoint ``step`` atomically (all ranks call this). A failed write raises `CheckpointError`
+        naming the file and the cause (e.g. ``No space left on device``); the partial directory is removed and
+        the previous checkpoint stays the latest."""
+        final = self.root / f"step_{step:08d}"
+        partial = self.root / f"step_{step:08d}.partial"
+        writing = _Writing()
+        try:
+            error = None
+            if self.ctx.is_main:
+                shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+                try:
+                    with writing(partial / "carry_over"):
+                        (partial / "carry_over").mkdir(parents=True)
+                except OSError as err:
+                    error = err
+            if self.ctx.any(error is not None):  # also the barrier: the directory exists for every rank
+                raise error or CheckpointError(f"checkpoint step {step}: rank 0 could not create {partial}")
+            self._write_ranks(partial, writing, module, optimizer, carry_over)
+            rngs = self.ctx.gather_objects(rng_state())
+            if self.cfg.export_hf and self.policy is not None:
+                with writing(partial / "hf"):
+                    export_hf(self.policy, module, partial / "hf", self.ctx)
+            failed = False
+            if self.ctx.is_main:
+                state = {"format": FORMAT_VERSION, "stage": stage, "step": step, "world_size": self.ctx.world_size,
+                         "cursor": cursor, "scheduler": scheduler.state_dict(), "rng": rngs,
+                         "metrics": self._metrics_position()}
+                try:
+                    with writing(partial / STATE_FILE):
+                        _write_durably(partial / STATE_FILE, json.dumps(state) + "\n")
+                    with writing(partial / MANIFEST_FILE):
+                        write_manifest(partial)
+                    with writing(final):
+                        if final.exists():  # re-running a step from an older checkpoint: replace the newer leftovers
+                            shutil.rmtree(final)
+                        os.replace(partial, final)
+                        _fsync_dir(self.root)
+                except BaseException:
+                    failed = True
+                    raise
+                finally:
+                    self.ctx.any(failed)  # the other ranks wait for this verdict below
+                self._prune(keep=final)
+            elif self.ctx.any(False):
+                raise CheckpointError(f"checkpoint step {step}: rank 0 failed to write it (see its error)")
+        except BaseException as err:
+            if self.ctx.is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+            if isinstance(err, CheckpointError) or not writing.file:
+                raise
+            previous = latest_checkpoint(self.root)
+            raise CheckpointError(
+                f"checkpoint step {step}: writing {writing.file} failed: {_cause(err, self.root)}; "
+                + (f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists")
+            ) from err
+        self.ctx.barrier()
+        return final
+
+    def _write_ranks(self, partial: Path, writing: _Writing, module: torch.nn.Module, optimizer, carry_over: Any) -> None:
+        """This rank's carry-over and DCP shard (DCP's save is a collective). Every rank learns whether any
+        failed before the collective, so none waits forever for a rank that gave up."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        final = self.root / f"step_{step:08d}"
-        partial = self.root / f"step_{step:08d}.partial"
-        if self.ctx.is_main:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
-            (partial / "carry_over").mkdir(parents=True)
-        self.ctx.barrier()
-        torch.save(carry_over, partial / "carry_over" / f"rank_{self.ctx.rank:05d}.pt")
+        error: BaseException | None = None
+        try:
+            with writing(carry_over_files(partial, self.ctx.rank)[0]):
+                write_checkpoint_carry_over(partial, carry_over, self.ctx.rank)
+        except BaseException as err:
+            error = err
+        if self.ctx.any(error is not None):
+            raise error or CheckpointError("another rank failed to write its carry-over state (see its error)")
         model_sd, optim_sd = get_state_dict(module, optimizer)
-        with _single_process_quiet():
+        with writing(partial / "dcp"), _single_process_quiet():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial / "dcp", no_dist=not self.ctx.enabled)
-        rngs = self.ctx.gather_objects(rng_state())
-        if self.cfg.export_hf and self.policy is not None:
-            export_hf(self.policy, module, partial / "hf", self.ctx)
-        if self.ctx.is_main:
-            state = {
-                "format": FORMAT_VERSION, "stage": stage, "step": step, "world_size": self.ctx.world_size,
-                "cursor": cursor, "scheduler": scheduler.state_dict(), "rng": rngs, "metrics": self._metrics_position(),
-            }
-            _write_durably(partial / STATE_FILE, json.dumps(state) + "\n")
-            if final.exists():  # re-running a step from an older checkpoint: replace the newer leftovers
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            _fsync_dir(self.root)
-            self._prune(keep=final)
-        self.ctx.barrier()
-        return final
+        for shard in (partial / "dcp").glob(f"__{self.ctx.rank}_*"):
+            _fsync_file(shard)
 
     def _metrics_position(self) -> dict[str, Any] | None:
         if self.metrics_path is None or not self.metrics_path.exists():
@@ -223,17 +444,17 @@ class Checkpointer:
         path = Path(path)
         state = read_trainer_state(path)
         if state["stage"] != stage:
-            raise ValueError(f"{path}: a checkpoint of stage {state['stage']!r}, cannot resume stage {stage!r}")
-        saved = set(dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata)
+            raise CheckpointError(f"{path}: a checkpoint of stage {state['stage']!r}, cannot resume stage {stage!r}")
+        reader = _safe_dcp_reader(path / "dcp")
+        saved = set(reader.read_metadata().state_dict_metadata)
         model_sd, optim_sd = get_state_dict(module, optimizer)
         missing = [k for k in model_sd if f"model.{k}" not in saved]
         if missing:
-            raise ValueError(f"{path}: the checkpoint lacks {len(missing)} weight(s) of this model, e.g. {missing[:3]}: "
+            raise CheckpointError(f"{path}: the checkpoint lacks {len(missing)} weight(s) of this model, e.g. {missing[:3]}: "
                              "it was written for a different model")
         target = {"model": model_sd, "optim": optim_sd}
-        # partial: parameters that never had a gradient have no optimizer state in the checkpoint
         with _single_process_quiet():
-            dcp.load(target, checkpoint_id=path / "dcp", planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+            dcp.load(target, storage_reader=_safe_dcp_reader(path / "dcp"), planner=_safe_load_planner(),
                      no_dist=not self.ctx.enabled)
         set_state_dict(module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
         self._drop_unsaved_optimizer_state(module, optimizer, saved)
@@ -244,10 +465,17 @@ class Checkpointer:
                         "is not the uninterrupted run's", path, state["world_size"], self.ctx.world_size)
         if self.ctx.rank < len(rngs):
             set_rng_state(rngs[self.ctx.rank])
-        carry = path / "carry_over" / f"rank_{self.ctx.rank:05d}.pt"
-        # the run's own file, holding plain data the loop wrote (shaper states may be any picklable object)
-        state["carry_over"] = torch.load(carry, weights_only=False) if carry.is_file() else None
+        state["carry_over"] = read_checkpoint_carry_over(path, self.ctx.rank)
+        self._cut_metrics(state)
         return state
+
+    def _cut_metrics(self, state: dict[str, Any]) -> None:
+        """Once the load succeeded: cut metrics.jsonl back to where the checkpoint left it (rank 0)."""
+        position = state.get("metrics") or {}
+        if not self.ctx.is_main or self.metrics_path is None or not self.metrics_path.exists():
+            return
+        with open(self.metrics_path, "r+b") as handle:
+            handle.truncate(int(position.get("bytes", 0)))
 
     @staticmethod
     def _drop_unsaved_optimizer_state(module: torch.nn.Module, optimizer, saved: set[str]) -> None:
@@ -266,10 +494,46 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
+class _Writing:
+    """Which file a save is writing (``with writing(file):``), for the error message when a write fails."""
+
+    def __init__(self) -> None:
+        self.file = ""
+
+    @contextmanager
+    def __call__(self, file: Path) -> Iterator[None]:
+        self.file = str(file)
+        yield
+
+
+def _cause(err: BaseException, root: Path) -> str:
+    """The operating system's reason for a failed write (errno and text), found along the exception chain;
+    DCP and torch.save wrap it (``enforce fail at inline_container.cc``): then a full disk is recognised by
+    the free space left."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return f"[Errno {seen.errno}] {seen.strerror}"
+        seen = seen.__cause__ or seen.__context__
+    text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    try:
+        free = shutil.disk_usage(root if root.exists() else root.parent).free
+    except OSError:
+        return text
+    if free < 1 << 20:
+        return f"No space left on device ({free} bytes free on {root}'s file system; {text})"
+    return text
+
+
 def _write_durably(path: Path, text: str) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
         handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
         os.fsync(handle.fileno())
 
 

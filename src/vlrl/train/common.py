@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,17 +44,55 @@ def make_optimizer(
     return optimizer, scheduler
 
 
-def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float) -> float:
-    """Clip the global gradient norm (if > 0), step, zero the gradients; return the pre-clip norm."""
+class NonFiniteError(FloatingPointError):
+    """A NaN or infinite loss or gradient norm, found before the optimizer applied it (the gradients are
+    cleared, the weights and optimizer state untouched). ``which`` is "loss" or "grad norm"."""
+
+    def __init__(self, which: str, value: float, where: str = "") -> None:
+        self.which, self.value = which, value
+        super().__init__(f"{where + ': ' if where else ''}the {which} is {value} — the run stopped before the optimizer "
+                         "applied it (train.on_nonfinite=skip drops such updates instead; a learning rate too high "
+                         "or a loss on empty masks are the usual causes)")
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float, *, loss: float | None = None,
+                  ctx: Any = None) -> float:
+    """Clip the global gradient norm (if > 0), step, zero the gradients; return the pre-clip norm.
+
+    The one place an optimizer step happens (SFT, the RL update of both recipes, the critic). A non-finite
+    ``loss`` (the step's, when given) or gradient norm raises `NonFiniteError` instead, with the gradients
+    cleared and nothing applied; ranks agree on it (``ctx``, a `DistContext`), so all raise at the same step."""
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
+    value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor over all ranks
+    flags = [0.0 if loss is None or math.isfinite(loss) else 1.0, 0.0 if math.isfinite(value) else 1.0]
+    if ctx is not None:
+        flags = ctx.all_reduce_sum(flags)
+    if flags[0] or flags[1]:
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError("loss", loss if loss is not None else math.nan) if flags[0] \
+            else NonFiniteError("grad norm", value)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor over all ranks
+    return value
+
+
+def step_or_skip(model: torch.nn.Module, optimizer, scheduler, grad_clip: float, *, on_nonfinite: str, where: str,
+                 loss: float | None = None, ctx: Any = None) -> float | None:
+    """`clip_and_step` under ``train.on_nonfinite``: the gradient norm; or, for a non-finite loss or gradient,
+    ``stop`` raises `NonFiniteError` naming ``where`` (e.g. "sft step 12") and the value, ``skip`` returns
+    None — the update is dropped, the scheduler still advances (the learning rate stays a function of the step)."""
+    try:
+        return clip_and_step(model, optimizer, scheduler, grad_clip, loss=loss, ctx=ctx)
+    except NonFiniteError as err:
+        if on_nonfinite != "skip":
+            raise NonFiniteError(err.which, err.value, where) from None
+        scheduler.step()
+        return None
 
 
 def reward_names_check(sample: Sample) -> None:
@@ -215,16 +254,17 @@ class PromptCursor:
 
 def prepare_run_dir(out: str | Path, config: Section, *, keep_metrics_bytes: int | None = None) -> tuple[Path, MetricsLogger]:
     """Create the run directory, write the resolved ``config.yaml``, open ``metrics.jsonl`` — a fresh one, or
-    (resuming) the existing one cut back to ``keep_metrics_bytes``, where the checkpoint left it."""
+    (resuming) the existing one, whose first ``keep_metrics_bytes`` are what the checkpoint saw: the clock goes
+    on from their last record. The file is cut back to them only once the checkpoint has loaded
+    (`vlrl.train.checkpoint.Checkpointer.load`), so a resume that fails leaves it whole."""
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     metrics = run_dir / "metrics.jsonl"
     elapsed = 0.0
     if keep_metrics_bytes is not None and metrics.exists():
-        with open(metrics, "r+b") as handle:
-            handle.truncate(keep_metrics_bytes)
-        lines = metrics.read_text().splitlines()
+        with open(metrics, "rb") as handle:
+            lines = handle.read(keep_metrics_bytes).decode("utf-8", errors="replace").splitlines()
         elapsed = float(json.loads(lines[-1]).get("time", 0.0)) if lines else 0.0
     elif metrics.exists():
         metrics.unlink()

@@ -21,7 +21,7 @@ from vlrl.algos import aggregate, masked_mean
 from vlrl.algos.losses import value_loss
 from vlrl.config import CriticConfig, OptimConfig
 from vlrl.models import Policy, collate
-from vlrl.train.common import clip_and_step, make_optimizer
+from vlrl.train.common import make_optimizer, step_or_skip
 
 
 class ValueModel(torch.nn.Module):
@@ -88,8 +88,10 @@ class Critic:
             stats["critic/values_mean"].append(float(masked_mean(values.detach(), mask)))
         return stats
 
-    def step(self) -> float:
-        return clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip)
+    def step(self, *, on_nonfinite: str = "stop", where: str = "critic") -> float | None:
+        """The critic's optimizer step (`vlrl.train.common.step_or_skip`: None when a non-finite one is skipped)."""
+        return step_or_skip(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip, on_nonfinite=on_nonfinite,
+                            where=where)
 
     def state_dict(self) -> dict[str, Any]:
         """Weights, optimizer and scheduler: what a resumable checkpoint keeps of the critic."""

@@ -33,7 +33,7 @@ from vlrl.models import Policy
 from vlrl.models.adapters import VisionInputs
 from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
-from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
+from vlrl.train.common import PromptCursor, make_optimizer, step_or_skip
 from vlrl.train.modules import restore_trainable, set_trainable
 from vlrl.train.runtime import Runtime
 
@@ -108,12 +108,17 @@ def train_sft(
                      for u in rt.ctx.shard(cursor.next(train.batch_size), what="train.batch_size")]
             total_loss, processed, real = sft_backward(policy, rt, batch, train.micro_batch_size, packed=packed,
                                                        planned=plan is not None)
-            grad_norm = clip_and_step(model, optimizer, scheduler, stage.optim.grad_clip)
+            grad_norm = step_or_skip(model, optimizer, scheduler, stage.optim.grad_clip, loss=total_loss, ctx=rt.ctx,
+                                     on_nonfinite=train.on_nonfinite, where=f"{stage_name} step {step + 1}")
             step += 1
             seconds = time.time() - step_start
-            last = {"sft/loss": total_loss, "sft/grad_norm": grad_norm, "perf/step_seconds": seconds,
+            last = {"sft/loss": total_loss, "perf/step_seconds": seconds,
                     "perf/tokens_per_s": real / max(seconds, 1e-9), "perf/padding_frac": 1 - real / max(processed, 1),
                     "sft/lr": scheduler.get_last_lr()[0], "sft/trainable_params": trainable}
+            if grad_norm is not None:
+                last["sft/grad_norm"] = grad_norm
+            if train.on_nonfinite == "skip":
+                last["train/nonfinite_skipped"] = int(grad_norm is None)  # this step's update dropped
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("sft/loss", "sft/grad_norm", "perf/step_seconds"))
             rt.after_step(step, stage_name, optimizer, scheduler, cursor)

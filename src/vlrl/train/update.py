@@ -30,7 +30,7 @@ from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, masked_mean, no
 from vlrl.algos.staleness import behaviour_weight_stats, behaviour_weights, logp_drift
 from vlrl.models import Policy
 from vlrl.models.packed import sequence_logprobs
-from vlrl.train.common import clip_and_step
+from vlrl.train.common import step_or_skip
 from vlrl.train.runtime import Runtime
 
 
@@ -64,6 +64,7 @@ class UpdateStats:
     drift_sum: float = 0.0  # Σ |log π_behave − log π_old| over tokens sampled by the trainer's current weights
     drift_tokens: int = 0
     behaviour_weight_cap: float = 5.0
+    skipped: int | None = None  # optimizer steps dropped for a non-finite loss/grad norm (None: on_nonfinite=stop)
 
     def add(self, name: str, value: float) -> None:
         self.values[name].append(float(value))
@@ -74,6 +75,8 @@ class UpdateStats:
         self.behaviour_weights += other.behaviour_weights
         self.drift_sum += other.drift_sum
         self.drift_tokens += other.drift_tokens
+        if other.skipped is not None:
+            self.skipped = max(self.skipped or 0, other.skipped)  # the ranks agree: the same count on each
 
     @classmethod
     def merge(cls, parts: Sequence[UpdateStats]) -> UpdateStats:
@@ -91,6 +94,8 @@ class UpdateStats:
             out[f"policy/behaviour_weight_{name}"] = float(value)
         if self.drift_tokens:
             out["policy/logp_drift"] = self.drift_sum / self.drift_tokens
+        if self.skipped is not None:
+            out["train/nonfinite_skipped"] = float(self.skipped)
         return out
 
 
@@ -111,6 +116,7 @@ class UpdateSettings:
     apply_behaviour_weight: bool = False  # multiply L_t by w_t = min(π_prox / π_behave, cap) (async recipe)
     padding_free: bool = False  # pack each micro-batch into rows, no padding between sequences (vlrl.models.packed)
     skip_zero_advantage: bool = False  # leave rows with Â = 0 everywhere out of the forward/backward (loss 0 there)
+    on_nonfinite: str = "stop"  # train.on_nonfinite: a NaN/Inf loss or grad norm stops the run, or its update is skipped
 
 
 def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, optimizer, scheduler, *, seed: int,
@@ -125,7 +131,8 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
     rt = runtime or Runtime.single(policy.model)
     model = rt.module
     model.train()
-    stats = UpdateStats(behaviour_weight_cap=settings.behaviour_weight_cap)
+    stats = UpdateStats(behaviour_weight_cap=settings.behaviour_weight_cap,
+                        skipped=0 if settings.on_nonfinite == "skip" else None)
     B = len(batch.trajectories)
     generator = torch.Generator().manual_seed(seed * 7919 + step)
     skippable = zero_advantage_rows(batch, settings, world_size=rt.ctx.world_size)  # (B,) bool
@@ -136,13 +143,21 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
             normaliser = rt.global_normaliser(normaliser_for(settings.loss_agg, batch.loss_mask[rows]))  # all rows
             trained = [r for r in rows if not skippable[r]] or rows[:1]  # ≥ 1 row: AdamW steps on a real gradient
             stats.add("policy/skipped_rows_frac", 1 - len(trained) / max(len(rows), 1))
-            stats.extend(accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt))
-            stats.add("policy/grad_norm", clip_and_step(model, optimizer, scheduler, settings.grad_clip))
+            part = accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt)
+            stats.extend(part)
+            grad_norm = step_or_skip(model, optimizer, scheduler, settings.grad_clip, loss=sum(part.values["policy/loss"]),
+                                     ctx=rt.ctx, on_nonfinite=settings.on_nonfinite, where=f"rl step {step + 1}")
+            if grad_norm is not None:
+                stats.add("policy/grad_norm", grad_norm)
+            if settings.on_nonfinite == "skip":
+                stats.skipped += grad_norm is None
             if critic is not None:
                 for name, values in critic.accumulate(batch, rows, micro_batch_size=settings.micro_batch_size,
                                                       loss_agg=settings.loss_agg, normaliser=normaliser).items():
                     stats.values[name].extend(values)
-                stats.add("critic/grad_norm", critic.step())
+                critic_norm = critic.step(on_nonfinite=settings.on_nonfinite, where=f"rl step {step + 1} (critic)")
+                if critic_norm is not None:
+                    stats.add("critic/grad_norm", critic_norm)
     model.eval()
     return stats
 

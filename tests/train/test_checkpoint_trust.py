@@ -1,0 +1,222 @@
+"""What a checkpoint is trusted with (README "Security model"): loading runs no code from it, every file is
+checked against the manifest before use, a corrupt or incomplete newest checkpoint is reported and the previous
+one used, a save that fails (a full disk) names the file and the cause and keeps the previous checkpoint.
+The CLI tests replay the probes of issue 22 through `vlrl sft`."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vlrl.config import CheckpointConfig
+from vlrl.train.carry import CarryOverError
+from vlrl.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    carry_over_files,
+    read_checkpoint_carry_over,
+    resolve_resume,
+    verify_checkpoint,
+    write_manifest,
+)
+from vlrl.train.distributed import DistContext
+
+from .dist_helpers import SFT_ARGS, quiet_env
+from .test_checkpoint import _fresh, _save, _train
+
+
+class Payload:
+    """Unpickling this runs ``open(marker, "w")``: the probe of issue 22 (a crafted carry_over/*.pt)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _two_checkpoints(root, carry_over=None):
+    model, optimizer, scheduler = _fresh()
+    checkpointer = Checkpointer(root / "checkpoints", CheckpointConfig(every=1, keep=3), DistContext())
+    paths = []
+    for step in (1, 2):
+        _train(model, optimizer, scheduler, 1)
+        paths.append(_save(checkpointer, step, model, optimizer, scheduler, carry_over=carry_over))
+    return checkpointer, paths, (model, optimizer, scheduler)
+
+
+def _flip(file, offset=None):
+    data = bytearray(file.read_bytes())
+    k = len(data) // 2 if offset is None else offset
+    data[k] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def test_a_malicious_pickle_in_any_file_that_is_read_is_refused_without_running(tmp_path):
+    """The attacker may even rewrite the manifest: the pickle is still never executed — the carry-over is JSON +
+    safetensors, the old .pt name is never opened, and DCP's .metadata goes through an allow-list unpickler."""
+    carry = {"ema": torch.tensor([0.5]), "steps": (1, 2)}
+    checkpointer, (_, path), _ = _two_checkpoints(tmp_path, carry_over=carry)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(Payload(marker))
+    json_file, tensors_file = carry_over_files(path)
+
+    def load():
+        model, optimizer, scheduler = _fresh(seed=1)  # into a fresh model, as a resumed run does
+        return checkpointer.load(path, stage="sft", module=model, optimizer=optimizer, scheduler=scheduler)
+
+    # the probe as reported: carry_over/rank_00000.pt beside the real files
+    (path / "carry_over" / "rank_00000.pt").write_bytes(payload)
+    with pytest.raises(CheckpointError, match=r"rank_00000.pt: not listed in manifest.json"):
+        verify_checkpoint(path)
+    write_manifest(path)  # re-sealed by the attacker: the file is simply never opened
+    assert load()["carry_over"]["steps"] == (1, 2) and not marker.exists()
+    (path / "carry_over" / "rank_00000.pt").unlink()
+
+    for target, error, message in ((json_file, CarryOverError, "rank_00000.json: unreadable"),
+                                   (tensors_file, CarryOverError, "rank_00000.safetensors: unreadable"),
+                                   (path / "dcp" / ".metadata", CheckpointError, r"\.metadata: refused \(.*open is not allowed")):
+        original = target.read_bytes()
+        target.write_bytes(payload)
+        with pytest.raises(CheckpointError, match=f"{target.name}: (sha256 differs|.* bytes, the manifest says)"):  # caught by the manifest
+            verify_checkpoint(path)
+        write_manifest(path)
+        with pytest.raises(error, match=message):  # and refused by the reader itself
+            load()
+        assert not marker.exists(), f"a pickle in {target.name} ran"
+        target.write_bytes(original)
+        write_manifest(path)
+    assert torch.equal(load()["carry_over"]["ema"], torch.tensor([0.5]))
+
+
+def test_flipped_bytes_in_any_file_are_detected_and_auto_resumes_from_the_previous_one(tmp_path, caplog):
+    _, (first, second), _ = _two_checkpoints(tmp_path, carry_over={"ema": torch.tensor([0.5])})
+    files = sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
+    # dcp shard + metadata, carry-over json + safetensors, trainer state, manifest
+    assert {f.parent.name or f.name for f in files} >= {"dcp", "carry_over", "trainer_state.json", "manifest.json"}
+    for name in files:
+        original = (second / name).read_bytes()
+        _flip(second / name)
+        with pytest.raises(CheckpointError, match=rf"{name.name}"):
+            verify_checkpoint(second)
+        caplog.clear()
+        assert resolve_resume(CheckpointConfig(resume="auto"), tmp_path) == first
+        assert str(name.name) in caplog.text and "skipping it" in caplog.text
+        with pytest.raises(CheckpointError, match=rf"{name.name}"):  # asked for by name: refused, no fallback
+            resolve_resume(CheckpointConfig(resume=str(second)), tmp_path)
+        (second / name).write_bytes(original)
+    # truncated and missing files are named as such
+    shard = next((second / "dcp").glob("*.distcp"))
+    original = shard.read_bytes()
+    shard.write_bytes(original[:-10])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: {len(original) - 10} bytes, the manifest says {len(original)}"):
+        verify_checkpoint(second)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: missing"):
+        verify_checkpoint(second)
+    shard.write_bytes(original)
+    assert resolve_resume(CheckpointConfig(resume="auto"), tmp_path) == second
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 32 MiB tmpfs at tmp_path/disk (root only), unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to fill needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _fill(disk, leave: int) -> None:
+    """Fill ``disk`` until ``leave`` bytes are free."""
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    with open(disk / "filler", "wb") as handle:
+        handle.write(b"\0" * max(0, free - leave))
+
+
+def test_a_save_on_a_full_disk_names_the_file_and_the_cause_and_keeps_the_previous_checkpoint(small_tmpfs):
+    model, optimizer, scheduler = _fresh()
+    checkpointer = Checkpointer(small_tmpfs / "checkpoints", CheckpointConfig(every=1, keep=1), DistContext())
+    _train(model, optimizer, scheduler, 1)
+    first = _save(checkpointer, 1, model, optimizer, scheduler, carry_over={"big": torch.zeros(64, 1024)})
+    _fill(small_tmpfs, leave=64 * 1024)  # the 256 KiB carry-over of step 2 no longer fits
+    _train(model, optimizer, scheduler, 1)
+    with pytest.raises(CheckpointError, match=r"checkpoint step 2: writing .*step_00000002.partial/carry_over/rank_00000"
+                                              r"\.json failed: .*No space left on device.*the previous checkpoint "
+                                              r".*step_00000001 is kept"):
+        _save(checkpointer, 2, model, optimizer, scheduler, carry_over={"big": torch.zeros(64, 1024)})
+    assert sorted(p.name for p in (small_tmpfs / "checkpoints").iterdir()) == ["step_00000001"]  # no partial left
+    verify_checkpoint(first)  # intact, not pruned
+    assert torch.equal(read_checkpoint_carry_over(first)["big"], torch.zeros(64, 1024))
+    # DCP's own shard write failing on the full disk (its error does not say so): the cause is still named
+    _fill(small_tmpfs, leave=0)
+    (small_tmpfs / "filler").unlink()
+    _fill(small_tmpfs, leave=1024 * 1024 + 4096)
+    with pytest.raises(CheckpointError, match=r"No space left on device"):
+        _save(checkpointer, 2, model, optimizer, scheduler, carry_over={"big": torch.zeros(300, 1024)})
+
+
+# ----------------------------------------------------------------------------------------------- through the CLI
+def _vlrl(*args):
+    return subprocess.run([sys.executable, "-m", "vlrl.cli", "sft", *args], env=quiet_env(), capture_output=True,
+                          text=True, timeout=600)
+
+
+def _steps(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["stage"] == "sft"]
+
+
+@pytest.mark.e2e
+def test_cli_resume_auto_skips_a_corrupt_newest_checkpoint_and_never_runs_a_planted_pickle(tiny_vlm_dir, tmp_path):
+    """`vlrl sft --resume auto` after the newest checkpoint's shard got flipped bytes, and a pickle was planted in
+    the older one (manifest re-sealed, as an attacker with write access would): the warning names the flipped
+    file, step 1's checkpoint is used without running the pickle, metrics.jsonl continues from step 1 exactly."""
+    base = [f"model.path={tiny_vlm_dir}", *SFT_ARGS, "checkpoint.every=1", "checkpoint.keep=3", "report.html=false"]
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert _vlrl(*base, "train.steps=3", f"out={reference}").returncode == 0
+    assert _vlrl(*base, "train.steps=2", f"out={run}").returncode == 0
+    newest = run / "checkpoints" / "step_00000002"
+    shard = next((newest / "dcp").glob("*.distcp"))
+    _flip(shard)
+    marker = tmp_path / "pwned"
+    older = run / "checkpoints" / "step_00000001"
+    (older / "carry_over" / "rank_00000.pt").write_bytes(pickle.dumps(Payload(marker)))
+    write_manifest(older)
+    done = _vlrl(*base, "train.steps=3", f"out={run}", "--resume", "auto")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{shard.name}: sha256 differs from the manifest" in done.stderr
+    assert "resuming from" in done.stderr and "step_00000001" in done.stderr
+    assert not marker.exists()
+    got, expected = _steps(run), _steps(reference)
+    assert [r["step"] for r in got] == [1, 2, 3]  # step 2's first record was cut back, after the load
+    assert [r["sft/loss"] for r in got] == [r["sft/loss"] for r in expected]  # resumed exactly from step 1
+
+
+@pytest.mark.e2e
+def test_cli_a_full_disk_at_a_save_is_one_message_and_the_run_resumes_later(tiny_vlm_dir, tmp_path, small_tmpfs):
+    base = [f"model.path={tiny_vlm_dir}", *SFT_ARGS, "checkpoint.every=1", "checkpoint.keep=1", "report.html=false",
+            f"out={small_tmpfs}"]
+    assert _vlrl(*base, "train.steps=1").returncode == 0
+    _fill(small_tmpfs, leave=1024 * 1024)  # a 13 MB checkpoint cannot be written
+    done = _vlrl(*base, "train.steps=2", "--resume", "auto")
+    assert done.returncode == 1
+    stderr = " ".join(done.stderr.split())  # the console wraps long lines
+    assert "Traceback" not in stderr
+    assert "vlrl sft: checkpoint step 2: writing" in stderr and "No space left on device" in stderr
+    assert "step_00000001 is kept" in stderr
+    verify_checkpoint(small_tmpfs / "checkpoints" / "step_00000001")  # kept intact
+    (small_tmpfs / "filler").unlink()
+    assert _vlrl(*base, "train.steps=2", "--resume", "auto").returncode == 0
+    assert [r["step"] for r in _steps(small_tmpfs)] == [1, 2]
