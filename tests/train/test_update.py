@@ -346,3 +346,25 @@ def test_behaviour_weight_mode_drop_zeroes_the_capped_tokens(rollout):
     for mode in out:
         assert out[mode]["policy/behaviour_weight_capped_frac"] == pytest.approx(1 / n)
     assert out["drop"]["policy/behaviour_weight_mean"] == pytest.approx((n - 1) / n, abs=1e-4)
+
+
+def test_seq_mean_token_sum_norm_through_config_divides_by_the_generation_budget(rollout):
+    """algo.loss_agg=seq_mean_token_sum_norm: L defaults to rollout.max_new_tokens (× max_turns) = 16, so the first
+    (on-policy, same weights) loss is exactly seq_mean_token_sum's / 16; algo.loss_agg_max_length overrides L."""
+    policy, trajectories = rollout
+    losses = {}
+    for agg, extra in (("seq_mean_token_sum", {}), ("seq_mean_token_sum_norm", {}),
+                       ("seq_mean_token_sum_norm", {"loss_agg_max_length": 4})):
+        stage = RLStage.model_validate({"rollout": {"n": 3, "max_new_tokens": 16}, "train": {"prompts_per_step": 2},
+                                        "algo": {"loss_agg": agg, **extra}})
+        algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)
+        batch = prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
+        state = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        optimizer, scheduler = make_optimizer(policy.model, RLStage().optim)
+        stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=0, step=0)
+        policy.model.load_state_dict(state)
+        losses[(agg, extra.get("loss_agg_max_length"))] = stats.values["policy/loss"][0]
+    plain = losses[("seq_mean_token_sum", None)]
+    assert abs(plain) > 1e-6
+    assert losses[("seq_mean_token_sum_norm", None)] == pytest.approx(plain / 16, rel=1e-5)
+    assert losses[("seq_mean_token_sum_norm", 4)] == pytest.approx(plain / 4, rel=1e-5)
