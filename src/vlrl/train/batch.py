@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vlrl.algos import AdvantageInputs, PolicyLossInputs, get_advantage, get_policy_loss, masked_mean
+from vlrl.algos import AdvantageInputs, get_advantage, get_policy_loss, masked_mean
 from vlrl.algos.advantages import advantage_needs
 from vlrl.algos.filters import mask_truncated
 from vlrl.algos.kl import kl_reward_penalty
@@ -41,7 +41,7 @@ from vlrl.models.packed import sequence_logprobs
 from vlrl.rollout import Status, Trajectory
 from vlrl.train.common import evaluating, frozen_copy
 from vlrl.train.critic import Critic
-from vlrl.train.options import bound_loss
+from vlrl.train.options import bound_loss, check_zero_at_zero_advantage
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
@@ -98,19 +98,6 @@ class Algorithm:
     kl_estimator: str
     mask_truncated: bool  # DAPO overlong filtering
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
-
-
-def check_zero_at_zero_advantage(loss_fn: Callable, name: str) -> None:
-    """``train.skip_zero_advantage`` is exact only for a policy loss that is 0 wherever Â = 0 (Â · f(ratio), or
-    an advantage shaped to stay 0 there like ``entropy_advantage``; not ``entropy_bonus`` or ``kl_cov``); probe
-    the configured loss once on random log-probs and entropies and refuse it otherwise."""
-    g = torch.Generator().manual_seed(0)
-    logp, old = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)
-    out = loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=torch.zeros(2, 3), loss_mask=torch.ones(2, 3),
-                                   behaviour_logp=old - 0.1, entropy=torch.rand(2, 3, generator=g)))
-    if bool((out.per_token_loss != 0).any()):
-        raise ValueError(f"train.skip_zero_advantage: algo.policy_loss={name!r} is not 0 where the advantage is 0, "
-                         "so leaving those sequences out would change the gradient; set it to false")
 
 
 def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_weight: bool,

@@ -98,7 +98,6 @@ def loss_problems(stage: Any) -> list[Problem]:
     import torch
 
     from vlrl.algos import PolicyLossInputs
-    from vlrl.train.batch import check_zero_at_zero_advantage
 
     try:
         fn = bound_loss(stage)
@@ -149,3 +148,20 @@ def combination_problems(stage: Any) -> list[Problem]:
                              f"reference plan), but rollout.function={stage.rollout.function}: use signal=rule "
                              f"for multi-turn episodes"))
     return problems
+
+
+def check_zero_at_zero_advantage(loss_fn: Callable, name: str) -> None:
+    """``train.skip_zero_advantage`` is exact only for a policy loss that is 0 wherever Â = 0 (Â · f(ratio), or
+    an advantage shaped to stay 0 there like ``entropy_advantage``; not ``entropy_bonus`` or ``kl_cov``); probe
+    the configured loss once on random log-probs and entropies and refuse it otherwise."""
+    import torch
+
+    from vlrl.algos import PolicyLossInputs
+
+    g = torch.Generator().manual_seed(0)
+    logp, old = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)
+    out = loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=torch.zeros(2, 3), loss_mask=torch.ones(2, 3),
+                                   behaviour_logp=old - 0.1, entropy=torch.rand(2, 3, generator=g)))
+    if bool((out.per_token_loss != 0).any()):
+        raise ValueError(f"train.skip_zero_advantage: algo.policy_loss={name!r} is not 0 where the advantage is 0, "
+                         "so leaving those sequences out would change the gradient; set it to false")
