@@ -317,6 +317,42 @@ CASES: dict[str, Case] = {
 }
 
 
+# issue 25: the losses of the Syn-GRPO seed's comparison and the sequence-level losses. Each preset trains from the SFT
+# warm start and logs its loss's own metric, non-zero where the mechanism acted (the presets run 2 minibatches, so
+# the second one is off-policy where a clip or penalty can bind).
+def loss_active(loss: str, metric: str, *also: str) -> Callable[[Run], None]:
+    def check(run: Run) -> None:
+        records = plain_rl(run, "grpo")
+        assert run.config["algo"]["policy_loss"] == loss
+        for r in records:
+            assert all(f"policy/{name}" in r for name in (metric, *also)), sorted(r)
+            assert r["policy/loss"] == r["policy/loss"]  # not NaN
+        assert any(r[f"policy/{metric}"] > 0 for r in records), [r[f"policy/{metric}"] for r in records]
+    return check
+
+
+def seq_clip_active(loss: str) -> Callable[[Run], None]:
+    """GSPO's clip at 1 ± 4e-4 on the sequence ratio binds once the weights moved (ppo_clip's 0.2 would not)."""
+    def check(run: Run) -> None:
+        records = plain_rl(run, "grpo")
+        assert run.config["algo"]["policy_loss"] == loss and run.config["algo"]["clip_high"] < 1e-3
+        assert all("policy/ratio" in r for r in records)
+        assert any(r["policy/clip_low"] + r["policy/clip_high"] > 0 for r in records), records
+    return check
+
+
+CASES.update({
+    "shapes_gspo.yaml": Case("rl", seq_clip_active("gspo"), start="shapes_sft"),
+    # CISPO truncates the weight at 1 + ε_high: a tight ε_high shows the truncation at 2 tiny steps
+    "shapes_cispo.yaml": Case("rl", loss_active("cispo", "clip_high", "ratio"), ("algo.clip_high=0.001",),
+                              start="shapes_sft"),
+    "shapes_clip_cov.yaml": Case("rl", loss_active("clip_cov", "clip_cov"), start="shapes_sft"),
+    "shapes_kl_cov.yaml": Case("rl", loss_active("kl_cov", "kl_cov", "ratio"), start="shapes_sft"),
+    "shapes_entropy_adv.yaml": Case("rl", loss_active("entropy_advantage", "entropy_adv", "entropy_adv_capped"),
+                                    start="shapes_sft"),
+})
+
+
 def _text_only(run: Run) -> None:
     """A causal LM (no vision tower) trained on the arith word problems."""
     trained = json.loads((run.path / "checkpoints" / "final" / "config.json").read_text())

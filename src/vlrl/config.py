@@ -283,7 +283,13 @@ class StalenessConfig(Section):
     )
     apply_behaviour_weight: bool = Field(
         True, description="Async mode: multiply the per-token policy loss by the behaviour weight (the decoupled PPO "
-        "objective). Set false if `algo.policy_loss` applies it itself."
+        "objective). Set false if `algo.policy_loss` applies it itself, or to correct with "
+        "algo.rollout_correction.tis_cap instead."
+    )
+    behaviour_weight_mode: Literal["clamp", "drop"] = Field(
+        "clamp", description="What a behaviour weight above behaviour_weight_cap becomes: clamp = the cap (the "
+        "LLaVA-OV-1.5 seed's BehavWeight), drop = 0, the token leaves the loss but stays in the normaliser (AReaL "
+        "behav_imp_weight_cap). Used by the async recipe's weight and by policy_loss=decoupled."
     )
 
 
@@ -313,6 +319,35 @@ class ShapingSpec(Section):
     )
 
 
+class RolloutCorrectionConfig(Section):
+    """Rollout–trainer mismatch correction (`vlrl.algos.rollout_correction`; README "Rollout correction").
+
+    ρ_t = π_old(y_t) / π_sampler(y_t), with π_old the trainer's own recomputation before the update (forced on
+    when this is on) and π_sampler the log-probs recorded at sampling. The async recipe's behaviour weight
+    π_prox / π_behave is this same ratio: TIS together with it is refused (it would count ρ twice)."""
+
+    tis_cap: float | None = Field(
+        None, gt=1, description="Truncated importance sampling (Yao et al. 2025): multiply each token's loss by "
+        "min(ρ, C) with C = tis_cap (their C = 2). Unset: no TIS. Refused together with the behaviour weight "
+        "(rollout.mode=async with staleness.apply_behaviour_weight, or policy_loss=decoupled).",
+    )
+    tis_level: Literal["token", "sequence"] = Field(
+        "token", description="TIS ratio per token (ρ_t) or per response (Π_t ρ_t on every token of it)."
+    )
+    mis_cap: float | None = Field(
+        None, gt=1, description="Masked importance sampling: drop from the loss and its normaliser the tokens (or "
+        "responses, see mis_level) whose ratio leaves [1/C, C], C = mis_cap (verl: 2). Unset: no masking.",
+    )
+    mis_level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="MIS ratio: per token, per response (Π_t ρ_t), or the response's geometric mean "
+        "(Π_t ρ_t)^(1/|y|), length-invariant (verl Geo-RS)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.tis_cap is not None or self.mis_cap is not None
+
+
 class AlgoConfig(Section):
     advantage: str = Field("grpo", description="Advantage estimator: a registered name (see README) or 'pkg.mod:fn'.")
     advantage_options: dict[str, Any] = Field(
@@ -321,14 +356,24 @@ class AlgoConfig(Section):
     policy_loss: str = Field("ppo_clip", description="Policy loss: a registered name (see README) or 'pkg.mod:fn'.")
     clip_low: float = Field(0.2, ge=0, description="PPO ε_low: ratio floor 1 − ε_low (LLaVA-OV-1.5 and DAPO: 0.2).")
     clip_high: float = Field(0.28, ge=0, description="PPO ε_high: ratio ceiling 1 + ε_high; DAPO clip-higher 0.28.")
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
-        "token_mean", description="Loss aggregation: token_mean (DAPO eq. 12), seq_mean_token_mean (GRPO), seq_mean_token_sum (Dr.GRPO)."
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="Loss aggregation: token_mean (DAPO eq. 12), seq_mean_token_mean (GRPO), "
+        "seq_mean_token_sum (Dr.GRPO), seq_mean_token_sum_norm (Dr.GRPO's code: Σ tokens / (N_seqs · L), L = "
+        "loss_agg_max_length). Use seq_mean_token_mean with gspo / gmpo (their per-sequence loss, 1/G Σ_i L_i).",
+    )
+    loss_agg_max_length: int | None = Field(
+        None, ge=1, description="The constant L of loss_agg=seq_mean_token_sum_norm (Dr.GRPO divides by the generation "
+        "budget). Unset: rollout.max_new_tokens × rollout.max_turns. Ignored by the other aggregations.",
+    )
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig, description="Importance correction of the mismatch between "
+        "the sampler's log-probs and the trainer's (TIS / MIS; Yao et al. 2025). Off by default.",
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term; 0 removes the reference model (LLaVA-OV-1.5: 0).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the KL term (k3: low variance, ≥ 0).")
     policy_loss_options: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword options of the policy loss, e.g. {clip_ratio_c: 3.0} for "
-        "dual_clip or {cap: 5.0} for decoupled.",
+        "dual_clip or {fraction: 2e-3} for kl_cov (decoupled's cap and mode come from staleness.*).",
     )
     kl_mode: Literal["loss", "reward"] = Field(
         "loss", description="Where the KL to the reference goes when kl_coef > 0: 'loss' adds β · KL to the loss "

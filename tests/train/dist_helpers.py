@@ -137,6 +137,37 @@ def rl_update_batch(policy, trajectories, runtime=None):
     return prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
 
 
+# the issue-25 losses on 2 ranks: loss → options making its mechanism act on this 8-response batch (28 tokens)
+RL_LOSSES = {"gspo": {}, "cispo": {}, "gmpo": {}, "entropy_bonus": {"coef": 0.1}, "entropy_advantage": {},
+             "clip_cov": {"fraction": 0.2, "cov_low": 0.0}, "kl_cov": {"fraction": 0.2}}
+
+
+def rl_loss_batch(policy, trajectories, loss: str, *, first_row: int = 0, runtime=None):
+    """(settings, `UpdateBatch`) of ``trajectories`` for ``loss`` bound from config, with π_old moved off π_θ by
+    0.3 · sin(7 · global row + column) (as at a later minibatch: ratios ≠ 1, so clips and KL-Cov's |Δ| act) —
+    the same numbers for a row whether it sits on rank 0, rank 1 or in the 1-rank batch (``first_row``)."""
+    import dataclasses
+
+    from vlrl.config import RLStage
+    from vlrl.train.batch import build_algorithm, prepare_batch
+    from vlrl.train.distributed import GlobalAdvantage
+
+    stage = RLStage.model_validate({"rollout": {"n": 2}, "train": {"prompts_per_step": 4}, "algo": {
+        "policy_loss": loss, "policy_loss_options": RL_LOSSES[loss], "loss_agg": "seq_mean_token_mean"}})
+    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)
+    if runtime is not None:
+        algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, runtime.ctx)
+    algorithm.settings = dataclasses.replace(algorithm.settings, micro_batch_size=RL_MICRO)
+    batch = prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
+    from vlrl.train.batch import teacher_logprobs
+
+    old = batch.old_logp if batch.old_logp is not None else teacher_logprobs(policy.model, policy, trajectories, 1.0)
+    rows = torch.arange(old.shape[0], dtype=old.dtype).unsqueeze(1) + first_row
+    cols = torch.arange(old.shape[1], dtype=old.dtype).unsqueeze(0)
+    batch.old_logp = old + 0.3 * torch.sin(7 * rows + cols)
+    return algorithm.settings, batch
+
+
 # ----------------------------------------------------------------------------------------------- runs to kill
 COMMON_ARGS = ["data.n_test=2", "train.log_every=1", "checkpoint.every=1", "report.html=false", "check.enabled=false",
                "eval.samples=1", "eval.max_new_tokens=2"]

@@ -8,6 +8,8 @@ Writes into OUT_DIR (rank 0 writes files):
                                        `dist_helpers.sft_batch`
     grads_rl_{ddp,fsdp}_{mode}.pt      the same for the RL update (`accumulate`) on half of OUT_DIR/trajectories.pt,
                                        for each loss aggregation mode
+    grads_loss_{ddp,fsdp}_{loss}.pt    the same for each issue-25 loss (`dist_helpers.RL_LOSSES`), Clip-Cov / KL-Cov
+                                       tokens selected over both ranks' rows (`minibatch_cov_selection`)
     ckpt_{ddp,fsdp}/, state_*.pt       a checkpoint after one SFT step on 2 ranks, and the full state it holds
     loaded_{ddp,fsdp}.pt               the full state after loading OUT_DIR/ckpt_1rank/step_00000001 on 2 ranks
     reference_{sft,rl}/                uninterrupted 2-rank runs of `vlrl sft|rl` with `dist_helpers.run_args`
@@ -22,8 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist_helpers import (  # noqa: E402
     MICRO,
+    RL_LOSSES,
     full_state,
     grads_of,
+    rl_loss_batch,
     rl_settings,
     rl_update_batch,
     run_args,
@@ -40,7 +44,7 @@ from vlrl.train.distributed import init_distributed, shutdown_distributed, wrap_
 from vlrl.train.recipes import run_rl, run_sft  # noqa: E402
 from vlrl.train.runtime import Runtime  # noqa: E402
 from vlrl.train.sft import sft_backward  # noqa: E402
-from vlrl.train.update import accumulate  # noqa: E402
+from vlrl.train.update import accumulate, minibatch_cov_selection  # noqa: E402
 
 
 def runtime(model_dir: str, strategy: str):
@@ -73,6 +77,23 @@ def rl_gradients(model_dir: str, out: Path, strategy: str) -> None:
             torch.save({"grads": grads, "advantages": batch.advantages}, out / f"grads_rl_{strategy}_{mode}.pt")
 
 
+def loss_gradients(model_dir: str, out: Path, strategy: str) -> None:
+    policy, rt = runtime(model_dir, strategy)
+    trajectories = rt.ctx.shard(torch.load(out / "trajectories.pt", weights_only=False), what="trajectories")
+    rows = list(range(len(trajectories)))
+    for loss in RL_LOSSES:
+        settings, batch = rl_loss_batch(policy, trajectories, loss, first_row=rt.ctx.rank * len(rows), runtime=rt)
+        selection = minibatch_cov_selection(batch, rows, settings, generator=torch.Generator().manual_seed(0), runtime=rt)
+        rt.module.zero_grad(set_to_none=True)
+        normaliser = rt.global_normaliser(normaliser_for(settings.loss_agg, batch.loss_mask))
+        accumulate(policy, batch, rows, settings, normaliser=normaliser, runtime=rt, cov_selection=selection)
+        grads = grads_of(rt.module)
+        selected = rt.ctx.all_reduce_sum([float(selection.sum()) if selection is not None else 0.0])[0]  # both ranks
+        if rt.ctx.is_main:
+            torch.save({"grads": grads, "selected": int(selected)},
+                       out / f"grads_loss_{strategy}_{loss}.pt")
+
+
 def checkpoints(model_dir: str, out: Path, strategy: str) -> None:
     # one SFT step on 2 ranks, checkpointed
     policy, rt = runtime(model_dir, strategy)
@@ -101,6 +122,7 @@ def main(model_dir: str, out: str) -> None:
     for strategy in ("ddp", "fsdp"):
         sft_gradients(model_dir, out_dir, strategy)
         rl_gradients(model_dir, out_dir, strategy)
+        loss_gradients(model_dir, out_dir, strategy)
         checkpoints(model_dir, out_dir, strategy)
     # the uninterrupted 2-rank runs test_resume.py compares its killed-and-resumed runs with (what `vlrl sft|rl
     # ARGS` runs: load_config + the recipe, here in the process group this script joined)

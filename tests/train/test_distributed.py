@@ -15,9 +15,19 @@ from vlrl.train.common import make_optimizer
 from vlrl.train.distributed import DistContext, fsdp_units
 from vlrl.train.runtime import Runtime
 from vlrl.train.sft import sft_backward
-from vlrl.train.update import accumulate
+from vlrl.train.update import accumulate, minibatch_cov_selection
 
-from .dist_helpers import MICRO, full_state, grads_of, rl_settings, rl_update_batch, sft_batch, sft_stage
+from .dist_helpers import (
+    MICRO,
+    RL_LOSSES,
+    full_state,
+    grads_of,
+    rl_loss_batch,
+    rl_settings,
+    rl_update_batch,
+    sft_batch,
+    sft_stage,
+)
 
 
 def assert_states_equal(a, b, *, exact=True):
@@ -81,6 +91,30 @@ def test_grpo_gradient_on_2_ranks_equals_the_1_rank_big_batch_gradient(two_ranks
     assert saved["grads"].keys() == reference[mode].keys()
     for name, grad in reference[mode].items():
         torch.testing.assert_close(saved["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("loss", sorted(RL_LOSSES))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_new_losses_on_2_ranks_equal_the_1_rank_big_batch_gradient(two_ranks, tiny_vlm_dir, strategy, loss):
+    """The issue-25 losses bound from config on the same 8 responses: the entropy from each rank's forward pass,
+    and Clip-Cov / KL-Cov tokens chosen over both ranks' rows (gathered, one seeded selection) — the 1-rank
+    gradient of the whole batch with the selection made over all 8 rows."""
+    out, _ = two_ranks
+    policy = load_policy(str(tiny_vlm_dir))
+    trajectories = torch.load(out / "trajectories.pt", weights_only=False)
+    settings, batch = rl_loss_batch(policy, trajectories, loss)
+    rows = list(range(len(trajectories)))
+    selection = minibatch_cov_selection(batch, rows, settings, generator=torch.Generator().manual_seed(0))
+    policy.model.train()
+    policy.model.zero_grad(set_to_none=True)
+    accumulate(policy, batch, rows, settings, normaliser=normaliser_for(settings.loss_agg, batch.loss_mask),
+               cov_selection=selection)
+    reference = grads_of(policy.model)
+    saved = torch.load(out / f"grads_loss_{strategy}_{loss}.pt")
+    if loss in ("clip_cov", "kl_cov"):  # k = ⌊0.2 · 28⌋ = 5 over both ranks (Clip-Cov: fewer if fewer qualify)
+        assert saved["selected"] == int(selection.sum()) >= 1
+    for name, grad in reference.items():
+        torch.testing.assert_close(saved["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=f"{loss} {name}")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -101,3 +101,55 @@ def test_option_problems_by_hand():
         ("x.a", "set by the recipe, not an option of p")]
     assert option_problems(open_ended, {"anything": 1}, where="x", name="q") == []
     assert option_problems(open_ended, {"a": "x"}, where="x", name="q")[0][0] == "x.a"
+
+
+# ------------------------------------------------------------------------------------- issue 25: losses, corrections
+def test_a_loss_option_value_the_loss_refuses_stops_the_load():
+    """The loss runs once on a fake batch at load: kl_cov's fraction must lie in (0, 1]; decoupled's dual-clip c > 1."""
+    assert _error("algo.policy_loss=kl_cov", "algo.policy_loss_options={fraction: 2.0}") == \
+        "config field 'algo.policy_loss_options': kl_cov: fraction must lie in (0, 1], got 2.0 (policy_loss=kl_cov)"
+    assert "dual_clip: clip_ratio_c must be > 1, got 0.5" in \
+        _error("algo.policy_loss=decoupled", "algo.policy_loss_options={clip_ratio_c: 0.5}")
+    load_config(RLConfig, None, ["algo.policy_loss=kl_cov", "algo.policy_loss_options={fraction: 0.02}"])
+
+
+def test_decoupled_takes_its_cap_and_mode_from_the_staleness_section():
+    assert "'algo.policy_loss_options.cap': set by staleness.behaviour_weight_cap, not an option of decoupled" in \
+        _error("algo.policy_loss=decoupled", "algo.policy_loss_options={cap: 2.0}")
+    assert "'algo.policy_loss_options.behaviour_weight_mode': set by staleness.behaviour_weight_mode" in \
+        _error("algo.policy_loss=decoupled", "algo.policy_loss_options={behaviour_weight_mode: drop}")
+    assert "'staleness.behaviour_weight_mode': Input should be 'clamp' or 'drop'" in \
+        _error("staleness.behaviour_weight_mode=cut")
+    from vlrl.train.options import bound_loss
+
+    cfg = load_config(RLConfig, None, ["algo.policy_loss=decoupled", "staleness.behaviour_weight_cap=2.0",
+                                       "staleness.behaviour_weight_mode=drop"])
+    assert bound_loss(cfg).keywords == {"clip_low": 0.2, "clip_high": 0.28, "cap": 2.0, "behaviour_weight_mode": "drop"}
+
+
+def test_tis_with_the_behaviour_weight_is_refused_at_load_naming_both_fields():
+    assert "'algo.rollout_correction.tis_cap': rollout.mode=async applies the behaviour weight" in \
+        _error("algo.rollout_correction.tis_cap=2", "rollout.mode=async")
+    assert "'algo.rollout_correction.tis_cap': algo.policy_loss=decoupled applies the behaviour weight" in \
+        _error("algo.rollout_correction.tis_cap=2", "algo.policy_loss=decoupled")
+    assert "'algo.rollout_correction.tis_cap': Input should be greater than 1" in _error("algo.rollout_correction.tis_cap=1")
+    for fine in (["algo.rollout_correction.tis_cap=2"],  # sync, ppo_clip: the one correction
+                 ["algo.rollout_correction.tis_cap=2", "rollout.mode=async", "staleness.apply_behaviour_weight=false"],
+                 ["algo.rollout_correction.mis_cap=2", "rollout.mode=async"]):  # MIS is a filter
+        load_config(RLConfig, None, fine)
+
+
+def test_skip_zero_advantage_with_a_loss_not_zero_there_is_refused_at_load():
+    assert "'train.skip_zero_advantage': algo.policy_loss='entropy_bonus' is not 0 where the advantage is 0" in \
+        _error("algo.policy_loss=entropy_bonus", "train.skip_zero_advantage=true")
+    load_config(RLConfig, None, ["algo.policy_loss=entropy_advantage", "train.skip_zero_advantage=true"])
+
+
+def test_seq_mean_token_sum_norm_takes_its_length_from_config():
+    from vlrl.train.batch import loss_agg_max_length
+
+    cfg = load_config(RLConfig, None, ["algo.loss_agg=seq_mean_token_sum_norm", "rollout.max_new_tokens=12"])
+    assert loss_agg_max_length(cfg) == 12  # max_new_tokens × max_turns (1)
+    cfg = load_config(RLConfig, None, ["algo.loss_agg=seq_mean_token_sum_norm", "algo.loss_agg_max_length=40"])
+    assert loss_agg_max_length(cfg) == 40
+    assert "'algo.loss_agg_max_length': Input should be greater than or equal to 1" in _error("algo.loss_agg_max_length=0")

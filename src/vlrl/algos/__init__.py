@@ -27,6 +27,7 @@ from vlrl.algos.losses import (
     applies_behaviour_weight,
     get_policy_loss,
     masked_mean,
+    minibatch_selection,
     normaliser_for,
     policy_loss_needs,
     register_policy_loss,
@@ -57,6 +58,6 @@ __all__ = [
     "group_stats", "group_variance", "informative_groups", "kl_estimate", "kl_reward_penalty", "mask_truncated",
     "masked_mean", "normaliser_for", "register_advantage", "register_advantage_shaping", "register_policy_loss",
     "register_reward_shaping", "select_descriptions", "syn_diversity", "value_loss",
-    "RolloutCorrection", "clip_cov_selection", "kl_cov_selection", "policy_loss_needs", "rollout_correction",
+    "RolloutCorrection", "clip_cov_selection", "kl_cov_selection", "minibatch_selection", "policy_loss_needs", "rollout_correction",
     "token_covariance",
 ]

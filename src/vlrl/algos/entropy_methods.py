@@ -147,6 +147,28 @@ def kl_cov_selection(cov: torch.Tensor, loss_mask: torch.Tensor, *, fraction: fl
     return selection.view_as(cov)
 
 
+def clip_cov_minibatch_selection(old_logp: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
+                                 generator: torch.Generator | None = None, clip_low: float = 0.2,
+                                 clip_high: float = 0.2, fraction: float = 2e-4, cov_low: float = 1.0,
+                                 cov_high: float = 5.0) -> torch.Tensor:
+    """Clip-Cov's tokens chosen once over a whole minibatch (B, T) from π_old — what the update hands each
+    micro-batch as ``cov_selection`` (takes the loss's own options; the clip ones are unused). Unlike the
+    in-loss selection nothing is excluded as PPO-clipped: π_θ is not known before the forward pass; at the
+    first optimiser step of a rollout step π_θ = π_old, no token is clipped and the two selections coincide."""
+    del clip_low, clip_high
+    cov = token_covariance(old_logp, advantages, loss_mask)
+    return clip_cov_selection(cov, loss_mask, fraction=fraction, low=cov_low, high=cov_high, generator=generator)
+
+
+def kl_cov_minibatch_selection(old_logp: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
+                               generator: torch.Generator | None = None, clip_low: float = 0.2, clip_high: float = 0.2,
+                               fraction: float = 2e-3, coef: float = 1.0) -> torch.Tensor:
+    """KL-Cov's top-k tokens chosen once over a whole minibatch (B, T) from π_old (equal to the in-loss
+    selection at the first optimiser step of a rollout step, where π_θ = π_old)."""
+    del generator, clip_low, clip_high, coef
+    return kl_cov_selection(token_covariance(old_logp, advantages, loss_mask), loss_mask, fraction=fraction)
+
+
 def _given_selection(inputs: PolicyLossInputs, loss: str) -> torch.Tensor | None:
     """``inputs.cov_selection`` checked against the batch's shape (None: the loss selects itself)."""
     selection = inputs.cov_selection
@@ -205,3 +227,7 @@ def kl_cov(inputs: PolicyLossInputs, *, clip_low: float = 0.2, clip_high: float 
     selection = selection.bool()
     loss = -inputs.advantages * ratio + coef * log_ratio.abs() * selection
     return LossOutput(per_token_loss=loss, metrics={"kl_cov": selection.float(), "ratio": ratio.detach()})
+
+
+clip_cov.minibatch_selection = clip_cov_minibatch_selection
+kl_cov.minibatch_selection = kl_cov_minibatch_selection

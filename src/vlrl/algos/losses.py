@@ -14,6 +14,7 @@ would weight each response by its length). The entropy- and covariance-based los
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -328,6 +329,17 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 def applies_behaviour_weight(fn) -> bool:
     """True for a policy loss that multiplies by the behaviour weight itself (``decoupled``)."""
     return bool(getattr(getattr(fn, "func", fn), "applies_behaviour_weight", False))
+
+
+def minibatch_selection(fn):
+    """The function a covariance loss (``clip_cov``, ``kl_cov``) chooses its tokens with over a whole minibatch,
+    ``select(old_logp, advantages, loss_mask, *, generator, **loss options) -> (B, T) bool``, with the options
+    bound in ``fn`` (a `functools.partial`) bound to it too; None for every other loss."""
+    base = getattr(fn, "func", fn)
+    select = getattr(base, "minibatch_selection", None)
+    if select is None:
+        return None
+    return functools.partial(select, **getattr(fn, "keywords", {}))
 
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")

@@ -2,6 +2,7 @@
 
     tensors          right-padded (B, R) loss mask (overlong filtering), behaviour log-probs, group index
     extra passes     π_old / π_prox, π_ref, critic values (one no-grad pass each, only when needed)
+    rollout corr.    TIS weights / MIS mask from π_old vs the sampler's log-probs (algo.rollout_correction)
     reward shaping   algo.reward_shaping, in order                       (per group, before advantages)
     KL in reward     r_t − β · KL_t(π_old ‖ π_ref)                        (algo.kl_mode = reward)
     advantages       algo.advantage                                      (the estimator; returns for the critic)
@@ -22,23 +23,25 @@ from typing import Any
 
 import torch
 
-from vlrl.algos import AdvantageInputs, PolicyLossInputs, get_advantage, get_policy_loss, masked_mean
+from vlrl.algos import AdvantageInputs, get_advantage, get_policy_loss, masked_mean
 from vlrl.algos.advantages import advantage_needs
 from vlrl.algos.filters import mask_truncated
 from vlrl.algos.kl import kl_reward_penalty
-from vlrl.algos.losses import applies_behaviour_weight
+from vlrl.algos.losses import applies_behaviour_weight, minibatch_selection
+from vlrl.algos.rollout_correction import rollout_correction
 from vlrl.algos.shaping import (
     AdvantageShapingInputs,
     RewardShapingInputs,
     get_advantage_shaping,
     get_reward_shaping,
 )
-from vlrl.config import RLStage, ShapingSpec
+from vlrl.config import RLStage, RolloutCorrectionConfig, ShapingSpec
 from vlrl.models import Policy
 from vlrl.models.packed import sequence_logprobs
 from vlrl.rollout import Status, Trajectory
 from vlrl.train.common import evaluating, frozen_copy
 from vlrl.train.critic import Critic
+from vlrl.train.options import bound_loss, check_zero_at_zero_advantage
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
@@ -94,41 +97,39 @@ class Algorithm:
     kl_in_reward: float  # β of the KL reward penalty (0: the KL, if any, is a loss term)
     kl_estimator: str
     mask_truncated: bool  # DAPO overlong filtering
-
-
-def check_zero_at_zero_advantage(loss_fn: Callable, name: str) -> None:
-    """``train.skip_zero_advantage`` is exact only for a policy loss that is 0 wherever Â = 0 (every registered
-    one is Â · f(ratio)); probe the configured loss once on random log-probs and refuse it otherwise."""
-    g = torch.Generator().manual_seed(0)
-    logp, old = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)
-    out = loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=torch.zeros(2, 3), loss_mask=torch.ones(2, 3),
-                                   behaviour_logp=old - 0.1))
-    if bool((out.per_token_loss != 0).any()):
-        raise ValueError(f"train.skip_zero_advantage: algo.policy_loss={name!r} is not 0 where the advantage is 0, "
-                         "so leaving those sequences out would change the gradient; set it to false")
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
 
 
 def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_weight: bool,
                     reference: torch.nn.Module | None = None) -> Algorithm:
     """Bind ``stage.algo`` (and ``stage.critic``) once. ``apply_behaviour_weight``: multiply the loss by
-    w = min(π_prox / π_behave, cap) — the async recipe's decoupled objective — unless the loss does it itself.
+    w = min(π_prox / π_behave, cap) — the async recipe's decoupled objective — unless the loss does it itself
+    (then it gets ``cap`` and ``behaviour_weight_mode`` from ``stage.staleness``).
     ``reference``: a frozen reference already built (e.g. FSDP2-sharded by `vlrl.train.runtime.make_runtime`);
     unset, a frozen copy of the policy is made when ``algo.kl_coef > 0``."""
-    algo, train = stage.algo, stage.train
+    algo, train, staleness = stage.algo, stage.train, stage.staleness
     estimator = get_advantage(algo.advantage)
     needs = advantage_needs(estimator)
     loss = get_policy_loss(algo.policy_loss)
-    loss_fn = functools.partial(loss, clip_low=algo.clip_low, clip_high=algo.clip_high, **algo.policy_loss_options)
+    loss_fn = bound_loss(stage)  # clip from algo.clip_*, a behaviour-weight loss's cap and mode from staleness.*
+    weighted = applies_behaviour_weight(loss) or apply_behaviour_weight
+    if algo.rollout_correction.tis_cap is not None and weighted:
+        raise ValueError("algo.rollout_correction.tis_cap: the behaviour weight π_prox / π_behave is already applied "
+                         f"(policy_loss={algo.policy_loss}, async behaviour weight {apply_behaviour_weight}) and is "
+                         "the same ratio; TIS on top would count it twice. Use one of them (staleness."
+                         "apply_behaviour_weight=false in async mode), or MIS (mis_cap) alone")
     kl_in_loss = algo.kl_coef if algo.kl_mode == "loss" else 0.0
     settings = UpdateSettings(
         loss_fn=loss_fn, loss_agg=algo.loss_agg, kl_coef=kl_in_loss, kl_estimator=algo.kl_estimator,
         temperature=stage.rollout.temperature, micro_batch_size=train.micro_batch_size, minibatches=train.minibatches,
         ppo_epochs=train.ppo_epochs, grad_clip=stage.optim.grad_clip,
-        behaviour_weight_cap=stage.staleness.behaviour_weight_cap,
+        behaviour_weight_cap=staleness.behaviour_weight_cap, behaviour_weight_mode=staleness.behaviour_weight_mode,
         apply_behaviour_weight=apply_behaviour_weight and not applies_behaviour_weight(loss),
         padding_free=train.padding_free,
         skip_zero_advantage=train.skip_zero_advantage,
         on_nonfinite=train.on_nonfinite,
+        loss_agg_max_length=loss_agg_max_length(stage),
+        cov_selection=minibatch_selection(loss_fn),
     )
     if train.skip_zero_advantage:
         check_zero_at_zero_advantage(loss_fn, algo.policy_loss)
@@ -144,7 +145,16 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         kl_in_reward=algo.kl_coef if algo.kl_mode == "reward" else 0.0,
         kl_estimator=algo.kl_estimator,
         mask_truncated=algo.mask_truncated,
+        rollout_correction=algo.rollout_correction,
     )
+
+
+def loss_agg_max_length(stage: RLStage) -> int:
+    """L of ``seq_mean_token_sum_norm``: ``algo.loss_agg_max_length``, else the generation budget of a response
+    (``rollout.max_new_tokens`` × ``rollout.max_turns``; observations between turns are not counted)."""
+    if stage.algo.loss_agg_max_length is not None:
+        return stage.algo.loss_agg_max_length
+    return stage.rollout.max_new_tokens * stage.rollout.max_turns
 
 
 def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Sequence[Trajectory], *, step: int,
@@ -159,11 +169,23 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
     loss_mask = mask_truncated(tensors["loss_mask"], tensors["truncated"]) if algorithm.mask_truncated else tensors["loss_mask"]
     # π_old (= π_prox in async) is needed if the weights move before the last minibatch, or for a KL reward
     # penalty; otherwise the update uses logp.detach() of its own forward pass. π_ref only with a KL term.
+    # The covariance losses select from π_old before the forward pass, and the rollout correction compares π_old
+    # (the trainer's) with the sampler's log-probs: both need the pass.
     n_updates = settings.ppo_epochs * settings.minibatches
-    need_old = n_updates > 1 or (algorithm.kl_in_reward > 0 and algorithm.reference is not None)
+    correction = algorithm.rollout_correction
+    need_old = (n_updates > 1 or (algorithm.kl_in_reward > 0 and algorithm.reference is not None)
+                or settings.cov_selection is not None or correction.enabled)
     free = settings.padding_free
     old_logp = teacher_logprobs(policy.model, policy, trajectories, settings.temperature, padding_free=free) \
         if need_old else None
+    rollout_weights, corrected = None, {}
+    if correction.enabled:  # TIS weights on the loss, MIS-rejected tokens out of the loss and its normaliser
+        corr = rollout_correction(old_logp, tensors["behaviour_logp"], loss_mask, tis_cap=correction.tis_cap,
+                                  tis_level=correction.tis_level, mis_cap=correction.mis_cap,
+                                  mis_level=correction.mis_level)
+        loss_mask = corr.loss_mask
+        rollout_weights = corr.weights if correction.tis_cap is not None else None
+        corrected = {f"policy/{name}": value for name, value in corr.metrics.items()}
     ref_logp = (teacher_logprobs(algorithm.reference, policy, trajectories, settings.temperature, padding_free=free)
                 if algorithm.reference is not None else None)
     values = algorithm.critic.values(trajectories) if algorithm.critic is not None else None  # (B, R)
@@ -192,12 +214,13 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         rewards=rewards, token_rewards=token_rewards, trajectories=trajectories, step=step, context=context,
     ))  # (B, R)
     metrics.update(shaping_metrics)
+    metrics.update(corrected)
     return UpdateBatch(
         trajectories=list(trajectories), loss_mask=loss_mask, behaviour_logp=tensors["behaviour_logp"],
         advantages=advantages, old_logp=old_logp, ref_logp=ref_logp if settings.kl_coef > 0 else None,
         group_index=tensors["group_index"], rewards=rewards, token_rewards=token_rewards,
         same_version=same_version if same_version is not None else torch.ones(B, dtype=torch.bool), metrics=metrics,
-        old_values=values, returns=estimate.returns if values is not None else None,
+        old_values=values, returns=estimate.returns if values is not None else None, rollout_weights=rollout_weights,
     )
 
 

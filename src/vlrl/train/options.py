@@ -7,12 +7,15 @@ rollout function's ``rollout.function_options``. A problem names the config fiel
 
     algo.advantage_options.epz: unknown option of grpo; known: eps, norm_by_std
 
-Settings that cannot work together are refused here too, naming both fields. A plug-in name that does not resolve
-is left to the preflight check (`vlrl.check`), which lists it with everything else.
+Settings that cannot work together are refused here too, naming both fields, and the policy loss is run once on a
+tiny fake batch with its options, so a value it refuses (``algo.policy_loss_options.fraction: must lie in (0, 1]``)
+stops the run at load, not at the first update. A plug-in name that does not resolve is left to the preflight
+check (`vlrl.check`), which lists it with everything else.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +23,7 @@ from vlrl.registry import RegistryError, option_problems
 
 Problem = tuple[str, str]  # (config field, message)
 LOSS_BOUND = {"clip_low": "algo.clip_low", "clip_high": "algo.clip_high"}
+BEHAVIOUR_BOUND = {"cap": "staleness.behaviour_weight_cap", "behaviour_weight_mode": "staleness.behaviour_weight_mode"}
 
 
 def config_problems(cfg: Any) -> list[Problem]:
@@ -41,13 +45,19 @@ def rl_stages(cfg: Any) -> Iterator[tuple[str, Any]]:
 
 def stage_problems(stage: Any, prefix: str = "") -> list[Problem]:
     from vlrl.algos import get_advantage, get_advantage_shaping, get_policy_loss, get_reward_shaping
+    from vlrl.algos.losses import applies_behaviour_weight
     from vlrl.rollout.agent import BOUND_BY_RECIPE, get_rollout
     from vlrl.rollout.env import get_env
 
     algo, rollout = stage.algo, stage.rollout
+    try:  # a loss that applies the behaviour weight takes its cap and mode from the staleness section
+        loss_bound = {**LOSS_BOUND, **BEHAVIOUR_BOUND} if applies_behaviour_weight(get_policy_loss(algo.policy_loss)) \
+            else LOSS_BOUND
+    except RegistryError:
+        loss_bound = LOSS_BOUND
     checks: list[tuple[Callable, str, dict, str, dict]] = [
         (get_advantage, algo.advantage, algo.advantage_options, "algo.advantage_options", {}),
-        (get_policy_loss, algo.policy_loss, algo.policy_loss_options, "algo.policy_loss_options", LOSS_BOUND),
+        (get_policy_loss, algo.policy_loss, algo.policy_loss_options, "algo.policy_loss_options", loss_bound),
         (get_rollout, rollout.function, rollout.function_options, "rollout.function_options", BOUND_BY_RECIPE),
     ]
     checks += [(get_reward_shaping, spec.name, spec.options, f"algo.reward_shaping.{k}.options", {})
@@ -64,13 +74,73 @@ def stage_problems(stage: Any, prefix: str = "") -> list[Problem]:
             continue
         problems += [(prefix + field, message) for field, message in
                      option_problems(fn, options, where=where, name=name, bound=bound)]
+    if not any(field.startswith(prefix + "algo.policy_loss_options") for field, _ in problems):
+        problems += [(prefix + field, message) for field, message in loss_problems(stage)]
     return problems + [(prefix + field, message) for field, message in combination_problems(stage)]
+
+
+def bound_loss(stage: Any) -> Callable:
+    """The configured policy loss with every option bound as `vlrl.train.batch.build_algorithm` binds it."""
+    from vlrl.algos import get_policy_loss
+    from vlrl.algos.losses import applies_behaviour_weight
+
+    algo, staleness = stage.algo, stage.staleness
+    loss = get_policy_loss(algo.policy_loss)
+    bound = dict(clip_low=algo.clip_low, clip_high=algo.clip_high)
+    if applies_behaviour_weight(loss):
+        bound.update(cap=staleness.behaviour_weight_cap, behaviour_weight_mode=staleness.behaviour_weight_mode)
+    return functools.partial(loss, **bound, **algo.policy_loss_options)
+
+
+def loss_problems(stage: Any) -> list[Problem]:
+    """Run the bound policy loss once on a fake 2 × 3 batch: a value it refuses (ValueError) is reported at
+    ``algo.policy_loss_options``; with ``train.skip_zero_advantage``, a loss that is not 0 at Â = 0 too."""
+    import torch
+
+    from vlrl.algos import PolicyLossInputs
+
+    try:
+        fn = bound_loss(stage)
+    except RegistryError:
+        return []
+    g = torch.Generator().manual_seed(0)
+    logp, old = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)
+    inputs = PolicyLossInputs(logp=logp, old_logp=old, advantages=torch.randn(2, 3, generator=g),
+                              loss_mask=torch.ones(2, 3), behaviour_logp=old - 0.1, entropy=torch.rand(2, 3, generator=g))
+    try:
+        fn(inputs)
+    except ValueError as err:
+        return [("algo.policy_loss_options", f"{err} (policy_loss={stage.algo.policy_loss})")]
+    if stage.train.skip_zero_advantage:
+        try:
+            check_zero_at_zero_advantage(fn, stage.algo.policy_loss)
+        except ValueError as err:
+            return [("train.skip_zero_advantage", str(err).removeprefix("train.skip_zero_advantage: "))]
+    return []
 
 
 def combination_problems(stage: Any) -> list[Problem]:
     """Settings that each work but not together."""
+    from vlrl.algos import get_policy_loss
+    from vlrl.algos.losses import applies_behaviour_weight
+
     problems = []
     multi_turn = stage.rollout.function != "single_turn"
+    correction = stage.algo.rollout_correction
+    if correction.tis_cap is not None:
+        try:
+            own = applies_behaviour_weight(get_policy_loss(stage.algo.policy_loss))
+        except RegistryError:
+            own = False
+        if own:
+            problems.append(("algo.rollout_correction.tis_cap",
+                             f"algo.policy_loss={stage.algo.policy_loss} applies the behaviour weight π_prox / π_behave, "
+                             "the same ratio as TIS: both would count it twice; use one (or mis_cap alone)"))
+        elif stage.rollout.mode == "async" and stage.staleness.apply_behaviour_weight:
+            problems.append(("algo.rollout_correction.tis_cap",
+                             "rollout.mode=async applies the behaviour weight π_prox / π_behave "
+                             "(staleness.apply_behaviour_weight), the same ratio as TIS: both would count it twice; "
+                             "set staleness.apply_behaviour_weight=false to correct with TIS instead"))
     for k, spec in enumerate(stage.algo.advantage_shaping):
         if spec.name == "step_credit" and spec.options.get("signal") == "forward_proxy" and multi_turn:
             problems.append((f"algo.advantage_shaping.{k}.options.signal",
@@ -78,3 +148,20 @@ def combination_problems(stage: Any) -> list[Problem]:
                              f"reference plan), but rollout.function={stage.rollout.function}: use signal=rule "
                              f"for multi-turn episodes"))
     return problems
+
+
+def check_zero_at_zero_advantage(loss_fn: Callable, name: str) -> None:
+    """``train.skip_zero_advantage`` is exact only for a policy loss that is 0 wherever Â = 0 (Â · f(ratio), or
+    an advantage shaped to stay 0 there like ``entropy_advantage``; not ``entropy_bonus`` or ``kl_cov``); probe
+    the configured loss once on random log-probs and entropies and refuse it otherwise."""
+    import torch
+
+    from vlrl.algos import PolicyLossInputs
+
+    g = torch.Generator().manual_seed(0)
+    logp, old = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)
+    out = loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=torch.zeros(2, 3), loss_mask=torch.ones(2, 3),
+                                   behaviour_logp=old - 0.1, entropy=torch.rand(2, 3, generator=g)))
+    if bool((out.per_token_loss != 0).any()):
+        raise ValueError(f"train.skip_zero_advantage: algo.policy_loss={name!r} is not 0 where the advantage is 0, "
+                         "so leaving those sequences out would change the gradient; set it to false")

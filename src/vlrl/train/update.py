@@ -3,10 +3,12 @@
     for epoch in ppo_epochs:
         for minibatch in shuffle(batch).chunk(minibatches):
             N = normaliser of the whole minibatch (tokens or sequences)         ← same gradient for any split
+            I = Clip-Cov / KL-Cov tokens, chosen once over the minibatch        (those losses only; seeded)
             for micro in minibatch.split(micro_batch_size):                    ← `accumulate`
                 logp, entropy = πθ(response)                                   teacher-forced, with grad
-                L_t = policy_loss(logp, π_old, Â, π_behave)                    per token (B, T)
+                L_t = policy_loss(logp, π_old, Â, π_behave, entropy, I)         per token (B, T)
                 L_t ← w_t · L_t   (async: w = min(π_prox / π_behave, cap))     when enabled
+                L_t ← ρ̃_t · L_t   (TIS: ρ̃ = min(π_old / π_sampler, C))         algo.rollout_correction.tis_cap
                 loss = aggregate(L, N) (+ β · aggregate(KL(πθ ‖ π_ref), N))
                 loss.backward()
             clip grad norm → optimizer step
@@ -27,10 +29,12 @@ from typing import Any
 import torch
 
 from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, masked_mean, normaliser_for
-from vlrl.algos.staleness import behaviour_weight_stats, behaviour_weights, logp_drift
+from vlrl.algos.losses import behaviour_weight
+from vlrl.algos.staleness import behaviour_weight_stats, logp_drift
 from vlrl.models import Policy
 from vlrl.models.packed import sequence_logprobs
 from vlrl.train.common import step_or_skip
+from vlrl.train.distributed import DistContext
 from vlrl.train.runtime import Runtime
 
 
@@ -51,6 +55,7 @@ class UpdateBatch:
     metrics: dict[str, float] = field(default_factory=dict)  # from the shapers (logged with the step)
     old_values: torch.Tensor | None = None  # (B, R) critic values when the batch was prepared (gae)
     returns: torch.Tensor | None = None  # (B, R) the critic's regression targets
+    rollout_weights: torch.Tensor | None = None  # (B, R) TIS weights min(π_old / π_sampler, C), no grad; None: off
 
 
 @dataclass
@@ -63,6 +68,7 @@ class UpdateStats:
     behaviour_weights: list[torch.Tensor] = field(default_factory=list)  # w of every trained token, per micro-batch
     drift_sum: float = 0.0  # Σ |log π_behave − log π_old| over tokens sampled by the trainer's current weights
     drift_tokens: int = 0
+    behaviour_capped: int = 0  # trained tokens whose behaviour weight reached the cap (clamped or dropped)
     behaviour_weight_cap: float = 5.0
     skipped: int | None = None  # optimizer steps dropped for a non-finite loss/grad norm (None: on_nonfinite=stop)
 
@@ -77,6 +83,7 @@ class UpdateStats:
         self.drift_tokens += other.drift_tokens
         if other.skipped is not None:
             self.skipped = max(self.skipped or 0, other.skipped)  # the ranks agree: the same count on each
+        self.behaviour_capped += other.behaviour_capped
 
     @classmethod
     def merge(cls, parts: Sequence[UpdateStats]) -> UpdateStats:
@@ -92,6 +99,8 @@ class UpdateStats:
         weights = torch.cat(self.behaviour_weights) if self.behaviour_weights else torch.zeros(0)
         for name, value in behaviour_weight_stats(weights, torch.ones_like(weights), cap=self.behaviour_weight_cap).items():
             out[f"policy/behaviour_weight_{name}"] = float(value)
+        if len(weights):  # counted where it was computed: a dropped token's weight is 0, not the cap
+            out["policy/behaviour_weight_capped_frac"] = self.behaviour_capped / len(weights)
         if self.drift_tokens:
             out["policy/logp_drift"] = self.drift_sum / self.drift_tokens
         if self.skipped is not None:
@@ -104,7 +113,7 @@ class UpdateSettings:
     """The update's knobs, bound from config by `vlrl.train.batch.build_algorithm`."""
 
     loss_fn: Callable  # policy loss with its options bound: fn(PolicyLossInputs) -> LossOutput
-    loss_agg: str  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    loss_agg: str  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     kl_coef: float  # weight of the KL-to-reference loss term (0: none)
     kl_estimator: str  # k1 | k2 | k3
     temperature: float  # sampling temperature (log-probs are of logits / T)
@@ -113,7 +122,10 @@ class UpdateSettings:
     ppo_epochs: int
     grad_clip: float
     behaviour_weight_cap: float = 5.0
+    behaviour_weight_mode: str = "clamp"  # clamp | drop: a weight above the cap becomes the cap, or 0
     apply_behaviour_weight: bool = False  # multiply L_t by w_t = min(π_prox / π_behave, cap) (async recipe)
+    loss_agg_max_length: int | None = None  # the constant L of seq_mean_token_sum_norm
+    cov_selection: Callable | None = None  # Clip-Cov / KL-Cov: select(old_logp, Â, mask, *, generator) over a minibatch
     padding_free: bool = False  # pack each micro-batch into rows, no padding between sequences (vlrl.models.packed)
     skip_zero_advantage: bool = False  # leave rows with Â = 0 everywhere out of the forward/backward (loss 0 there)
     on_nonfinite: str = "stop"  # train.on_nonfinite: a NaN/Inf loss or grad norm stops the run, or its update is skipped
@@ -135,15 +147,19 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
                         skipped=0 if settings.on_nonfinite == "skip" else None)
     B = len(batch.trajectories)
     generator = torch.Generator().manual_seed(seed * 7919 + step)
+    selection_generator = torch.Generator().manual_seed(seed * 104729 + step)  # the same on every rank
     skippable = zero_advantage_rows(batch, settings, world_size=rt.ctx.world_size)  # (B,) bool
     for _ in range(settings.ppo_epochs):
         order = torch.randperm(B, generator=generator) if settings.minibatches > 1 else torch.arange(B)
         for minibatch in order.chunk(settings.minibatches):
             rows = minibatch.tolist()
-            normaliser = rt.global_normaliser(normaliser_for(settings.loss_agg, batch.loss_mask[rows]))  # all rows
+            normaliser = rt.global_normaliser(normaliser_for(settings.loss_agg, batch.loss_mask[rows],
+                                                             max_length=settings.loss_agg_max_length))  # all rows
+            selection = minibatch_cov_selection(batch, rows, settings, generator=selection_generator, runtime=rt)
             trained = [r for r in rows if not skippable[r]] or rows[:1]  # ≥ 1 row: AdamW steps on a real gradient
             stats.add("policy/skipped_rows_frac", 1 - len(trained) / max(len(rows), 1))
-            part = accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt)
+            part = accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt,
+                              cov_selection=selection)
             stats.extend(part)
             grad_norm = step_or_skip(model, optimizer, scheduler, settings.grad_clip, loss=sum(part.values["policy/loss"]),
                                      ctx=rt.ctx, on_nonfinite=settings.on_nonfinite, where=f"rl step {step + 1}")
@@ -176,12 +192,38 @@ def zero_advantage_rows(batch: UpdateBatch, settings: UpdateSettings, *, world_s
     return zero
 
 
+def minibatch_cov_selection(batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,
+                            generator: torch.Generator, runtime: Runtime | None = None) -> torch.Tensor | None:
+    """Clip-Cov / KL-Cov's tokens chosen once over the minibatch ``rows`` (every rank's rows under data
+    parallelism: gathered in rank order, selected identically on every rank with the shared seeded
+    ``generator``), from π_old — (B, R) bool with this rank's ``rows`` filled, or None for the other losses.
+    One selection per minibatch makes the gradient independent of the micro-batch size and of the number of
+    ranks (the papers' code selects within each micro-batch of each rank)."""
+    if settings.cov_selection is None:
+        return None
+    if batch.old_logp is None:
+        raise ValueError("the covariance losses choose their tokens from π_old: prepare_batch must compute old_logp")
+    ctx = runtime.ctx if runtime is not None else DistContext()
+    local = (batch.old_logp[rows], batch.advantages[rows], batch.loss_mask[rows])  # (b, R) each
+    parts = ctx.gather_objects(local)  # [local] in one process
+    width = max(part[0].shape[1] for part in parts)
+    padded = [torch.cat([torch.nn.functional.pad(p[k], (0, width - p[k].shape[1])) for p in parts]) for k in range(3)]
+    chosen = settings.cov_selection(*padded, generator=generator)  # (Σ b, width) over every rank's rows
+    offset = sum(len(p[0]) for p in parts[: ctx.rank])
+    selection = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
+    selection[rows] = chosen[offset : offset + len(rows), : batch.loss_mask.shape[1]]
+    return selection
+
+
 def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,
-               normaliser: float, runtime: Runtime | None = None) -> UpdateStats:
+               normaliser: float, runtime: Runtime | None = None,
+               cov_selection: torch.Tensor | None = None) -> UpdateStats:
     """Forward + backward over ``rows`` of ``batch`` in micro-batches of ``settings.micro_batch_size``,
     adding to the parameters' ``.grad`` (no optimizer step). ``normaliser`` is the `aggregate` denominator of
     the whole minibatch (all micro-batches, all ranks; ÷ world size under a ``runtime``, whose DDP/FSDP2 module
-    trains and reduces gradients in the last micro-batch's backward). Returns per-micro-batch statistics."""
+    trains and reduces gradients in the last micro-batch's backward); ``cov_selection`` (B, R), the minibatch's
+    Clip-Cov / KL-Cov tokens (`minibatch_cov_selection`); unset for those losses, each micro-batch selects
+    within itself. Returns per-micro-batch statistics."""
     rt = runtime or Runtime.single(policy.model)
     model = rt.module
     stats = UpdateStats(behaviour_weight_cap=settings.behaviour_weight_cap)
@@ -199,12 +241,18 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
             mask = batch.loss_mask[micro, :R]
             behaviour = batch.behaviour_logp[micro, :R]
             old = batch.old_logp[micro, :R] if batch.old_logp is not None else logp.detach()
-            out = settings.loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=batch.advantages[micro, :R],
-                                                    loss_mask=mask, behaviour_logp=behaviour))
+            out = settings.loss_fn(PolicyLossInputs(
+                logp=logp, old_logp=old, advantages=batch.advantages[micro, :R], loss_mask=mask,
+                behaviour_logp=behaviour, entropy=entropy,
+                cov_selection=cov_selection[micro, :R] if cov_selection is not None else None))
             per_token = out.per_token_loss
-            w = behaviour_weights(old, behaviour, mask, cap=settings.behaviour_weight_cap)  # (b, R)
+            w, capped = behaviour_weight(old, behaviour, cap=settings.behaviour_weight_cap,
+                                         mode=settings.behaviour_weight_mode)  # (b, R) each
+            w = w * mask
             if settings.apply_behaviour_weight:
                 per_token = per_token * w
+            if batch.rollout_weights is not None:  # TIS: min(π_old / π_sampler, C), 1 without it (MIS only)
+                per_token = per_token * batch.rollout_weights[micro, :R]
             loss = aggregate(per_token, mask, settings.loss_agg, normaliser=normaliser)
             if batch.ref_logp is not None and settings.kl_coef > 0:
                 kl = kl_estimate(logp, batch.ref_logp[micro, :R], settings.kl_estimator)
@@ -217,6 +265,7 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
         for name, values in out.metrics.items():
             stats.add(f"policy/{name}", masked_mean(values, mask))
         stats.behaviour_weights.append(w[mask.bool()].detach())
+        stats.behaviour_capped += int((capped & mask.bool()).sum())
         drift, n = logp_drift(behaviour, old, mask, batch.same_version[micro])
         stats.drift_sum += float(drift) * int(n)
         stats.drift_tokens += int(n)
@@ -224,15 +273,16 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
 
 
 def minibatch_gradient(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,
-                       normaliser: float) -> dict[str, torch.Tensor]:
+                       normaliser: float, cov_selection: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The gradient `accumulate` leaves for ``rows`` (``.grad`` zeroed before, cloned after, zeroed again):
     the quantity to compare between one big batch, k micro-batches, and rows split over data-parallel ranks
-    (each rank passing its rows and the all-reduced normaliser, then all-reducing the gradients)."""
+    (each rank passing its rows, the all-reduced normaliser and the minibatch's ``cov_selection``, then
+    all-reducing the gradients)."""
     model = policy.model
     model.zero_grad(set_to_none=True)
     was_training = model.training
     model.train()
-    accumulate(policy, batch, rows, settings, normaliser=normaliser)
+    accumulate(policy, batch, rows, settings, normaliser=normaliser, cov_selection=cov_selection)
     model.train(was_training)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
