@@ -19,6 +19,7 @@ resumed LoRA run continues exactly.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,9 @@ def apply_lora(policy, cfg) -> Any:
     config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                              target_modules=cfg.target_modules, modules_to_save=list(cfg.modules_to_save) or None)
     try:
-        policy.lora = peft.get_peft_model(policy.model, config)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            policy.lora = peft.get_peft_model(policy.model, config)
     except ValueError as err:  # "Target modules {...} not found in the base model"
         raise ValueError(f"model.lora.target_modules: {err}") from None
     policy.model = policy.lora.get_base_model()  # the same object, adapters injected
