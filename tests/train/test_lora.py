@@ -13,11 +13,18 @@ from vlrl.models.lora import AdaptersOff, apply_lora, lora_parameter_names, merg
 from vlrl.train.batch import reference_model, teacher_logprobs
 from vlrl.train.recipes import run_rl, run_sft
 
-from .dist_helpers import rl_trajectories
+from .dist_helpers import rl_trajectories, write_rl_data
 
-RL_ARGS = ["train.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=6", "data.n_train=8", "data.n_test=2",
+RL_ARGS = ["train.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=6",
            "eval.samples=1", "eval.max_new_tokens=2", "report.html=false", "check.enabled=false", "train.log_every=1",
            "model.lora.r=4", "model.lora.alpha=8", "algo.kl_coef=0.05", "optim.lr=1e-2"]
+
+
+@pytest.fixture
+def dense_reward(tmp_path):
+    """Prompts scored by DAPO's soft overlong punishment (dense: a random model's groups get non-zero advantages)."""
+    data = write_rl_data(tmp_path / "data" / "train.jsonl")
+    return [f"data.train={data}", f"data.test={data}"]
 
 
 def lora_policy(path, **options):
@@ -68,14 +75,15 @@ def test_merged_weights_are_peft_merge_and_unload(tiny_vlm_dir):
         torch.testing.assert_close(merged[key], expected[key], rtol=0, atol=1e-7, msg=key)
 
 
-def test_lora_rl_run_exports_merged_model_and_adapter_and_trains_only_adapters(tiny_vlm_dir, tmp_path):
+def test_lora_rl_run_exports_merged_model_and_adapter_and_trains_only_adapters(tiny_vlm_dir, tmp_path, dense_reward):
     """`vlrl rl` with model.lora: checkpoints/final is a model plain transformers loads, with the logits of the
     base + the exported adapter; every weight outside the adapted projections is the base's, bit for bit."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
     out = tmp_path / "run"
-    run_rl(load_config(RLConfig, None, [f"model.path={tiny_vlm_dir}", *RL_ARGS, "train.steps=2", f"out={out}"]))
+    run_rl(load_config(RLConfig, None, [f"model.path={tiny_vlm_dir}", *RL_ARGS, *dense_reward, "train.steps=2",
+                                        f"out={out}"]))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in records if r["stage"] == "rl"]
     assert all("policy/kl_ref" in r for r in rl)  # the KL to the adapter-free base is in the loss
@@ -94,9 +102,9 @@ def test_lora_rl_run_exports_merged_model_and_adapter_and_trains_only_adapters(t
         assert (merged(input_ids=ids).logits - base(input_ids=ids).logits).abs().max() > 1e-4
 
 
-def test_lora_rl_resumes_exactly(tiny_vlm_dir, tmp_path):
+def test_lora_rl_resumes_exactly(tiny_vlm_dir, tmp_path, dense_reward):
     """3 steps straight vs 2 steps, stop, `checkpoint.resume=auto` to 3: the same step-3 numbers and weights."""
-    common = [f"model.path={tiny_vlm_dir}", *RL_ARGS, "checkpoint.every=1"]
+    common = [f"model.path={tiny_vlm_dir}", *RL_ARGS, *dense_reward, "checkpoint.every=1"]
     run_rl(load_config(RLConfig, None, [*common, "train.steps=3", f"out={tmp_path / 'straight'}"]))
     run_rl(load_config(RLConfig, None, [*common, "train.steps=2", f"out={tmp_path / 'resumed'}"]))
     run_rl(load_config(RLConfig, None, [*common, "train.steps=3", "checkpoint.resume=auto", f"out={tmp_path / 'resumed'}"]))
@@ -106,6 +114,7 @@ def test_lora_rl_resumes_exactly(tiny_vlm_dir, tmp_path):
         return next(r for r in records if r["stage"] == "rl" and r["step"] == 3)
 
     straight, resumed = step3("straight"), step3("resumed")
+    assert straight["policy/grad_norm"] > 0 and straight["policy/kl_ref"] > 0  # the adapters moved
     for key in ("reward/mean", "policy/loss", "policy/grad_norm", "policy/kl_ref", "policy/entropy"):
         assert straight[key] == resumed[key], key
     from safetensors.torch import load_file
