@@ -6,8 +6,9 @@
 One batch of trajectories is sampled once from the preset (shapes count/color prompts, 16 new tokens) and every
 arm runs the same `ppo_update` on it (the part of a GRPO step these options change; generation is the same for
 all arms): teacher-forced forward + backward in micro-batches of 32 + AdamW step. Peak memory is torch's
-MemTracker on CPU (parameters, gradients, AdamW moments, activations and temporaries), after a warm-up update so
-the moments exist. Arms run back to back in one process, so their ratios are comparable even on a shared machine;
+MemTracker on CPU over one micro-batch's forward + backward (parameters, gradients, AdamW moments, activations
+and temporaries; micro-batches run one by one, so this is the update's peak), after a warm-up update so the
+moments exist. Time: the median of whole `ppo_update` calls. Arms run back to back in one process, so their ratios are comparable even on a shared machine;
 absolute seconds are not. torch uses one thread.
 """
 
@@ -30,7 +31,7 @@ def arm_update(preset: str, trajectories, *, lora: bool, checkpointing: bool, mi
     from vlrl.train.common import make_optimizer
     from vlrl.train.modules import gradient_checkpointing
     from vlrl.train.planner import _NoHook
-    from vlrl.train.update import ppo_update
+    from vlrl.train.update import accumulate, ppo_update
 
     policy = load_policy(preset)
     if lora:
@@ -47,8 +48,9 @@ def arm_update(preset: str, trajectories, *, lora: bool, checkpointing: bool, mi
         for p in policy.model.parameters():
             if not p.requires_grad:
                 tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-        with tracker:
-            ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=0, step=1)
+        with tracker:  # one micro-batch's forward + backward (the update's peak: micro-batches run one by one)
+            accumulate(policy, batch, range(micro), algorithm.settings, normaliser=float(batch.loss_mask.sum()))
+            optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as in the update's later micro-batches
         peak = {str(k).split(".")[-1].lower(): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
         seconds = []
         for r in range(repeats):
