@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from contextlib import ExitStack
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch

@@ -246,7 +246,10 @@ def memory_options(cfg, model: torch.nn.Module, adapter, w: Workload) -> Workloa
 
     tower = next((p for p in ("model.visual.", "model.vision_tower.", "vision_tower.") if any(
         n.startswith(p) for n, _ in model.named_parameters())), None)
-    in_tower = (lambda name: tower is not None and name.startswith(tower))
+
+    def in_tower(name: str) -> bool:
+        return tower is not None and name.startswith(tower)
+
     options: dict[str, Any] = {"checkpointing": checkpointing_wanted(model, cfg.train.gradient_checkpointing)}
     lora = cfg.model.lora
     if lora is not None:
