@@ -48,6 +48,7 @@ def arm_update(preset: str, trajectories, *, lora: bool, checkpointing: bool, mi
         for p in policy.model.parameters():
             if not p.requires_grad:
                 tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+        policy.model.train()  # as inside ppo_update (which leaves the model in eval mode): blocks checkpoint in training
         with tracker:  # one micro-batch's forward + backward (the update's peak: micro-batches run one by one)
             accumulate(policy, batch, range(micro), algorithm.settings, normaliser=float(batch.loss_mask.sum()))
             optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as in the update's later micro-batches
@@ -63,13 +64,14 @@ def arm_update(preset: str, trajectories, *, lora: bool, checkpointing: bool, mi
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="timed updates per arm (median)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from vlrl.data import generate
     from vlrl.models import load_policy
     from vlrl.rollout import HFEngine, SamplingParams
 
-    preset, prompts, n, repeats = ("tiny-qwen2-vl", 4, 8, 1) if args.quick else ("tiny-qwen2-vl-20m", 16, 8, 3)
+    preset, prompts, n, repeats = ("tiny-qwen2-vl", 4, 8, 1) if args.quick else ("tiny-qwen2-vl-20m", 16, 8, args.repeats)
     torch.manual_seed(0)
     engine = HFEngine(load_policy(preset))
     samples = generate("shapes", prompts, tasks=["count", "color"])
