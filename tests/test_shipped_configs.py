@@ -303,6 +303,7 @@ CASES: dict[str, Case] = {
     "judge_grpo.yaml": Case("rl", judge, ("rollout.env_kwargs.judge={lm}",)),
     "shapes_dapo.yaml": Case("rl", dapo, start="shapes_sft"),
     "shapes_dr_grpo.yaml": Case("rl", lambda run: plain_rl(run, "dr_grpo"), start="shapes_sft"),
+    "shapes_lora_grpo.yaml": Case("rl", lambda run: lora(run), start="shapes_sft"),
     "shapes_feedback_grpo.yaml": Case("rl", shapes_feedback, start="shapes_sft"),
     "shapes_grpo.yaml": Case("rl", lambda run: plain_rl(run, "grpo"), start="shapes_sft"),
     "shapes_ppo.yaml": Case("rl", ppo, start="shapes_sft"),
@@ -351,6 +352,17 @@ CASES.update({
     "shapes_entropy_adv.yaml": Case("rl", loss_active("entropy_advantage", "entropy_adv", "entropy_adv_capped"),
                                     start="shapes_sft"),
 })
+
+
+def lora(run: Run) -> None:
+    """LoRA: a few % of the weights train, the KL to the adapter-free base is logged, and the export holds the
+    merged model plus adapter/ (adapter_config.json with the configured rank)."""
+    records = rl_trained(run)
+    assert all("policy/kl_ref" in r for r in records)
+    assert 0 < records[-1]["policy/trainable_params"] < 0.2 * 1.06e6
+    final = run.path / "checkpoints" / "final"
+    adapter = json.loads((final / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == run.config["model"]["lora"]["r"] and (final / "model.safetensors").is_file()
 
 
 def _text_only(run: Run) -> None:

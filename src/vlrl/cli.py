@@ -424,7 +424,7 @@ def plan(
     except (OSError, ValueError) as err:  # a missing directory, no hub, an unsupported family
         typer.secho(f"vlrl plan: model.path: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
-    shape, work = planner.model_shape(model), planner.workload(cfg, adapter)
+    shape, work = planner.model_shape(model), planner.workload(cfg, adapter, model=model)
     device = planner.Device(gpus, gpu_mem, tflops=tflops, bandwidth_gbs=bandwidth, link_gbs=link, mfu=mfu)
     typer.echo(planner.format_plans(planner.plan_placements(shape, work, device), device, work, shape))
     if measure:

@@ -48,6 +48,30 @@ class Section(BaseModel):
 
 
 # ----------------------------------------------------------------------------------------------- run sections
+class LoraConfig(Section):
+    """LoRA adapters through peft (the ``vlrl[peft]`` extra): the base weights stay frozen, only the adapters (and
+    ``modules_to_save``) train. QLoRA (``load_in_4bit``) needs bitsandbytes on a CUDA GPU: refused on CPU."""
+
+    r: int = Field(16, ge=1, description="LoRA rank r of every adapter (ΔW = B·A, A: r × in, B: out × r; Hu et al. 2021).")
+    alpha: float = Field(32.0, gt=0, description="LoRA α: the update is scaled by α / r (common: 2·r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (peft lora_dropout); 0 keeps "
+                           "the forward deterministic.")
+    target_modules: list[str] | str = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Modules that get adapters: names (peft matches the end of a module's name), a regex string, or "
+        "'all-linear'. The default is the language model's attention and MLP projections (Qwen2-VL's vision blocks "
+        "name theirs qkv / proj / fc1 / fc2, so they stay frozen).",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="Modules trained in full beside the adapters and saved with them, e.g. "
+        "[merger] for Qwen2-VL's projector, or [lm_head].",
+    )
+    load_in_4bit: bool = Field(
+        False, description="QLoRA: a 4-bit NF4 base through bitsandbytes. Needs a CUDA GPU with bitsandbytes "
+        "installed; refused on CPU (bitsandbytes does not run on this project's CPU machines, so this path is untested).",
+    )
+
+
 class ModelConfig(Section):
     path: str = Field(
         "tiny-qwen2-vl",
@@ -58,7 +82,10 @@ class ModelConfig(Section):
         json_schema_extra={"path": "model"},
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype. bfloat16 on GPUs; float32 on CPU."
+        "float32", description="Parameter dtype. bfloat16: weights, gradients and AdamW moments are all bf16 (pure bf16, "
+        "half the memory of fp32; log-softmax and the losses are computed in fp32); with model.lora the adapters and "
+        "their AdamW moments stay fp32. For fp32 master weights with bf16 compute keep float32 and set "
+        "dist.mixed_precision=bf16. float32 on CPU.",
     )
     device: str = Field("cpu", description="Torch device for the policy, e.g. 'cpu' or 'cuda'.")
     init_seed: int = Field(0, ge=0, lt=SEED_MAX, description="Seed of the random initialisation of a tiny preset.")
@@ -70,11 +97,19 @@ class ModelConfig(Section):
         None, ge=1, description="Native-resolution upper bound: larger images are downscaled to at most this many "
         "pixels, keeping the aspect ratio (LLaVA-OV-1.5 evaluation: 3,240,000). Unset: the processor's own setting.",
     )
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters instead of all weights (peft; `pip install vlrl[peft]`): the KL reference "
+        "is the base with adapters disabled (no second copy), the final export is the merged model plus adapter/. "
+        "Unset: full fine-tuning. See configs/shapes_lora_grpo.yaml.",
+    )
 
     @model_validator(mode="after")
     def _check_pixels(self) -> ModelConfig:
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"model.min_pixels ({self.min_pixels}) exceeds model.max_pixels ({self.max_pixels})")
+        if self.lora is not None and self.lora.load_in_4bit and not self.device.startswith("cuda"):
+            raise ValueError(f"model.lora.load_in_4bit: QLoRA needs bitsandbytes on a CUDA GPU, and model.device is "
+                             f"{self.device!r}; bitsandbytes does not run on CPU. Use LoRA without load_in_4bit here")
         return self
 
 
@@ -183,6 +218,11 @@ class SFTTrainConfig(Section):
     padding_free: bool = Field(
         False, description="Without a packing plan: pack each micro-batch's samples into rows at run time (no padding "
         "between samples, per-sample position ids). With data.packing_plan this is always on.",
+    )
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="Recompute each decoder and vision block's activations in backward instead of keeping them "
+        "(transformers' activation checkpointing, non-reentrant): activation memory of about one block per layer for "
+        "one more forward. auto: on for models of 100M parameters or more, off for the tiny presets.",
     )
     trainable: list[str] = Field(
         default_factory=lambda: ["all"], description="Parameters trained in this stage: 'all', or module groups of the "
@@ -479,6 +519,16 @@ class RLTrainConfig(Section):
         False, description="Leave sequences whose advantages are all 0 out of the update's forward/backward (one "
         "process, no KL loss term): their loss is 0, the normaliser still counts them, so the gradient is the same "
         "and the step cheaper. policy/entropy and the clip metrics then cover the trained sequences only.",
+    )
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="Recompute each decoder and vision block's activations in backward instead of keeping them "
+        "(transformers' activation checkpointing, non-reentrant): activation memory of about one block per layer for "
+        "one more forward. auto: on for models of 100M parameters or more, off for the tiny presets.",
+    )
+    trainable: list[str] = Field(
+        default_factory=lambda: ["all"], description="Parameters trained in this stage: 'all', or module groups of the "
+        "model family (Qwen2-VL: projector, vision, llm) and/or parameter-name prefixes; the rest is frozen (no "
+        "gradient, no AdamW moments, bit-identical after training). E.g. [llm] freezes the vision tower and projector.",
     )
 
 

@@ -10,6 +10,9 @@ Writes into OUT_DIR (rank 0 writes files):
                                        for each loss aggregation mode
     grads_loss_{ddp,fsdp}_{loss}.pt    the same for each issue-25 loss (`dist_helpers.RL_LOSSES`), Clip-Cov / KL-Cov
                                        tokens selected over both ranks' rows (`minibatch_cov_selection`)
+
+
+    grads_{sft,rl}_fsdp_checkpointed.pt  the FSDP2 SFT and RL (token_mean) gradients with gradient checkpointing on
     ckpt_{ddp,fsdp}/, state_*.pt       a checkpoint after one SFT step on 2 ranks, and the full state it holds
     loaded_{ddp,fsdp}.pt               the full state after loading OUT_DIR/ckpt_1rank/step_00000001 on 2 ranks
     reference_{sft,rl}/                uninterrupted 2-rank runs of `vlrl sft|rl` with `dist_helpers.run_args`
@@ -41,6 +44,7 @@ from vlrl.models import load_policy  # noqa: E402
 from vlrl.train.checkpoint import Checkpointer  # noqa: E402
 from vlrl.train.common import clip_and_step, make_optimizer  # noqa: E402
 from vlrl.train.distributed import init_distributed, shutdown_distributed, wrap_model  # noqa: E402
+from vlrl.train.modules import gradient_checkpointing  # noqa: E402
 from vlrl.train.recipes import run_rl, run_sft  # noqa: E402
 from vlrl.train.runtime import Runtime  # noqa: E402
 from vlrl.train.sft import sft_backward  # noqa: E402
@@ -94,6 +98,23 @@ def loss_gradients(model_dir: str, out: Path, strategy: str) -> None:
                        out / f"grads_loss_{strategy}_{loss}.pt")
 
 
+def checkpointed_gradients(model_dir: str, out: Path) -> None:
+    """`sft_gradients` and `rl_gradients` (token_mean) under FSDP2 with train.gradient_checkpointing on."""
+    policy, rt = runtime(model_dir, "fsdp")
+    with gradient_checkpointing(policy.model, True):
+        sft_backward(policy, rt, rt.ctx.shard(sft_batch(policy), what="batch"), MICRO)
+        sft = grads_of(rt.module)
+        rt.module.zero_grad(set_to_none=True)
+        trajectories = rt.ctx.shard(torch.load(out / "trajectories.pt", weights_only=False), what="trajectories")
+        batch = rl_update_batch(policy, trajectories, rt)
+        normaliser = rt.global_normaliser(normaliser_for("token_mean", batch.loss_mask, max_length=8))
+        accumulate(policy, batch, range(len(trajectories)), rl_settings("token_mean"), normaliser=normaliser, runtime=rt)
+        rl = grads_of(rt.module)
+    if rt.ctx.is_main:
+        torch.save(sft, out / "grads_sft_fsdp_checkpointed.pt")
+        torch.save(rl, out / "grads_rl_fsdp_checkpointed.pt")
+
+
 def checkpoints(model_dir: str, out: Path, strategy: str) -> None:
     # one SFT step on 2 ranks, checkpointed
     policy, rt = runtime(model_dir, strategy)
@@ -124,6 +145,7 @@ def main(model_dir: str, out: str) -> None:
         rl_gradients(model_dir, out_dir, strategy)
         loss_gradients(model_dir, out_dir, strategy)
         checkpoints(model_dir, out_dir, strategy)
+    checkpointed_gradients(model_dir, out_dir)
     # the uninterrupted 2-rank runs test_resume.py compares its killed-and-resumed runs with (what `vlrl sft|rl
     # ARGS` runs: load_config + the recipe, here in the process group this script joined)
     run_sft(load_config(SFTConfig, None, [*run_args("sft", model_dir, None, nproc=2), f"out={out_dir / 'reference_sft'}"]))

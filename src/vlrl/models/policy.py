@@ -25,6 +25,7 @@ class Policy:
     image_processor: Any | None
     adapter: TextAdapter
     source: str
+    lora: Any | None = None  # the peft model when model.lora is set (`vlrl.models.lora`); `model` is its base, adapters injected
 
     @classmethod
     def from_parts(cls, model, tokenizer, image_processor, *, source: str, processor: Any | None = None) -> Policy:
@@ -62,10 +63,17 @@ class Policy:
         return sum(p.numel() for p in self.model.parameters())
 
     def save(self, out_dir: str | Path) -> Path:
-        """Write model (safetensors), tokenizer and image processor in the transformers layout."""
+        """Write model (safetensors), tokenizer and image processor in the transformers layout. With LoRA: the
+        merged weights (base + adapters, which plain transformers loads) and the adapters alone in ``adapter/``."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out_dir)
+        if self.lora is not None:
+            from vlrl.models.lora import ADAPTER_DIR, save_adapter, save_merged
+
+            save_merged(self, out_dir)
+            save_adapter(self, out_dir / ADAPTER_DIR)
+        else:
+            self.model.save_pretrained(out_dir)
         self.tokenizer.save_pretrained(out_dir)
         if self.image_processor is not None:
             self.image_processor.save_pretrained(out_dir)

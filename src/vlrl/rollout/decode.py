@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +121,7 @@ def _tensors(vision: VisionInputs) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------- the model's API
-@lru_cache(maxsize=None)
+@cache
 def _forward_params(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 

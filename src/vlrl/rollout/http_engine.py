@@ -406,6 +406,10 @@ class HTTPEngine:
             previous.result()
         path = self.weights_dir / f"v{version:06d}"
         model = self.policy.model
+        if getattr(self.policy, "lora", None) is not None:  # LoRA: servers load base + adapters merged, plain names
+            from vlrl.models.lora import merged_state_dict
+
+            state_dict = merged_state_dict(self.policy)
         with quiet_transformers():
             model.save_pretrained(path, state_dict=state_dict)
         weights = state_dict if state_dict is not None else model

@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from vlrl.train.async_rollout import AsyncRollout, GroupBuffer
 from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.common import PromptCursor, make_optimizer
 from vlrl.train.metrics import step_metrics
+from vlrl.train.modules import stage_modules
 from vlrl.train.runtime import Runtime
 from vlrl.train.sampling import Group, flatten, is_informative, sampling_params, starved_warning
 from vlrl.train.state import AlgorithmState, AsyncState, GroupRecord, Ledger, expect_state
@@ -84,7 +86,9 @@ def train_async_grpo(
     # the decoupled objective: L_t = w_t · L_clip(π_θ / π_prox)_t, w_t = min(π_prox / π_behave, cap)  (when enabled)
     algorithm = build_algorithm(stage, policy, apply_behaviour_weight=stage.staleness.apply_behaviour_weight)
     model = policy.model
-    optimizer, scheduler = make_optimizer(rt.module, stage.optim)
+    stack = ExitStack()  # train.trainable and gradient checkpointing, undone when the loop ends
+    modules = stack.enter_context(stage_modules(policy, train))
+    optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)
     max_concurrent = stage.rollout.max_concurrent_rollouts or 2 * P
     buffer = GroupBuffer(capacity=(eta + 1) * P + max_concurrent)
     synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
@@ -146,6 +150,8 @@ def train_async_grpo(
                 last.update(synthesis.after_step(trajectories, step, shaping=algorithm.reward_shaping))
                 rollout.forget(synthesis.retired())
             last.update({"perf/step_seconds": time.time() - t0, "perf/wait_seconds": t_wait, "perf/sync_seconds": t_sync,
+                         "policy/trainable_params": modules.trainable_params,
+                         "perf/gradient_checkpointing": float(modules.gradient_checkpointing),
                          "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9)})
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "staleness/mean", "perf/step_seconds"))
@@ -154,6 +160,7 @@ def train_async_grpo(
         if syncing is not None:
             syncing.result()  # the servers hold the final weights (or the error is raised)
     finally:
+        stack.close()
         rollout.stop()
         if synthesis is not None:
             synthesis.close()

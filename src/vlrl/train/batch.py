@@ -139,7 +139,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         reward_shaping=ShapingChain(algo.reward_shaping, get_reward_shaping, "rewards"),
         advantage_shaping=ShapingChain(algo.advantage_shaping, get_advantage_shaping, "advantages"),
         # kl_coef = 0: no reference at all
-        reference=(reference if reference is not None else frozen_copy(policy.model)) if algo.kl_coef > 0 else None,
+        reference=(reference if reference is not None else reference_model(policy)) if algo.kl_coef > 0 else None,
         critic=Critic(policy, stage.critic) if "values" in needs else None,
         settings=settings,
         kl_in_reward=algo.kl_coef if algo.kl_mode == "reward" else 0.0,
@@ -155,6 +155,16 @@ def loss_agg_max_length(stage: RLStage) -> int:
     if stage.algo.loss_agg_max_length is not None:
         return stage.algo.loss_agg_max_length
     return stage.rollout.max_new_tokens * stage.rollout.max_turns
+
+
+def reference_model(policy: Policy) -> torch.nn.Module:
+    """π_ref, the policy as it starts: a frozen copy of its weights, or — with LoRA — the same weights with the
+    adapters disabled (`vlrl.models.lora.AdaptersOff`: no second copy of the model)."""
+    if policy.lora is not None:
+        from vlrl.models.lora import AdaptersOff
+
+        return AdaptersOff(policy.lora)
+    return frozen_copy(policy.model)
 
 
 def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Sequence[Trajectory], *, step: int,

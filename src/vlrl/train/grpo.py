@@ -21,6 +21,7 @@ shared with the asynchronous recipe: the `Group` records, scoring, the informati
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 
 from vlrl.config import RLStage
 from vlrl.data import Sample
@@ -32,6 +33,7 @@ from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.common import PromptCursor, make_optimizer
 from vlrl.train.distributed import GlobalAdvantage
 from vlrl.train.metrics import step_metrics
+from vlrl.train.modules import stage_modules
 from vlrl.train.runtime import Runtime
 from vlrl.train.sampling import GroupSampler, flatten, sampling_params, starved_warning
 from vlrl.train.state import AlgorithmState, GroupRecord, SyncState, expect_state
@@ -61,6 +63,7 @@ def train_grpo(
     if train.max_samples is not None:
         samples = samples[: train.max_samples]
     synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
+    stack = ExitStack()
     try:
         cursor = PromptCursor(synthesis.dataset if synthesis is not None else samples, seed)
         algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False, reference=rt.reference)  # π_behave = π_old
@@ -68,7 +71,8 @@ def train_grpo(
         sampler = GroupSampler(engine, cursor, sampling_params(rollout), prompts_per_step=train.prompts_per_step,
                                dynamic=stage.algo.dynamic_sampling, greedy_baseline="baseline_rewards" in algorithm.needs,
                                shard=lambda draws: rt.ctx.shard(draws, what="train.prompts_per_step"))
-        optimizer, scheduler = make_optimizer(rt.module, stage.optim)
+        modules = stack.enter_context(stage_modules(policy, train))  # train.trainable, gradient checkpointing
+        optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)
         step, carry = rt.restore(stage_name, optimizer, scheduler, cursor)
         state = expect_state(carry, SyncState, rt.resume_from)
         if state is not None:  # shapers, critic, dynamic sampling's surplus groups and the draw counter resume too
@@ -100,6 +104,8 @@ def train_grpo(
                 last.update(synthesis.after_step(trajectories, step, shaping=algorithm.reward_shaping))
                 sampler.encode.forget(synthesis.retired())
             last.update({**sampled.metrics, "perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
+                         "policy/trainable_params": modules.trainable_params,
+                         "perf/gradient_checkpointing": float(modules.gradient_checkpointing),
                          "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9)})
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds"))
@@ -107,6 +113,7 @@ def train_grpo(
                 rt.after_step(step, stage_name, optimizer, scheduler, cursor, carry_over=SyncState(
                     AlgorithmState.of(algorithm), sampler.drawn, [GroupRecord.of(g) for g in sampler.carry]))
     finally:
+        stack.close()
         if synthesis is not None:
             synthesis.close()
     return {**last, "steps": step, "seconds": time.time() - start}

@@ -42,9 +42,18 @@ measured for attention-only families (MoE routing buffers are not counted); Qwen
 are counted as attention layers, which gives ~0.5× of their activations (chunked delta-rule intermediates,
 convolution states) — budget Qwen3.5 activations at 2× the printed value.
 
+**Memory options.** ``train.gradient_checkpointing``: each block keeps only its input, n_layers·m·L·h·b_c
+(vision: depth·m·N_p·h_v·b_c), plus one block's full activations while it is recomputed in backward.
+``model.lora``: the base is frozen (no gradients, no moments); the Ψ_lora = Σ r·(in + out) adapter parameters
+of the targeted projections are fp32 with fp32 gradients and moments. ``train.trainable``: only the Ψ_t
+parameters of the chosen groups get gradients and moments; a vision tower that trains nothing keeps no
+activations.
+
 **Time** (per step; F peak FLOP/s, η the MFU assumption, W memory bandwidth, Λ link bandwidth):
 
-    train      (6Ψ_t·T + 6Ψ_v·T_v + 12·n_layers·h·L·T) · epochs / (n_train·F·η)   (Kaplan et al. 2020)
+    train      (c·Ψ_t·T + c_v·Ψ_v·T_v + 12·n_layers·h·L·T) · epochs / (n_train·F·η)   (Kaplan et al. 2020)
+               c = 2 forward + 2 input gradients + 2·(share of the text weights trained) + 2 with checkpointing
+               (the recomputed forward); c_v the same for the vision tower, 2 when it trains nothing
     extra passes (π_old when several optimizer steps, π_ref with a KL term) 2Ψ·T / (n_train·F·η) each
     generate   prefill 2Ψ·P·prompts / (n_gen·F·η) + R · ⌈rows/(n_gen·B)⌉ · (Ψ·b_c + KV/2)/W   (each prompt is
                prefilled once for its n samples, `vlrl.rollout.decode` — rows = prompts · n; decode is
@@ -113,6 +122,10 @@ class Workload:
     asynchronous: bool = False
     weight_bytes: int = 4  # b_w
     compute_bytes: int = 4  # b_c
+    checkpointing: bool = False  # train.gradient_checkpointing resolved
+    trained_params: int | None = None  # Ψ_t of the base weights (None: all of Ψ; 0 under LoRA)
+    trained_vision: int | None = None  # of which in the vision tower (None: all of Ψ_v)
+    adapter_params: int = 0  # Ψ_lora: fp32 adapter parameters (model.lora)
 
     @property
     def length(self) -> int:  # L
@@ -261,8 +274,51 @@ def meta_model(path: str, *, init_seed: int = 0) -> tuple[torch.nn.Module, Any]:
     return model, adapter_for(config, AutoTokenizer.from_pretrained(path), processor, source=path, model=model)
 
 
-def workload(cfg, adapter, *, samples: int = 16) -> Workload:
-    """Sizes of one step of ``cfg`` (an `SFTConfig` or `RLConfig`): the longest of a few encoded samples."""
+def workload(cfg, adapter, *, samples: int = 16, model: torch.nn.Module | None = None) -> Workload:
+    """Sizes of one step of ``cfg`` (an `SFTConfig` or `RLConfig`): the longest of a few encoded samples. Given
+    the (meta) ``model``, also what trains and what is kept: `memory_options`."""
+    w = _workload(cfg, adapter, samples=samples)
+    return memory_options(cfg, model, adapter, w) if model is not None else w
+
+
+def memory_options(cfg, model: torch.nn.Module, adapter, w: Workload) -> Workload:
+    """``w`` with train.gradient_checkpointing (resolved for this model), train.trainable's Ψ_t and model.lora's
+    Ψ_lora = Σ r·(in + out) over the targeted linear layers (counted on the meta model, nothing built)."""
+    import dataclasses
+    import re
+
+    from vlrl.train.modules import ALL, assign, checkpointing_wanted
+
+    tower = next((p for p in ("model.visual.", "model.vision_tower.", "vision_tower.") if any(
+        n.startswith(p) for n, _ in model.named_parameters())), None)
+
+    def in_tower(name: str) -> bool:
+        return tower is not None and name.startswith(tower)
+
+    options: dict[str, Any] = {"checkpointing": checkpointing_wanted(model, cfg.train.gradient_checkpointing)}
+    lora = cfg.model.lora
+    if lora is not None:
+        targets, adapters, vision = lora.target_modules, 0, 0
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            if isinstance(targets, str):
+                hit = name != "lm_head" if targets == "all-linear" else re.fullmatch(targets, name) is not None
+            else:
+                hit = any(name == t or name.endswith("." + t) for t in targets)
+            if hit:
+                adapters += lora.r * (module.in_features + module.out_features)
+                vision += lora.r * (module.in_features + module.out_features) if in_tower(name + ".") else 0
+        options.update(trained_params=0, trained_vision=0 if not vision else None, adapter_params=adapters)
+    elif list(cfg.train.trainable) != [ALL]:
+        chosen = assign(model, cfg.train.trainable, adapter.module_groups, field="train.trainable")
+        sizes = dict((n, p.numel()) for n, p in model.named_parameters())
+        options.update(trained_params=sum(sizes[n] for n in chosen),
+                       trained_vision=sum(sizes[n] for n in chosen if in_tower(n)))
+    return dataclasses.replace(w, **options)
+
+
+def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
     from vlrl.config import RLConfig
     from vlrl.data import load_image, read_samples
     from vlrl.train.common import generate_split, media_limits
@@ -300,12 +356,22 @@ def _mb(n: float) -> str:
 
 
 def trained_state(s: ModelShape, w: Workload, d: int, role: str) -> list[Term]:
-    """Parameters, gradients and AdamW moments of a trained model, sharded d ways."""
+    """Parameters, gradients and AdamW moments of a trained model, sharded d ways: gradients and moments only for
+    the trained Ψ_t (``train.trainable``); LoRA adds Ψ_lora fp32 adapters (4 bytes) with their own."""
     p, b = s.params, w.weight_bytes
+    t = p if w.trained_params is None or role != "actor" else w.trained_params
+    a = w.adapter_params if role == "actor" else 0
+    if not a and t == p:
+        return [
+            Term(f"{role} parameters", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}"),
+            Term(f"{role} gradients", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}"),
+            Term(f"{role} AdamW moments", 2 * p * b / d, "2·Ψ·b_w/d", f"2·{_mb(p)}·{b}/{d}"),
+        ]
     return [
-        Term(f"{role} parameters", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}"),
-        Term(f"{role} gradients", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}"),
-        Term(f"{role} AdamW moments", 2 * p * b / d, "2·Ψ·b_w/d", f"2·{_mb(p)}·{b}/{d}"),
+        Term(f"{role} parameters", (p * b + a * 4) / d, "(Ψ·b_w + Ψ_lora·4)/d", f"({_mb(p)}·{b} + {_mb(a)}·4)/{d}"),
+        Term(f"{role} gradients", (t * b + a * 4) / d, "(Ψ_t·b_w + Ψ_lora·4)/d", f"({_mb(t)}·{b} + {_mb(a)}·4)/{d}"),
+        Term(f"{role} AdamW moments", 2 * (t * b + a * 4) / d, "2·(Ψ_t·b_w + Ψ_lora·4)/d",
+             f"2·({_mb(t)}·{b} + {_mb(a)}·4)/{d}"),
     ]
 
 
@@ -321,15 +387,26 @@ def activations(s: ModelShape, w: Workload, role: str = "actor", *, ranks: int =
     ``train.micro_batch_size`` or the rank's share of the batch, whichever is smaller."""
     m, L, b = min(w.micro_batch, math.ceil(w.sequences / ranks)), w.length, w.compute_bytes
     per_token = 8 * s.hidden + 2 * s.kv_dim + 4 * s.intermediate
-    terms = [Term(f"{role} activations", s.layers * m * L * per_token * b, "n_layers·m·L·(8h+2k+4I)·b_c",
-                  f"{s.layers}·{m}·{L}·(8·{s.hidden}+2·{s.kv_dim}+4·{s.intermediate})·{b}"),
-             Term("input embeddings", 2 * m * L * s.hidden * b, "2·m·L·h·b_c", f"2·{m}·{L}·{s.hidden}·{b}")]
-    if s.vision_depth and w.patches:
+    if w.checkpointing:  # block inputs kept, one block's activations alive while it is recomputed
+        terms = [Term(f"{role} activations", (s.layers * s.hidden + per_token) * m * L * b,
+                      "(n_layers·h + 8h+2k+4I)·m·L·b_c  [checkpointed]",
+                      f"({s.layers}·{s.hidden} + 8·{s.hidden}+2·{s.kv_dim}+4·{s.intermediate})·{m}·{L}·{b}")]
+    else:
+        terms = [Term(f"{role} activations", s.layers * m * L * per_token * b, "n_layers·m·L·(8h+2k+4I)·b_c",
+                      f"{s.layers}·{m}·{L}·(8·{s.hidden}+2·{s.kv_dim}+4·{s.intermediate})·{b}")]
+    terms.append(Term("input embeddings", 2 * m * L * s.hidden * b, "2·m·L·h·b_c", f"2·{m}·{L}·{s.hidden}·{b}"))
+    if s.vision_depth and w.patches and w.trained_vision != 0:  # a tower that trains nothing keeps no activations
         per_patch = 12 * s.vision_hidden + 3 * s.vision_intermediate
-        terms.append(Term("vision activations", (s.vision_depth * per_patch + s.patch_values) * m * w.patches * b,
-                          "(depth·(12h_v+3I_v) + C)·m·N_p·b_c",
-                          f"({s.vision_depth}·(12·{s.vision_hidden}+3·{s.vision_intermediate}) + {s.patch_values})"
-                          f"·{m}·{w.patches}·{b}"))
+        if w.checkpointing:
+            terms.append(Term("vision activations", (s.vision_depth * s.vision_hidden + per_patch + s.patch_values)
+                              * m * w.patches * b, "(depth·h_v + 12h_v+3I_v + C)·m·N_p·b_c  [checkpointed]",
+                              f"({s.vision_depth}·{s.vision_hidden} + 12·{s.vision_hidden}+3·{s.vision_intermediate} + "
+                              f"{s.patch_values})·{m}·{w.patches}·{b}"))
+        else:
+            terms.append(Term("vision activations", (s.vision_depth * per_patch + s.patch_values) * m * w.patches * b,
+                              "(depth·(12h_v+3I_v) + C)·m·N_p·b_c",
+                              f"({s.vision_depth}·(12·{s.vision_hidden}+3·{s.vision_intermediate}) + {s.patch_values})"
+                              f"·{m}·{w.patches}·{b}"))
     R = w.response_tokens
     terms.append(Term("logits (fp32)", 3 * m * (R + 1) * s.vocab * 4, "3·m·(R+1)·V·4", f"3·{m}·{R + 1}·{s.vocab}·4"))
     return terms
@@ -356,15 +433,29 @@ def train_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]
     T = w.sequences * w.length
     Tv = w.sequences * w.patches
     rate = n * dev.tflops * 1e12 * dev.mfu
-    flops = (6 * s.params_text * T + 6 * s.params_vision * Tv + 12 * s.layers * s.hidden * w.length * T) * w.epochs
-    terms = [Term("train", flops / rate, "(6Ψ_t·T + 6Ψ_v·T_v + 12·n_layers·h·L·T)·epochs/(n·F·η)",
-                  f"(6·{_mb(s.params_text)}·{T} + 6·{_mb(s.params_vision)}·{Tv} + 12·{s.layers}·{s.hidden}·{w.length}·{T})"
-                  f"·{w.epochs}/({n}·{dev.tflops:g}T·{dev.mfu:g})")]
+    c, c_v = train_flop_factors(s, w)
+    flops = (c * s.params_text * T + c_v * s.params_vision * Tv + 12 * s.layers * s.hidden * w.length * T) * w.epochs
+    terms = [Term("train", flops / rate, "(c·Ψ_t·T + c_v·Ψ_v·T_v + 12·n_layers·h·L·T)·epochs/(n·F·η)",
+                  f"({c:g}·{_mb(s.params_text)}·{T} + {c_v:g}·{_mb(s.params_vision)}·{Tv} + 12·{s.layers}·{s.hidden}·"
+                  f"{w.length}·{T})·{w.epochs}/({n}·{dev.tflops:g}T·{dev.mfu:g})")]
     passes = int(w.old_pass) + int(w.reference) + int(w.critic)
     if passes:
         terms.append(Term("scoring passes", passes * 2 * s.params * T / rate, "passes·2Ψ·T/(n·F·η)",
                           f"{passes}·2·{_mb(s.params)}·{T}/({n}·{dev.tflops:g}T·{dev.mfu:g})"))
     return terms
+
+
+def train_flop_factors(s: ModelShape, w: Workload) -> tuple[float, float]:
+    """FLOPs per parameter per token of a training pass, text and vision: 2 forward + 2 input gradients + 2 × the
+    share of weights trained (+ 2 for the recomputed forward under checkpointing); 6 for full training, ~4 under
+    LoRA, 2 for a vision tower that trains nothing (no backward through it)."""
+    recompute = 2 if w.checkpointing else 0
+    text_trained = 1.0 if w.trained_params is None else \
+        (w.trained_params - (w.trained_vision or 0)) / max(s.params_text, 1)
+    vision_trained = 1.0 if w.trained_vision is None else w.trained_vision / max(s.params_vision, 1)
+    c = 4 + 2 * text_trained + recompute
+    c_v = 2 if w.trained_vision == 0 else 4 + 2 * vision_trained + recompute
+    return c, c_v
 
 
 def sync_seconds(s: ModelShape, w: Workload, dev: Device, n: int, strategy: str) -> list[Term]:
@@ -460,7 +551,10 @@ def format_plans(plans: list[Plan], dev: Device, w: Workload, s: ModelShape) -> 
         f"I = {s.intermediate}, k = {s.kv_dim}, V = {s.vocab}, largest FSDP unit U = {_mb(s.largest_unit)}",
         f"step ({w.recipe}): {w.sequences} sequences of L = P + R = {w.prompt_tokens} + {w.response_tokens} tokens "
         f"({w.patches} vision patches each), train.micro_batch_size {w.micro_batch} (m = the smaller of it and a rank's "
-        f"share), b_w = {w.weight_bytes}, b_c = {w.compute_bytes}",
+        f"share), b_w = {w.weight_bytes}, b_c = {w.compute_bytes}"
+        + (", gradient checkpointing" if w.checkpointing else "")
+        + (f", LoRA Ψ_lora = {_mb(w.adapter_params)} (base frozen)" if w.adapter_params else "")
+        + (f", trained Ψ_t = {_mb(w.trained_params)}" if w.trained_params and not w.adapter_params else ""),
         f"devices: {dev.count} × {dev.memory_gb:g} GiB, F = {dev.tflops:g} TFLOP/s, η = {dev.mfu:g}, "
         f"W = {dev.bandwidth_gbs:g} GB/s, Λ = {dev.link_gbs:g} GB/s",
         "",
@@ -498,32 +592,46 @@ def measure_train_step(cfg, policy, w: Workload) -> dict[str, float]:
     from vlrl.data import load_image
     from vlrl.models import collate, response_logprobs
     from vlrl.train.common import generate_split, make_optimizer
+    from vlrl.train.modules import stage_modules
 
     samples = generate_split(cfg.data, "train", w.micro_batch)
     encoded = [policy.adapter.encode_prompt(s.messages, [load_image(x) for x in s.images]) for s in samples]
     filler = policy.adapter.encode_text("a")[0]
     tokens = collate([e.input_ids for e in encoded], [[filler] * w.response_tokens] * len(encoded),
                      [e.vision for e in encoded], pad_token_id=policy.pad_token_id)
+    if cfg.model.lora is not None and policy.lora is None:
+        from vlrl.models.lora import apply_lora
+
+        apply_lora(policy, cfg.model.lora)
     model = policy.model
     model.train()
-    optimizer, scheduler = make_optimizer(model, cfg.optim)
+    with stage_modules(policy, cfg.train):  # train.trainable / model.lora, train.gradient_checkpointing
+        optimizer, scheduler = make_optimizer(model, cfg.optim, policy.adapter.module_groups)
 
-    def micro_step() -> None:
-        logp, _ = response_logprobs(model, policy.adapter, tokens)
-        (-logp.sum()).backward()
+        def micro_step() -> None:
+            logp, _ = response_logprobs(model, policy.adapter, tokens)
+            (-logp.sum()).backward()
 
-    micro_step()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with tracker:
         micro_step()
-        tracker.reset_mod_stats()
-        micro_step()  # gradients of the first micro-batch are held while the second one's activations peak
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        for param in model.parameters():  # MemTracker hooks every parameter's gradient: frozen ones have none
+            if not param.requires_grad:
+                tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+        with tracker:
+            micro_step()
+            tracker.reset_mod_stats()
+            micro_step()  # gradients of the first micro-batch are held while the second one's activations peak
+            optimizer.step()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     return {str(kind).split(".")[-1].lower(): float(value) for kind, value in peak.items()}
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
 
 
 def estimate_train_step(s: ModelShape, w: Workload) -> dict[str, float]:

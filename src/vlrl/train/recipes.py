@@ -104,6 +104,21 @@ def _load(cfg: RunConfig, logger: MetricsLogger, device: str | None = None) -> P
         policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=str(device or cfg.model.device),
                              seed=cfg.model.init_seed, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
     logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}")
+    return _with_lora(cfg, policy, logger)
+
+
+def _with_lora(cfg: RunConfig, policy: Policy, logger: MetricsLogger | None = None) -> Policy:
+    """``model.lora``: inject the adapters (`vlrl.models.lora`); a policy reloaded between stages gets fresh
+    adapters on the previous stage's merged weights."""
+    if cfg.model.lora is None:
+        return policy
+    from vlrl.models.lora import apply_lora
+
+    apply_lora(policy, cfg.model.lora)
+    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+    if logger is not None:
+        logger.info(f"LoRA r={cfg.model.lora.r} α={cfg.model.lora.alpha:g}: {trainable / 1e6:.3f}M trainable parameters "
+                    f"of {policy.num_parameters() / 1e6:.2f}M")
     return policy
 
 
@@ -224,8 +239,8 @@ def _sft_stages(policy: Policy, train: list[Sample], cfg: SFTConfig, run_dir: Pa
                                  plan=_plan(data, logger))
         checkpoint = _save(policy, run_dir / "checkpoints" / stage.name, logger)
         if k + 1 < len(cfg.stages):  # the next stage continues from this checkpoint, with a fresh optimizer
-            policy = load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
-                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+            policy = _with_lora(cfg, load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
+                                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels))
     _link_final(run_dir, cfg.stages[-1].name)
     return policy, stats
 
@@ -287,8 +302,8 @@ def _rl_stages(policy: Policy, train: list[Sample], test: list[Sample], cfg: RLC
         finally:
             close_engine(engine)
         if k + 1 < len(cfg.stages):
-            policy = load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
-                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+            policy = _with_lora(cfg, load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
+                                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels))
     summary["rl"] = summary[cfg.stages[-1].name]
     _link_final(run_dir, cfg.stages[-1].name)
     return summary
@@ -327,7 +342,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         if cfg.control:
             # The control: the same SFT checkpoint, trained by more SFT for the RL stage's wall time
             # (bounded by time only, not by the SFT stage's step count).
-            control = load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device)
+            control = _with_lora(cfg, load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device))
             unbounded = cfg.sft.model_copy(update={"train": cfg.sft.train.model_copy(update={"steps": 10**9})})
             control_stats = _sft(control, train, unbounded, cfg, logger, seed=cfg.seed + 1, name="sft_control",
                                  max_seconds=rl_stats["seconds"])

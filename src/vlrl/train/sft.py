@@ -34,7 +34,7 @@ from vlrl.models.adapters import VisionInputs
 from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
 from vlrl.train.common import PromptCursor, make_optimizer, step_or_skip
-from vlrl.train.modules import restore_trainable, set_trainable
+from vlrl.train.modules import stage_modules
 from vlrl.train.runtime import Runtime
 
 
@@ -93,38 +93,38 @@ def train_sft(
     budget = max_seconds if max_seconds is not None else train.max_seconds
     units, examples = _units(policy, samples, stage, plan)
     packed = plan is not None or train.padding_free
-    frozen = set_trainable(policy.model, train.trainable, policy.adapter.module_groups)
-    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)  # logged: train.trainable's effect
     cursor = PromptCursor(list(range(len(units))), seed)  # type: ignore[arg-type]  (any list works)
     model = rt.module
-    model.train()
-    optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)  # names unwrapped
-    step, _ = rt.restore(stage_name, optimizer, scheduler, cursor)
-    start, last = time.time(), {}
-    try:
-        while step < train.steps and not rt.out_of_time(time.time() - start, budget):
-            step_start = time.time()
-            batch = [[examples[i] for i in units[u]]
-                     for u in rt.ctx.shard(cursor.next(train.batch_size), what="train.batch_size")]
-            total_loss, processed, real = sft_backward(policy, rt, batch, train.micro_batch_size, packed=packed,
-                                                       planned=plan is not None)
-            grad_norm = step_or_skip(model, optimizer, scheduler, stage.optim.grad_clip, loss=total_loss, ctx=rt.ctx,
-                                     on_nonfinite=train.on_nonfinite, where=f"{stage_name} step {step + 1}")
-            step += 1
-            seconds = time.time() - step_start
-            last = {"sft/loss": total_loss, "perf/step_seconds": seconds,
-                    "perf/tokens_per_s": real / max(seconds, 1e-9), "perf/padding_frac": 1 - real / max(processed, 1),
-                    "sft/lr": scheduler.get_last_lr()[0], "sft/trainable_params": trainable}
-            if grad_norm is not None:
-                last["sft/grad_norm"] = grad_norm
-            if train.on_nonfinite == "skip":
-                last["train/nonfinite_skipped"] = int(grad_norm is None)  # this step's update dropped
-            if step % train.log_every == 0 or step == train.steps:
-                logger.log(stage_name, step, last, show=("sft/loss", "sft/grad_norm", "perf/step_seconds"))
-            rt.after_step(step, stage_name, optimizer, scheduler, cursor)
-    finally:
-        restore_trainable(policy.model, frozen)
-        model.eval()
+    with stage_modules(policy, train) as modules:  # train.trainable (model.lora: the adapters), gradient checkpointing
+        model.train()
+        optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)  # names unwrapped
+        step, _ = rt.restore(stage_name, optimizer, scheduler, cursor)
+        start, last = time.time(), {}
+        try:
+            while step < train.steps and not rt.out_of_time(time.time() - start, budget):
+                step_start = time.time()
+                batch = [[examples[i] for i in units[u]]
+                         for u in rt.ctx.shard(cursor.next(train.batch_size), what="train.batch_size")]
+                total_loss, processed, real = sft_backward(policy, rt, batch, train.micro_batch_size, packed=packed,
+                                                           planned=plan is not None)
+                grad_norm = step_or_skip(model, optimizer, scheduler, stage.optim.grad_clip, loss=total_loss,
+                                         ctx=rt.ctx, on_nonfinite=train.on_nonfinite,
+                                         where=f"{stage_name} step {step + 1}")
+                step += 1
+                seconds = time.time() - step_start
+                last = {"sft/loss": total_loss, "perf/step_seconds": seconds,
+                        "perf/tokens_per_s": real / max(seconds, 1e-9), "perf/padding_frac": 1 - real / max(processed, 1),
+                        "sft/lr": scheduler.get_last_lr()[0], "sft/trainable_params": modules.trainable_params,
+                        "perf/gradient_checkpointing": float(modules.gradient_checkpointing)}
+                if grad_norm is not None:
+                    last["sft/grad_norm"] = grad_norm
+                if train.on_nonfinite == "skip":
+                    last["train/nonfinite_skipped"] = int(grad_norm is None)  # this step's update dropped
+                if step % train.log_every == 0 or step == train.steps:
+                    logger.log(stage_name, step, last, show=("sft/loss", "sft/grad_norm", "perf/step_seconds"))
+                rt.after_step(step, stage_name, optimizer, scheduler, cursor)
+        finally:
+            model.eval()
     return {**last, "steps": step, "seconds": time.time() - start, "epochs": cursor.epoch}
 
 

@@ -1,0 +1,120 @@
+"""LoRA adapters through peft (`pip install vlrl[peft]`): ``model.lora`` in a run's config.
+
+`apply_lora` injects the adapters into the policy's transformers model *in place* (peft's ``get_peft_model``),
+so ``policy.model`` stays the transformers model every room already drives — generation, the family adapter's
+``model.model.visual``, FSDP units — and now computes W·x + (α/r)·B·A·x in the targeted projections. The peft
+wrapper is kept beside it as ``policy.lora`` for what only it does:
+
+- the KL reference is `AdaptersOff`: the same weights with the adapters disabled (``disable_adapter()``), no
+  second copy of the model;
+- `merged_state_dict`: W + (α/r)·B·A under the plain transformers names — what the rollout servers load and what
+  the final export writes; computed per layer, the live weights are never merged and unmerged (which would
+  round the frozen base);
+- `save_adapter`: the adapter directory (adapter_config.json + adapter_model.safetensors) peft and TRL load.
+
+Resumable checkpoints (`vlrl.train.checkpoint`) hold the module's whole state — the adapters with it — so a
+resumed LoRA run continues exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ADAPTER_DIR = "adapter"  # the adapter directory inside an exported model directory
+
+
+def require_peft():
+    try:
+        import peft
+    except ImportError as err:
+        raise ImportError("model.lora needs peft: pip install 'vlrl[peft]' (or pip install peft)") from err
+    return peft
+
+
+def apply_lora(policy, cfg) -> Any:
+    """Inject ``cfg`` (a `vlrl.config.LoraConfig`) into ``policy.model`` and set ``policy.lora`` (the peft
+    model); returns the policy. Only the adapters and ``cfg.modules_to_save`` require gradients afterwards."""
+    peft = require_peft()
+    if cfg.load_in_4bit and not torch.cuda.is_available():
+        raise ValueError("model.lora.load_in_4bit: QLoRA needs bitsandbytes on a CUDA GPU; there is none here")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("model.lora: LoRA training runs in one process in this version (the merged export and the "
+                         "disabled-adapter reference are not gathered over ranks); run without torchrun")
+    config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                             target_modules=cfg.target_modules, modules_to_save=list(cfg.modules_to_save) or None)
+    try:
+        with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            policy.lora = peft.get_peft_model(policy.model, config)
+    except ValueError as err:  # "Target modules {...} not found in the base model"
+        raise ValueError(f"model.lora.target_modules: {err}") from None
+    policy.model = policy.lora.get_base_model()  # the same object, adapters injected
+    return policy
+
+
+def lora_parameter_names(model: torch.nn.Module) -> list[str]:
+    """Parameters peft added for the adapters (``lora_A`` / ``lora_B``) and the trained copies of
+    ``modules_to_save``."""
+    return [n for n, _ in model.named_parameters() if ".lora_" in n or ".modules_to_save." in n]
+
+
+class AdaptersOff(torch.nn.Module):
+    """The base model of a LoRA policy as a module: the policy's own weights, its adapters disabled while it
+    runs — the KL reference π_ref without a second copy of the weights. Attribute access falls through to the
+    transformers model (``config``, ``model.visual``, ``get_rope_index``), so the family adapter drives it as it
+    drives the policy."""
+
+    def __init__(self, peft_model) -> None:
+        super().__init__()
+        self.base = peft_model.get_base_model()
+        object.__setattr__(self, "_peft", peft_model)  # not a submodule: its parameters are `base`'s
+
+    def forward(self, *args, **kwargs):
+        with self._peft.disable_adapter():
+            return self.base(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("base"), name)
+
+
+@torch.no_grad()
+def merged_state_dict(policy) -> dict[str, torch.Tensor]:
+    """The weights of base + adapters under the plain transformers names: W + ΔW for every adapted layer
+    (peft's ``get_delta_weight``: (α/r)·B·A, transposed for fan-in-fan-out layers), the trained copy of every
+    ``modules_to_save`` module, every other tensor as it is. No live weight is changed."""
+    peft_model = policy.lora
+    adapter = peft_model.active_adapter
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {}
+    for name, module in policy.model.named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            deltas[f"{name}.weight"] = module.get_delta_weight(adapter)
+    merged = {}
+    for key, value in policy.model.state_dict().items():
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        key = key.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
+        merged[key] = value + deltas[key].to(value.dtype) if key in deltas else value
+    return merged
+
+
+def save_merged(policy, out_dir: Path) -> None:
+    """Write the merged weights in the transformers layout (config, generation config, safetensors)."""
+    policy.model.save_pretrained(out_dir, state_dict=merged_state_dict(policy))
+
+
+def save_adapter(policy, out_dir: str | Path) -> Path:
+    """The adapter directory (adapter_config.json + adapter_model.safetensors), loadable with
+    ``PeftModel.from_pretrained(base, out_dir)``."""
+    out_dir = Path(out_dir)
+    policy.lora.save_pretrained(out_dir)
+    return out_dir
