@@ -113,7 +113,7 @@ def test_no_sample_older_than_eta_reaches_a_loss_with_slow_training(monkeypatch)
     """Training is slowed down (0.25 s per optimizer step) so the rollout runs ahead; with η = 1 every
     batch that reaches the loss holds samples at most one version old, and some really are one version old."""
     seen = []
-    real_update, real_step = async_grpo.ppo_update, update.clip_and_step
+    real_update, real_step = async_grpo.ppo_update, update.step_or_skip
 
     def spy_update(policy, batch, *args, step, **kwargs):
         seen.append([step - t.weight_version for t in batch.trajectories])
@@ -124,7 +124,7 @@ def test_no_sample_older_than_eta_reaches_a_loss_with_slow_training(monkeypatch)
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(async_grpo, "ppo_update", spy_update)
-    monkeypatch.setattr(update, "clip_and_step", slow_step)
+    monkeypatch.setattr(update, "step_or_skip", slow_step)
     _, records, stats, state = _run_async(_stage(train={"steps": 6}, staleness={"eta": 1}), _samples())
     assert len(seen) == 6
     assert all(0 <= s <= 1 for batch in seen for s in batch)

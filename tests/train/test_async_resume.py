@@ -60,7 +60,7 @@ def _run(root, steps, *, resume_from=None, spy=None):
     torch.manual_seed(0)
     engine = ThreadedEngine(policy)
     logger, state, made = MetricsLogger(None, quiet=True), {}, []
-    real_make, real_update, real_step = async_grpo.make_optimizer, async_grpo.ppo_update, update.clip_and_step
+    real_make, real_update, real_step = async_grpo.make_optimizer, async_grpo.ppo_update, update.step_or_skip
 
     def make_optimizer(*args, **kwargs):
         made.append(real_make(*args, **kwargs))  # (optimizer, scheduler)
@@ -79,7 +79,7 @@ def _run(root, steps, *, resume_from=None, spy=None):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(async_grpo, "make_optimizer", make_optimizer)
         patch.setattr(async_grpo, "ppo_update", ppo_update)
-        patch.setattr(update, "clip_and_step", slow_step)
+        patch.setattr(update, "step_or_skip", slow_step)
         try:
             stats = train_async_grpo(policy, engine, _samples(), stage, logger=logger, seed=0, state_out=state,
                                      runtime=_runtime(policy, root, resume_from=resume_from))

@@ -214,7 +214,7 @@ def test_cli_a_full_disk_at_a_save_is_one_message_and_the_run_resumes_later(tiny
     assert done.returncode == 1
     stderr = " ".join(done.stderr.split())  # the console wraps long lines
     assert "Traceback" not in stderr
-    assert "vlrl sft: checkpoint step 2: writing" in stderr and "No space left on device" in stderr
+    assert "vlrl sft: checkpoint step 2: writing" in stderr and "No space left on device" in stderr, stderr[-1500:]
     assert "step_00000001 is kept" in stderr
     verify_checkpoint(small_tmpfs / "checkpoints" / "step_00000001")  # kept intact
     (small_tmpfs / "filler").unlink()

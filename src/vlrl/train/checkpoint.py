@@ -391,13 +391,14 @@ class Checkpointer:
             elif self.ctx.any(False):
                 raise CheckpointError(f"checkpoint step {step}: rank 0 failed to write it (see its error)")
         except BaseException as err:
-            if self.ctx.is_main:
+            cause = _cause(err, self.root) if writing.file and not isinstance(err, CheckpointError) else ""
+            if self.ctx.is_main:  # after the cause: a full disk is measured before the partial files are freed
                 shutil.rmtree(partial, ignore_errors=True)
-            if isinstance(err, CheckpointError) or not writing.file:
+            if not cause:
                 raise
             previous = latest_checkpoint(self.root)
             raise CheckpointError(
-                f"checkpoint step {step}: writing {writing.file} failed: {_cause(err, self.root)}; "
+                f"checkpoint step {step}: writing {writing.file} failed: {cause}; "
                 + (f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists")
             ) from err
         self.ctx.barrier()
@@ -510,11 +511,16 @@ def _cause(err: BaseException, root: Path) -> str:
     """The operating system's reason for a failed write (errno and text), found along the exception chain;
     DCP and torch.save wrap it (``enforce fail at inline_container.cc``): then a full disk is recognised by
     the free space left."""
-    seen: BaseException | None = err
-    while seen is not None:
+    pending: list[BaseException] = [err]
+    while pending:
+        seen = pending.pop(0)
         if isinstance(seen, OSError) and seen.strerror:
             return f"[Errno {seen.errno}] {seen.strerror}"
-        seen = seen.__cause__ or seen.__context__
+        pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
+        for failure in getattr(seen, "failures", {}).values():  # DCP's CheckpointException: rank → error
+            failure = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(failure, BaseException):
+                pending.append(failure)
     text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
     try:
         free = shutil.disk_usage(root if root.exists() else root.parent).free
