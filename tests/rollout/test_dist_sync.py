@@ -1,0 +1,104 @@
+"""Distributed weight sync on SGLang's protocol (`vlrl.rollout.dist_sync`): the trainer broadcasts its weights over
+a gloo group that two `vlrl serve` processes joined, bucket by bucket, and every server ends with the trainer's
+checksum; the server's endpoints refuse malformed requests naming the field."""
+
+import httpx
+import pytest
+import torch
+
+from vlrl.data import generate
+from vlrl.models import load_policy
+from vlrl.rollout import SamplingParams
+from vlrl.rollout.dist_sync import Entry, StreamingChecksum, buckets, plan_entries
+from vlrl.rollout.http_engine import HTTPEngine
+from vlrl.rollout.weights import weight_checksum
+
+from .conftest import API_KEY, running_server, vlrl_serve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _info(url):
+    return httpx.get(f"{url}/get_model_info", headers=AUTH, timeout=30).json()
+
+
+def _nudge(model, amount):
+    with torch.no_grad():
+        for k, p in enumerate(model.parameters()):
+            p.add_(amount * (k + 1) / 100)
+
+
+def test_every_server_ends_with_the_trainers_checksum_after_a_distributed_update(tiny_vlm_dir, tmp_path):
+    policy = load_policy(str(tiny_vlm_dir))
+    with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2) as urls:
+        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "weights", api_key=API_KEY,
+                            weight_sync="distributed", bucket_mb=0.5, request_timeout=60)
+        try:
+            for version in (1, 2):  # the second update reuses the group formed by the first
+                _nudge(policy.model, 0.01 * version)
+                before = [_info(u)["weight_checksum"] for u in urls]
+                engine.update_weights(version=version)
+                expected = weight_checksum(policy.model)
+                assert all(b != expected for b in before)  # the servers did not already hold these weights
+                for url in urls:
+                    info = _info(url)
+                    assert info["weight_checksum"] == expected and info["weight_version"] == str(version)
+                sync = engine.last_sync
+                # 4.3 MB of float32 parameters in buckets of at most 0.5 MB (a larger tensor goes alone): ≥ 9 buckets
+                numel = sum(t.numel() for t in policy.model.state_dict().values())
+                assert sync.method == "distributed" and sync.servers == 2 and sync.bytes == 4 * numel
+                assert sync.buckets >= 9
+            assert not (tmp_path / "weights").exists()  # nothing went through the disk
+            out = engine.generate([engine.encode(generate("shapes", 1, tasks=["count"])[0])],
+                                  SamplingParams(n=2, max_new_tokens=3))
+            assert [t.weight_version for t in out] == [2, 2]
+        finally:
+            engine.close()
+
+
+def test_the_server_refuses_malformed_distributed_requests_naming_the_field(tiny_vlm):
+    with running_server(tiny_vlm) as served, httpx.Client(base_url=served.url, headers=AUTH, timeout=30) as client:
+        answer = client.post("/update_weights_from_distributed",
+                             json={"names": ["x"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "nope"})
+        assert answer.status_code == 400 and "group_name" in answer.json()["message"]
+        answer = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                                 "rank_offset": 1, "world_size": 2, "backend": "nccl"})
+        assert answer.status_code == 400 and "'backend'" in answer.json()["error"]
+        answer = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                                 "rank_offset": 2, "world_size": 2, "backend": "gloo"})
+        assert answer.status_code == 400 and "'rank_offset'" in answer.json()["error"]
+        assert served.batcher.version[0] == 0
+
+
+def test_buckets_and_the_streamed_checksum_match_the_whole_model_checksum(tiny_vlm):
+    model = tiny_vlm.model
+    entries = plan_entries(model, None)
+    assert [e.name for e in entries] == list(model.state_dict())  # no tied tensors in this preset: every one sent
+    planned = buckets(entries, element_size=4, bucket_bytes=1 << 16)
+    assert [e for b in planned for e in b] == entries
+    # a bucket holds ≤ 64 KiB, unless it is a single larger tensor
+    assert all(len(b) == 1 or sum(e.numel for e in b) * 4 <= 1 << 16 for b in planned)
+    checksum = StreamingChecksum([None, torch.bfloat16])
+    state = model.state_dict()
+    for entry in entries:
+        checksum.add(entry, state[entry.name])
+    assert checksum.digest(None) == weight_checksum(model)
+    assert checksum.digest(torch.bfloat16) == weight_checksum(model, dtype=torch.bfloat16)
+
+
+def test_tied_tensors_are_sent_once_and_checksummed_under_every_name():
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight  # tied, as an LM head tied to the embeddings
+    entries = plan_entries(model, {"0.weight": "embed.weight"})
+    assert entries == [Entry("0.weight", "embed.weight", (5, 3), 15, ("1.weight",))]
+    checksum = StreamingChecksum([None])
+    checksum.add(entries[0], model.state_dict()["0.weight"])
+    assert checksum.digest(None) == weight_checksum(model)
+
+
+def test_distributed_sync_needs_servers():
+    from vlrl.config import RolloutConfig
+
+    with pytest.raises(ValueError, match="rollout.weight_sync=distributed"):
+        RolloutConfig(weight_sync="distributed")
