@@ -212,9 +212,6 @@ def check_scalable(cfg, world_size: int) -> None:
         if "values" in advantage_needs(get_advantage(algo.advantage)):
             raise ValueError(f"algo.advantage={algo.advantage}: the critic trains in one process; run value-based "
                              "estimators without torchrun (or pick a critic-free estimator such as grpo)")
-        if algo.dynamic_sampling.enabled:
-            raise ValueError("algo.dynamic_sampling.enabled: each rank would keep a different number of groups; "
-                             "dynamic sampling runs in one process (checkpoints and --resume do work)")
     if rollout.servers and world_size > 1:
         raise ValueError("rollout.servers: under torchrun every rank generates in-process; rollout servers serve "
                          "the single-process recipe")
