@@ -102,3 +102,29 @@ def test_distributed_sync_needs_servers():
 
     with pytest.raises(ValueError, match="rollout.weight_sync=distributed"):
         RolloutConfig(weight_sync="distributed")
+
+
+@pytest.mark.e2e
+def test_vlrl_rl_with_distributed_weight_sync_leaves_the_servers_with_the_final_weights(tiny_vlm_dir, tmp_path):
+    """`vlrl rl … rollout.weight_sync=distributed` against two `vlrl serve` processes: the run trains, every
+    update goes by broadcast (nothing under rollout_weights/), and both servers end with the checksum of the
+    exported final weights."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2) as urls:
+        args = [f"model.path={tiny_vlm_dir}", "train.steps=2", "train.prompts_per_step=2", "rollout.n=2",
+                "rollout.max_new_tokens=4", "data.n_train=8", "data.n_test=2", "report.html=false",
+                "check.enabled=false", "eval.samples=1", "eval.max_new_tokens=2", f"rollout.servers=[{','.join(urls)}]",
+                "rollout.weight_sync=distributed", f"out={out}"]
+        env = {**os.environ, "VLRL_API_KEY": API_KEY, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "vlrl.cli", "rl", *args], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        final = load_policy(str(out / "checkpoints" / "final"))
+        for url in urls:
+            info = _info(url)
+            assert info["weight_version"] == "2" and info["weight_checksum"] == weight_checksum(final.model)
+    assert not (out / "rollout_weights").exists()
