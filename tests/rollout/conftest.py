@@ -51,8 +51,10 @@ def http_engine_factory(tmp_path):
 
 
 @contextlib.contextmanager
-def vlrl_serve(model: str, log_dir, n: int = 1, *, api_key: str = API_KEY, timeout: float = 120):
-    """``n`` `vlrl serve` processes of ``model`` on free loopback ports; yields their URLs, stops them after."""
+def vlrl_serve(model: str, log_dir, n: int = 1, *, api_key: str = API_KEY, timeout: float = 120,
+               keep_processes: bool = False):
+    """``n`` `vlrl serve` processes of ``model`` on free loopback ports; yields their URLs (with
+    ``keep_processes``: (URLs, processes)), stops them after."""
     import os
     import subprocess
     import sys
@@ -79,7 +81,7 @@ def vlrl_serve(model: str, log_dir, n: int = 1, *, api_key: str = API_KEY, timeo
                     log.seek(0)
                     raise RuntimeError(f"vlrl serve did not start: {log.read()[-3000:]}")
                 time.sleep(0.2)
-        yield urls
+        yield (urls, [p for p, _ in started]) if keep_processes else urls
     finally:
         for process, log in started:
             if process.poll() is None:

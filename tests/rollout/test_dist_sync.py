@@ -128,3 +128,27 @@ def test_vlrl_rl_with_distributed_weight_sync_leaves_the_servers_with_the_final_
             info = _info(url)
             assert info["weight_version"] == "2" and info["weight_checksum"] == weight_checksum(final.model)
     assert not (out / "rollout_weights").exists()
+
+
+def test_a_server_killed_between_updates_sends_that_update_by_disk_and_the_next_over_a_new_group(tiny_vlm_dir,
+                                                                                                 tmp_path):
+    import signal
+
+    policy = load_policy(str(tiny_vlm_dir))
+    with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2, keep_processes=True) as (urls, processes):
+        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "weights", api_key=API_KEY,
+                            weight_sync="distributed", request_timeout=60, max_server_failures=1)
+        try:
+            engine.update_weights(version=1)
+            processes[0].send_signal(signal.SIGKILL)
+            processes[0].wait(30)
+            _nudge(policy.model, 0.01)
+            engine.update_weights(version=2)  # the group is broken: this one goes by disk, to the survivor
+            assert engine.last_sync.method == "disk" and [s.url for s in engine.live_servers()] == [urls[1]]
+            _nudge(policy.model, 0.01)
+            engine.update_weights(version=3)  # a new group: the trainer and the survivor
+            assert engine.last_sync.method == "distributed" and engine.last_sync.servers == 1
+            info = _info(urls[1])
+            assert info["weight_version"] == "3" and info["weight_checksum"] == weight_checksum(policy.model)
+        finally:
+            engine.close()

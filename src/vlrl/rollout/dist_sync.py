@@ -244,7 +244,11 @@ class Receiver:
             raise ValueError(f"field 'load_format': {load_format!r}; vlrl serve receives tensors one by one (null) or "
                              f"as a {FLATTENED!r}")
         torch_dtypes = [parse_dtype(d) for d in dtypes]
-        received = receive(group, shapes, torch_dtypes, flattened=load_format == FLATTENED)
+        try:
+            received = receive(group, shapes, torch_dtypes, flattened=load_format == FLATTENED)
+        except RuntimeError:  # a peer left (the trainer gave up on this group): it is unusable from now on
+            close_group(self.groups.pop(group_name, None))
+            raise
         for name, tensor in zip(names, received, strict=True):
             self.staged[name] = tensor
         self.abort = self.abort or abort

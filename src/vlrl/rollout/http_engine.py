@@ -42,6 +42,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import gc
 import itertools
 import logging
 import os
@@ -508,6 +509,7 @@ class HTTPEngine:
         live = self.live_servers()
         if not live:
             raise NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
+        failure = None
         try:
             if self._group is None or self._group_servers != [s.url for s in live]:
                 self._form_group(live)
@@ -517,10 +519,14 @@ class HTTPEngine:
         except Exception as err:  # the group broke (a server died, a timeout): this update goes by disk
             if self._closing:
                 raise RolloutRequestError("the HTTP engine was closed during a weight update") from err
-            log.warning("distributed weight update %d failed (%s: %s); loading it from disk instead, the next update "
-                        "forms a new group", version, type(err).__name__, err)
-            dist_sync.close_group(self._group)
-            self._group = None
+            failure = f"{type(err).__name__}: {err}"
+        if failure is not None:  # (out of the except block: its traceback no longer holds the group's sockets open)
+            log.warning("distributed weight update %d failed (%s); loading it from disk instead, the next update "
+                        "forms a new group", version, failure)
+            group, self._group = self._group, None
+            dist_sync.close_group(group)  # the servers still waiting in its broadcast see the connection close
+            del group
+            gc.collect()
             self.weight_sync = "disk"
             try:
                 self.publish(version=version, state_dict=state_dict).result()
