@@ -303,6 +303,24 @@ class RolloutConfig(Section):
     weights_dir: str | None = Field(
         None, description="Where weights are saved for the servers to load (must be visible to them). Unset: <out>/rollout_weights."
     )
+    weight_sync: Literal["disk", "distributed"] = Field(
+        "disk", description="How the servers get each weight version: 'disk' (save_pretrained under weights_dir, then "
+        "SGLang's /update_weights_from_disk; works with any server pool) or 'distributed' (SGLang's "
+        "/init_weights_update_group + /update_weights_from_distributed: the servers join a process group hosted by "
+        "the trainer, which broadcasts the weights bucket by bucket — gloo on CPU, NCCL on GPUs; no disk; falls back "
+        "to disk for an update when a server dies mid-broadcast). README \"Scaling out\"."
+    )
+    weight_sync_address: str = Field(
+        "127.0.0.1", description="weight_sync=distributed: the trainer's address as the servers reach it (its rendezvous "
+        "store listens there); set the trainer node's IP when servers run on other machines."
+    )
+    weight_sync_port: int = Field(
+        0, ge=0, le=65535, description="weight_sync=distributed: the rendezvous port on weight_sync_address; 0 = a free port."
+    )
+    weight_sync_bucket_mb: float = Field(
+        256.0, gt=0, description="weight_sync=distributed: megabytes of parameters per broadcast bucket (one HTTP call "
+        "per bucket; an FSDP2 trainer gathers one bucket of full tensors at a time)."
+    )
 
     @model_validator(mode="after")
     def _check_agent(self) -> RolloutConfig:
@@ -310,6 +328,9 @@ class RolloutConfig(Section):
             raise ValueError(f"rollout.env must name an environment when rollout.function={self.function!r}")
         if self.env is not None and self.function == "single_turn":
             raise ValueError("rollout.env is set but rollout.function=single_turn would ignore it; use multi_turn")
+        if self.weight_sync == "distributed" and not self.servers:
+            raise ValueError("rollout.weight_sync=distributed sends weights to rollout servers: set rollout.servers "
+                             "(in-process engines share the trainer's weights)")
         return self
 
 

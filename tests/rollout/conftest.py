@@ -48,3 +48,46 @@ def http_engine_factory(tmp_path):
     for engine in engines:
         engine.close()
     stack.close()
+
+
+@contextlib.contextmanager
+def vlrl_serve(model: str, log_dir, n: int = 1, *, api_key: str = API_KEY, timeout: float = 120,
+               keep_processes: bool = False):
+    """``n`` `vlrl serve` processes of ``model`` on free loopback ports; yields their URLs (with
+    ``keep_processes``: (URLs, processes)), stops them after."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    started = []
+    try:
+        for i in range(n):
+            log = open(f"{log_dir}/serve{i}.log", "w+")
+            process = subprocess.Popen(
+                [sys.executable, "-m", "vlrl.cli", "serve", "--model", model, "--port", "0", "--threads", "1"],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLRL_API_KEY": api_key, "OMP_NUM_THREADS": "1"})
+            started.append((process, log))
+        urls = []
+        for process, log in started:
+            deadline = time.time() + timeout
+            while True:
+                log.seek(0)
+                lines = [line for line in log.read().splitlines() if "listening on " in line]
+                if lines:
+                    urls.append(lines[0].split("listening on ")[1].split()[0])
+                    break
+                if process.poll() is not None or time.time() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"vlrl serve did not start: {log.read()[-3000:]}")
+                time.sleep(0.2)
+        yield (urls, [p for p, _ in started]) if keep_processes else urls
+    finally:
+        for process, log in started:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+            log.close()

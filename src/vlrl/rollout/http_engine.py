@@ -19,6 +19,15 @@ reports no checksum (e.g. SGLang) is warned about once. `publish` is the same wi
 once the weights are saved, and a future that resolves when every server confirmed (the asynchronous recipe
 trains its next step meanwhile). Put ``weights_dir`` on a RAM disk (``/dev/shm``) when servers share the host.
 
+With ``weight_sync="distributed"`` the weights travel over a process group instead (SGLang's
+``/init_weights_update_group`` + ``/update_weights_from_distributed``; `vlrl.rollout.dist_sync`): the first update
+has every live server join a group hosted by the trainer (rank 0); each update then sends the parameters bucket
+by bucket (``bucket_mb``), each bucket announced to every server by HTTP and broadcast from rank 0, the last
+bucket carrying the new ``weight_version``; checksums are compared as on disk. Nothing touches the disk. If the
+group breaks (a server died mid-broadcast), the update falls back to disk and the next one forms a new group
+with the servers left. vlrl's server stages the buckets and swaps them in at once; a real SGLang server loads
+each bucket as it arrives (its requests in flight may see a half-updated model unless ``abort_on_update``).
+
 Batching: the prompts of one `generate` call (or of the `agenerate` calls made together) are sent as one
 batched ``/generate`` per server (SGLang's list form of ``input_ids``), split evenly over the live servers.
 
@@ -33,9 +42,12 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import gc
+import itertools
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -46,6 +58,7 @@ import torch
 
 from vlrl.data.sample import Sample
 from vlrl.models.policy import DTYPES, Policy
+from vlrl.rollout import dist_sync
 from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.server import (
     API_KEY_ENV,
@@ -57,6 +70,7 @@ from vlrl.rollout.server import (
     weight_checksum,
 )
 from vlrl.rollout.types import Engine, Request, SamplingParams, Status, Trajectory
+from vlrl.rollout.weights import checkpoint_names
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +107,19 @@ class ServerState:
     dtype: str | None = None
     served: int = 0  # prompts answered
     max_batch_size: int | None = None  # sequences it decodes at once, if it says (vlrl's server does)
+    ranks: int = 1  # ranks it holds in a weight-update group (SGLang: its tp_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncStats:
+    """The last weight update: how, how long (seconds from the call to every server's confirmation), the bytes of
+    one copy of the weights as sent (disk: the safetensors written), buckets sent, servers updated."""
+
+    method: str
+    seconds: float
+    bytes: int
+    buckets: int
+    servers: int
 
 
 class HTTPEngine:
@@ -101,11 +128,23 @@ class HTTPEngine:
     def __init__(self, policy: Policy, servers: Sequence[str], *, weights_dir: str | Path, api_key: str | None = None,
                  request_timeout: float = 300.0, connect_timeout: float = 10.0, max_retries: int = 3,
                  max_server_failures: int = 2, abort_on_update: bool = False, startup_timeout: float = 60.0,
-                 keep_checkpoints: int = 2) -> None:
+                 keep_checkpoints: int = 2, weight_sync: str = "disk", sync_address: str = "127.0.0.1",
+                 sync_port: int = 0, bucket_mb: float = 256.0) -> None:
         import httpx
 
         if not servers:
             raise ValueError("HTTPEngine needs at least one server URL")
+        if weight_sync not in ("disk", "distributed"):
+            raise ValueError(f"rollout.weight_sync: 'disk' or 'distributed', got {weight_sync!r}")
+        self.weight_sync = weight_sync
+        self.sync_address, self.sync_port = sync_address, sync_port
+        self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
+        self.last_sync: SyncStats | None = None
+        self._group: Any = None  # the weight-update process group (distributed sync), once formed
+        self._group_name = ""
+        self._group_servers: list[str] = []
+        self._group_ids = itertools.count()
+        self._entries: list[dist_sync.Entry] | None = None
         self.policy = policy
         self.weight_version = 0
         self.weights_dir = Path(weights_dir)
@@ -148,6 +187,8 @@ class HTTPEngine:
 
     def close(self) -> None:
         self._closing = True
+        dist_sync.close_group(self._group)
+        self._group = None
         if self._loop.is_running():
             self._call(self._client.aclose())
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -170,6 +211,7 @@ class HTTPEngine:
                     info = response.json()
                     server.dtype = info.get("dtype")
                     server.max_batch_size = info.get("max_batch_size")
+                    server.ranks = int(info.get("tp_size") or 1)
                     break
                 except RolloutRequestError:
                     raise
@@ -404,6 +446,11 @@ class HTTPEngine:
         previous, self._publishing = self._publishing, None
         if previous is not None:
             previous.result()
+        if self.weight_sync == "distributed":  # the broadcast reads the live parameters: done before returning
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(self._sync_distributed(version, state_dict))
+            return done
+        started = time.monotonic()
         path = self.weights_dir / f"v{version:06d}"
         model = self.policy.model
         if getattr(self.policy, "lora", None) is not None:  # LoRA: servers load base + adapters merged, plain names
@@ -418,12 +465,14 @@ class HTTPEngine:
             if server.dtype not in checksums:
                 dtype = DTYPES.get(server.dtype or "")
                 checksums[server.dtype] = weight_checksum(weights, dtype=dtype)
-        self._publishing = asyncio.run_coroutine_threadsafe(self._publish(path, version, checksums), self._loop)
+        self._publishing = asyncio.run_coroutine_threadsafe(self._publish(path, version, checksums, started), self._loop)
         return self._publishing
 
-    async def _publish(self, path: Path, version: int, checksums: dict[str | None, str]) -> int:
+    async def _publish(self, path: Path, version: int, checksums: dict[str | None, str], started: float) -> int:
         await self._load_everywhere(str(path.resolve()), version, checksums)
         self.weight_version = version
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        self.last_sync = SyncStats("disk", time.monotonic() - started, size, 0, len(self.live_servers()))
         self._saved.append(path)
         while len(self._saved) > self.keep_checkpoints:
             shutil.rmtree(self._saved.pop(0), ignore_errors=True)
@@ -455,3 +504,138 @@ class HTTPEngine:
                                       f"the trainer's are {checksums[server.dtype][:12]}: stopping")
         if not self.live_servers():
             raise NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
+
+    # -------------------------------------------------------------------------------------------- distributed sync
+    def _sync_distributed(self, version: int, state_dict: dict[str, torch.Tensor] | None) -> int:
+        """One update over the weight-update group (see the module docstring); falls back to disk when the group
+        breaks. Returns ``version`` once every server confirmed a matching checksum."""
+        started = time.monotonic()
+        live = self.live_servers()
+        if not live:
+            raise NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
+        failure = None
+        try:
+            if self._group is None or self._group_servers != [s.url for s in live]:
+                self._form_group(live)
+            sent, count = self._broadcast(version, state_dict, live)
+        except (WeightSyncError, NoServersLeft):
+            raise
+        except Exception as err:  # the group broke (a server died, a timeout): this update goes by disk
+            if self._closing:
+                raise RolloutRequestError("the HTTP engine was closed during a weight update") from err
+            failure = f"{type(err).__name__}: {err}"
+        if failure is not None:  # (out of the except block: its traceback no longer holds the group's sockets open)
+            log.warning("distributed weight update %d failed (%s); loading it from disk instead, the next update "
+                        "forms a new group", version, failure)
+            group, self._group = self._group, None
+            dist_sync.close_group(group)  # the servers still waiting in its broadcast see the connection close
+            del group
+            gc.collect()
+            self.weight_sync = "disk"
+            try:
+                self.publish(version=version, state_dict=state_dict).result()
+            finally:
+                self.weight_sync = "distributed"
+            return version
+        self.weight_version = version
+        self.last_sync = SyncStats("distributed", time.monotonic() - started, sent, count, len(live))
+        return version
+
+    def _form_group(self, live: list[ServerState]) -> None:
+        """Every live server joins a new group hosted here as rank 0 (their HTTP calls return once all joined)."""
+        dist_sync.close_group(self._group)
+        self._group = None
+        port = self.sync_port or _free_port(self.sync_address)
+        world_size = 1 + sum(s.ranks for s in live)
+        name = f"vlrl_weights_{os.getpid()}_{id(self):x}_{next(self._group_ids)}"
+        backend = "nccl" if next(self.policy.model.parameters()).is_cuda else "gloo"
+        offsets = list(itertools.accumulate([1] + [s.ranks for s in live[:-1]]))
+        bodies = [{"master_address": self.sync_address, "master_port": port, "rank_offset": offset,
+                   "world_size": world_size, "group_name": name, "backend": backend} for offset in offsets]
+        answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/init_weights_update_group", bodies), self._loop)
+        try:
+            group = dist_sync.open_group(self.sync_address, port, rank=0, world_size=world_size, group_name=name,
+                                         backend=backend, timeout=self.request_timeout)
+        except BaseException:
+            answers.cancel()
+            raise
+        for server, answer in zip(live, answers.result(), strict=True):
+            if isinstance(answer, BaseException) or not answer.get("success", False):
+                dist_sync.close_group(group)
+                raise RuntimeError(f"{server.url} could not join the weight-update group: {answer}")
+        self._group, self._group_name, self._group_servers = group, name, [s.url for s in live]
+        log.info("weight-update group %s: trainer + %d server(s) over %s at %s:%d", name, len(live), backend,
+                 self.sync_address, port)
+
+    def _broadcast(self, version: int, state_dict: dict[str, torch.Tensor] | None,
+                   live: list[ServerState]) -> tuple[int, int]:
+        """Send every bucket; check the last answers' checksums. Returns (bytes of one copy sent, buckets)."""
+        model = self.policy.model
+        if self._entries is None:
+            names = checkpoint_names(model)  # {checkpoint name → state-dict name}; servers receive checkpoint names
+            self._entries = dist_sync.plan_entries(model, {v: k for k, v in names.items()} if names else None)
+        state = state_dict if state_dict is not None else model.state_dict()
+        dtypes = {s.dtype for s in live}
+        trainer_dtype = next(model.parameters()).dtype
+        send_dtype = DTYPES.get(next(iter(dtypes)) or "", trainer_dtype) if len(dtypes) == 1 else trainer_dtype
+        checksum = dist_sync.StreamingChecksum([DTYPES.get(d or "") for d in dtypes])
+        size = torch.empty(0, dtype=send_dtype).element_size()
+        planned = dist_sync.buckets(self._entries, element_size=size, bucket_bytes=self.bucket_bytes)
+        sent = 0
+        for k, bucket in enumerate(planned):
+            last = k == len(planned) - 1
+            gathered = dist_sync.full_tensors(state, bucket)  # FSDP2: gathered here, one bucket at a time
+            tensors = [t.to(send_dtype) if t.is_floating_point() else t for t in gathered]
+            body = {"names": [e.send_name for e in bucket], "dtypes": [dist_sync.dtype_name(t.dtype) for t in tensors],
+                    "shapes": [list(e.shape) for e in bucket], "group_name": self._group_name, "flush_cache": last,
+                    "abort_all_requests": self.abort_on_update, "load_format": dist_sync.FLATTENED,
+                    "weight_version": str(version) if last else None}
+            answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/update_weights_from_distributed",
+                                                                       [body] * len(live)), self._loop)
+            try:
+                dist_sync.send(self._group, tensors, flattened=True)
+            except BaseException:
+                answers.cancel()
+                raise
+            for entry, tensor in zip(bucket, gathered, strict=True):
+                checksum.add(entry, tensor)  # what the trainer holds, cast per server dtype as the disk path predicts
+            sent += sum(t.numel() * t.element_size() for t in tensors)
+            for server, answer in zip(live, answers.result(), strict=True):
+                if isinstance(answer, BaseException):
+                    raise RuntimeError(f"{server.url}: {type(answer).__name__}: {answer}")
+                if not answer.get("success", False):
+                    raise WeightSyncError(f"{server.url} could not load version {version} from the trainer's broadcast: "
+                                          f"{answer.get('message', answer)}")
+                if last:
+                    self._check_checksum(server, answer.get("weight_checksum"), version,
+                                         checksum.digest(DTYPES.get(server.dtype or "")))
+        return sent, len(planned)
+
+    def _check_checksum(self, server: ServerState, loaded: str | None, version: int, expected: str) -> None:
+        if loaded is None:
+            if server.url not in self._warned_no_checksum:
+                self._warned_no_checksum.add(server.url)
+                log.warning("%s reports no weight checksum (not a vlrl server): its weights are not verified", server.url)
+        elif loaded != expected:
+            raise WeightSyncError(f"{server.url} loaded weights with checksum {loaded[:12]} for version {version}, "
+                                  f"the trainer's are {expected[:12]}: stopping")
+
+    async def _post_each(self, servers: list[ServerState], path: str, bodies: list[dict]) -> list[Any]:
+        """POST ``bodies[i]`` to ``servers[i]`` at once; each answer's JSON (with ``success: False`` and the status
+        for an error answer), or the exception of a transport failure."""
+        async def post(server: ServerState, body: dict) -> dict:
+            response = await self._client.post(f"{server.url}{path}", json=body, headers=self._headers)
+            answer = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+            if response.status_code >= 400:
+                return {"success": False, "message": f"HTTP {response.status_code}: "
+                                                     f"{answer.get('message') or answer.get('error') or response.text[:300]}"}
+            return answer
+
+        return list(await asyncio.gather(*(post(s, b) for s, b in zip(servers, bodies, strict=True)),
+                                         return_exceptions=True))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

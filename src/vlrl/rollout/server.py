@@ -17,6 +17,12 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
   ``weight_version`` and a ``weight_checksum`` of the loaded weights that the trainer compares with its own.
   Safetensors weights are copied in place into a spare copy of the model (`vlrl.rollout.weights`); other
   formats are loaded with ``from_pretrained``.
+- ``POST /init_weights_update_group`` (``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
+  ``group_name``, ``backend``) and ``POST /update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``,
+  ``group_name``, ``weight_version``, ...): SGLang's distributed weight sync (`vlrl.rollout.dist_sync`). The
+  server joins the trainer's group over gloo (on CPU) in a thread off the event loop, receives each bucket's
+  broadcasts and stages them; the bucket carrying ``weight_version`` completes the update, which is then copied
+  in place like a disk load and answered with its ``weight_checksum``.
 - ``GET /health``, ``GET /get_model_info``, ``GET /get_weight_version``.
 
 Batching: one worker thread decodes; requests that arrive while a batch decodes join the next batch
@@ -63,6 +69,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vlrl.data.sample import Sample, SampleError, image_size, load_image
 from vlrl.models.policy import DTYPES, Policy
+from vlrl.rollout import dist_sync
 from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
 from vlrl.rollout.weights import checkpoint_names, copy_weights, read_weights, weight_checksum
@@ -586,6 +593,33 @@ class UpdateWeightsBody(BaseModel):
     recapture_cuda_graph: bool = False
 
 
+class InitWeightsGroupBody(BaseModel):
+    """SGLang's ``InitWeightsUpdateGroupReqInput``: join the trainer's weight-update group."""
+
+    model_config = ConfigDict(extra="forbid")
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = dist_sync.GROUP_NAME
+    backend: str = "nccl"
+
+
+class UpdateDistributedBody(BaseModel):
+    """SGLang's ``UpdateWeightsFromDistributedReqInput``: one bucket of tensors broadcast from the trainer."""
+
+    model_config = ConfigDict(extra="forbid")
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = dist_sync.GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    torch_empty_cache: bool = False
+
+
 class BadRequest(ValueError):
     """A malformed request; the message names the field."""
 
@@ -984,8 +1018,54 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
         return SafeJSON({"success": True, "message": f"loaded {body.model_path} as version {version}",
                          "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum})
 
+    receiver = dist_sync.Receiver(timeout=limits.request_timeout)
+    on_close(app, receiver.close)
+    device = next(batcher.policy.model.parameters()).device
+
+    async def init_group(request: HTTPRequest):
+        body = await read(request, InitWeightsGroupBody)
+        if body.backend not in ("gloo", "nccl"):
+            raise BadRequest(f"field 'backend': {body.backend!r}; vlrl serve joins over gloo (CPU) or nccl (CUDA)")
+        if body.backend == "nccl" and device.type != "cuda":
+            raise BadRequest(f"field 'backend': nccl needs a CUDA server; this one runs on {device.type}: use gloo")
+        if body.rank_offset >= body.world_size:
+            raise BadRequest(f"field 'rank_offset': {body.rank_offset} is not a rank of a group of {body.world_size}")
+        async with update_lock:
+            try:  # blocks until every rank joined: in a thread, so the event loop (generation, /health) goes on
+                await asyncio.to_thread(receiver.join, body.master_address, body.master_port,
+                                        rank_offset=body.rank_offset, world_size=body.world_size,
+                                        group_name=body.group_name, backend=body.backend)
+            except Exception as err:
+                return SafeJSON({"success": False, "message": f"cannot join {body.group_name} at "
+                                 f"{body.master_address}:{body.master_port}: {type(err).__name__}: {err}"}, 400)
+        return SafeJSON({"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset} of "
+                         f"{body.world_size}"})
+
+    async def update_distributed(request: HTTPRequest):
+        body = await read(request, UpdateDistributedBody)
+        try:
+            version = int(body.weight_version) if body.weight_version is not None else None
+        except ValueError:
+            raise BadRequest(f"field 'weight_version': vlrl versions are integers, got {body.weight_version!r}") from None
+        async with update_lock:
+            try:
+                await asyncio.to_thread(receiver.receive, body.group_name, body.names, body.dtypes, body.shapes,
+                                        abort=body.abort_all_requests, load_format=body.load_format)
+                if version is None:  # a bucket of the update in progress: staged
+                    return SafeJSON({"success": True, "message": f"staged {len(body.names)} tensor(s)"})
+                staged, abort = receiver.take()
+                checksum = await asyncio.to_thread(_load_received, batcher, staged, version=version, abort=abort,
+                                                   names=names)
+            except (OSError, ValueError, RuntimeError) as err:
+                receiver.take()  # a failed update leaves nothing staged
+                return SafeJSON({"success": False, "message": f"distributed update failed: {err}"}, 400)
+        return SafeJSON({"success": True, "message": f"loaded version {version} from {body.group_name}",
+                         "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum})
+
     app.router.add_route("/generate", generate, methods=["POST"])
     app.router.add_route("/update_weights_from_disk", update_weights, methods=["POST"])
+    app.router.add_route("/init_weights_update_group", init_group, methods=["POST"])
+    app.router.add_route("/update_weights_from_distributed", update_distributed, methods=["POST"])
     return app
 
 
@@ -1030,6 +1110,19 @@ def _update_from_disk(batcher: ContinuousBatcher, path: str, *, version: int, ab
     if weights is not None:
         return batcher.load_in_place(weights, version=version, abort=abort)
     return batcher.load(_load_weights(batcher.policy, path), version=version, abort=abort)
+
+
+def _load_received(batcher: ContinuousBatcher, received: Mapping[str, torch.Tensor], *, version: int, abort: bool,
+                   names: dict[str, Any]) -> str:
+    """Copy tensors received under checkpoint names (or state-dict names) into the batcher's spare weights as
+    ``version`` (`ContinuousBatcher.load_in_place`); returns the checksum."""
+    if "names" not in names:
+        names["names"] = checkpoint_names(batcher.policy.model)
+    if names["names"] is None:
+        raise ValueError("this model's checkpoint layout is more than a renaming of its tensors; load its weights "
+                         "with /update_weights_from_disk (rollout.weight_sync=disk)")
+    return batcher.load_in_place({names["names"].get(k, k): t for k, t in received.items()}, version=version,
+                                 abort=abort)
 
 
 def _load_weights(current: Policy, path: str) -> Policy:

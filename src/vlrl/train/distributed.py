@@ -222,7 +222,8 @@ def check_scalable(cfg, world_size: int) -> None:
         return
     if rollout.mode == "async" and world_size > 1:
         raise ValueError("rollout.mode=async: the asynchronous recipe runs in one process (checkpoints and --resume "
-                         "do work); use rollout.mode=sync under torchrun")
+                         "do work): its rollout driver, buffer and admission state are not yet moved to rank 0 with "
+                         "each batch broadcast to the ranks; use rollout.mode=sync under torchrun")
     synth = getattr(cfg, "synth", None)
     if synth is not None and synth.enabled and scaled:
         raise ValueError("synth.enabled: Syn-GRPO rewrites the dataset as it trains; it runs in one process without "
@@ -232,14 +233,13 @@ def check_scalable(cfg, world_size: int) -> None:
         from vlrl.algos import advantage_needs, get_advantage
 
         if "values" in advantage_needs(get_advantage(algo.advantage)):
-            raise ValueError(f"algo.advantage={algo.advantage}: the critic trains in one process; run value-based "
-                             "estimators without torchrun (or pick a critic-free estimator such as grpo)")
-        if algo.dynamic_sampling.enabled:
-            raise ValueError("algo.dynamic_sampling.enabled: each rank would keep a different number of groups; "
-                             "dynamic sampling runs in one process (checkpoints and --resume do work)")
+            raise ValueError(f"algo.advantage={algo.advantage}: the critic trains in one process (it is not yet "
+                             "sharded like the actor); run value-based estimators without torchrun (or pick a "
+                             "critic-free estimator such as grpo)")
     if rollout.servers and world_size > 1:
         raise ValueError("rollout.servers: under torchrun every rank generates in-process; rollout servers serve "
-                         "the single-process recipe")
+                         "the single-process recipe (a rank-0 engine whose weight updates the other ranks join is not "
+                         "built yet; README \"Scaling out\")")
 
 
 # ----------------------------------------------------------------------------------------------- RL over ranks

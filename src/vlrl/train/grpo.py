@@ -70,7 +70,8 @@ def train_grpo(
         algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, rt.ctx)  # over all ranks' responses
         sampler = GroupSampler(engine, cursor, sampling_params(rollout), prompts_per_step=train.prompts_per_step,
                                dynamic=stage.algo.dynamic_sampling, greedy_baseline="baseline_rewards" in algorithm.needs,
-                               shard=lambda draws: rt.ctx.shard(draws, what="train.prompts_per_step"))
+                               shard=lambda draws: rt.ctx.shard(draws, what="train.prompts_per_step"),
+                               gather=rt.ctx.gather_objects, world_size=rt.ctx.world_size)
         modules = stack.enter_context(stage_modules(policy, train))  # train.trainable, gradient checkpointing
         optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)
         step, carry = rt.restore(stage_name, optimizer, scheduler, cursor)

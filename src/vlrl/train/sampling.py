@@ -19,6 +19,10 @@ trains on the informative groups it has; with none at all (a model that is alway
 prompts) it trains on ``prompts_per_step`` groups of the last round — zero advantage, no policy gradient, the run
 goes on — logs ``sampling/starved`` = 1 and the recipe warns with `starved_warning`. (verl raises at its cap
 ``max_num_gen_batches``, stopping the run; a starved step here costs one step and says which knobs to turn.)
+
+Under several ranks every rank holds the whole round (`gathered_round`): the ranks filter the same groups, keep
+the same ones and carry the same surplus — what one process would — and the kept groups are then sharded. A
+batch left short when the extra rounds run out is cut to a multiple of the number of ranks (the rest is carried).
 """
 
 from __future__ import annotations
@@ -151,10 +155,14 @@ class GroupSampler:
 
     def __init__(self, engine: Engine, cursor: PromptCursor, sampling: SamplingParams, *, prompts_per_step: int,
                  dynamic: DynamicSamplingConfig, greedy_baseline: bool = False,
-                 shard: Callable[[list[Draw]], list[Draw]] | None = None) -> None:
-        """``shard``: under torchrun, keeps this rank's share of the prompts every rank drew (same cursor)."""
+                 shard: Callable[[list[Any]], list[Any]] | None = None,
+                 gather: Callable[[list[Group]], list[list[Group]]] | None = None, world_size: int = 1) -> None:
+        """``shard``: under torchrun, keeps this rank's share of the prompts every rank drew (same cursor).
+        ``gather`` / ``world_size``: every rank's groups, in rank order (dynamic sampling under several ranks
+        filters the whole round: `gathered_round`)."""
         self.engine, self.cursor, self.sampling = engine, cursor, sampling
         self.shard = shard or (lambda draws: draws)
+        self.gather, self.world_size = gather, world_size
         self.prompts_per_step, self.dynamic, self.greedy_baseline = prompts_per_step, dynamic, greedy_baseline
         self.encode = PromptEncoder(engine)
         self.carry: list[Group] = []  # informative groups left over from the previous step
@@ -169,16 +177,17 @@ class GroupSampler:
         rounds = generated = dropped = 0
         groups: list[Group] = []
         while len(kept) < P and rounds <= self.dynamic.max_extra_rounds:
-            groups = self._round(math.ceil((P - len(kept)) * self.dynamic.oversample))
+            groups = self._whole_round(math.ceil((P - len(kept)) * self.dynamic.oversample))
             rounds, generated = rounds + 1, generated + len(groups)
             informative = [g for g in groups if is_informative(g, self.dynamic.metric)]
             dropped += len(groups) - len(informative)
             kept = kept + informative
-        kept, self.carry = kept[:P], kept[P:]
+        usable = min(P, len(kept) - len(kept) % self.world_size)  # several ranks: a short batch still splits evenly
+        kept, self.carry = kept[:usable], kept[usable:]
         starved = not kept
         if starved:  # nothing informative within the cap: go on with the last round's (zero-advantage) groups
             kept, dropped = groups[:P], dropped - len(groups[:P])
-        return SampledBatch(kept, {
+        return SampledBatch(self.shard(kept) if self.world_size > 1 else kept, {  # (every rank kept the same groups)
             "sampling/rounds": rounds, "sampling/prompts_generated": generated,
             "sampling/samples_generated": generated * self.sampling.n, "sampling/groups_dropped": dropped,
             "sampling/prompts_used": len(kept), "sampling/carried_in": carried_in,
@@ -189,10 +198,32 @@ class GroupSampler:
         self.drawn += 1
         return Draw(self.drawn - 1, sample, self.cursor.epoch)
 
+    def _whole_round(self, count: int) -> list[Group]:
+        """A round of dynamic sampling: every drawn group on every rank (see `gathered_round`)."""
+        if self.world_size == 1:
+            return self._round(count)
+        return gathered_round([self.draw() for _ in range(count)], self.world_size, shard=self.shard,
+                              generate=self._generate, gather=self.gather)
+
     def _round(self, count: int) -> list[Group]:
         """Draw ``count`` prompts, sample ``n`` responses each, score them (and their greedy responses)."""
-        draws = self.shard([self.draw() for _ in range(count)])
+        return self._generate(self.shard([self.draw() for _ in range(count)]))
+
+    def _generate(self, draws: list[Draw]) -> list[Group]:
         requests = [self.encode(d.sample) for d in draws]
         trajectories = self.engine.generate(requests, self.sampling)
         baselines = self.engine.generate(requests, greedy(self.sampling)) if self.greedy_baseline else None
         return score_groups(draws, trajectories, self.sampling.n, baselines)
+
+
+def gathered_round(draws: list[Draw], world_size: int, *, shard: Callable[[list[Draw]], list[Draw]],
+                   generate: Callable[[list[Draw]], list[Group]],
+                   gather: Callable[[list[Group]], list[list[Group]]]) -> list[Group]:
+    """Dynamic sampling under several ranks: every rank generates and scores its share of the round's ``draws``
+    and then holds *all* of the round's groups, in draw order — so every rank filters the same groups, keeps the
+    same ones and carries the same surplus over, exactly as one process would; the step's kept groups are then
+    sharded. A round that does not split evenly is padded with copies of its last draw (every rank generates the
+    same number of prompts: FSDP2's generate is a collective), and the copies are dropped after the gather."""
+    padded = draws + draws[-1:] * (-len(draws) % world_size)
+    every = [group for part in gather(generate(shard(padded))) for group in part]  # rank order = draw order
+    return every[: len(draws)]

@@ -1,0 +1,154 @@
+"""Distributed weight sync on SGLang's protocol (`vlrl.rollout.dist_sync`): the trainer broadcasts its weights over
+a gloo group that two `vlrl serve` processes joined, bucket by bucket, and every server ends with the trainer's
+checksum; the server's endpoints refuse malformed requests naming the field."""
+
+import httpx
+import pytest
+import torch
+
+from vlrl.data import generate
+from vlrl.models import load_policy
+from vlrl.rollout import SamplingParams
+from vlrl.rollout.dist_sync import Entry, StreamingChecksum, buckets, plan_entries
+from vlrl.rollout.http_engine import HTTPEngine
+from vlrl.rollout.weights import weight_checksum
+
+from .conftest import API_KEY, running_server, vlrl_serve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _info(url):
+    return httpx.get(f"{url}/get_model_info", headers=AUTH, timeout=30).json()
+
+
+def _nudge(model, amount):
+    with torch.no_grad():
+        for k, p in enumerate(model.parameters()):
+            p.add_(amount * (k + 1) / 100)
+
+
+def test_every_server_ends_with_the_trainers_checksum_after_a_distributed_update(tiny_vlm_dir, tmp_path):
+    policy = load_policy(str(tiny_vlm_dir))
+    with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2) as urls:
+        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "weights", api_key=API_KEY,
+                            weight_sync="distributed", bucket_mb=0.5, request_timeout=60)
+        try:
+            for version in (1, 2):  # the second update reuses the group formed by the first
+                _nudge(policy.model, 0.01 * version)
+                before = [_info(u)["weight_checksum"] for u in urls]
+                engine.update_weights(version=version)
+                expected = weight_checksum(policy.model)
+                assert all(b != expected for b in before)  # the servers did not already hold these weights
+                for url in urls:
+                    info = _info(url)
+                    assert info["weight_checksum"] == expected and info["weight_version"] == str(version)
+                sync = engine.last_sync
+                # 4.3 MB of float32 parameters in buckets of at most 0.5 MB (a larger tensor goes alone): ≥ 9 buckets
+                numel = sum(t.numel() for t in policy.model.state_dict().values())
+                assert sync.method == "distributed" and sync.servers == 2 and sync.bytes == 4 * numel
+                assert sync.buckets >= 9
+            assert not (tmp_path / "weights").exists()  # nothing went through the disk
+            out = engine.generate([engine.encode(generate("shapes", 1, tasks=["count"])[0])],
+                                  SamplingParams(n=2, max_new_tokens=3))
+            assert [t.weight_version for t in out] == [2, 2]
+        finally:
+            engine.close()
+
+
+def test_the_server_refuses_malformed_distributed_requests_naming_the_field(tiny_vlm):
+    with running_server(tiny_vlm) as served, httpx.Client(base_url=served.url, headers=AUTH, timeout=30) as client:
+        answer = client.post("/update_weights_from_distributed",
+                             json={"names": ["x"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "nope"})
+        assert answer.status_code == 400 and "group_name" in answer.json()["message"]
+        answer = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                                 "rank_offset": 1, "world_size": 2, "backend": "nccl"})
+        assert answer.status_code == 400 and "'backend'" in answer.json()["error"]
+        answer = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                                 "rank_offset": 2, "world_size": 2, "backend": "gloo"})
+        assert answer.status_code == 400 and "'rank_offset'" in answer.json()["error"]
+        assert served.batcher.version[0] == 0
+
+
+def test_buckets_and_the_streamed_checksum_match_the_whole_model_checksum(tiny_vlm):
+    model = tiny_vlm.model
+    entries = plan_entries(model, None)
+    assert [e.name for e in entries] == list(model.state_dict())  # no tied tensors in this preset: every one sent
+    planned = buckets(entries, element_size=4, bucket_bytes=1 << 16)
+    assert [e for b in planned for e in b] == entries
+    # a bucket holds ≤ 64 KiB, unless it is a single larger tensor
+    assert all(len(b) == 1 or sum(e.numel for e in b) * 4 <= 1 << 16 for b in planned)
+    checksum = StreamingChecksum([None, torch.bfloat16])
+    state = model.state_dict()
+    for entry in entries:
+        checksum.add(entry, state[entry.name])
+    assert checksum.digest(None) == weight_checksum(model)
+    assert checksum.digest(torch.bfloat16) == weight_checksum(model, dtype=torch.bfloat16)
+
+
+def test_tied_tensors_are_sent_once_and_checksummed_under_every_name():
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight  # tied, as an LM head tied to the embeddings
+    entries = plan_entries(model, {"0.weight": "embed.weight"})
+    assert entries == [Entry("0.weight", "embed.weight", (5, 3), 15, ("1.weight",))]
+    checksum = StreamingChecksum([None])
+    checksum.add(entries[0], model.state_dict()["0.weight"])
+    assert checksum.digest(None) == weight_checksum(model)
+
+
+def test_distributed_sync_needs_servers():
+    from vlrl.config import RolloutConfig
+
+    with pytest.raises(ValueError, match="rollout.weight_sync=distributed"):
+        RolloutConfig(weight_sync="distributed")
+
+
+@pytest.mark.e2e
+def test_vlrl_rl_with_distributed_weight_sync_leaves_the_servers_with_the_final_weights(tiny_vlm_dir, tmp_path):
+    """`vlrl rl … rollout.weight_sync=distributed` against two `vlrl serve` processes: the run trains, every
+    update goes by broadcast (nothing under rollout_weights/), and both servers end with the checksum of the
+    exported final weights."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2) as urls:
+        args = [f"model.path={tiny_vlm_dir}", "train.steps=2", "train.prompts_per_step=2", "rollout.n=2",
+                "rollout.max_new_tokens=4", "data.n_train=8", "data.n_test=2", "report.html=false",
+                "check.enabled=false", "eval.samples=1", "eval.max_new_tokens=2", f"rollout.servers=[{','.join(urls)}]",
+                "rollout.weight_sync=distributed", f"out={out}"]
+        env = {**os.environ, "VLRL_API_KEY": API_KEY, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "vlrl.cli", "rl", *args], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        final = load_policy(str(out / "checkpoints" / "final"))
+        for url in urls:
+            info = _info(url)
+            assert info["weight_version"] == "2" and info["weight_checksum"] == weight_checksum(final.model)
+    assert not (out / "rollout_weights").exists()
+
+
+def test_a_server_killed_between_updates_sends_that_update_by_disk_and_the_next_over_a_new_group(tiny_vlm_dir,
+                                                                                                 tmp_path):
+    import signal
+
+    policy = load_policy(str(tiny_vlm_dir))
+    with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2, keep_processes=True) as (urls, processes):
+        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "weights", api_key=API_KEY,
+                            weight_sync="distributed", request_timeout=60, max_server_failures=1)
+        try:
+            engine.update_weights(version=1)
+            processes[0].send_signal(signal.SIGKILL)
+            processes[0].wait(30)
+            _nudge(policy.model, 0.01)
+            engine.update_weights(version=2)  # the group is broken: this one goes by disk, to the survivor
+            assert engine.last_sync.method == "disk" and [s.url for s in engine.live_servers()] == [urls[1]]
+            _nudge(policy.model, 0.01)
+            engine.update_weights(version=3)  # a new group: the trainer and the survivor
+            assert engine.last_sync.method == "distributed" and engine.last_sync.servers == 1
+            info = _info(urls[1])
+            assert info["weight_version"] == "3" and info["weight_checksum"] == weight_checksum(policy.model)
+        finally:
+            engine.close()
