@@ -31,6 +31,7 @@ from vlrl.train.common import PromptCursor, make_optimizer
 from vlrl.train.distributed import GlobalAdvantage, Runtime, global_step_metrics
 from vlrl.train.sampling import GroupSampler
 from vlrl.train.update import ppo_update
+from vlrl.train.zero_advantage import ZeroAdvantageWatch
 
 
 def train_grpo(
@@ -79,6 +80,7 @@ def train_grpo(
             engine.update_weights(version=step)
         run_dir = logger.path.parent if logger.path is not None and rt.ctx.is_main else None  # shapers' analysis files
         start, last = time.time(), {}
+        zero_advantage = ZeroAdvantageWatch(logger, stage_name)  # one warning when most groups carry no signal
         while step < train.steps and not rt.out_of_time(time.time() - start, budget):
             t0 = time.time()
             # 1-3. prompts (this rank's share) → n responses each → rewards
@@ -100,6 +102,8 @@ def train_grpo(
             last.update({**sampled.metrics, "perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
                          "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
                          "data/epoch": cursor.epoch})
+            if rt.ctx.is_main:
+                zero_advantage.update(step, last)
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds"))
             rt.after_step(step, stage_name, optimizer, scheduler, cursor, carry_over={
