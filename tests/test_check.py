@@ -134,19 +134,21 @@ def test_data_files_must_exist_and_parse(tmp_path):
     assert _where(report) == {"data.train"} and "no such file" in report.problems[0].message
     data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), "{broken", _record(2, reward="no_such_reward"),
                                                    _record(3, images=["missing.png"], prompt="<image>x")])
-    report = preflight(_rl(f"data.train={data}", "data.suite=arith", "data.tasks=[add]", "model.path=tiny-qwen2"))
+    test = _write_jsonl(tmp_path / "test.jsonl", [_record(9)])
+    report = preflight(_rl(f"data.train={data}", f"data.test={test}", "model.path=tiny-qwen2"))
     problems = {p.where: p.message for p in report.problems}
     assert set(problems) == {f"{data}:2", f"{data}:3", f"{data}:4"}
     assert "malformed JSON" in problems[f"{data}:2"]
     assert "unknown reward 'no_such_reward'" in problems[f"{data}:3"]
     assert "image file not found" in problems[f"{data}:4"]
-    skipping = preflight(_rl(f"data.train={data}", "data.suite=arith", "data.tasks=[add]", "model.path=tiny-qwen2", "data.on_error=skip"))
+    skipping = preflight(_rl(f"data.train={data}", f"data.test={test}", "model.path=tiny-qwen2", "data.on_error=skip"))
     assert skipping.ok and len(skipping.warnings) == 3  # skipped and counted, not fatal
 
 
 def test_sft_needs_reference_responses(tmp_path):
     data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), _record(1, response=None)])
-    report = preflight(load_config(SFTConfig, None, [*SMALL, f"data.train={data}", "data.suite=arith", "data.tasks=[add]", "model.path=tiny-qwen2"]))
+    test = _write_jsonl(tmp_path / "test.jsonl", [_record(9)])
+    report = preflight(load_config(SFTConfig, None, [*SMALL, f"data.train={data}", f"data.test={test}", "model.path=tiny-qwen2"]))
     assert _where(report) == {"data.train"}
     assert "1 of 2 samples have no reference 'response'" in report.problems[0].message
     assert f"{data}:2" in report.problems[0].message
@@ -196,3 +198,67 @@ def test_syn_grpo_settings_are_checked(tmp_path):
     ok = preflight(_rl("synth.enabled=true", "synth.segmenter=model", f"synth.segmenter_options={{path: {tmp_path}}}",
                        "algo.reward_shaping=[{name: syn_diversity}]", "data.suite=shapes"))
     assert not [p for p in ok.problems if p.where.startswith(("synth", "algo"))], ok.format()
+
+
+def _photo(tmp_path, name, size):
+    from PIL import Image
+
+    path = tmp_path / name
+    Image.new("RGB", size, (120, 60, 30)).save(path)
+    return str(path)
+
+
+def test_an_answer_its_verifier_cannot_score_is_a_problem(tmp_path):
+    data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), _record(1, answer="seven"), _record(2)])
+    test = _write_jsonl(tmp_path / "test.jsonl", [_record(9)])
+    report = preflight(_rl(f"data.train={data}", f"data.test={test}", "model.path=tiny-qwen2"))
+    assert _where(report) == {f"{data}:2"}
+    assert "answer \"seven\" can never score on verifier 'number'" in report.problems[0].message
+
+
+def test_resized_images_are_a_warning_from_what_to_what(tmp_path):
+    """tiny-qwen2-vl's processor (Qwen2-VL smart_resize, factor 28, max_pixels 112² = 12,544): 448×224 has
+    100,352 pixels > max, so β = √(448·224 / 12,544) = √8 ≈ 2.83; width ⌊448 / β / 28⌋·28 = ⌊5.66⌋·28 = 140,
+    height ⌊224 / β / 28⌋·28 = ⌊2.83⌋·28 = 56: the model sees 140×56. A 112×112 image is kept as it is."""
+    big = _photo(tmp_path, "big.png", (448, 224))
+    exact = _photo(tmp_path, "exact.png", (112, 112))
+    rows = [_record(0, prompt="<image>How many?", images=[big]), _record(1, prompt="<image>How many?", images=[exact])]
+    data = _write_jsonl(tmp_path / "train.jsonl", rows)
+    test = _write_jsonl(tmp_path / "test.jsonl", [_record(9)])  # text only
+    report = preflight(_rl(f"data.train={data}", f"data.test={test}"))
+    assert report.ok, report.format()
+    warnings = [w for w in report.warnings if w.where == "model.max_pixels"]
+    assert len(warnings) == 1 and "1 of 2 checked image(s) will be resized" in warnings[0].message
+    assert "448×224 → 140×56" in warnings[0].message and "112×112 →" not in warnings[0].message
+    assert f"(first: {data}:1)" in warnings[0].message
+
+
+def test_a_missing_model_path_says_so():
+    report = preflight(_rl("model.path=runs/nope/checkpoints/final"))
+    assert _where(report) == {"model.path"}
+    assert "runs/nope/checkpoints/final: no such directory (and not a preset: tiny-qwen2-vl" in report.problems[0].message
+    assert "Repo id" not in report.format()
+
+
+def test_a_prompt_longer_than_the_context_names_its_line(tmp_path):
+    """Checked before anything is generated (`vlrl eval` once tried to allocate 8.6 GB for an 840k-token
+    prompt): the longest-text prompt is among the encoded ones even when shorter prompts carry more images."""
+    image = _image(tmp_path)
+    rows = [_record(k, prompt="<image>How many?", images=[image]) for k in range(6)]
+    rows.append(_record(6, prompt="word " * 3000 + "How many?"))  # no image, ~3000 tokens
+    data = _write_jsonl(tmp_path / "test.jsonl", rows)
+    report = preflight(_rl(f"data.test={data}", "check.samples_per_task=1"))
+    assert _where(report) == {f"{data}:7"}
+    assert "longer than the model context of 2048 tokens" in report.problems[0].message
+
+
+def test_held_out_split_is_stated_and_user_stages_need_a_test_file(tmp_path):
+    data = _write_jsonl(tmp_path / "train.jsonl", [_record(k) for k in range(20)])
+    report = preflight(_rl(f"data.train={data}", "model.path=tiny-qwen2"))
+    assert report.ok, report.format()
+    assert any("2 of 20 samples of data.train held out for evaluation" in fact for fact in report.facts)
+    report = preflight(_rl(f"data.train={data}", "model.path=tiny-qwen2", "data.test_fraction=0"))
+    assert _where(report) == {"data.test"} and "data.test_fraction is 0" in report.problems[0].message
+    staged = preflight(load_config(SFTConfig, None, [*SMALL, "model.path=tiny-qwen2", "data.suite=arith",
+                                                     f"stages=[{{name: a, data: {{train: {data}}}}}]"]))
+    assert "data.test" in _where(staged) and "stages.0.data.train" in staged.problems[0].message

@@ -40,19 +40,28 @@ def test_bad_override_exits_with_the_field_name(tmp_path):
 
 
 def test_sft_on_a_user_file_then_eval(tmp_path):
+    """A training file without a test file: 10 % of it is held out (16 samples → round(1.6) = 2), never the
+    procedural suite; `vlrl eval` on the run's checkpoint evaluates those same 2 prompts by default."""
     runner.invoke(app, ["data", "gen", "arith", "--n", "16", "--out", str(tmp_path / "data")])
     result = runner.invoke(app, ["sft", "--data", str(tmp_path / "data" / "train.jsonl"), f"out={tmp_path / 'run'}",
-                                 "model.path=tiny-qwen2", "data.suite=arith", "data.tasks=[add]", "data.n_test=8",
-                                 "train.steps=2", "train.batch_size=4", "eval.samples=2"])
+                                 "model.path=tiny-qwen2", "data.suite=shapes", "train.steps=2", "train.batch_size=4",
+                                 "eval.samples=2"])
     assert result.exit_code == 0, result.output
+    assert "held out 2 of 16 samples" in " ".join(result.output.split())
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert set(summary["sft"]["accuracy"]) == {"arith/add", "mean"}
+    assert summary["sft"]["n_prompts"] == 2 and all(t.startswith("arith/") for t in summary["sft"]["accuracy"] if t != "mean")
     assert (tmp_path / "run" / "checkpoints" / "final" / "model.safetensors").exists()
-    result = runner.invoke(app, ["eval", "--model", str(tmp_path / "run" / "checkpoints" / "final"),
-                                 "--data", str(tmp_path / "data" / "train.jsonl"), "--samples", "2",
+    result = runner.invoke(app, ["eval", "--model", str(tmp_path / "run" / "checkpoints" / "final"), "--seed", "1",
                                  "--out", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output
-    assert "pass@k" in json.loads((tmp_path / "eval.json").read_text())
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    assert evaluated["n_prompts"] == 2 and evaluated["settings"]["samples"] == 2  # the run's eval.samples
+    assert set(evaluated["accuracy"]) == set(summary["sft"]["accuracy"])
+    assert "the run's held-out split of" in result.output
+    result = runner.invoke(app, ["eval", "--model", str(tmp_path / "run" / "checkpoints" / "final"),
+                                 "--data", str(tmp_path / "data" / "train.jsonl"), "--samples", "2", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert '"n_prompts": 16' in result.output and '"max_new_tokens": 4' in result.output
 
 
 def test_check_lists_every_problem_and_exits_1(tmp_path):
@@ -109,7 +118,7 @@ def test_data_pack_then_sft_from_the_plan(tmp_path):
     stats = json.loads((tmp_path / "plan.json").read_text())["stats"]
     assert stats["packed_samples"] == 24 and stats["bins"] < 24 and "lower bound" in result.output
     result = runner.invoke(app, ["sft", "--data", str(data), f"out={tmp_path / 'run'}", "model.path=tiny-qwen2",
-                                 f"data.packing_plan={tmp_path / 'plan.npz'}", "data.suite=arith", "data.tasks=[add]", "data.n_test=4",
+                                 f"data.packing_plan={tmp_path / 'plan.npz'}", "--test", str(data),
                                  "train.steps=2", "train.batch_size=2", "train.micro_batch_size=1", "eval.samples=1",
                                  "eval.max_new_tokens=2", "report.html=false"])
     assert result.exit_code == 0, result.output
@@ -127,3 +136,50 @@ def test_sft_stages_option_names_unknown_stages(tmp_path):
     result = runner.invoke(app, ["sft", "--config", "src/vlrl/configs/three_stage_sft.yaml", "--stages", "alignn",
                                  f"out={tmp_path}"])
     assert result.exit_code == 2 and "unknown stage(s) ['alignn']" in result.output and "align, " not in result.output
+
+
+def test_eval_reads_the_eval_settings_and_data_of_any_runs_config(tmp_path, tiny_vlm_dir):
+    """A staged run's config.yaml (whose top-level optim/train would not load as an SFTConfig again) still gives
+    `vlrl eval` its data and eval sections; options win over them; a plain model gets the defaults."""
+    from vlrl.config import SFTConfig, dump_config, load_config
+
+    runner.invoke(app, ["data", "gen", "shapes", "--n", "3", "--split", "test", "--out", str(tmp_path / "data")])
+    run = tmp_path / "staged"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "final").symlink_to(tiny_vlm_dir, target_is_directory=True)
+    cfg = load_config(SFTConfig, None, [f"data.test={tmp_path / 'data' / 'test.jsonl'}", "eval.samples=2",
+                                        "eval.max_new_tokens=3", "stages=[{name: a}, {name: b}]"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    result = runner.invoke(app, ["eval", "--model", str(run / "checkpoints" / "final"), "--temperature", "0.5",
+                                 "--out", str(tmp_path / "e.json")])
+    assert result.exit_code == 0, result.output
+    evaluated = json.loads((tmp_path / "e.json").read_text())
+    assert evaluated["n_prompts"] == 3 and evaluated["k"] == 2
+    assert evaluated["settings"] == {"samples": 2, "temperature": 0.5, "max_new_tokens": 3, "max_batch_size": 256,
+                                     "seed": 0}
+    assert "the run's held-out file" in result.output
+    result = runner.invoke(app, ["eval", "--model", str(tiny_vlm_dir), "--n", "2", "--samples", "1",
+                                 "--out", str(tmp_path / "plain.json")])
+    assert result.exit_code == 0, result.output
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    assert plain["n_prompts"] == 2 and plain["settings"]["max_new_tokens"] == 16  # EvalConfig's default
+    assert "procedural shapes test prompts" in result.output
+
+
+def test_eval_seed_fixes_the_sampled_responses(tmp_path, tiny_vlm_dir):
+    """The reward is −(characters of the response) / 40 (DAPO's soft overlong punishment with L_max = L_cache = 40,
+    counted in characters): its mean moves with every sampled text, so equal numbers mean equal samples."""
+    meta = {"max_length": 40, "cache_length": 40, "unit": "chars"}
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"id": f"q{k}", "task": "t", "prompt": f"Say {k} words.",
+                                                          "reward": "overlong", "metadata": meta}) + "\n"
+                                              for k in range(3)))
+    outputs = []
+    for seed in (5, 5, 6):
+        result = runner.invoke(app, ["eval", "--model", str(tiny_vlm_dir), "--data", str(tmp_path / "t.jsonl"),
+                                     "--samples", "4", "--max-new-tokens", "12", "--seed", str(seed),
+                                     "--out", str(tmp_path / "e.json")])
+        assert result.exit_code == 0, result.output
+        outputs.append(json.loads((tmp_path / "e.json").read_text()))
+    assert outputs[0]["reward"]["t"] < 0  # the texts are not empty: the measure moves
+    assert outputs[0] == outputs[1]  # the same seed: the same samples, to the last digit
+    assert outputs[2]["reward"] != outputs[0]["reward"] and outputs[2]["settings"]["seed"] == 6

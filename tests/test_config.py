@@ -56,3 +56,46 @@ def test_shipped_configs_load():
     for path in files:
         cls = DemoConfig if path.stem.startswith("demo") else SFTConfig if "sft" in path.stem else RLConfig
         load_config(cls, path)
+
+
+def test_relative_paths_in_a_config_file_resolve_beside_it(tmp_path, monkeypatch):
+    """data.train in configs/x.yaml is found beside the file; the same path as an override (or --data) is taken
+    from the current directory; `out` stays relative to the current directory; a preset or hub id is kept."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "model").mkdir()
+    (tmp_path / "cfg" / "model" / "config.json").write_text("{}")
+    (tmp_path / "cfg" / "x.yaml").write_text(
+        "data: {train: mine.jsonl, test: ../held/test.jsonl}\nmodel: {path: model}\nout: runs/x\n"
+        "stages: [{name: a, data: {train: a.jsonl}}]\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    cfg = load_config(SFTConfig, "../cfg/x.yaml")
+    assert cfg.data.train == str(tmp_path / "cfg" / "mine.jsonl")
+    assert cfg.data.test == str(tmp_path / "held" / "test.jsonl")
+    assert cfg.model.path == str(tmp_path / "cfg" / "model")  # exists beside the file: a directory
+    assert cfg.stages[0].data.train == str(tmp_path / "cfg" / "a.jsonl")
+    assert cfg.out == "runs/x"  # an output: where you run
+    cfg = load_config(SFTConfig, "../cfg/x.yaml", ["data.train=mine.jsonl", "stages.0.data.train=b.jsonl",
+                                                  "model.path=Qwen/Qwen2-VL-2B-Instruct"])
+    assert cfg.data.train == str(tmp_path / "elsewhere" / "mine.jsonl")  # the command line: the cwd
+    assert cfg.stages[0].data.train == str(tmp_path / "elsewhere" / "b.jsonl")
+    assert cfg.model.path == "Qwen/Qwen2-VL-2B-Instruct"  # no such directory: a hub id, kept
+    assert load_config(RLConfig, None, ["model.path=tiny-qwen2"]).model.path == "tiny-qwen2"
+    assert load_config(RLConfig, None, ["model.path=./ckpt"]).model.path == str(tmp_path / "elsewhere" / "ckpt")
+
+
+def test_overrides_index_lists_of_stages(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("stages: [{name: a}, {name: b, train: {steps: 5}}]\n")
+    cfg = load_config(SFTConfig, path, ["stages.1.train.steps=2", "stages.0.train.batch_size=4"])
+    assert [s.train.steps for s in cfg.stages] == [500, 2] and cfg.stages[0].train.batch_size == 4
+    with pytest.raises(ConfigError, match="'2' is not an index of the 2 item"):
+        load_config(SFTConfig, path, ["stages.2.train.steps=1"])
+    with pytest.raises(ConfigError, match="would replace one item of a list"):
+        load_config(SFTConfig, path, ["stages.0=x"])
+
+
+def test_test_fraction_is_a_share():
+    assert load_config(RLConfig, None, []).data.test_fraction == 0.1
+    with pytest.raises(ConfigError, match="config field 'data.test_fraction'"):
+        load_config(RLConfig, None, ["data.test_fraction=1.5"])

@@ -11,7 +11,8 @@ first few of every task and the longest prompts — to check:
 - prompt + ``max_new_tokens`` (rollout and eval) and prompt + reference response (SFT) fit the context;
 - batch, group and micro-batch sizes divide;
 - every reward name, estimator, policy loss, metric sink and dotted path (``pkg.mod:fn``, e.g. an
-  environment) resolves; the procedural suite and its tasks exist; data files exist and parse.
+  environment) resolves; every verifier the data names has its optional dependencies; the procedural suite
+  and its tasks exist; data files exist and parse.
 
 Every problem names the config field or the ``file:line``; all of them are listed at once.
 """
@@ -69,7 +70,8 @@ class CheckReport:
         lines += [f"  ✗ {p}" for p in self.problems]
         verdict = (f"preflight: {len(self.problems)} problem(s) — the run would fail; nothing was loaded onto a device"
                    if self.problems else "preflight: ok" + (f" ({len(self.warnings)} warning(s))" if self.warnings else ""))
-        return "\n".join([*lines, verdict])
+        here = str(Path.cwd()).rstrip("/") + "/"  # config paths are absolute: show those under the cwd relative
+        return "\n".join([*lines, verdict]).replace(here, "")
 
 
 class PreflightError(RuntimeError):
@@ -80,20 +82,34 @@ class PreflightError(RuntimeError):
         self.report = report
 
 
-def preflight(cfg: RunConfig, *, splits: dict[str, list[Sample]] | None = None) -> CheckReport:
-    """Check ``cfg`` (and its data: ``splits`` if already loaded, else read/generated here)."""
-    report = CheckReport()
+Budget = tuple[str, str, int]  # (split, field or option named in the problem, new tokens)
+
+
+def preflight(cfg: RunConfig, *, splits: dict[str, list[Sample]] | None = None,
+              budgets: list[Budget] | None = None, report: CheckReport | None = None) -> CheckReport:
+    """Check ``cfg`` (and its data: ``splits`` if already loaded, else read/generated here).
+
+    ``budgets``: the generation budgets to fit in the context, ``(split, name, new tokens)``; default: every
+    RL stage's ``rollout.max_new_tokens`` on ``train`` and ``eval.max_new_tokens`` on ``test``. The commands
+    that only generate (`vlrl eval`, `vlrl data select`) pass their own, named by their options, and the
+    ``report`` that `read_data` filled while reading their files."""
+    report = report if report is not None else CheckReport()
     sft, rl = _stages(cfg)
     _check_sizes(report, sft, rl)
     _check_names(report, cfg, rl)
     _check_synth(report, rl)
+    _check_held_out(report, cfg)
     if splits is None:
         splits = _read_splits(report, cfg)
+    _check_reward_dependencies(report, splits)
     _check_sft_responses(report, splits.get("train", []), sft)
     bundle = _load_processor(report, cfg.model)
     if bundle is not None:
         picks = {split: _pick(samples, cfg.check.samples_per_task) for split, samples in splits.items()}
-        _check_samples(report, bundle, picks, sft, rl, cfg)
+        if budgets is None:
+            budgets = [("train", f"{p}rollout.max_new_tokens", stage.rollout.max_new_tokens) for p, stage in rl]
+            budgets.append(("test", "eval.max_new_tokens", cfg.eval.max_new_tokens))
+        _check_samples(report, bundle, picks, sft, budgets)
     return report
 
 
@@ -196,11 +212,23 @@ def _import_problem(path: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------- data
+def _check_held_out(report: CheckReport, cfg: RunConfig) -> None:
+    """Held-out data that measures the training data: never the procedural suite beside a user's files."""
+    data = cfg.data
+    staged = [f"stages.{k}.data.train" for k, stage in enumerate(getattr(cfg, "stages", []))
+              if stage.data is not None and stage.data.train is not None]
+    if data.train is None and data.test is None and staged:
+        report.problem("data.test", f"unset, and the stages train on your files ({', '.join(staged)}): the held-out "
+                       f"evaluation would run on the procedural {data.suite!r} suite; give held-out samples with data.test")
+
+
 def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]:
-    from vlrl.train.common import reward_names_check
+    from vlrl.train.common import hold_out_problem, holds_out, split_held_out
 
     data, out = cfg.data, {}
     for split, path, count in (("train", data.train, data.n_train), ("test", data.test, data.n_test)):
+        if path is None and split == "test" and holds_out(data):
+            continue  # held out of the training file below
         if path is None:
             n = min(count, cfg.check.samples_per_task * max(1, len(data.tasks)) * 2)
             try:
@@ -212,21 +240,52 @@ def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]
             except ValueError as err:
                 report.problem("data.tasks", str(err))
             continue
-        try:
-            with _quiet("vlrl.data.io"):  # its "skipped N records" warning: every record is listed below instead
-                read = read_samples(path, on_error="skip", check=reward_names_check)
-        except DataError as err:
-            report.problem(f"data.{split}", str(err))
-            continue
-        for where, reason in read.skipped[:_SHOWN_RECORDS]:
-            (report.problem if data.on_error == "raise" else report.warn)(where, reason)
-        if len(read.skipped) > _SHOWN_RECORDS:
-            more = f"{len(read.skipped) - _SHOWN_RECORDS} more bad record(s) in {path}"
-            (report.problem if data.on_error == "raise" else report.warn)(f"data.{split}", more)
-        if not read.samples:
-            report.problem(f"data.{split}", f"{path}: no usable samples")
-        out[split] = read.samples
+        out[split] = read_data(report, f"data.{split}", path, data.on_error)
+    if holds_out(data) and "train" in out:
+        problem = hold_out_problem(data, len(out["train"]) or None)  # an unreadable file is reported already
+        if problem:
+            report.problem("data.test", problem)
+        elif out["train"]:
+            out["train"], out["test"] = split_held_out(out["train"], data)
+            report.facts.append(f"data.test unset: {len(out['test'])} of {len(out['train']) + len(out['test'])} samples "
+                                f"of data.train held out for evaluation (data.test_fraction {data.test_fraction:g}, "
+                                f"seed {data.seed})")
     return out
+
+
+def _check_reward_dependencies(report: CheckReport, splits: dict[str, list[Sample]]) -> None:
+    """Every verifier the samples name has its optional modules (``math`` without math-verify: the install command)."""
+    from vlrl.rewards import missing_dependency
+
+    for name in sorted({name for samples in splits.values() for s in samples for name in s.reward_names()}):
+        try:
+            message = missing_dependency(name)
+        except RegistryError:
+            continue  # unknown names are reported where the records are read
+        if message:
+            report.problem("data", message)
+
+
+def read_data(report: CheckReport, field_name: str, path: str | Path, on_error: str) -> list[Sample]:
+    """Every usable record of a data file (or directory), each checked as the recipes read it (reward names,
+    images, answers its verifier can score); bad ones become problems (``on_error=raise``) or warnings
+    (``skip``) in ``report``, listed one by one, never raised."""
+    from vlrl.train.common import sample_check
+
+    try:
+        with _quiet("vlrl.data.io"):  # its "skipped N records" warning: every record is listed below instead
+            read = read_samples(path, on_error="skip", check=sample_check)
+    except DataError as err:
+        report.problem(field_name, str(err))
+        return []
+    for where, reason in read.skipped[:_SHOWN_RECORDS]:
+        (report.problem if on_error == "raise" else report.warn)(where, reason)
+    if len(read.skipped) > _SHOWN_RECORDS:
+        more = f"{len(read.skipped) - _SHOWN_RECORDS} more bad record(s) in {path}"
+        (report.problem if on_error == "raise" else report.warn)(field_name, more)
+    if not read.samples:
+        report.problem(field_name, f"{path}: no usable samples")
+    return read.samples
 
 
 @contextmanager
@@ -250,15 +309,17 @@ def _check_sft_responses(report: CheckReport, train: list[Sample], sft) -> None:
 
 
 def _pick(samples: list[Sample], per_task: int) -> list[Sample]:
-    """The first ``per_task`` samples of every task, plus the two longest prompts (most images, longest text)."""
+    """The first ``per_task`` samples of every task, plus the longest prompts: the two with the most images
+    (then the longest text), and the two with the longest text."""
     taken: dict[str, int] = defaultdict(int)
     picks: dict[str, Sample] = {}
     for s in samples:
         if taken[s.task] < per_task:
             taken[s.task] += 1
             picks[s.id] = s
-    for s in sorted(samples, key=lambda s: (s.num_image_parts(), len(s.prompt_text())), reverse=True)[:2]:
-        picks.setdefault(s.id, s)
+    for key in ((lambda s: (s.num_image_parts(), len(s.prompt_text()))), (lambda s: len(s.prompt_text()))):
+        for s in sorted(samples, key=key, reverse=True)[:2]:
+            picks.setdefault(s.id, s)
     return list(picks.values())
 
 
@@ -293,8 +354,9 @@ def _load_processor(report: CheckReport, model) -> _Processor | None:
         set_pixel_bounds(policy.image_processor, model.min_pixels, model.max_pixels)
         return _Processor(policy.model.config, policy.tokenizer, policy.adapter, f"preset {name}")
     local = Path(path)
-    if local.exists() and not (local / "config.json").is_file():
-        report.problem("model.path", f"{path}: not a model directory (no config.json)")
+    problem = model_path_problem(path)
+    if problem:
+        report.problem("model.path", problem)
         return None
     try:
         from transformers import AutoConfig, AutoTokenizer
@@ -307,9 +369,31 @@ def _load_processor(report: CheckReport, model) -> _Processor | None:
         set_pixel_bounds(image_processor, model.min_pixels, model.max_pixels)
         adapter = adapter_for(config, tokenizer, image_processor)
     except Exception as err:  # OSError (missing files, no hub), ValueError (unsupported family), ...
-        report.problem("model.path", f"cannot load the config/tokenizer/processor of {path!r}: {_first_line(err)}")
+        where = "" if local.exists() else f"no such directory, not a preset ({', '.join(PRESETS)}), and as a hub id: "
+        report.problem("model.path", f"cannot load the config/tokenizer/processor of {path!r}: {where}{_first_line(err)}")
         return None
     return _Processor(config, tokenizer, adapter, str(path))
+
+
+def model_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot name a model, before anything is read: a directory without ``config.json``, or a path
+    that exists nowhere and cannot be a preset or a hub id (``org/name``); None otherwise."""
+    from vlrl.models import PRESETS
+
+    local = Path(path)
+    if path.removeprefix("preset:") in PRESETS and not local.exists():
+        return None
+    if local.exists() and not (local / "config.json").is_file():
+        return f"{path}: not a model directory (no config.json)"
+    if not local.exists() and not looks_like_hub_id(path):
+        return f"{path}: no such directory (and not a preset: {', '.join(PRESETS)})"
+    return None
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """``name`` or ``org/name`` (what the hub accepts); a path with more parts, or starting with ``.``, ``/`` or
+    ``~``, is a local path."""
+    return re.fullmatch(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?", path) is not None
 
 
 def _context_length(config: Any) -> int | None:
@@ -324,21 +408,25 @@ def _first_line(err: Exception) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- samples
-def _check_samples(report: CheckReport, proc: _Processor, picks: dict[str, list[Sample]], sft, rl,
-                   cfg: RunConfig) -> None:
+def _check_samples(report: CheckReport, proc: _Processor, picks: dict[str, list[Sample]], sft,
+                   budgets: list[Budget]) -> None:
     context = _context_length(proc.config)
     longest: dict[str, tuple[int, Sample]] = {}
     longest_sft: tuple[int, Sample] | None = None
     n_images = 0
+    resized: list[tuple[str, tuple[int, int], tuple[int, int]]] = []  # (where, original, what the model sees)
     for split, samples in picks.items():
         for sample in samples:
             where = _where(sample, split)
             try:
-                encoded = proc.adapter.encode_prompt(sample.messages, [load_image(src) for src in sample.images])
+                images = [load_image(src) for src in sample.images]
+                encoded = proc.adapter.encode_prompt(sample.messages, images)
             except Exception as err:
                 report.problem(where, f"cannot encode the prompt for {proc.source}: {err}")
                 continue
             n_images += _check_vision_tokens(report, proc, encoded, where)
+            resized += [(where, image.size, size) for image, size in zip(images, _seen_sizes(proc, encoded), strict=False)
+                        if size is not None and size != image.size]
             length = len(encoded.input_ids)
             if length > longest.get(split, (-1, None))[0]:
                 longest[split] = (length, sample)
@@ -350,20 +438,57 @@ def _check_samples(report: CheckReport, proc: _Processor, picks: dict[str, list[
     report.facts.append(f"model {proc.source}: family {proc.adapter.family}, context {context or '?'} tokens")
     report.facts.append(f"encoded {checked} sample(s) ({n_images} image(s)); longest prompt: "
                         + ", ".join(f"{split} {n} tokens" for split, (n, _) in longest.items()))
+    _warn_resized(report, resized, n_images)
     if context is None:
         report.warn("model.path", "the model config states no max_position_embeddings: context length not checked")
         return
-    budgets = [("train", f"{p}rollout.max_new_tokens", stage.rollout.max_new_tokens) for p, stage in rl]
-    budgets.append(("test", "eval.max_new_tokens", cfg.eval.max_new_tokens))
+    too_long: set[str] = set()
     for split, field_name, new_tokens in budgets:
-        if split in longest and longest[split][0] + new_tokens > context:
-            length, sample = longest[split]
+        if split not in longest or longest[split][0] + new_tokens <= context:
+            continue
+        length, sample = longest[split]
+        if length >= context:  # the prompt alone: no budget fixes it
+            if _where(sample, split) in too_long:
+                continue
+            too_long.add(_where(sample, split))
+            report.problem(_where(sample, split), f"the prompt is {length} tokens, longer than the model context of "
+                           f"{context} tokens (and {field_name} = {new_tokens} more must fit)")
+        else:
             report.problem(field_name, f"a {length}-token prompt ({_where(sample, split)}) + {new_tokens} new tokens "
                            f"= {length + new_tokens} exceeds the model context of {context} tokens")
     if longest_sft is not None and longest_sft[0] > context:
         total, sample = longest_sft
         report.problem(_where(sample, "train"), f"prompt + reference response = {total} tokens exceeds the model "
                        f"context of {context} tokens (SFT)")
+
+
+def _seen_sizes(proc: _Processor, encoded) -> list[tuple[int, int] | None]:
+    """(width, height) of each image as the vision tower receives it, from the processor's output: a patch grid
+    (``image_grid_thw`` × ``patch_size``), or the pixel tensor of a fixed-size processor; None when unknown."""
+    vision = encoded.vision
+    if vision is None:
+        return []
+    grids = getattr(vision, "image_grid_thw", None)
+    patch = getattr(getattr(proc.adapter, "image_processor", None), "patch_size", None)
+    if grids is not None and isinstance(patch, int):
+        return [(int(g[2]) * patch, int(g[1]) * patch) for g in grids]
+    pixels = getattr(vision, "pixel_values", None)
+    if pixels is not None and pixels.dim() == 4:  # (images, channels, height, width)
+        return [(int(pixels.shape[3]), int(pixels.shape[2]))] * int(pixels.shape[0])
+    return []
+
+
+def _warn_resized(report: CheckReport, resized: list, n_images: int) -> None:
+    """One warning: how many of the checked images the processor resizes, from what to what."""
+    if not resized:
+        return
+    pairs = list(dict.fromkeys(f"{a[0]}×{a[1]} → {b[0]}×{b[1]}" for _, a, b in resized))
+    down = any(b[0] * b[1] < a[0] * a[1] for _, a, b in resized)
+    where = "model.max_pixels" if down else "model.min_pixels"
+    example = resized[0][0]
+    report.warn(where, f"{len(resized)} of {n_images} checked image(s) will be resized by the image processor before "
+                f"the model sees them: {', '.join(pairs[:3])}{' …' if len(pairs) > 3 else ''} (first: {example}); "
+                f"{'raise model.max_pixels to keep more detail' if down else 'set model.min_pixels / model.max_pixels to change it'}")
 
 
 def _check_vision_tokens(report: CheckReport, proc: _Processor, encoded, where: str) -> int:

@@ -25,8 +25,13 @@ RESUME = typer.Option(None, "--resume", help="auto: continue from the latest com
                       "(fresh start if none); or a checkpoint directory. Sets checkpoint.resume.")
 
 
-def _extra(data: str | None, resume: str | None) -> list[str]:
-    return [*([f"data.train={data}"] if data else []), *([f"checkpoint.resume={resume}"] if resume else [])]
+TEST = typer.Option(None, "--test", help="Held-out samples file/dir (sets data.test). Without it, a seeded "
+                    "data.test_fraction of --data is held out (never the procedural suite).")
+
+
+def _extra(data: str | None, resume: str | None, test: str | None = None) -> list[str]:
+    return [*([f"data.train={data}"] if data else []), *([f"data.test={test}"] if test else []),
+            *([f"checkpoint.resume={resume}"] if resume else [])]
 
 
 def _load(cls, config: Path | None, overrides: list[str] | None, extra: list[str]):
@@ -37,16 +42,31 @@ def _load(cls, config: Path | None, overrides: list[str] | None, extra: list[str
         raise typer.Exit(2) from None
 
 
-def _run(recipe, cfg) -> None:
-    """Run a recipe; a failed preflight check exits 1 with its list of problems (nothing was loaded)."""
-    from vlrl.check import PreflightError
+def _run(command: str, recipe, cfg) -> None:
+    """Run a recipe. What the user can fix ends the command with its message and exit 1, without a traceback:
+    a failed preflight check (every problem in one list; nothing was loaded), or a data file / name / plan
+    that fails once the run is under way (then the preflight lists every problem it can find)."""
+    from vlrl.check import PreflightError, preflight
+    from vlrl.data import DataError
+    from vlrl.data.packing import PackingError
+    from vlrl.registry import RegistryError
 
     try:
         recipe(cfg)
     except PreflightError as err:
-        typer.secho(f"vlrl: the preflight check failed for {cfg.out}:\n{err}", fg="red", err=True)
-        typer.secho("(`vlrl check` runs the same check alone; check.enabled=false skips it)", err=True)
+        _preflight_failed(command, str(cfg.out), err.report)
+    except (DataError, RegistryError, PackingError, FileNotFoundError) as err:
+        report = preflight(cfg) if cfg.check.enabled else None  # every bad record, not only the first
+        if report is not None and not report.ok:
+            _preflight_failed(command, str(cfg.out), report)
+        typer.secho(f"vlrl {command}: {err}", fg="red", err=True)
         raise typer.Exit(1) from None
+
+
+def _preflight_failed(command: str, what: str, report) -> None:
+    typer.secho(f"vlrl {command}: the preflight check failed for {what}:\n{report.format()}", fg="red", err=True)
+    typer.secho("(`vlrl check` runs the same check alone; check.enabled=false skips it)", err=True)
+    raise typer.Exit(1)
 
 
 @app.command()
@@ -60,13 +80,14 @@ def demo(
 
     default = Path(__file__).parent / "configs" / "demo.yaml"
     cfg = _load(DemoConfig, config or default, overrides, [f"out={out or 'runs/demo'}"])
-    _run(run_demo, cfg)
+    _run("demo", run_demo, cfg)
 
 
 @app.command()
 def sft(
     config: Path | None = CONFIG,
     data: str | None = typer.Option(None, "--data", help="Training samples file/dir (sets data.train)."),
+    test: str | None = TEST,
     stages: str | None = typer.Option(None, "--stages", help="Run only these stages of a staged config, e.g. "
                                       "midtrain,instruct (set model.path to the previous stage's checkpoint)."),
     resume: str | None = RESUME,
@@ -76,7 +97,7 @@ def sft(
     process, or every rank under torchrun)."""
     from vlrl.train.recipes import run_sft
 
-    cfg = _load(SFTConfig, config, overrides, _extra(data, resume))
+    cfg = _load(SFTConfig, config, overrides, _extra(data, resume, test))
     if stages is not None:
         wanted = [s.strip() for s in stages.split(",") if s.strip()]
         known = [s.name for s in cfg.stages]
@@ -86,20 +107,21 @@ def sft(
                         fg="red", err=True)
             raise typer.Exit(2)
         cfg.stages = [s for s in cfg.stages if s.name in wanted]
-    _run(run_sft, cfg)
+    _run("sft", run_sft, cfg)
 
 
 @app.command()
 def rl(
     config: Path | None = CONFIG,
     data: str | None = typer.Option(None, "--data", help="Training prompts file/dir (sets data.train)."),
+    test: str | None = TEST,
     resume: str | None = RESUME,
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
     """GRPO-family RL with verifiable rewards (synchronous, or asynchronous with rollout.mode=async)."""
     from vlrl.train.recipes import run_rl
 
-    _run(run_rl, _load(RLConfig, config, overrides, _extra(data, resume)))
+    _run("rl", run_rl, _load(RLConfig, config, overrides, _extra(data, resume, test)))
 
 
 @app.command()
@@ -113,7 +135,19 @@ def serve(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", "--device", help="Torch device, e.g. cpu or cuda."),
     max_batch_size: int = typer.Option(256, "--max-batch-size", help="Sequences decoded at once."),
-    max_queued_requests: int = typer.Option(1024, "--max-queued-requests", help="Queue bound; further requests get 503."),
+    max_queued_requests: int = typer.Option(1024, "--max-queued-requests",
+                                            help="Queue bound in samples (prompts × n); further requests get 503."),
+    max_new_tokens: int = typer.Option(4096, "--max-new-tokens", help="Largest sampling_params.max_new_tokens accepted."),
+    max_tokens_in_flight: int = typer.Option(1 << 20, "--max-tokens-in-flight",
+                                             help="Budget of Σ samples × (prompt + max_new_tokens) queued or decoding."),
+    max_body_mb: float = typer.Option(32.0, "--max-body-mb", help="Largest request body (413 beyond; chunked too)."),
+    max_image_pixels: int = typer.Option(16 << 20, "--max-image-pixels", help="Largest image (pixels, from its header)."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout",
+                                          help="Seconds after which a request is aborted at the next decode step."),
+    image_root: list[str] | None = typer.Option(None, "--image-root", help="Directory whose files image_data may "
+                                                "name by path (repeatable; default: no server paths)."),
+    drain_seconds: float = typer.Option(30.0, "--drain-seconds",
+                                        help="On SIGTERM, requests in flight get this long; the rest are aborted."),
     batch_window_ms: float = typer.Option(10.0, "--batch-window-ms",
                                           help="Wait while requests keep arriving at most this far apart before decoding."),
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
@@ -122,15 +156,24 @@ def serve(
     """Serve a policy over SGLang's native HTTP API (/generate, /update_weights_from_disk, /health, /get_model_info)."""
     import torch
 
+    from vlrl.check import model_path_problem
+    from vlrl.rollout.server import ServeLimits
     from vlrl.rollout.server import serve as run_server
 
+    if model_path_problem(model):
+        typer.secho(f"vlrl serve: --model {model_path_problem(model)}", fg="red", err=True)
+        raise typer.Exit(2)
     if threads:
         torch.set_num_threads(threads)
     try:
+        limits = ServeLimits(max_new_tokens=max_new_tokens, max_body_bytes=int(max_body_mb * (1 << 20)),
+                             max_image_pixels=max_image_pixels, request_timeout=request_timeout,
+                             image_roots=tuple(image_root or ()), drain_seconds=drain_seconds)
         run_server(model, host=host, port=port, api_key=api_key, no_auth=no_auth, dtype=dtype, device=device,
                    max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
-                   batch_window_ms=batch_window_ms, init_seed=init_seed)
-    except ValueError as err:
+                   batch_window_ms=batch_window_ms, init_seed=init_seed, max_tokens_in_flight=max_tokens_in_flight,
+                   limits=limits)
+    except (ValueError, OSError) as err:  # OSError: a model that cannot be read (no hub, missing files)
         typer.secho(f"vlrl serve: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
 
@@ -138,32 +181,123 @@ def serve(
 @app.command("eval")
 def eval_(
     model: str = typer.Option(..., "--model", help="Model directory, preset name or hub id."),
-    data: str | None = typer.Option(None, "--data", help="Held-out samples file/dir; default: procedural shapes test split."),
-    samples: int = typer.Option(4, "--samples", help="Samples per prompt for sampled accuracy and pass@k."),
-    temperature: float = typer.Option(1.0, "--temperature"),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
-    n: int = typer.Option(200, "--n", help="Procedural test samples when --data is not given."),
+    data: str | None = typer.Option(None, "--data", help="Held-out samples file/dir. Default: the held-out split of "
+                                    "the run the checkpoint belongs to (RUN/config.yaml beside RUN/checkpoints/), "
+                                    "else --n procedural shapes test prompts."),
+    samples: int | None = typer.Option(None, "--samples", help="Samples per prompt for sampled accuracy and pass@k "
+                                       "(default: the run's eval.samples, else 4)."),
+    temperature: float | None = typer.Option(None, "--temperature", help="Sampling temperature (default: the run's "
+                                             "eval.temperature, else 1.0)."),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="Generation budget (default: the run's "
+                                              "eval.max_new_tokens, else 16)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampled responses: the same seed gives the same numbers."),
+    n: int = typer.Option(200, "--n", help="Procedural test samples when there is neither --data nor a run config."),
     out: Path | None = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
-    """Greedy accuracy, sampled accuracy and pass@k per task on held-out data."""
-    from vlrl.config import DataConfig
+    """Greedy accuracy, sampled accuracy and pass@k per task on held-out data (preflight-checked first)."""
+    from vlrl.config import DataConfig, ModelConfig, RunConfig
     from vlrl.eval import evaluate
     from vlrl.models import load_policy
     from vlrl.rollout import HFEngine
-    from vlrl.train.common import load_split
+    from vlrl.train.common import seed_everything
 
+    run = _run_config_of(model)
+    given = {"samples": samples, "temperature": temperature, "max_new_tokens": max_new_tokens}
+    settings = (run.eval if run is not None else EvalConfig()).model_copy(
+        update={k: v for k, v in given.items() if v is not None})
+    bounds = {"min_pixels": run.model.min_pixels, "max_pixels": run.model.max_pixels} if run is not None else {}
+    cfg = RunConfig(model=ModelConfig(path=model, **bounds), eval=settings,
+                    data=DataConfig(test=data, n_test=n) if data or run is None else run.data)
+    budget = "--max-new-tokens" if max_new_tokens is not None else "eval.max_new_tokens"
+    typer.echo(_eval_source(model, data, run, cfg, settings), err=True)
+    test = _checked_test_split("eval", cfg, data, budget)
     progress = _progress()
+    seed_everything(seed)
     with progress.task(f"load {model}"):
-        policy = load_policy(model)
-    test = load_split(DataConfig(test=data, n_test=n), "test")
-    with progress.task(f"eval {len(test)} prompts × {samples}"):
-        result = evaluate(HFEngine(policy), test,
-                          EvalConfig(samples=samples, temperature=temperature, max_new_tokens=max_new_tokens))
+        policy = load_policy(model, **bounds)
+    with progress.task(f"eval {len(test)} prompts × {settings.samples}"):
+        result = evaluate(HFEngine(policy, max_batch_size=settings.max_batch_size), test, settings)
     result.pop("examples")
+    result["settings"] = {**settings.model_dump(), "seed": seed}
     text = json.dumps(result, indent=2)
     if out:
         out.write_text(text + "\n")
     typer.echo(text)
+
+
+def _run_config_of(model: str):
+    """The model, data and eval sections of the run a checkpoint belongs to (``RUN/checkpoints/<name>[/…]`` with
+    ``RUN/config.yaml``), as a `RunConfig`; None for any other model. Only these sections are read, so a staged
+    or demo run's config serves as well; its paths are absolute (relative ones, from older runs, are taken from
+    the current directory, where that run was started)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from vlrl.config import DataConfig, ModelConfig, RunConfig
+
+    path = Path(model)
+    for parent in list(path.parents)[:3]:
+        config = parent.parent / "config.yaml"
+        if parent.name != "checkpoints" or not config.is_file():
+            continue
+        try:
+            raw = yaml.safe_load(config.read_text()) or {}
+            return RunConfig(model=ModelConfig.model_validate(raw.get("model", {})),
+                             data=DataConfig.model_validate(raw.get("data", {})),
+                             eval=EvalConfig.model_validate(raw.get("eval", {})))
+        except (yaml.YAMLError, ValidationError, AttributeError) as err:
+            typer.secho(f"vlrl eval: {config} (the run's config) does not load ({_first_line(err)}); "
+                        "give --data and the eval options", fg="red", err=True)
+            raise typer.Exit(2) from None
+    return None
+
+
+def _first_line(err: Exception) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _eval_source(model: str, data: str | None, run, cfg, settings: EvalConfig) -> str:
+    """One line on stderr: which prompts are evaluated, with which settings, and where they come from."""
+    d = cfg.data
+    if data:
+        what = f"held-out samples of {data}"
+    elif run is None:
+        what = f"{d.n_test} procedural {d.suite} test prompts (no --data, and {model} is not a run's checkpoint)"
+    elif d.test is not None:
+        what = f"the run's held-out file {d.test}"
+    elif d.train is not None:
+        what = (f"the run's held-out split of {d.train} (data.test_fraction {d.test_fraction:g}, seed {d.seed}: the "
+                "samples its training never saw)")
+    else:
+        what = f"the run's {d.n_test} procedural {d.suite} test prompts (tasks {', '.join(d.tasks)})"
+    origin = "the run's config.yaml" if run is not None else "defaults"
+    return (f"vlrl eval: {what}; samples {settings.samples}, temperature {settings.temperature:g}, max_new_tokens "
+            f"{settings.max_new_tokens} (options, else {origin})")
+
+
+def _checked_test_split(command: str, cfg, data: str | None, budget: str) -> list:
+    """The test samples of ``cfg``, after the preflight check (model, every record, prompt + budget within the
+    context); a failed check ends the command with its list of problems."""
+    from vlrl.check import CheckReport, preflight, read_data
+    from vlrl.data import DataError
+    from vlrl.train.common import load_splits
+
+    report = CheckReport()
+    if data:
+        test = read_data(report, "--data", data, "raise")
+    else:
+        try:
+            test = load_splits(cfg.data)[1]
+        except DataError:
+            report = preflight(cfg)  # lists every bad record and the reason nothing can be held out
+            _preflight_failed(command, cfg.model.path, report)
+    report = preflight(cfg, splits={"test": test}, budgets=[("test", budget, cfg.eval.max_new_tokens)], report=report)
+    if not report.ok:
+        _preflight_failed(command, cfg.model.path, report)
+    for warning in report.warnings:
+        typer.secho(f"warning: {warning}", fg="yellow", err=True)
+    return test
 
 
 @app.command()
@@ -192,6 +326,7 @@ def check(
     overrides: list[str] | None = OVERRIDES,
     recipe: str = typer.Option("auto", "--recipe", help="auto (from the file's sections), sft, rl or demo."),
     data: str | None = typer.Option(None, "--data", help="Training samples file/dir (sets data.train)."),
+    test: str | None = TEST,
 ) -> None:
     """Preflight: processor, vision tokens, context length, batch sizes, names and data files — no weights loaded."""
     import yaml
@@ -209,7 +344,7 @@ def check(
         raise typer.Exit(2)
     typer.echo(f"vlrl check {config} (as a `vlrl {recipe}` config)")
     try:
-        cfg = load_config(RECIPES[recipe], config, [*([f"data.train={data}"] if data else []), *(overrides or [])])
+        cfg = load_config(RECIPES[recipe], config, [*_extra(data, None, test), *(overrides or [])])
     except ConfigError as err:
         typer.secho("\n".join(f"  ✗ {line}" for line in str(err).splitlines()), fg="red")
         typer.secho("preflight: the config does not load", fg="red")
@@ -268,7 +403,7 @@ def plan(
     """Estimate per-device memory and step time of every placement (colocated/separate, FSDP/DDP); rank the feasible ones."""
     import yaml
 
-    from vlrl.check import detect_recipe
+    from vlrl.check import detect_recipe, model_path_problem
     from vlrl.train import planner
 
     if recipe == "auto":
@@ -278,7 +413,14 @@ def plan(
         typer.secho(f"vlrl plan: plans sft and rl runs (got recipe {recipe!r}; pass --recipe)", fg="red", err=True)
         raise typer.Exit(2)
     cfg = _load(RECIPES[recipe], config, overrides, [])
-    model, adapter = planner.meta_model(cfg.model.path, init_seed=cfg.model.init_seed)
+    try:
+        problem = model_path_problem(cfg.model.path)
+        if problem:
+            raise FileNotFoundError(problem)
+        model, adapter = planner.meta_model(cfg.model.path, init_seed=cfg.model.init_seed)
+    except (OSError, ValueError) as err:  # a missing directory, no hub, an unsupported family
+        typer.secho(f"vlrl plan: model.path: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
     shape, work = planner.model_shape(model), planner.workload(cfg, adapter)
     device = planner.Device(gpus, gpu_mem, tflops=tflops, bandwidth_gbs=bandwidth, link_gbs=link, mfu=mfu)
     typer.echo(planner.format_plans(planner.plan_placements(shape, work, device), device, work, shape))
@@ -435,16 +577,28 @@ def data_select(
     on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them."),
 ) -> None:
     """Discrepancy-driven selection: N rollouts per prompt, pass@1 / pass@k / mean reward, keep the band."""
-    from vlrl.data import DataError, read_samples, write_samples
+    from vlrl.check import CheckReport, preflight, read_data
+    from vlrl.config import DataConfig, ModelConfig, RunConfig
+    from vlrl.data import DataError, write_samples
     from vlrl.data.select import Band, RolloutStore, rollout_and_score, select, summarise
     from vlrl.models import load_policy
     from vlrl.rollout import HFEngine, SamplingParams
-    from vlrl.train.common import reward_names_check, seed_everything
+    from vlrl.train.common import seed_everything
 
+    if on_error not in ("raise", "skip"):
+        typer.secho("vlrl data select: --on-error is raise or skip", fg="red", err=True)
+        raise typer.Exit(2)
+    report = CheckReport()  # the preflight: every record, the model, prompt + --max-new-tokens within the context
+    samples = read_data(report, "--data", data, on_error)
+    report = preflight(RunConfig(model=ModelConfig(path=model), data=DataConfig(on_error=on_error)),
+                       splits={"train": samples}, budgets=[("train", "--max-new-tokens", max_new_tokens)], report=report)
+    if not report.ok:
+        _preflight_failed("data select", str(data), report)
+    for warning in report.warnings:
+        typer.secho(f"warning: {warning}", fg="yellow", err=True)
     progress = _progress()
     engine = None
     try:
-        samples = read_samples(data, on_error=on_error, check=reward_names_check).samples
         band = Band(min_mean_reward=min_mean_reward, max_mean_reward=max_mean_reward, min_gap=min_gap, k=k or n)
         rollout_store = RolloutStore(store or out / "rollouts.jsonl")
         seed_everything(seed)

@@ -11,7 +11,7 @@ their stage sections; `DemoConfig` holds both stages under ``sft`` and ``rl``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -44,7 +44,10 @@ class ModelConfig(Section):
     path: str = Field(
         "tiny-qwen2-vl",
         description="Policy to start from: a tiny preset (tiny-qwen2-vl, tiny-qwen2-vl-20m, tiny-qwen2.5-vl, "
-        "tiny-qwen2), a local directory in the transformers layout, or a hub id.",
+        "tiny-qwen2), a local directory in the transformers layout, or a hub id. A relative directory in a config "
+        "file is found beside that file (or in the current directory); one given on the command line, in the "
+        "current directory.",
+        json_schema_extra={"path": "model"},
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype. bfloat16 on GPUs; float32 on CPU."
@@ -69,10 +72,22 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     train: str | None = Field(
-        None, description="Training samples: a .jsonl/.parquet file or a directory of them. "
-        "Unset: generate `n_train` samples of the procedural `suite`."
+        None, description="Training samples: a .jsonl/.parquet file or a directory of them (relative paths in a "
+        "config file: from that file's directory; on the command line: from the current directory). "
+        "Unset: generate `n_train` samples of the procedural `suite`.",
+        json_schema_extra={"path": "file"},
     )
-    test: str | None = Field(None, description="Held-out samples (same formats). Unset: generate `n_test` of `suite`.")
+    test: str | None = Field(
+        None, description="Held-out samples (same formats and path rules). Unset with `train` set: a seeded "
+        "`test_fraction` of `train` is held out (never the procedural suite). Unset with `train` unset: generate "
+        "`n_test` samples of `suite`.",
+        json_schema_extra={"path": "file"},
+    )
+    test_fraction: float = Field(
+        0.1, ge=0, lt=1, description="With `train` set and `test` unset: the share of `train` held out for evaluation "
+        "(seeded by `seed`, chosen by sample id, so `vlrl sft` and `vlrl rl` on the same file hold out the same "
+        "samples), at least 1 and at most `n_test` samples; the rest is trained on. 0: refuse to run without `test`.",
+    )
     suite: str = Field("shapes", description="Procedural task suite used when train/test are unset: shapes, arith or embodied.")
     tasks: list[str] = Field(
         default_factory=lambda: ["count", "color"],
@@ -82,8 +97,13 @@ class DataConfig(Section):
         default_factory=dict, description="Extra options of the suite generator, e.g. {template: think, max_shapes: 4}."
     )
     n_train: int = Field(2000, ge=1, description="Number of procedural training samples.")
-    n_test: int = Field(200, ge=1, description="Number of procedural held-out samples.")
-    seed: int = Field(0, description="Seed of the procedural data (train and test use separate streams).")
+    n_test: int = Field(
+        200, ge=1, description="Number of procedural held-out samples; also the most samples held out of `train` "
+        "(see `test_fraction`).",
+    )
+    seed: int = Field(
+        0, description="Seed of the procedural data (train and test use separate streams) and of the held-out split of `train`."
+    )
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="Bad records in data files: 'raise' stops with file:line; 'skip' skips and counts them."
     )
@@ -91,6 +111,7 @@ class DataConfig(Section):
         None, description="SFT: a packing plan written by `vlrl data pack` for `train` (.npz + .json sidecar). "
         "Training then reads packed sequences from the plan (no packing at run time) and train.batch_size / "
         "train.micro_batch_size count packed sequences instead of samples.",
+        json_schema_extra={"path": "file"},
     )
 
 
@@ -627,25 +648,50 @@ class DemoConfig(RunConfig):
 
 
 # ----------------------------------------------------------------------------------------------- loading
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place."""
+def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[BaseModel] | None = None,
+                    base: Path | None = None) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place; a number indexes a
+    list already there (``stages.0.train.steps=10``). Given the config class and a ``base`` directory, input
+    paths among the values are resolved against it (`resolve_paths`)."""
     for item in overrides:
-        key, sep, value = item.partition("=")
+        key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.clip_high=0.28")
-        node = raw
         parts = key.strip().split(".")
+        value = yaml.safe_load(text) if text.strip() else ""
+        if cls is not None and base is not None:  # resolve the value where it sits in a config of its own
+            alone: dict[str, Any] = {}
+            node = alone
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = value
+            resolve_paths(cls, alone, base)
+            value = node[parts[-1]]
+        node = raw
         for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
+            if isinstance(node, list):  # stages.1.train.steps: an index into a list of sections
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"override {item!r}: {part!r} is not an index of the {len(node)} item(s) there")
+                child = node[int(part)]
+            else:
+                child = node.setdefault(part, {})
+            if not isinstance(child, (dict, list)):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+        if isinstance(node, list):
+            raise ConfigError(f"override {item!r}: {parts[-1]!r} would replace one item of a list; set a field inside it")
+        node[parts[-1]] = value
     return raw
 
 
 def load_config(cls: type[Section], path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
-    """Read YAML (optional), apply dotted overrides, validate into ``cls``."""
+    """Read YAML (optional), apply dotted overrides, validate into ``cls``.
+
+    Input paths (the fields marked ``json_schema_extra={"path": ...}``: data files, packing plans, model
+    directories) are made absolute: a relative one written in the YAML file is taken from the file's own
+    directory, one given as an override (or ``--data`` / ``--test``) from the current directory. Output
+    locations (``out``, ``rollout.weights_dir``) stay as written, relative to the current directory.
+    """
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -657,11 +703,56 @@ def load_config(cls: type[Section], path: str | Path | None = None, overrides: l
             raise ConfigError(f"{path}: invalid YAML ({err})") from err
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    apply_overrides(raw, overrides or [])
+        resolve_paths(cls, raw, path.resolve().parent)
+    apply_overrides(raw, overrides or [], cls=cls, base=Path.cwd())
     try:
         return cls.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_explain(err, path)) from None
+
+
+def _sections(annotation: Any) -> list[type[BaseModel]]:
+    """The config classes inside a field's annotation (``DataConfig | None``, ``list[SFTStageSpec]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [cls for arg in get_args(annotation) for cls in _sections(arg)]
+
+
+def _path_fields(cls: type[BaseModel], node: Any):
+    """(dict holding the field, key, kind) of every input-path field set in the raw config dict ``node``."""
+    if not isinstance(node, dict):
+        return
+    for name, field in cls.model_fields.items():
+        if name not in node:
+            continue
+        extra = field.json_schema_extra
+        kind = extra.get("path") if isinstance(extra, dict) else None
+        if kind is not None:
+            if isinstance(node[name], str):
+                yield node, name, kind
+            continue
+        children = node[name] if isinstance(node[name], list) else [node[name]]
+        if isinstance(node[name], dict) and node[name] and all(str(k).isdigit() for k in node[name]):
+            children = list(node[name].values())  # an override into a list item: {"0": {...}}
+        for section in _sections(field.annotation):
+            for child in children:
+                yield from _path_fields(section, child)
+
+
+def resolve_paths(cls: type[BaseModel], raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Make the input paths of a raw config dict absolute against ``base``, in place.
+
+    A data file or packing plan (kind ``file``) is always a path. A ``model.path`` (kind ``model``) may also
+    be a preset name or a hub id (``Qwen/Qwen2-VL-2B-Instruct``), so a relative one is resolved only when it
+    exists under ``base`` or is written as a path (``./…``, ``../…``); otherwise it is left as written."""
+    for node, key, kind in _path_fields(cls, raw):
+        value = node[key]
+        if value.startswith("~"):
+            node[key] = str(Path(value).expanduser())
+        elif value and not Path(value).is_absolute() and \
+                (kind == "file" or (base / value).exists() or value.startswith(("./", "../"))):
+            node[key] = str((base / value).resolve())
+    return raw
 
 
 def _explain(err: ValidationError, path: Path | None) -> str:

@@ -1,7 +1,14 @@
 import pytest
 from PIL import Image
 
-from vlrl.data.sample import Sample, SampleError, load_image, messages_from_prompt, sample_from_json
+from vlrl.data.sample import (
+    Sample,
+    SampleError,
+    image_size,
+    load_image,
+    messages_from_prompt,
+    sample_from_json,
+)
 
 
 def test_prompt_shorthand_becomes_image_parts():
@@ -39,6 +46,39 @@ def test_load_image_reports_missing_and_corrupt(tmp_path):
     with pytest.raises(SampleError, match="cannot decode"):
         load_image(str(bad))
     assert load_image(Image.new("L", (4, 4))).mode == "RGB"
+
+
+@pytest.mark.parametrize("fmt", ["EPS", "PPM", "TIFF", "ICO"])
+def test_only_allow_listed_image_formats_are_decoded(tmp_path, fmt):
+    """PNG, JPEG, WEBP, BMP, GIF load; any other format Pillow knows is refused by name before decoding, from a
+    data file's path, bytes or a data URL alike (issue 22: EPS, which Pillow decodes with Ghostscript, was read)."""
+    import base64
+    import io
+
+    for ok in ("PNG", "JPEG", "WEBP", "BMP", "GIF"):
+        buffer = io.BytesIO()
+        Image.new("RGB", (8, 6)).save(buffer, format=ok)
+        assert load_image(buffer.getvalue()).size == (8, 6) and image_size(buffer.getvalue()) == (8, 6)
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buffer, format=fmt)
+    path = tmp_path / f"image.{fmt.lower()}"
+    path.write_bytes(buffer.getvalue())
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    for source in (str(path), buffer.getvalue(), url):
+        with pytest.raises(SampleError, match=f"format {fmt} is not accepted"):
+            load_image(source)
+        with pytest.raises(SampleError, match=f"format {fmt} is not accepted"):
+            image_size(source)
+
+
+def test_max_pixels_refuses_from_the_header():
+    import io
+
+    buffer = io.BytesIO()
+    Image.new("L", (300, 200)).save(buffer, format="PNG")
+    assert load_image(buffer.getvalue(), max_pixels=60_000).size == (300, 200)
+    with pytest.raises(SampleError, match="300x200 has more than 59999 pixels"):
+        load_image(buffer.getvalue(), max_pixels=59_999)
 
 
 def test_validate_rejects_bad_role():

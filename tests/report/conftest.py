@@ -7,11 +7,14 @@ import yaml
 from PIL import Image
 
 
-def write_run(root, *, name="run", lr=5e-4, reward=lambda step: 0.1 * step, extra_groups=True, bad_line=False):
-    """A run dir with sft + rl stages, two evals, a custom metric group, samples with an image."""
+def write_run(root, *, name="run", lr=5e-4, reward=lambda step: 0.1 * step, extra_groups=True, bad_line=False,
+              config=None, metrics=None):
+    """A run dir with sft + rl stages, two evals, a custom metric group, samples with an image. ``config``:
+    sections merged into its config.yaml; ``metrics``: ``step → {name: value}`` added to each RL record."""
     run = root / name
     (run / "samples").mkdir(parents=True)
-    config = {"model": {"path": "tiny-qwen2-vl"}, "rollout": {"n": 4}, "optim": {"lr": lr}, "out": str(run)}
+    config = {"model": {"path": "tiny-qwen2-vl"}, "rollout": {"n": 4}, "optim": {"lr": lr}, "out": str(run),
+              **(config or {})}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     lines = [{"stage": "eval/initial", "step": 0, "time": 1.0, "accuracy/mean": 0.25, "accuracy/shapes/count": 0.25,
               "greedy/mean": 0.5, "greedy/shapes/count": 0.5, "pass@4/mean": 0.5, "pass@4/shapes/count": 0.5}]
@@ -23,6 +26,7 @@ def write_run(root, *, name="run", lr=5e-4, reward=lambda step: 0.1 * step, extr
                   "rollout/unique_frac": 1.0, "perf/step_seconds": 0.5}
         if extra_groups:
             record["zzz/custom_thing"] = float(step)  # a group the report has never heard of
+        record.update(metrics(step) if metrics else {})
         if step == 3:
             record["policy/entropy"] = "nan"  # how MetricsLogger writes a NaN
         lines.append(record)

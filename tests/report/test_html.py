@@ -4,6 +4,7 @@ from a real tiny `vlrl demo` run (a rendering check: every image decodes, nothin
 import base64
 import io
 import json
+import re
 
 import pytest
 from PIL import Image
@@ -80,6 +81,53 @@ def test_same_directory_names_get_distinct_labels(make_run, parse, tmp_path):
     assert config_differences([load_run(a), load_run(b)]) == []
 
 
+SYNC_ONE_UPDATE = {"rollout": {"n": 4, "mode": "sync"}, "algo": {"kl_coef": 0.0},
+                   "train": {"minibatches": 1, "ppo_epochs": 1, "skip_zero_advantage": False}}
+
+
+def _constant_metrics(step):
+    return {"policy/clip_low": 0.0, "policy/approx_kl_old": 0.0, "policy/behaviour_weight_mean": 1.0,
+            "policy/skipped_rows_frac": 0.0, "policy/kl_ref": 0.0}
+
+
+def test_metrics_constant_by_construction_are_listed_not_charted(make_run, parse):
+    """Hidden only when the data AND the config say so: the same constant values under a config that lets them
+    move (2 minibatches, async, kl_coef > 0, skip_zero_advantage) stay charted, and so do values that move."""
+    html = build_report([make_run(config=SYNC_ONE_UPDATE, metrics=_constant_metrics)])
+    page = parse(html)
+    # the fixture also logs policy/clip_high = 0.01 at every step: constant, and covered by the same rule
+    assert set(re.findall(r'data-series="([^"]+)"', html)) == {f"rl · {name}" for name in
+                                                                [*_constant_metrics(1), "policy/clip_high"]}
+    titles = {f["data-title"] for f in page.figures_in("dynamics")}
+    assert not {"KL", "Staleness / behaviour weights", "Clip fractions"} & titles
+    assert {"Entropy", "Reward (per task)"} <= titles  # the metrics that move are all still there
+    assert "algo.kl_coef = 0" in page.text and "rollout.mode = sync" in page.text
+
+    moving = {"rollout": {"n": 4, "mode": "async"}, "algo": {"kl_coef": 0.01},
+              "train": {"minibatches": 2, "ppo_epochs": 1, "skip_zero_advantage": True}}
+    page = parse(build_report([make_run(name="moving", config=moving, metrics=_constant_metrics)]))
+    assert "Not charted" not in page.text
+    for name in _constant_metrics(1):
+        page.figure(name, "metrics")
+    varying = lambda step: {"policy/clip_low": 0.01 * step, "policy/behaviour_weight_mean": 1.0 + 1e-7 * step}  # noqa: E731
+    page = parse(build_report([make_run(name="varying", config=SYNC_ONE_UPDATE, metrics=varying)]))
+    page.figure("policy/clip_low", "metrics")
+    page.figure("policy/behaviour_weight_mean", "metrics")
+
+
+def test_run_cards_wrap_long_model_paths(make_run, parse, tmp_path):
+    """The card shows the whole model path and held-out line (wrapped, never clipped or overflowing)."""
+    long_path = "/data/checkpoints/" + "a-very-long-directory-name-without-spaces" * 4 + "/final"
+    a = make_run(name="a", config={"model": {"path": long_path}})
+    html = build_report([a, make_run(name="b")])
+    assert long_path in html
+    # the value column may shrink below its longest word and wraps it; the label column never wraps (checked by
+    # eye in headless Chromium at 1280 px: before, the path ran out of its card and "held-out acc." broke in two)
+    assert ".card dd { margin: 0; min-width: 0; overflow-wrap: anywhere; }" in html
+    assert "grid-template-columns: auto minmax(0, 1fr)" in html and "white-space: nowrap" in html
+    assert "initial 0.250 / 0.500 → final 0.750 / 1.000" in " ".join(parse(html).text.split())
+
+
 def test_not_a_run_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ReportError, match="no metrics.jsonl"):
         build_report([tmp_path])
@@ -112,8 +160,12 @@ def test_demo_writes_a_report_that_renders(demo_run, parse):
     assert page.sections == ["summary", "dynamics", "eval", "samples", "metrics", "config"]
     dynamics = {f["data-title"]: f for f in page.figures_in("dynamics")}
     for title in ("Reward (per task)", "Entropy", "Generation probability", "Response length", "Truncated responses",
-                  "Clip fractions", "Gradient norm", "Diversity (distinct responses per group)"):
+                  "Gradient norm", "Diversity (distinct responses per group)"):
         assert json.loads(dynamics[title]["data-stages"]) == ["rl"], title  # dynamics: the RL stage only
+    # one optimizer step per RL batch (the demo's minibatches = ppo_epochs = 1): π_θ = π_old, so the clip
+    # fractions and approx_kl_old are 0 at every step by construction — listed, not charted
+    assert "Clip fractions" not in dynamics and "KL" not in dynamics
+    assert 'data-series="rl · policy/clip_low"' in html and 'data-series="rl · policy/approx_kl_old"' in html
     assert json.loads(page.figure("sft/loss")["data-stages"]) == ["sft", "sft_control"]
     accuracy = next(t for t in page.tables if t["kind"] == "accuracy")
     assert [row[0] for row in accuracy["rows"][1:]] == ["base", "sft", "rl", "sft_control"]

@@ -47,3 +47,15 @@ def test_code_assert_and_humaneval_styles():
 def test_code_timeouts_are_reported():
     out = get_reward("code")("```python\nwhile True:\n    pass\n```", TESTS[:1], **FAST)
     assert out.overall == 0.0 and out.parts["timeouts"] == 1.0
+
+
+def test_a_program_imports_only_the_packages_its_sample_allows():
+    from vlrl.rewards.sandbox import isolation
+
+    program = "```python\nimport numpy\nprint(int(numpy.array([1, 2]).sum()))\n```"
+    tests = [{"input": "", "output": "3\n"}]
+    limits = {**FAST, "memory_mb": 2048, "timeout": 4.0, "time_budget": 10.0}
+    allowed = get_reward("code")(program, tests, packages=["numpy"], **limits)
+    assert allowed.overall == 1.0
+    if isolation() != "none":  # (without namespaces the interpreter's site-packages stay visible)
+        assert get_reward("code")(program, tests, **limits).overall == 0.0

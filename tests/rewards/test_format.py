@@ -11,6 +11,8 @@ def test_think_answer_format():
     assert fmt("<think>a</think><think>c</think><answer>b</answer>") == 0.0
     assert fmt("<think>a</think>x<answer>b</answer>") == 0.0  # text between the blocks
     assert fmt("<answer>b</answer><think>a</think>") == 0.0  # wrong order
+    assert fmt("<think>a</think><answer> \n</answer>") == 0.0  # an empty answer is no answer
+    assert fmt("<think></think><answer>b</answer>") == 1.0  # (an empty think block is still a think block)
 
 
 def test_answer_format():
@@ -18,6 +20,9 @@ def test_answer_format():
     assert answer_only("<answer>b</answer><|im_end|>") == 1.0
     assert answer_only("x <answer>b</answer>") == 0.0
     assert answer_only("<answer>b</answer><answer>c</answer>") == 0.0
+    # issue 22: whitespace only earned 1.0
+    for empty in ("<answer> </answer>", "<answer></answer>", "<answer>\n\t </answer><|im_end|>"):
+        assert answer_only(empty) == 0.0, empty
 
 
 def test_cot_format_boxed_fraction_by_hand():

@@ -47,3 +47,23 @@ def test_tower_is_not_evaluated():
     start = time.perf_counter()
     assert math_reward("<answer>10**10**10</answer>", "10**10**10").overall == 1.0  # same text
     assert time.perf_counter() - start < 1.0
+
+
+def test_without_its_extra_the_math_verifier_names_the_install_command(monkeypatch):
+    """Issue 22: a bare ``ModuleNotFoundError: math_verify``. ``sys.modules[name] = None`` makes the module
+    unimportable (find_spec answers None, import raises) as if it were not installed."""
+    import sys
+
+    from vlrl.rewards import MissingDependencyError, deps, missing_dependency
+
+    assert missing_dependency("math") is None and missing_dependency("number") is None
+    monkeypatch.setattr(deps, "_FOUND", set())
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    message = missing_dependency("math")
+    assert message == "the 'math' verifier needs math_verify, which is not installed: pip install 'vlrl[rewards]'"
+    with pytest.raises(MissingDependencyError, match=r"pip install 'vlrl\[rewards\]'"):
+        math_reward("\\boxed{3}", "3")
+    monkeypatch.setitem(sys.modules, "cairosvg", None)
+    assert "pip install 'vlrl[rewards]'" in missing_dependency("svg")
+    with pytest.raises(MissingDependencyError, match="cairosvg"):
+        get_reward("svg")("<svg></svg>", "<svg></svg>")

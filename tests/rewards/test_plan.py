@@ -35,11 +35,22 @@ def test_json_plan_format():
     (STEPS[:2] + [{"action_id": 1, "action_name": "x"}], 0.5),  # n = 2: 2·3 / 12
     ([STEPS[0], STEPS[2], STEPS[1]], 1 / 6),  # n = 1: 1·2 / 12
     ([STEPS[1]] + STEPS, 0.0),  # wrong first step ends the credit
-    (STEPS + STEPS, 1.0),  # the full prefix, plus extra steps
+    (STEPS + STEPS, 2 / 7),  # the full prefix, then 3 wrong steps past the gold's end: K = 6, 3·4 / (6·7)
+    (STEPS + STEPS[:1], 3 / 5),  # one step too many: K = 4, 3·4 / (4·5) = k / (k + 2)
 ])
 def test_plan_prefix_by_hand(predicted, expected):
     out = get_reward("plan_prefix")(_response({**FULL, "executable_plan": predicted}), {"executable_plan": STEPS})
     assert out.overall == pytest.approx(expected)
+
+
+def test_plan_prefix_does_not_pay_for_a_long_plan_behind_a_matching_first_step():
+    """Issue 22: a 4,000-step plan whose first step matches a one-step gold plan scored 1.0. Now K = 4000:
+    R = 1·2 / (4000·4001) = 1.25e-7."""
+    gold = STEPS[:1]
+    long_plan = STEPS[:1] + [STEPS[1]] * 3999
+    out = get_reward("plan_prefix")(_response({**FULL, "executable_plan": long_plan}), gold)
+    assert out.overall == pytest.approx(2 / (4000 * 4001)) and out.parts == {"accuracy": 0.0, "prefix": 1 / 4000}
+    assert get_reward("plan_prefix")(_response({**FULL, "executable_plan": gold}), gold).overall == 1.0
 
 
 def test_plan_prefix_accuracy_and_answer_forms():

@@ -168,7 +168,7 @@ def test_agenerate_calls_made_together_share_one_request_and_giving_up_cancels_i
 
     jobs = []
     real_submit = batcher.submit
-    batcher.submit = lambda requests, sampling: jobs.append(len(requests)) or real_submit(requests, sampling)
+    batcher.submit = lambda requests, sampling, **kw: jobs.append(len(requests)) or real_submit(requests, sampling, **kw)
     groups = asyncio.run(together())
     assert [len(g) for g in groups] == [2, 2, 2] and jobs == [3]  # one job of three prompts
     assert [t.sample.id for g in groups for t in g] == [r.sample.id for r in requests for _ in range(2)]
@@ -197,7 +197,7 @@ def test_a_call_larger_than_a_server_batch_goes_out_as_one_request_per_batch(tin
     batcher = servers[0].batcher
     jobs = []
     real_submit = batcher.submit
-    batcher.submit = lambda requests, sampling: jobs.append(len(requests)) or real_submit(requests, sampling)
+    batcher.submit = lambda requests, sampling, **kw: jobs.append(len(requests)) or real_submit(requests, sampling, **kw)
     requests = _requests(engine, 5)
     trajectories = engine.generate(requests, SamplingParams(n=2, max_new_tokens=2))
     assert sorted(jobs) == [1, 2, 2]

@@ -84,7 +84,7 @@ def test_auth_is_required_except_for_health(served):
     ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "field 'sampling_params.temperature'"),
     ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "field 'sampling_params.n'"),
     ({"input_ids": [1, 10**9]}, "field 'input_ids': token ids must lie in"),
-    ({"input_ids": [1, 2], "image_data": "not-base64!"}, "field 'image_data[0]': neither a file"),
+    ({"input_ids": [1, 2], "image_data": "not-base64!"}, "field 'image_data[0]': neither a data URL nor valid base64"),
     ({"input_ids": [1, 2], "image_data": "https://example.com/a.png"}, "URLs are not fetched"),
     ({"input_ids": [1, 2], "stream": True}, "streaming is not supported"),
     ({"input_ids": [1, 2], "lora_path": "x"}, "field 'lora_path': not supported"),
@@ -114,10 +114,10 @@ class _Gate:
         engine = batcher._active
         original = engine.generate
 
-        def gated(requests, sampling):
+        def gated(requests, sampling, **options):
             self.entered.set()
             self.release.wait(30)
-            return original(requests, sampling)
+            return original(requests, sampling, **options)
 
         engine.generate = gated
 

@@ -65,7 +65,7 @@ def rl_gradients(model_dir: str, out: Path, strategy: str) -> None:
     batch = rl_update_batch(policy, trajectories, rt)  # GRPO advantages over both ranks' responses
     for mode in AGGREGATIONS:
         rt.module.zero_grad(set_to_none=True)
-        normaliser = rt.global_normaliser(normaliser_for(mode, batch.loss_mask))
+        normaliser = rt.global_normaliser(normaliser_for(mode, batch.loss_mask, max_length=8))  # L of *_norm
         accumulate(policy, batch, range(len(trajectories)), rl_settings(mode), normaliser=normaliser, runtime=rt)
         grads = grads_of(rt.module)
         if rt.ctx.is_main:

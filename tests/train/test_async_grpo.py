@@ -150,10 +150,10 @@ def test_abort_mode_requeues_in_flight_prompts_and_never_trains_on_them(monkeypa
         real_update_weights(self, **kwargs)
         updated.set()
 
-    def slow_generate(self, requests, sampling):  # decode until the next weight update (at most 1 s)
+    def slow_generate(self, requests, sampling, **kwargs):  # decode until the next weight update (at most 1 s)
         updated.clear()
         updated.wait(1.0)
-        return real_generate(self, requests, sampling)
+        return real_generate(self, requests, sampling, **kwargs)
 
     monkeypatch.setattr(ThreadedEngine, "update_weights", update_weights)
     monkeypatch.setattr(HFEngine, "generate", slow_generate)

@@ -62,7 +62,7 @@ def rl_reference(two_ranks, tiny_vlm_dir):
     for mode in AGGREGATIONS:
         policy.model.zero_grad(set_to_none=True)
         accumulate(policy, batch, range(len(trajectories)), rl_settings(mode),
-                   normaliser=normaliser_for(mode, batch.loss_mask))
+                   normaliser=normaliser_for(mode, batch.loss_mask, max_length=8))  # L of *_norm
         grads[mode] = grads_of(policy.model)
     return batch, grads
 

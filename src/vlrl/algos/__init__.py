@@ -11,6 +11,11 @@ from vlrl.algos.advantages import (
     register_advantage,
 )
 from vlrl.algos.diversity import DiversityState, diversity_reward, select_descriptions, syn_diversity
+from vlrl.algos.entropy_methods import (  # registers entropy_bonus, entropy_advantage, clip_cov, kl_cov
+    clip_cov_selection,
+    kl_cov_selection,
+    token_covariance,
+)
 from vlrl.algos.filters import informative_groups, mask_truncated
 from vlrl.algos.kl import KL_ESTIMATORS, kl_estimate, kl_reward_penalty
 from vlrl.algos.losses import (
@@ -23,9 +28,11 @@ from vlrl.algos.losses import (
     get_policy_loss,
     masked_mean,
     normaliser_for,
+    policy_loss_needs,
     register_policy_loss,
     value_loss,
 )
+from vlrl.algos.rollout_correction import RolloutCorrection, rollout_correction
 from vlrl.algos.shaping import (
     ADVANTAGE_SHAPING,
     REWARD_SHAPING,
@@ -46,4 +53,6 @@ __all__ = [
     "group_stats", "group_variance", "informative_groups", "kl_estimate", "kl_reward_penalty", "mask_truncated",
     "masked_mean", "normaliser_for", "register_advantage", "register_advantage_shaping", "register_policy_loss",
     "register_reward_shaping", "select_descriptions", "syn_diversity", "value_loss",
+    "RolloutCorrection", "clip_cov_selection", "kl_cov_selection", "policy_loss_needs", "rollout_correction",
+    "token_covariance",
 ]

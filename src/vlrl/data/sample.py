@@ -119,52 +119,80 @@ def messages_from_prompt(prompt: str, role: str = "user") -> list[dict[str, Any]
     return [{"role": role, "content": parts}]
 
 
-def load_image(source: ImageSource) -> Image.Image:
-    """Decode an image source into an RGB PIL image; raise `SampleError` saying what is wrong."""
-    if isinstance(source, Image.Image):
-        return source if source.mode == "RGB" else source.convert("RGB")
-    try:
-        if isinstance(source, bytes):
-            image = Image.open(io.BytesIO(source))
-        elif isinstance(source, str) and _DATA_URL.match(source):
-            image = Image.open(io.BytesIO(base64.b64decode(_DATA_URL.sub("", source, count=1))))
-        elif isinstance(source, str):
-            if not Path(source).is_file():
-                raise SampleError(f"image file not found: {source}")
-            image = Image.open(source)
-        else:
-            raise SampleError(f"unsupported image source of type {type(source).__name__}")
-        image.load()
-    except SampleError:
-        raise
-    except Exception as err:  # PIL raises many types for corrupt data
-        where = source if isinstance(source, str) and len(source) < 300 else "<bytes>"
-        raise SampleError(f"cannot decode image {where}: {err}") from err
-    return image.convert("RGB")
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF")
+"""The image formats vlrl decodes (a JPEG that Pillow reads as ``MPO``, a camera's multi-picture JPEG, counts
+as JPEG). Everything else — EPS (Ghostscript), PSD, TIFF, PPM, ... — is refused before any pixel is decoded."""
+_PILLOW_FORMATS = (*IMAGE_FORMATS, "MPO")
 
 
-def image_size(source: ImageSource) -> tuple[int, int]:
-    """(width, height) of an image source from its header alone (no pixel decoding); `SampleError` if unreadable."""
+def open_image(source: ImageSource) -> Image.Image:
+    """Open an image source without decoding its pixels, accepting only `IMAGE_FORMATS`; `SampleError` names
+    the file and what is wrong (a refused format by name, a missing file, undecodable bytes).
+
+    The one place vlrl opens untrusted images: `load_image` and `image_size` (data files, engines, the rollout
+    server's ``image_data``, the synthesis server's jobs) all come through here."""
     if isinstance(source, Image.Image):
-        return source.size
+        return source
+    where = source if isinstance(source, str) and not _DATA_URL.match(source) and len(source) < 300 else "<bytes>"
     try:
         if isinstance(source, bytes):
-            handle = io.BytesIO(source)
+            handle: Any = io.BytesIO(source)
         elif isinstance(source, str) and _DATA_URL.match(source):
             handle = io.BytesIO(base64.b64decode(_DATA_URL.sub("", source, count=1)))
         elif isinstance(source, str):
             if not Path(source).is_file():
                 raise SampleError(f"image file not found: {source}")
-            handle = source
+            handle = open(source, "rb")  # noqa: SIM115  (the image owns it; closed with the image)
         else:
             raise SampleError(f"unsupported image source of type {type(source).__name__}")
-        with Image.open(handle) as image:
-            return image.size
     except SampleError:
         raise
-    except Exception as err:
-        where = source if isinstance(source, str) and len(source) < 300 else "<bytes>"
-        raise SampleError(f"cannot read the size of image {where}: {err}") from err
+    except Exception as err:  # noqa: BLE001  (base64 errors, unreadable files)
+        raise SampleError(f"cannot read image {where}: {err}") from err
+    try:
+        return Image.open(handle, formats=_PILLOW_FORMATS)
+    except Exception:  # noqa: BLE001  (not one of ours: name the format if Pillow knows it)
+        handle.seek(0)
+        try:
+            with Image.open(handle) as other:  # header only: nothing of a refused format is decoded
+                found = other.format
+        except Exception:  # noqa: BLE001
+            found = None
+        handle.close()
+        if found:
+            raise SampleError(f"image {where}: format {found} is not accepted (accepted: {', '.join(IMAGE_FORMATS)})") from None
+        raise SampleError(f"cannot decode image {where}: not a {', '.join(IMAGE_FORMATS)} image") from None
+
+
+def load_image(source: ImageSource, *, max_pixels: int | None = None, mode: str = "RGB") -> Image.Image:
+    """Decode an image source into a PIL image of ``mode`` (RGB by default); raise `SampleError` saying what is
+    wrong. Only `IMAGE_FORMATS` are decoded (see `open_image`); with ``max_pixels``, an image with more pixels
+    is refused from its header, before its pixels are decoded."""
+    if isinstance(source, Image.Image):
+        return source if source.mode == mode else source.convert(mode)
+    image = open_image(source)
+    where = source if isinstance(source, str) and not _DATA_URL.match(source) and len(source) < 300 else "<bytes>"
+    try:
+        width, height = image.size
+        if max_pixels is not None and width * height > max_pixels:
+            raise SampleError(f"image {where}: {width}x{height} has more than {max_pixels} pixels")
+        image.load()
+        return image.convert(mode)
+    except SampleError:
+        raise
+    except Exception as err:  # PIL raises many types for corrupt data
+        raise SampleError(f"cannot decode image {where}: {err}") from err
+    finally:
+        image.close()
+
+
+def image_size(source: ImageSource) -> tuple[int, int]:
+    """(width, height) of an image source from its header alone (no pixel decoding); `SampleError` if unreadable
+    or not one of `IMAGE_FORMATS`."""
+    if isinstance(source, Image.Image):
+        return source.size
+    with open_image(source) as image:
+        return image.size
 
 
 def image_to_png_bytes(image: Image.Image) -> bytes:

@@ -97,9 +97,7 @@ def load_processor(
         if name in PRESETS and not Path(name_or_path).exists():
             policy = build_preset(name, seed=seed)
         else:
-            local = Path(name_or_path)
-            if local.exists() and not (local / "config.json").is_file():
-                raise FileNotFoundError(f"{name_or_path}: not a model directory (no config.json)")
+            _check_local(name_or_path)
             config = AutoConfig.from_pretrained(name_or_path)
             is_vision = hasattr(config, "vision_config")
             model = (AutoModelForImageTextToText if is_vision else AutoModelForCausalLM).from_config(config)
@@ -131,12 +129,24 @@ def set_pixel_bounds(image_processor: Any | None, min_pixels: int | None, max_pi
     image_processor.size = SizeDict(**bounds)
 
 
-def _load_pretrained(path: str, dtype: torch.dtype) -> Policy:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+def _check_local(path: str) -> None:
+    """A directory without config.json, or a path that exists nowhere and cannot be a hub id (``name`` or
+    ``org/name``), is named as such — not passed to the hub client (``Repo id must be in the form …``)."""
+    import re
+
+    from vlrl.models.presets import PRESETS
 
     local = Path(path)
     if local.exists() and not (local / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
+    if not local.exists() and re.fullmatch(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?", path) is None:
+        raise FileNotFoundError(f"{path}: no such model directory (and not a preset: {', '.join(PRESETS)})")
+
+
+def _load_pretrained(path: str, dtype: torch.dtype) -> Policy:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    _check_local(path)
     config = AutoConfig.from_pretrained(path)
     is_vision = hasattr(config, "vision_config")
     model_cls = AutoModelForImageTextToText if is_vision else AutoModelForCausalLM

@@ -55,6 +55,28 @@ DYNAMICS: list[tuple[str, list[str], list[str]]] = [
 GROUP_ORDER = ["reward", "accuracy", "policy", "response", "rollout", "sft", "perf", "data"]
 
 
+def _one_update_per_batch(stage: dict[str, Any]) -> str | None:
+    train, rollout = stage.get("train", {}), stage.get("rollout", {})
+    if train.get("minibatches") == 1 and train.get("ppo_epochs") == 1 and rollout.get("mode") == "sync":
+        return "one optimizer step per batch: π_θ = π_old at every token (train.minibatches = train.ppo_epochs = 1, sync)"
+    return None
+
+
+# Metrics a stage's configuration makes constant: (name patterns, the reason read from the stage's config
+# section, or None when this config lets the metric move). A series is left out of the charts only when its
+# logged values are also all identical (`hidden_constant_series`), so a metric that moves is always drawn.
+CONSTANT_BY_CONFIG: list[tuple[list[str], Any]] = [
+    (["policy/kl_ref*"], lambda s: "algo.kl_coef = 0: no reference model"
+     if s.get("algo", {}).get("kl_coef") == 0 else None),
+    (["staleness/*", "policy/behaviour_weight*", "policy/logp_drift"], lambda s: "rollout.mode = sync: every sample "
+     "comes from the current weights" if s.get("rollout", {}).get("mode") == "sync" else None),
+    (["policy/approx_kl_old", "policy/ratio*", "policy/clip_low", "policy/clip_high", "policy/clip_dual"],
+     _one_update_per_batch),
+    (["policy/skipped_rows_frac"], lambda s: "train.skip_zero_advantage = false"
+     if s.get("train", {}).get("skip_zero_advantage") is False else None),
+]
+
+
 class ReportError(ValueError):
     """A run directory that cannot be reported (the message names it)."""
 
@@ -184,6 +206,38 @@ def _series(runs: list[Run]) -> dict[tuple[str, str, str], tuple[list[float], li
                 steps.append(float(record["step"]))
                 values.append(float(value))
     return out
+
+
+def stage_configs(run: Run) -> dict[str, dict[str, Any]]:
+    """The config section each training stage of a run ran with: ``rl`` of a demo, each named stage of a
+    curriculum, the whole config of a one-stage run."""
+    config = run.config
+    out = {stage.get("name"): stage for stage in config.get("stages") or [] if isinstance(stage, dict)}
+    if isinstance(config.get("rl"), dict):
+        out["rl"] = config["rl"]
+    if isinstance(config.get("sft"), dict):
+        out["sft"] = config["sft"]
+    for stage in run.train_stages:
+        out.setdefault(stage, config)
+    return out
+
+
+def hidden_constant_series(runs: list[Run], series) -> dict[tuple[str, str, str], str]:
+    """(run, stage, metric) → why it is not charted: every logged value (two or more) is the same AND the stage's config
+    makes the metric constant (`CONSTANT_BY_CONFIG`): the KL to a reference that does not exist, staleness and
+    behaviour weights of a synchronous run, clip fractions when π_θ = π_old."""
+    configs = {run.label: stage_configs(run) for run in runs}
+    hidden = {}
+    for key, (_steps, values) in series.items():
+        run, stage, name = key
+        if len(values) < 2 or len(set(values)) != 1:  # one point cannot show that a metric stays put
+            continue
+        section = configs.get(run, {}).get(stage)
+        for patterns, reason_of in CONSTANT_BY_CONFIG:
+            if section and any(fnmatch.fnmatchcase(name, p) for p in patterns) and (reason := reason_of(section)):
+                hidden[key] = f"{values[0]:g} ({reason})"
+                break
+    return hidden
 
 
 def _chart(title: str, keys: list[tuple[str, str, str]], series, multi_run: bool) -> Chart:
@@ -412,6 +466,8 @@ def build_report(run_dirs: list[str | Path], *, title: str | None = None) -> str
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["fmt"] = lambda v, digits=3: "—" if v is None or (isinstance(v, float) and math.isnan(v)) else (
         f"{v:.{digits}f}" if isinstance(v, float) else str(v))
+    hidden = hidden_constant_series(runs, series)
+    series = {key: value for key, value in series.items() if key not in hidden}
     page = env.get_template("report.html.j2").render(
         title=title or ("vlrl report: " + " vs ".join(r.label for r in runs)),
         generated=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
@@ -424,6 +480,7 @@ def build_report(run_dirs: list[str | Path], *, title: str | None = None) -> str
         galleries=[(run.label, rows) for run in runs if (rows := gallery_rows(run))],
         step_credit=step_credit_sections(runs),
         groups=group_charts(runs, series),
+        constant=[(" · ".join(key if len(runs) > 1 else key[1:]), why) for key, why in sorted(hidden.items())],
         differences=config_differences(runs) if len(runs) > 1 else [],
         notes=[note for run in runs for note in run.notes],
     )

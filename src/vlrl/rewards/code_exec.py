@@ -17,6 +17,7 @@ output/process limits, wall clock).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from vlrl.rewards.base import RewardOutput, register_reward
@@ -69,14 +70,16 @@ def same_output(actual: str, expected: str) -> bool:
 
 @register_reward("code", mode="pool", deadline=40.0)
 def code(response: str, answer: Any, *, entry_point: str | None = None, timeout: float = 4.0,
-         cpu_seconds: float = 2.0, memory_mb: int = 512, time_budget: float = 30.0, **meta: Any) -> RewardOutput:
+         cpu_seconds: float = 2.0, memory_mb: int = 512, time_budget: float = 30.0, packages: Sequence[str] = (),
+         **meta: Any) -> RewardOutput:
     """Fraction of test cases passed, in [0, 1]: R = (# tests passed) / (# tests).
 
     LLaVA-OV-1.5 ``reward/generalcode.py``. A test passes if the program (and the test's asserts) run to
     the end with exit status 0 within ``timeout`` s wall / ``cpu_seconds`` CPU / ``memory_mb`` — and, for
     stdin/stdout tests, prints the expected output. The whole run gets ``time_budget`` s; tests not
-    reached fail. At most 50 tests are run. Parts: ``accuracy`` (all passed), ``timeouts`` (fraction of
-    tests that hit a time limit).
+    reached fail. At most 50 tests are run. The program may import the standard library and the installed
+    packages named in ``packages`` (e.g. ``["numpy"]``), nothing else. Parts: ``accuracy`` (all passed),
+    ``timeouts`` (fraction of tests that hit a time limit).
     """
     tests = parse_tests(answer, entry_point)[:MAX_TESTS]
     program = code_block(response)
@@ -85,7 +88,8 @@ def code(response: str, answer: Any, *, entry_point: str | None = None, timeout:
         return RewardOutput(overall=0.0, parts={"accuracy": 0.0, "timeouts": 0.0})
     limits = SandboxLimits(cpu_seconds=cpu_seconds, wall_seconds=timeout, memory_mb=memory_mb,
                            total_seconds=time_budget)
-    runs = run_python(program, [{k: v for k, v in t.items() if k != "expected"} for t in tests], limits)
+    runs = run_python(program, [{k: v for k, v in t.items() if k != "expected"} for t in tests], limits,
+                      packages=list(packages))
     passed = sum(run.ok and ("expected" not in t or same_output(run.stdout, t["expected"])) for t, run in zip(tests, runs, strict=True))
     timeouts = sum(run.status == "timeout" for run in runs)
     score = passed / len(tests)

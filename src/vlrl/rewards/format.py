@@ -13,22 +13,25 @@ from vlrl.rewards.base import register_reward
 from vlrl.rewards.extract import boxed_contents, strip_special
 
 
-def _one_block(text: str, tag: str) -> tuple[int, int] | None:
+def _one_block(text: str, tag: str, *, filled: bool = False) -> tuple[int, int] | None:
     """(start, end) of the single ``<tag>…</tag>`` in ``text``; None unless each tag occurs exactly once,
-    opening before closing."""
+    opening before closing — and, with ``filled``, holding something other than whitespace."""
     open_tag, close_tag = f"<{tag}>", f"</{tag}>"
     if text.count(open_tag) != 1 or text.count(close_tag) != 1:
         return None
     start, end = text.find(open_tag), text.find(close_tag)
-    return (start, end + len(close_tag)) if start < end else None
+    if start >= end or (filled and not text[start + len(open_tag) : end].strip()):
+        return None
+    return start, end + len(close_tag)
 
 
 @register_reward("format")
 def think_answer_format(response: str, answer: Any = None, **meta: Any) -> float:
-    """1 if the response is exactly one ``<think>…</think>`` followed by one ``<answer>…</answer>`` and
-    nothing else (trailing special tokens aside), else 0 — LLaVA-OV-1.5's stage-2 prompt template."""
+    """1 if the response is exactly one ``<think>…</think>`` followed by one non-empty ``<answer>…</answer>``
+    and nothing else (trailing special tokens aside), else 0 — LLaVA-OV-1.5's stage-2 prompt template. An
+    answer block of whitespace only is no answer and earns 0."""
     text = strip_special(response)
-    think, ans = _one_block(text, "think"), _one_block(text, "answer")
+    think, ans = _one_block(text, "think"), _one_block(text, "answer", filled=True)
     if think is None or ans is None:
         return 0.0
     ok = think[0] == 0 and not text[think[1] : ans[0]].strip() and ans[1] == len(text)
@@ -37,10 +40,11 @@ def think_answer_format(response: str, answer: Any = None, **meta: Any) -> float
 
 @register_reward("answer_format")
 def answer_format(response: str, answer: Any = None, **meta: Any) -> float:
-    """1 if the response is exactly one ``<answer>…</answer>`` block and nothing else, else 0 —
-    LLaVA-OV-1.5's stage-1 template ("Put ONLY your final answer within <answer></answer>")."""
+    """1 if the response is exactly one non-empty ``<answer>…</answer>`` block and nothing else, else 0 —
+    LLaVA-OV-1.5's stage-1 template ("Put ONLY your final answer within <answer></answer>"). A block of
+    whitespace only (``<answer> </answer>``) is no answer and earns 0."""
     text = strip_special(response)
-    block = _one_block(text, "answer")
+    block = _one_block(text, "answer", filled=True)
     return 1.0 if block == (0, len(text)) else 0.0
 
 

@@ -28,6 +28,7 @@ from html.parser import HTMLParser
 from typing import Any
 
 from vlrl.rewards.base import RewardOutput, register_reward
+from vlrl.rewards.deps import ensure_dependencies, requires
 from vlrl.rewards.extract import code_block, strip_special
 
 MAX_SOURCE_CHARS = 200_000
@@ -123,6 +124,7 @@ def _reference_render(source: str, size: int):
 
 
 @register_reward("svg", mode="pool", deadline=15.0)
+@requires("cairosvg", "skimage", extra="rewards")
 def svg(response: str, answer: Any, *, size: int = 128, **meta: Any) -> RewardOutput:
     """R = 0.5 · SSIM(render(gen), render(ref)) + 0.25 · (TokenJaccard + TagJaccard) ∈ [0, 1]
     (LLaVA-OV-1.5 ``reward/svgcode.py``).
@@ -130,6 +132,7 @@ def svg(response: str, answer: Any, *, size: int = 128, **meta: Any) -> RewardOu
     ``answer``: the reference SVG source. SSIM is clipped to [0, 1]; an SVG that does not render (bad XML,
     entities, ...) gets image score 0. Parts: ``image``, ``token``, ``structure``, ``renders``.
     """
+    ensure_dependencies(svg, "svg")  # a missing renderer must not pass for "does not render"
     from skimage.metrics import structural_similarity
 
     source = markup_source(response, ("svg", "xml", "html", ""))

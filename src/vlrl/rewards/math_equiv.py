@@ -6,6 +6,9 @@ works in a main thread. So its timeouts are switched off here and the verifier i
 ``mode="pool"``: the batch scorer runs it in a worker process that is killed at the item's deadline.
 Exponent towers are also caught before parsing (compared as text only).
 
+math-verify, latex2sympy2 and SymPy come with ``pip install 'vlrl[rewards]'``; without them the verifier
+raises `vlrl.rewards.deps.MissingDependencyError` naming that command (and ``vlrl check`` reports it).
+
 SymPy's own string parser (``parse_expr``) calls ``eval`` and is never used on model output; the
 fallback parses LaTeX with latex2sympy2 (a grammar, no eval).
 """
@@ -19,6 +22,7 @@ from typing import Any
 
 from vlrl.rewards.answers import correct
 from vlrl.rewards.base import RewardOutput, register_reward
+from vlrl.rewards.deps import ensure_dependencies, requires
 from vlrl.rewards.extract import boxed_contents, final_answer, strip_special, tag_blocks
 
 MAX_ANSWER_CHARS = 2000  # a longer final answer is compared as text only
@@ -37,6 +41,7 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 
 @register_reward("math", mode="pool", deadline=5.0)
+@requires("math_verify", "latex2sympy2_extended", "sympy", extra="rewards")
 def math_equal(response: str, answer: Any, *, strict: bool = True, rel_tol: float = 1e-4, **meta: Any) -> RewardOutput:
     """1 if the final answer is mathematically equal to ``answer``, else 0.
 
@@ -48,8 +53,9 @@ def math_equal(response: str, answer: Any, *, strict: bool = True, rel_tol: floa
     answer in plain prose). Equivalent forms agree: ``\\frac{1}{2}`` = ``0.5`` = ``50\\%``; intervals
     ``[1, 2)``; sets ``\\{1, 2\\}`` = ``\\{2, 1\\}``; ``x = 3`` = ``3``; units in ``\\text{}`` are dropped;
     choice letters (``B``). ``answer`` may be LaTeX or plain text. Several different boxes or a list of
-    candidates (``3 or 4``) score 0.
+    candidates (``3 or 4``) score 0. Needs the ``rewards`` extra (`MissingDependencyError` names the command).
     """
+    ensure_dependencies(math_equal, "math")
     text = strip_special(response)
     candidate = final_answer(text)
     formatted = bool(tag_blocks(text, "answer") or boxed_contents(text))

@@ -78,12 +78,19 @@ def json_plan(response: str, answer: Any = None, *, actions: Mapping[int, str] |
 
 @register_reward("plan_prefix")
 def plan_prefix(response: str, answer: Any, *, match_key: str = "action_id", **meta: Any) -> RewardOutput:
-    """Prefix reward R(n; k) = n(n + 1) / (k(k + 1)) ∈ [0, 1] (2505.22050): n = the number of leading
+    """Prefix reward R(n; K) = n(n + 1) / (K(K + 1)) ∈ [0, 1] (2505.22050): n = the number of leading
     predicted steps equal to the gold steps (compared by ``match_key``: ``action_id`` or ``action_name``),
-    k = the gold plan's length. Later steps weigh more, and a wrong step ends the credit.
+    K = max(k, m) for a gold plan of k steps and a predicted plan of m steps. Later steps weigh more, and a
+    wrong step ends the credit.
+
+    K = max(k, m), not the paper's k: the gold plan ends after k steps, so a predicted step k + 1, k + 2, …
+    is a wrong step — the gold plan padded with "stop" to m steps, which no predicted step matches. With
+    K = k a plan whose first steps match could append any number of steps for free (4,000 steps after a
+    one-step gold plan scored 1.0); now a plan one step too long scores k / (k + 2) and a 4,000-step plan
+    ≈ 0. For m ≤ k it is the paper's formula.
 
     ``answer``: the gold plan in any form `plan_steps` reads. ``accuracy`` = 1 if the predicted plan
-    equals the gold plan (same steps, same length). Parts: ``prefix`` = n / k.
+    equals the gold plan (same steps, same length). Parts: ``prefix`` = n / K.
     """
     if match_key not in ("action_id", "action_name"):
         raise ValueError(f"plan_prefix: match_key must be 'action_id' or 'action_name', got {match_key!r}")
@@ -98,9 +105,10 @@ def plan_prefix(response: str, answer: Any, *, match_key: str = "action_id", **m
         if match_key not in pred or _key(pred, match_key) != _key(ref, match_key):
             break
         n += 1
-    k = len(gold)
-    exact = n == k and len(predicted) == k
-    return RewardOutput(overall=n * (n + 1) / (k * (k + 1)), parts={"accuracy": float(exact), "prefix": n / k})
+    k, m = len(gold), len(predicted)
+    K = max(k, m)
+    exact = n == k and m == k
+    return RewardOutput(overall=n * (n + 1) / (K * (K + 1)), parts={"accuracy": float(exact), "prefix": n / K})
 
 
 def _key(step: Mapping, match_key: str) -> str:

@@ -139,6 +139,12 @@ def probes() -> list[Probe]:
               '{"executable_plan": ' + str([PLAN["executable_plan"][0]] * 50).replace("'", '"') + "}", PLAN,
               bound=2 / 12),  # R(1; 3) = 1·2 / (3·4)
         Probe("plan_prefix/deep_json", "plan_prefix", "[" * 100_000, PLAN),
+        # the first step matches a one-step gold plan, then 3,999 more steps: K = 4000 (scored 1.0 before issue 22)
+        Probe("plan_prefix/long_plan", "plan_prefix",
+              '{"executable_plan": ' + str(PLAN["executable_plan"][:1] + PLAN["executable_plan"][1:2] * 3999).replace("'", '"')
+              + "}", {"executable_plan": PLAN["executable_plan"][:1]}, bound=2 / (4000 * 4001)),
+        Probe("answer_format/whitespace_answer", "answer_format", "<answer> \n </answer>", None),  # 1.0 before issue 22
+        Probe("format/whitespace_answer", "format", "<think>x</think><answer> </answer>", None),
         # a plan cut off after thousands of steps: read step by step (linear), the first step is its only credit
         Probe("plan_prefix/cut_step_spam", "plan_prefix",
               '{"executable_plan": [' + '{"action_id": 3, "action_name": "find apple"}, ' * 3000, PLAN, bound=2 / 12),

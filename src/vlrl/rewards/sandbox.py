@@ -9,7 +9,11 @@ wall clock            per test, by the runner (SIGKILL to the test's process gro
                       this process (SIGKILL to the runner's session), so ``sleep`` forever cannot hang us
 memory                ``RLIMIT_AS`` per test
 output                ``RLIMIT_FSIZE`` (stdout/stderr go to files), and only ``output_bytes`` are read back
-disk                  a tmpfs of ``disk_mb`` mounted on the working directory (namespaced modes)
+disk                  a tmpfs of ``disk_mb`` on ``/tmp`` (the working directory is ``/tmp/work``), 1 MB
+                      tmpfs on every other writable place (namespaced modes)
+filesystem            a new read-only root: the interpreter, its standard library and shared libraries,
+                      the ``packages`` allow-listed, a few device nodes; no other host file is visible
+                      (namespaced modes; see ``_sandbox_child._private_filesystem``)
 processes             ``RLIMIT_NPROC`` once running as an unprivileged user; a PID namespace, so every
                       process the program forks dies with the runner (namespaced modes)
 network               a fresh network namespace with no interfaces (namespaced modes); otherwise the
@@ -36,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,26 +109,32 @@ def _command(mode: str) -> list[str]:
 
 
 def run_python(source: str, tests: list[dict], limits: SandboxLimits = SandboxLimits(), *,
-               mode: str | None = None) -> list[TestRun]:
+               mode: str | None = None, packages: Sequence[str] = ()) -> list[TestRun]:
     """Run ``source`` once per test. A test is ``{"stdin": "..."}`` (the program reads it; compare its
     ``stdout`` yourself) or ``{"assert": "assert f(1) == 2"}`` (run after the program, same namespace).
+    ``packages``: top-level names of installed packages the program may import besides the standard library
+    (e.g. ``["numpy"]``); in the namespaced modes nothing else of the interpreter's site-packages is visible.
 
     Never raises for anything the program does; raises ``RuntimeError`` if the runner itself breaks.
     """
     mode = mode or isolation()
+    bad = [name for name in packages if not isinstance(name, str) or not name.isidentifier()]
+    if bad:
+        raise ValueError(f"sandbox packages: top-level module names expected, got {bad!r}")
     drop_uid = NOBODY if (mode == "root" or (mode == "none" and os.geteuid() == 0)) else None
     job = {
         "source": source, "tests": tests, "cpu_seconds": limits.cpu_seconds, "wall_seconds": limits.wall_seconds,
         "memory_bytes": limits.memory_mb << 20, "output_bytes": limits.output_bytes, "processes": limits.processes,
         "disk_bytes": limits.disk_mb << 20, "mount_tmpfs": mode != "none", "drop_uid": drop_uid,
         "block_network": mode == "none", "budget_seconds": max(0.1, limits.total_seconds - 1.0),
+        "packages": list(packages),
     }
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="vlrl-sandbox-") as work:
         if drop_uid is not None and mode == "none":
             os.chmod(work, 0o777)  # no tmpfs here: let the unprivileged test user write
-        env["HOME"] = env["TMPDIR"] = work
+        env["HOME"] = env["TMPDIR"] = work if mode == "none" else "/tmp/work"  # (its private tmpfs)
         proc = subprocess.Popen(_command(mode), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=work, env=env, start_new_session=True)
         try:
@@ -139,8 +150,9 @@ def run_python(source: str, tests: list[dict], limits: SandboxLimits = SandboxLi
                            f"{err.decode(errors='replace')[-2000:]}")
     result = json.loads(out)
     if job["mount_tmpfs"] and not result["mounted"]:
-        raise RuntimeError(f"sandbox (isolation {mode}) could not mount its private /tmp; "
-                           "set VLRL_SANDBOX_ISOLATION=none to run with rlimits only")
+        raise RuntimeError(f"sandbox (isolation {mode}) could not build its private filesystem "
+                           f"({result.get('error', 'unknown error')}); nothing was run. "
+                           "VLRL_SANDBOX_ISOLATION=none runs with rlimits only (no filesystem isolation)")
     return [TestRun(**r) for r in result["results"]]
 
 

@@ -13,10 +13,11 @@ environment's message into the tokens to append (`vlrl.rollout.agent` does both)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from vlrl.data.sample import Sample, load_image
 from vlrl.models.adapters import EncodedPrompt, VisionInputs
@@ -57,7 +58,12 @@ class HFEngine:
         self.weight_version = version
 
     @torch.no_grad()
-    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
+                 on_step: Callable[[Sequence[Request]], Sequence[bool]] | None = None) -> list[Trajectory]:
+        """``n`` samples of every request, request-major. ``on_step`` (optional): called once per decode step
+        with the distinct requests being decoded, returns one flag per request; the rows of a flagged request
+        stop at that step (the caller discards them — `vlrl.rollout.server`'s batcher aborts a request whose
+        client went away or whose deadline passed)."""
         rows = [(i, request) for i, request in enumerate(requests) for _ in range(sampling.n)]
         out: list[Trajectory] = []
         model = self.policy.model
@@ -65,12 +71,13 @@ class HFEngine:
         model.eval()
         try:
             for start in range(0, len(rows), self.max_batch_size):
-                out.extend(self._generate_rows(rows[start : start + self.max_batch_size], sampling))
+                out.extend(self._generate_rows(rows[start : start + self.max_batch_size], sampling, on_step))
         finally:
             model.train(was_training)
         return out
 
-    def _generate_rows(self, rows: list[tuple[int, Request]], sampling: SamplingParams) -> list[Trajectory]:
+    def _generate_rows(self, rows: list[tuple[int, Request]], sampling: SamplingParams,
+                       on_step: Callable[[Sequence[Request]], Sequence[bool]] | None = None) -> list[Trajectory]:
         policy = self.policy
         device = next(policy.model.parameters()).device
         P = max(len(r.prompt_ids) for _, r in rows)
@@ -99,6 +106,7 @@ class HFEngine:
             tokenizer=policy.tokenizer if sampling.stop else None,
             output_logits=True,
             return_dict_in_generate=True,
+            stopping_criteria=StoppingCriteriaList([_StepHook(rows, on_step)]) if on_step is not None else None,
         )
         new_tokens = gen.sequences[:, P:].cpu()  # (N, T)
         logits = torch.stack(gen.logits, dim=1).float().cpu()  # (N, T, V), raw (before temperature)
@@ -135,3 +143,19 @@ class HFEngine:
             )
         return trajectories
 
+
+
+class _StepHook(StoppingCriteria):
+    """`HFEngine.generate`'s ``on_step`` as a stopping criterion: asked once per decode step, per request."""
+
+    def __init__(self, rows: list[tuple[int, Request]], on_step: Callable[[Sequence[Request]], Sequence[bool]]) -> None:
+        distinct: dict[int, int] = {}
+        for _, request in rows:
+            distinct.setdefault(id(request), len(distinct))
+        self.requests = list({id(r): r for _, r in rows}.values())
+        self.row_request = torch.tensor([distinct[id(r)] for _, r in rows], dtype=torch.long)  # (N,)
+        self.on_step = on_step
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        stop = torch.tensor(list(self.on_step(self.requests)), dtype=torch.bool)  # (distinct requests,)
+        return stop[self.row_request].to(input_ids.device)  # (N,)

@@ -25,8 +25,14 @@ and swapped in at the next batch boundary, so a batch that was decoding finishes
 tagged with the old version. With ``abort_all_requests`` the queued requests and the decoding batch are
 answered with ``finish_reason.type == "abort"`` instead (the client re-queues them).
 
-Safety: binds to loopback and requires ``Authorization: Bearer <key>`` (except ``/health``) by default; the
-queue is bounded (503 when full); malformed requests get a 400 naming the field.
+Safety: binds to loopback and requires ``Authorization: Bearer <key>`` (except ``/health``) by default. Every
+request is bounded before it is admitted (`ServeLimits`: ``max_new_tokens``, prompt + new tokens ≤ the model's
+context, body bytes counted as received, image pixels and vision tokens read from headers; the batcher: samples
+= prompts × n against the queue, tokens in flight) — a 400 naming the field, 413 for the body, 503 while full.
+JSON is parsed off the event loop (`vlrl.serving.BodyParser`), tokenizing and image decoding run on one
+preprocessing thread, so ``/health`` answers under any load. A client that disconnects, or a request past its
+deadline, stops at the next decode step. Unexpected errors answer 500 with an id (the traceback goes to the
+log); server paths in ``image_data`` are read only under configured roots. SIGTERM drains within a bound.
 
 `ThreadedEngine` is the same batcher used in-process, on a private copy of the trainer's policy — the
 asynchronous recipe's engine when no server is configured.
@@ -47,6 +53,7 @@ import io
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,22 +61,27 @@ import torch
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
-from vlrl.data.sample import Sample, SampleError, load_image
+from vlrl.data.sample import Sample, SampleError, image_size, load_image
 from vlrl.models.policy import DTYPES, Policy
 from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
 from vlrl.rollout.weights import checkpoint_names, copy_weights, read_weights, weight_checksum
 from vlrl.serving import (
     API_KEY_ENV,
+    BodyError,
+    BodyParser,
     ServerThread,
     bind_socket,
-    install_bearer_auth,
+    encode_json,
     is_loopback,
+    on_close,
+    protect,
     resolve_api_key,
+    run_server,
 )
 
-__all__ = ["API_KEY_ENV", "ContinuousBatcher", "ServerThread", "ThreadedEngine", "bind_socket", "create_app",
-           "is_loopback", "serve", "weight_checksum"]
+__all__ = ["API_KEY_ENV", "ContinuousBatcher", "ServeLimits", "ServerThread", "ThreadedEngine", "bind_socket",
+           "create_app", "is_loopback", "serve", "weight_checksum"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +89,11 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------- batching
 class QueueFullError(RuntimeError):
-    """The server's bounded queue is full; retry later."""
+    """The server's bounded queue (or its budget of tokens in flight) is full; retry later."""
+
+
+class TooLargeError(ValueError):
+    """A job that could never be admitted: more samples than the queue holds, or more tokens than the budget."""
 
 
 @dataclasses.dataclass
@@ -85,11 +101,29 @@ class _Job:
     requests: list[Request]
     sampling: SamplingParams
     future: concurrent.futures.Future
-    aborted: bool = False
+    tokens: int = 0  # counted against the budget of tokens in flight until the future is done
+    deadline: float | None = None  # time.monotonic() past which the job is aborted at the next decode step
+    aborted: bool = False  # by a weight update with abort, or at shutdown
+    cancel_step: int | None = None  # the batcher's decode step at which the future was cancelled (client gone)
+    stop_step: int | None = None  # the decode step at which its rows stopped decoding early
 
     @property
     def rows(self) -> int:
         return len(self.requests) * self.sampling.n
+
+    def should_stop(self, now: float) -> bool:
+        return self.aborted or self.future.cancelled() or (self.deadline is not None and now > self.deadline)
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyStop:
+    """A job whose rows stopped before the end of their batch: ``why`` (``cancelled`` — its client went away —,
+    ``deadline`` or ``aborted``), the decode step at which that was asked (for a cancel) and the one at which
+    its rows stopped (`ContinuousBatcher.decode_steps` counts steps)."""
+
+    why: str
+    asked_step: int | None
+    stopped_step: int
 
 
 def _sampling_key(sampling: SamplingParams) -> tuple:
@@ -129,12 +163,21 @@ class ContinuousBatcher:
     weights beside the active ones; the worker swaps them in before its next batch. `load_in_place` does the
     same without building a model: it copies the tensors into the spare copy that no batch uses (the weights
     the last swap retired), so the server holds two copies of the weights and never waits for a batch.
+
+    Admission: the queue holds at most ``max_queued_requests`` samples (prompts × n) and, with
+    ``max_tokens_in_flight``, the jobs queued or decoding hold at most that many tokens (Σ samples × (prompt
+    + max_new_tokens)); beyond either `submit` raises `QueueFullError` (retry later), and a job that could never
+    fit raises `TooLargeError`. Early stop: a job whose future is cancelled (its client went away), whose
+    ``deadline`` passed, or that is aborted stops decoding at the next decode step — the engine asks the
+    batcher once per step (`HFEngine.generate`'s ``on_step``) — and its rows leave the batch; ``early_stops``
+    keeps the last of them (for metrics and tests).
     """
 
     def __init__(self, policy: Policy, *, max_batch_size: int = 256, max_queued_requests: int = 1024,
-                 batch_window: float = 0.0, version: int = 0) -> None:
+                 batch_window: float = 0.0, version: int = 0, max_tokens_in_flight: int | None = None) -> None:
         self.max_batch_size = max_batch_size
         self.max_queued_requests = max_queued_requests
+        self.max_tokens_in_flight = max_tokens_in_flight
         self.batch_window = batch_window
         self._active = self._engine(policy, version)
         self._active_checksum = weight_checksum(policy.model)
@@ -145,8 +188,12 @@ class ContinuousBatcher:
         self._running: list[_Job] = []
         self._cond = threading.Condition()
         self._closed = False
+        self.tokens_in_flight = 0  # tokens of the jobs queued or decoding
         self.batches = 0  # batches decoded so far (for tests and metrics)
         self.rows = 0  # sequences decoded so far
+        self.decode_steps = 0  # decode steps taken so far (every batch, every step)
+        self.cancelled = 0  # jobs whose future was cancelled (their client went away), queued or decoding
+        self.early_stops: collections.deque[EarlyStop] = collections.deque(maxlen=256)
         self._thread = threading.Thread(target=self._loop, name="vlrl-batcher", daemon=True)
         self._thread.start()
 
@@ -168,20 +215,46 @@ class ContinuousBatcher:
             return self._active.weight_version, self._active_checksum
 
     def queued(self) -> int:
+        """Samples (prompts × n) waiting in the queue."""
         with self._cond:
-            return sum(len(job.requests) for job in self._pending)
+            return sum(job.rows for job in self._pending)
 
-    def submit(self, requests: Sequence[Request], sampling: SamplingParams) -> concurrent.futures.Future:
-        job = _Job(list(requests), sampling, concurrent.futures.Future())
+    def submit(self, requests: Sequence[Request], sampling: SamplingParams, *, tokens: int = 0,
+               deadline: float | None = None) -> concurrent.futures.Future:
+        """Queue a job; its future gives ``len(requests) × n`` trajectories. ``tokens``: what it holds against
+        ``max_tokens_in_flight``; ``deadline``: a ``time.monotonic()`` past which it is aborted. Cancel the
+        future to abort the job (it stops at the next decode step)."""
+        job = _Job(list(requests), sampling, concurrent.futures.Future(), tokens=tokens, deadline=deadline)
+        budget = self.max_tokens_in_flight
+        if job.rows > self.max_queued_requests:
+            raise TooLargeError(f"{len(job.requests)} prompt(s) × n = {sampling.n} is {job.rows} samples; the queue "
+                                f"holds at most {self.max_queued_requests} (max_queued_requests)")
+        if budget is not None and tokens > budget:
+            raise TooLargeError(f"{job.rows} samples × (prompt + max_new_tokens) = {tokens} tokens; at most {budget} "
+                                "tokens may be in flight (max_tokens_in_flight)")
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
-            queued = sum(len(j.requests) for j in self._pending)
-            if queued and queued + len(job.requests) > self.max_queued_requests:
-                raise QueueFullError(f"{queued} requests queued (max_queued_requests = {self.max_queued_requests})")
+            queued = sum(j.rows for j in self._pending)
+            if queued + job.rows > self.max_queued_requests:
+                raise QueueFullError(f"{queued} samples queued (max_queued_requests = {self.max_queued_requests})")
+            if budget is not None and self.tokens_in_flight + tokens > budget:
+                raise QueueFullError(f"{self.tokens_in_flight} tokens in flight (max_tokens_in_flight = {budget})")
+            self.tokens_in_flight += tokens
             self._pending.append(job)
             self._cond.notify_all()
+        job.future.add_done_callback(lambda future: self._done(job))
         return job.future
+
+    def _done(self, job: _Job) -> None:
+        with self._cond:
+            self.tokens_in_flight -= job.tokens
+            job.tokens = 0
+            if job.future.cancelled():
+                self.cancelled += 1
+                job.cancel_step = self.decode_steps
+                if job in self._pending:  # never decoded: leave the queue now
+                    self._pending.remove(job)
 
     def load(self, policy: Policy, *, version: int, abort: bool = False) -> str:
         """Install ``policy`` as the weights of ``version`` for every batch started from now on; return its
@@ -192,18 +265,27 @@ class ContinuousBatcher:
             if self._standby is not None and self._spare is None:  # replaced before any batch used it
                 self._spare = self._standby[0].policy
             self._standby = (engine, checksum)
-            if abort:
-                for job in self._running:
-                    job.aborted = True
-                dropped = list(self._pending)
-                self._pending.clear()
-            else:
-                dropped = []
             old_version = self._active.weight_version
+            dropped = self._abort_locked() if abort else []
             self._cond.notify_all()
         for job in dropped:
             settle(job.future, aborted_trajectories(job.requests, job.sampling.n, old_version))
         return checksum
+
+    def abort_all(self) -> None:
+        """Answer every queued job and the decoding batch as aborted now (shutdown after the drain bound)."""
+        with self._cond:
+            dropped = self._abort_locked()
+            version = self._active.weight_version
+        for job in dropped:
+            settle(job.future, aborted_trajectories(job.requests, job.sampling.n, version))
+
+    def _abort_locked(self) -> list[_Job]:
+        for job in self._running:
+            job.aborted = True  # stops at the next decode step; answered as aborted by `_run`
+        dropped = list(self._pending)
+        self._pending.clear()
+        return dropped
 
     def load_in_place(self, weights: Mapping[str, torch.Tensor], *, version: int, abort: bool = False) -> str:
         """`load` without building a model: copy ``weights`` (state-dict names; see `copy_weights`) into the
@@ -227,10 +309,13 @@ class ContinuousBatcher:
             return self.load(spare, version=version, abort=abort)
 
     def close(self) -> None:
+        """Stop: queued jobs fail, the decoding batch stops at its next decode step (answered as aborted)."""
         with self._cond:
             self._closed = True
             dropped = list(self._pending)
             self._pending.clear()
+            for job in self._running:
+                job.aborted = True
             self._cond.notify_all()
         for job in dropped:
             settle(job.future, error=RuntimeError("the batcher was closed"))
@@ -244,6 +329,7 @@ class ContinuousBatcher:
                 if self._closed:
                     return None
                 self._gather()
+                self._drop_expired()
                 if self._pending:  # (an abort may have emptied the queue meanwhile)
                     break
             if self._standby is not None:  # batch boundary: swap in the new weights; the old ones become the spare
@@ -258,6 +344,15 @@ class ContinuousBatcher:
             self._running = jobs
             self.rows += rows
             return self._active, jobs
+
+    def _drop_expired(self) -> None:
+        """Queued jobs past their deadline are answered as aborted without decoding."""
+        now = time.monotonic()
+        expired = [job for job in self._pending if job.deadline is not None and now > job.deadline]
+        for job in expired:
+            self._pending.remove(job)
+            self.early_stops.append(EarlyStop("deadline", None, self.decode_steps))
+            settle(job.future, aborted_trajectories(job.requests, job.sampling.n, self._active.weight_version))
 
     def _gather(self) -> None:
         """Dynamic batching: while less than a full batch is queued, wait for more requests as long as they
@@ -282,10 +377,31 @@ class ContinuousBatcher:
                 self._running = []
             self.batches += 1
 
+    def _on_step(self, owners: dict[int, _Job]) -> collections.abc.Callable[[Sequence[Request]], list[bool]]:
+        """The engine's per-decode-step hook: count the step; stop the rows of every job that should stop."""
+
+        def on_step(requests: Sequence[Request]) -> list[bool]:
+            self.decode_steps += 1
+            now = time.monotonic()
+            flags = []
+            for request in requests:
+                job = owners[id(request)]
+                stop = job.should_stop(now)
+                if stop and job.stop_step is None:
+                    job.stop_step = self.decode_steps
+                flags.append(stop)
+            return flags
+
+        return on_step
+
     def _run(self, engine: HFEngine, jobs: list[_Job]) -> None:
+        jobs = [job for job in jobs if not job.future.cancelled()]  # (cancelled while the batch was formed)
+        if not jobs:
+            return
         requests = [r for job in jobs for r in job.requests]
+        owners = {id(r): job for job in jobs for r in job.requests}
         try:
-            out = engine.generate(requests, jobs[0].sampling)
+            out = engine.generate(requests, jobs[0].sampling, on_step=self._on_step(owners))
         except Exception as err:  # a bad batch fails its own requests, never the server
             log.exception("generation failed")
             for job in jobs:
@@ -294,7 +410,10 @@ class ContinuousBatcher:
         n, start = jobs[0].sampling.n, 0
         for job in jobs:
             count = len(job.requests) * n
-            if job.aborted:
+            if job.stop_step is not None:
+                why = "cancelled" if job.future.cancelled() else "aborted" if job.aborted else "deadline"
+                self.early_stops.append(EarlyStop(why, job.cancel_step, job.stop_step))
+            if job.stop_step is not None or job.aborted:
                 settle(job.future, aborted_trajectories(job.requests, n, engine.weight_version))
             else:
                 trajectories = out[start : start + count]
@@ -389,6 +508,30 @@ class ThreadedEngine:
 
 # ----------------------------------------------------------------------------------------------- HTTP API
 _SAMPLING_NAMES = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop")
+MAX_TEMPERATURE = 100.0  # beyond this every token is equally likely anyway; 1e308 overflowed to NaN probabilities
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeLimits:
+    """What one request may ask of `vlrl serve`; a request beyond them is refused before it is admitted (400
+    naming the field; 413 for the body). The batcher's own bounds (``max_queued_requests`` samples,
+    ``max_tokens_in_flight``) answer 400 for a request that could never fit and 503 while they are full."""
+
+    max_new_tokens: int = 4096
+    """``sampling_params.max_new_tokens`` at most this (``--max-new-tokens``); prompt + max_new_tokens must also
+    fit the model's context (``max_position_embeddings``)."""
+    max_body_bytes: int = 32 << 20
+    """Request body size (``--max-body-mb``), counted on the bytes received (chunked bodies too): 413 beyond."""
+    max_image_pixels: int = 16 << 20
+    """Pixels of one image, read from its header before any decoding (``--max-image-pixels``)."""
+    request_timeout: float = 600.0
+    """Seconds from admission after which a request still queued or decoding is aborted at the next decode step
+    (``--request-timeout``); its answer has ``finish_reason.type == "abort"``."""
+    image_roots: tuple[str, ...] = ()
+    """Directories whose files ``image_data`` may name by path (``--image-root``, repeatable). Empty (the
+    default): server paths are refused, and no answer says whether a path exists."""
+    drain_seconds: float = 30.0
+    """On SIGTERM: stop accepting, give requests in flight this long, then abort the rest (``--drain-seconds``)."""
 
 
 class SamplingBody(BaseModel):
@@ -396,8 +539,8 @@ class SamplingBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     n: int = Field(1, ge=1, le=1024)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(-1, ge=-1)
     max_new_tokens: int = Field(128, ge=1)
     stop: str | list[str] | None = None
@@ -408,6 +551,9 @@ class SamplingBody(BaseModel):
                               max_new_tokens=self.max_new_tokens, stop=stop)
 
 
+ImageItem = str | bytes  # a data URL, base64, or a server path; bytes: already decoded by the body parser
+
+
 class GenerateBody(BaseModel):
     """SGLang's ``GenerateReqInput``: one prompt, or a batch (``text`` / ``input_ids`` a list of prompts, then
     ``image_data`` and ``rid`` one item per prompt) sharing one ``sampling_params``."""
@@ -415,7 +561,7 @@ class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    image_data: str | list[str | list[str] | None] | None = None
+    image_data: ImageItem | list[ImageItem | list[ImageItem] | None] | None = None
     sampling_params: SamplingBody = Field(default_factory=SamplingBody)
     return_logprob: bool = False
     rid: str | list[str] | None = None
@@ -438,28 +584,120 @@ class UpdateWeightsBody(BaseModel):
     torch_empty_cache: bool = False
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
-    token_step: int = 0
 
 
 class BadRequest(ValueError):
     """A malformed request; the message names the field."""
 
 
-def _decode_image(item: str, k: int) -> Image.Image:
-    """An ``image_data`` item: a data URL, a path on the server, or plain base64 (SGLang's three forms)."""
-    where = f"field 'image_data[{k}]'"
-    if item.startswith(("http://", "https://")):
-        raise BadRequest(f"{where}: URLs are not fetched; send base64 or a path on the server")
+@dataclasses.dataclass(frozen=True)
+class PromptBounds:
+    """What a prompt is checked against while it is built: the model's context (``None``: unknown), the longest
+    text that could fit it (context × the most characters one token covers, so the check never refuses a text
+    that fits), the request's ``max_new_tokens``, and the server's `ServeLimits`."""
+
+    context: int | None
+    max_text_chars: int | None
+    max_new_tokens: int
+    limits: ServeLimits
+
+
+def model_context(policy: Policy) -> int | None:
+    """The model's context length (its text config's ``max_position_embeddings``), if it states one."""
+    config = policy.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` can stand for (vocabulary and added tokens; a byte-level
+    token's mapped characters count one per byte, which is at least the characters it decodes to)."""
+    longest = max((len(piece.encode("utf-8", "replace")) for piece in tokenizer.get_vocab()), default=1)
+    added = [str(t) for t in getattr(tokenizer, "all_special_tokens", [])]
+    return max([longest, *(len(t) for t in added)])
+
+
+def _check_unicode(value: str, field: str) -> None:
     try:
-        if item.startswith("data:") or (len(item) < 4096 and os.path.isfile(item)):
-            return load_image(item)
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadRequest(f"field '{field}': not valid Unicode (a lone surrogate at character {err.start})") from None
+
+
+def _server_path(item: str, roots: Sequence[str]) -> str | None:
+    """``item`` as a file path when it resolves inside one of ``roots``, else None — decided on the path alone,
+    so the answer for a path outside the roots never depends on whether it exists."""
+    if not roots or not item.startswith("/") or len(item) > 4096 or "\0" in item:
+        return None
+    real = os.path.realpath(item)
+    for root in roots:
+        base = os.path.realpath(root)
+        if real.startswith(base.rstrip(os.sep) + os.sep):
+            return real
+    return None
+
+
+def _image_source(item: ImageItem, k: int, limits: ServeLimits) -> tuple[str | bytes, bool]:
+    """(what `load_image` reads, whether it is a server file) of an ``image_data`` item, or `BadRequest`."""
+    where = f"field 'image_data[{k}]'"
+    if isinstance(item, bytes):
+        return item, False
+    if item.startswith(("http://", "https://")):
+        raise BadRequest(f"{where}: URLs are not fetched; send a data URL or base64")
+    path = _server_path(item, limits.image_roots)
+    if path is not None:
+        if not os.path.isfile(path):
+            raise BadRequest(f"{where}: no such file under the server's image roots")
+        return path, True
+    payload = item.split(",", 1)[1] if item.startswith("data:") and "," in item else item
+    try:
+        return base64.b64decode(payload, validate=True), False
+    except (binascii.Error, ValueError):
+        hint = "" if limits.image_roots else "; the server takes no file paths (vlrl serve --image-root)"
+        raise BadRequest(f"{where}: neither a data URL nor valid base64{hint}") from None
+
+
+def _load_images(items: list[ImageItem], bounds: PromptBounds, adapter: Any) -> list[Image.Image]:
+    """Decode ``items``: format and pixel count read from each header first, and the images' vision tokens
+    (from their sizes) checked against the context before any pixel is decoded."""
+    limits = bounds.limits
+    sources = [_image_source(item, k, limits) for k, item in enumerate(items)]
+    vision_tokens = 0
+    for k, (source, server_file) in enumerate(sources):
+        where = f"field 'image_data[{k}]'"
         try:
-            data = base64.b64decode(item, validate=True)
-        except (binascii.Error, ValueError):
-            raise BadRequest(f"{where}: neither a file on the server nor valid base64") from None
-        return load_image(data)
-    except SampleError as err:
-        raise BadRequest(f"{where}: {err}") from None
+            width, height = image_size(source)
+        except SampleError as err:
+            raise BadRequest(f"{where}: {_image_problem(err, server_file)}") from None
+        if width * height > limits.max_image_pixels:
+            raise BadRequest(f"{where}: {width}x{height} has more than the server's limit of {limits.max_image_pixels} "
+                             "pixels (--max-image-pixels)")
+        try:
+            vision_tokens += adapter.image_token_count(width, height)
+        except ValueError as err:  # a text-only model
+            raise BadRequest(f"{where}: {err}") from None
+    if bounds.context is not None and vision_tokens + bounds.max_new_tokens > bounds.context:
+        raise BadRequest(f"field 'image_data': {len(items)} image(s) take {vision_tokens} vision tokens; with "
+                         f"sampling_params.max_new_tokens = {bounds.max_new_tokens} that exceeds the model context of "
+                         f"{bounds.context} tokens")
+    images = []
+    for k, (source, server_file) in enumerate(sources):
+        try:
+            images.append(load_image(source, max_pixels=limits.max_image_pixels))
+        except SampleError as err:
+            raise BadRequest(f"field 'image_data[{k}]': {_image_problem(err, server_file)}") from None
+    return images
+
+
+def _image_problem(err: SampleError, server_file: bool) -> str:
+    """What is wrong with an image, without echoing a server file's bytes (Pillow's messages can quote them)."""
+    message = str(err)
+    if "is not accepted" in message:
+        return message.split(": ", 1)[-1] if not server_file else "format " + message.split("format ", 1)[-1]
+    if server_file:
+        return "the file is not a decodable PNG, JPEG, WEBP, BMP or GIF image"
+    return "not a decodable PNG, JPEG, WEBP, BMP or GIF image" + (f" ({message.split(': ', 1)[-1][:200]})" if ": " in message else "")
 
 
 def is_batched(body: GenerateBody) -> bool:
@@ -467,19 +705,30 @@ def is_batched(body: GenerateBody) -> bool:
     return isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
 
 
-def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Iterator[str]) -> list[Request]:
+def prompt_count(body: GenerateBody) -> int:
+    if not is_batched(body):
+        return 1
+    return len(body.text) if body.text is not None else len(body.input_ids)
+
+
+def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Iterator[str],
+                   bounds: PromptBounds | None = None) -> list[Request]:
     """Turn a `GenerateBody` into its `Request` (one prompt) or requests (a batch), in order; a prompt
-    without ``rid`` is named by ``rids``."""
+    without ``rid`` is named by ``rids``. With ``bounds``, every prompt is checked against the context (text
+    length before tokenizing, image sizes before decoding, prompt + max_new_tokens after)."""
     if (body.text is None) == (body.input_ids is None):
         raise BadRequest("give exactly one of 'text' or 'input_ids'")
     if body.stream:
         raise BadRequest("field 'stream': streaming is not supported")
+    stops = [body.sampling_params.stop] if isinstance(body.sampling_params.stop, str) else body.sampling_params.stop or []
+    for k, stop in enumerate(stops):
+        _check_unicode(stop, f"sampling_params.stop[{k}]")
     if not is_batched(body):
-        if isinstance(body.image_data, list) and not all(isinstance(item, str) for item in body.image_data):
+        if isinstance(body.image_data, list) and not all(isinstance(item, (str, bytes)) for item in body.image_data):
             raise BadRequest("field 'image_data': one prompt takes a string or a list of strings")
         if isinstance(body.rid, list):
             raise BadRequest("field 'rid': one prompt takes one string")
-        return [build_request(policy, body.text, body.input_ids, body.image_data, body.rid or next(rids))]
+        return [build_request(policy, body.text, body.input_ids, body.image_data, body.rid or next(rids), bounds)]
     prompts = body.text if body.text is not None else body.input_ids
     if any(isinstance(p, int) for p in prompts):
         raise BadRequest("field 'input_ids': a batch is a list of token-id lists")
@@ -493,18 +742,25 @@ def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Ite
     for i, prompt in enumerate(prompts):
         try:
             text, ids = (prompt, None) if body.text is not None else (None, prompt)
-            out.append(build_request(policy, text, ids, images[i], rid[i]))
+            out.append(build_request(policy, text, ids, images[i], rid[i], bounds))
         except BadRequest as err:
             raise BadRequest(f"prompt {i} of the batch: {err}") from None
     return out
 
 
-def build_request(policy: Policy, text: str | None, input_ids: list[int] | None, image_data: str | list[str] | None,
-                  rid: str) -> Request:
+def build_request(policy: Policy, text: str | None, input_ids: list[int] | None,
+                  image_data: ImageItem | list[ImageItem] | None, rid: str, bounds: PromptBounds | None = None) -> Request:
     """One prompt as a `Request` (tokenize ``text``, process images, expand image tokens)."""
-    items = [image_data] if isinstance(image_data, str) else list(image_data or [])
-    images = [_decode_image(item, k) for k, item in enumerate(items)]
+    bounds = bounds or PromptBounds(None, None, 0, ServeLimits())
+    _check_unicode(rid, "rid")
+    if text is not None:
+        if bounds.max_text_chars is not None and len(text) > bounds.max_text_chars:
+            raise BadRequest(f"field 'text': {len(text)} characters cannot fit the model context of {bounds.context} "
+                             "tokens")
+        _check_unicode(text, "text")
+    items = [image_data] if isinstance(image_data, (str, bytes)) else list(image_data or [])
     adapter = policy.adapter
+    images = _load_images(items, bounds, adapter) if items else []
     try:
         vision = adapter.encode_images(images)
         if text is not None:
@@ -518,6 +774,9 @@ def build_request(policy: Policy, text: str | None, input_ids: list[int] | None,
     vocab = policy.model.get_input_embeddings().num_embeddings
     if min(ids) < 0 or max(ids) >= vocab:
         raise BadRequest(f"field 'input_ids': token ids must lie in [0, {vocab})")
+    if bounds.context is not None and len(ids) + bounds.max_new_tokens > bounds.context:
+        raise BadRequest(f"field 'sampling_params.max_new_tokens': {len(ids)} prompt tokens + max_new_tokens "
+                         f"{bounds.max_new_tokens} exceed the model context of {bounds.context} tokens")
     sample = Sample(id=rid, task="serve", messages=[{"role": "user", "content": ""}])
     return Request(sample=sample, prompt_ids=ids, vision=vision, images=images)
 
@@ -548,12 +807,13 @@ def _expand_ids(policy: Policy, ids: list[int], vision) -> list[int]:
     return out
 
 
-def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, return_logprob: bool) -> dict[str, Any]:
+def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, return_logprob: bool,
+                  abort_message: str = "aborted by a weight update") -> dict[str, Any]:
     """One trajectory in the shape of SGLang's ``/generate`` answer."""
     ids = t.response_ids.tolist()
     text = policy.tokenizer.decode(ids, skip_special_tokens=True)
     if t.status is Status.ABORTED:
-        finish: dict[str, Any] = {"type": "abort", "message": "aborted by a weight update"}
+        finish: dict[str, Any] = {"type": "abort", "message": abort_message}
     elif t.status is Status.TRUNCATED:
         finish = {"type": "length", "length": len(ids)}
     elif ids and ids[-1] in policy.eos_token_ids:
@@ -570,27 +830,100 @@ def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, re
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
-def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: str = "") -> Any:
-    """The FastAPI application serving ``batcher``. ``api_key=None`` disables authentication."""
+async def _until_disconnected(receive: collections.abc.Callable) -> None:
+    """Return when the client closes its connection (the body was read: the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _answer_or_abandon(receive: collections.abc.Callable, future: concurrent.futures.Future) -> list[Trajectory] | None:
+    """The job's trajectories, or None if the client went away first — then the job's future is cancelled,
+    which stops its rows at the batcher's next decode step."""
+    answer = asyncio.wrap_future(future)
+    gone = asyncio.ensure_future(_until_disconnected(receive))
+    try:
+        done, _ = await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if answer in done:
+            return answer.result()
+        future.cancel()
+        return None
+    finally:
+        gone.cancel()
+        if not future.done():  # this handler was cancelled (shutdown backstop): stop decoding for nobody
+            future.cancel()
+
+
+def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: str = "",
+               limits: ServeLimits = ServeLimits()) -> Any:
+    """The FastAPI application serving ``batcher``. ``api_key=None`` disables authentication.
+
+    Every request is bounded before it is admitted (`ServeLimits`, the batcher's queue and token budget);
+    JSON parsing runs off the event loop (`BodyParser`), tokenizing and image decoding on one preprocessing
+    thread, so ``/health`` answers while any request is being read, parsed, prepared or decoded. A client that
+    disconnects cancels its job (its rows stop at the next decode step); ``app.state.on_drain`` is what SIGTERM
+    calls (no new requests; the rest aborted after ``limits.drain_seconds``)."""
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
+    from pydantic import ValidationError
 
-    app = FastAPI(title="vlrl rollout server")
+    class SafeJSON(JSONResponse):
+        def render(self, content: Any) -> bytes:
+            return encode_json(content)
+
+    app = FastAPI(title="vlrl rollout server", default_response_class=SafeJSON)
     counter = iter(range(1 << 62))
     update_lock = asyncio.Lock()
     names: dict[str, Any] = {}  # checkpoint → state-dict names of the served model, found at the first update
+    context = model_context(batcher.policy)
+    max_text_chars = context * longest_token_chars(batcher.policy.tokenizer) if context else None
+    budget = batcher.max_tokens_in_flight
+    parser = BodyParser(max_values=(budget if budget is not None else 1 << 22) + 65_536,
+                        max_string_chars=max_text_chars or 1 << 24)
+    prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlrl-prep")  # one tokenizer user
+    state = {"draining": False}
 
-    install_bearer_auth(app, api_key)
+    def close() -> None:
+        parser.close()
+        prep.shutdown(wait=False, cancel_futures=True)
+
+    on_close(app, close)
+    protect(app, api_key=api_key, max_body_bytes=limits.max_body_bytes, setting="vlrl serve --max-body-mb")
+
+    def on_drain() -> None:
+        state["draining"] = True
+        timer = threading.Timer(limits.drain_seconds, batcher.abort_all)
+        timer.daemon = True
+        timer.start()
+
+    app.state.on_drain = on_drain
+
+    async def in_prep(fn: collections.abc.Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(prep, fn, *args)
+
+    async def read(request: HTTPRequest, model: type[BaseModel], base64_fields: tuple[str, ...] = ()) -> Any:
+        content_type = request.headers.get("content-type", "")
+        if "json" not in content_type:
+            raise BadRequest("the body must be a JSON object sent with Content-Type: application/json")
+        try:
+            payload = await parser.parse(await request.body(), base64_fields=base64_fields)
+        except BodyError as err:
+            raise BadRequest(str(err)) from None
+        if not isinstance(payload, dict):
+            raise BadRequest("the body must be a JSON object sent with Content-Type: application/json")
+        try:
+            return await asyncio.to_thread(model.model_validate, payload)
+        except ValidationError as err:
+            raise BadRequest(_explain(err)) from None
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: HTTPRequest, err: RequestValidationError):
-        return JSONResponse({"error": _explain(err)}, 400)
+        return SafeJSON({"error": _explain(err)}, 400)
 
     @app.exception_handler(BadRequest)
     async def _bad(request: HTTPRequest, err: BadRequest):
-        return JSONResponse({"error": str(err)}, 400)
+        return SafeJSON({"error": str(err)}, 400)
 
     @app.get("/health")
     async def health():
@@ -603,29 +936,61 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
         return {"model_path": model_path or policy.source, "tokenizer_path": model_path or policy.source,
                 "is_generation": True, "weight_version": str(version), "weight_checksum": checksum,
                 "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch."),
-                "vocab_size": policy.model.get_input_embeddings().num_embeddings,
+                "vocab_size": policy.model.get_input_embeddings().num_embeddings, "context_length": context,
                 "max_batch_size": batcher.max_batch_size, "max_queued_requests": batcher.max_queued_requests,
-                "queued_requests": batcher.queued(), "batches": batcher.batches, "rows": batcher.rows, "server": "vlrl"}
+                "max_tokens_in_flight": budget, "max_new_tokens": limits.max_new_tokens,
+                "max_body_bytes": limits.max_body_bytes, "max_image_pixels": limits.max_image_pixels,
+                "queued_requests": batcher.queued(), "tokens_in_flight": batcher.tokens_in_flight,
+                "batches": batcher.batches, "rows": batcher.rows, "decode_steps": batcher.decode_steps,
+                "early_stops": len(batcher.early_stops), "cancelled": batcher.cancelled, "server": "vlrl"}
 
     @app.get("/get_weight_version")
     async def get_weight_version():
         return {"weight_version": str(batcher.version[0])}
 
-    @app.post("/generate")
-    async def generate(body: GenerateBody):
-        requests = build_requests(batcher.policy, body, (f"req-{i}" for i in counter))
+    async def generate(request: HTTPRequest):  # (a plain Starlette route: the raw body is read, not injected)
+        if state["draining"]:
+            return SafeJSON({"error": "server busy: shutting down"}, 503, headers={"Retry-After": "1"})
+        body = await read(request, GenerateBody, base64_fields=("image_data",))
         sampling = body.sampling_params.to_params()
-        try:
-            future = batcher.submit(requests, sampling)  # one job: a batch's prompts decode together
+        new_tokens, prompts = sampling.max_new_tokens, prompt_count(body)
+        if new_tokens > limits.max_new_tokens:
+            raise BadRequest(f"field 'sampling_params.max_new_tokens': {new_tokens} exceeds the server's limit of "
+                             f"{limits.max_new_tokens} (vlrl serve --max-new-tokens)")
+        if context is not None and new_tokens >= context:
+            raise BadRequest(f"field 'sampling_params.max_new_tokens': {new_tokens} leaves no room for a prompt in the "
+                             f"model context of {context} tokens")
+        if prompts * sampling.n > batcher.max_queued_requests:
+            raise BadRequest(f"field 'sampling_params.n': {prompts} prompt(s) × n = {sampling.n} is "
+                             f"{prompts * sampling.n} samples; the server queues at most {batcher.max_queued_requests} "
+                             "(vlrl serve --max-queued-requests)")
+        bounds = PromptBounds(context, max_text_chars, new_tokens, limits)
+        rids = (f"req-{i}" for i in counter)
+        requests = await in_prep(build_requests, batcher.policy, body, rids, bounds)
+        tokens = sum(sampling.n * (len(r.prompt_ids) + new_tokens) for r in requests)
+        deadline = time.monotonic() + limits.request_timeout
+        try:  # one job: a batch's prompts decode together
+            future = batcher.submit(requests, sampling, tokens=tokens, deadline=deadline)
+        except TooLargeError as err:
+            raise BadRequest(f"field 'sampling_params': {err}") from None
         except QueueFullError as err:
-            return JSONResponse({"error": f"server busy: {err}"}, 503, headers={"Retry-After": "1"})
-        trajectories = await asyncio.wrap_future(future)
-        policy = batcher.policy
-        out = [sglang_output(policy, t, sampling, return_logprob=body.return_logprob) for t in trajectories]
-        return out if is_batched(body) or sampling.n > 1 else out[0]  # a batch: prompt-major, n per prompt
+            return SafeJSON({"error": f"server busy: {err}"}, 503, headers={"Retry-After": "1"})
+        trajectories = await _answer_or_abandon(request.receive, future)
+        if trajectories is None:  # the client is gone (counted in batcher.cancelled): nobody reads an answer
+            return SafeJSON({"error": "client disconnected"}, 499)
+        why = ("the server shut down" if state["draining"] else "the request's deadline passed"
+               if time.monotonic() >= deadline - 1e-3 else "aborted by a weight update")
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights(body: UpdateWeightsBody):
+        def answers() -> list[dict[str, Any]]:
+            policy = batcher.policy
+            return [sglang_output(policy, t, sampling, return_logprob=body.return_logprob, abort_message=why)
+                    for t in trajectories]
+
+        out = await in_prep(answers)
+        return SafeJSON(out if is_batched(body) or sampling.n > 1 else out[0])  # a batch: prompt-major, n per prompt
+
+    async def update_weights(request: HTTPRequest):
+        body = await read(request, UpdateWeightsBody)
         try:
             version = int(body.weight_version) if body.weight_version is not None else batcher.version[0] + 1
         except ValueError:
@@ -635,10 +1000,12 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
                 checksum = await asyncio.to_thread(_update_from_disk, batcher, body.model_path, version=version,
                                                    abort=body.abort_all_requests, names=names)
             except (OSError, ValueError) as err:
-                return JSONResponse({"success": False, "message": f"cannot load {body.model_path}: {err}"}, 400)
-        return {"success": True, "message": f"loaded {body.model_path} as version {version}",
-                "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum}
+                return SafeJSON({"success": False, "message": f"cannot load {body.model_path}: {err}"}, 400)
+        return SafeJSON({"success": True, "message": f"loaded {body.model_path} as version {version}",
+                         "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum})
 
+    app.router.add_route("/generate", generate, methods=["POST"])
+    app.router.add_route("/update_weights_from_disk", update_weights, methods=["POST"])
     return app
 
 
@@ -702,27 +1069,30 @@ def _load_weights(current: Policy, path: str) -> Policy:
 # ----------------------------------------------------------------------------------------------- running
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           no_auth: bool = False, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 256,
-          max_queued_requests: int = 1024, batch_window_ms: float = 10.0, init_seed: int = 0) -> None:
-    """`vlrl serve`: load the policy and serve it until interrupted."""
-    import uvicorn
-
+          max_queued_requests: int = 1024, batch_window_ms: float = 10.0, init_seed: int = 0,
+          max_tokens_in_flight: int = 1 << 20, limits: ServeLimits = ServeLimits()) -> None:
+    """`vlrl serve`: load the policy and serve it until SIGTERM/SIGINT, then drain (``limits.drain_seconds``)."""
     from vlrl.models import load_policy
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: choose from {sorted(DTYPES)}")
+    for root in limits.image_roots:
+        if not os.path.isdir(root):
+            raise ValueError(f"--image-root {root}: not a directory")
     api_key = resolve_api_key(api_key, no_auth=no_auth, host=host, command="vlrl serve")
     policy = load_policy(model, dtype=dtype, device=device, seed=init_seed)
     policy.model.eval()
     batcher = ContinuousBatcher(policy, max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
-                                batch_window=batch_window_ms / 1000)
-    app = create_app(batcher, api_key=api_key, model_path=model)
+                                batch_window=batch_window_ms / 1000, max_tokens_in_flight=max_tokens_in_flight)
+    app = create_app(batcher, api_key=api_key, model_path=model, limits=limits)
     sock = bind_socket(host, port)
     print(f"vlrl serve: listening on http://{host}:{sock.getsockname()[1]} ({policy.source}, "
           f"{policy.num_parameters() / 1e6:.2f}M parameters, auth {'on' if api_key else 'off'})", flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off")).run(sockets=[sock])
+        run_server(app, sock, drain_seconds=limits.drain_seconds, on_drain=app.state.on_drain)
     finally:
         batcher.close()
+        print("vlrl serve: stopped", flush=True)
 
 
 def encode_image(image: Image.Image) -> str:

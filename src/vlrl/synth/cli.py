@@ -36,6 +36,9 @@ def serve(
     results_dir: str | None = typer.Option(None, "--results-dir", help="Where result PNGs are kept (default: a temporary directory)."),
     max_results_mb: float = typer.Option(512.0, "--max-results-mb", help="Size cap of the results; the oldest are deleted beyond it."),
     max_image_side: int = typer.Option(4096, "--max-image-side", help="Longest image side accepted."),
+    max_body_mb: float = typer.Option(64.0, "--max-body-mb", help="Largest request body (413 beyond; chunked too)."),
+    drain_seconds: float = typer.Option(10.0, "--drain-seconds",
+                                        help="On SIGTERM, requests in flight get this long before the server stops."),
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address; loopback by default."),
     port: int = typer.Option(30100, "--port", help="Port; 0 picks a free one (the address is printed)."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="VLRL_API_KEY", show_envvar=True,
@@ -53,7 +56,8 @@ def serve(
                              segmenter=segmenter, segmenter_options=_options(segmenter_option, "--segmenter-option"),
                              workers=workers, executor=executor, max_queued_jobs=max_queued_jobs, job_timeout=job_timeout,
                              results_dir=results_dir, max_results_bytes=int(max_results_mb * (1 << 20)),
-                             max_image_side=max_image_side)
+                             max_image_side=max_image_side, max_body_bytes=int(max_body_mb * (1 << 20)),
+                             drain_seconds=drain_seconds)
     try:
         run_server(settings, host=host, port=port, api_key=api_key, no_auth=no_auth)
     except (ValueError, RuntimeError) as err:

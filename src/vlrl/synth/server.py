@@ -5,8 +5,9 @@ boxes (or masks) to keep, the new description, a seed — and goes on training; 
 result into its dataset. JSON over HTTP (FastAPI + uvicorn):
 
 - ``POST /jobs`` → 202 ``{"id", "status": "queued", "queued"}``; 429 when the queue is full (back-pressure,
-  with ``Retry-After``); 400 naming the field for a bad image (format, size), box (bounds, order), mask,
-  description or seed; 413 for a body over ``max_body_bytes``.
+  with ``Retry-After``); 400 naming the field for a bad image (format: PNG, JPEG, WEBP, BMP or GIF; size), box
+  (bounds, order), mask, description or seed; 413 for a body over ``max_body_bytes`` (counted on the bytes
+  received: a chunked body too); 500 with an error id for anything unexpected.
 - ``GET /jobs/{id}`` → ``{"id", "status": queued | running | done | failed, "error": {"kind": timeout | error |
   worker_died, "message"} | null, "metadata", "created", "started", "finished", "seconds", "image"}`` with the
   result as a PNG data URL when done (``?image=false`` leaves it out); 404 for an unknown id, 410 when the
@@ -46,11 +47,21 @@ import numpy as np
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
-from vlrl.serving import bind_socket, explain_validation_error, install_bearer_auth, resolve_api_key
+from vlrl.data.sample import IMAGE_FORMATS, SampleError, image_size, load_image  # noqa: F401  (IMAGE_FORMATS: re-exported)
+from vlrl.serving import (
+    BodyError,
+    BodyParser,
+    bind_socket,
+    encode_json,
+    explain_validation_error,
+    on_close,
+    protect,
+    resolve_api_key,
+    run_server,
+)
 
 log = logging.getLogger(__name__)
 
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP")
 
 
 class BadRequest(ValueError):
@@ -77,7 +88,10 @@ class SynthSettings:
         max_results_bytes: size cap of the results; the oldest are deleted beyond it.
         max_jobs: finished jobs remembered (older ones are forgotten: 404).
         max_image_side / min_image_side / max_image_pixels / max_boxes / max_description_chars /
-        max_body_bytes: input limits (400 / 413 beyond them).
+        max_body_bytes: input limits (400 / 413 beyond them; the body limit counts the bytes received, so it holds
+        for chunked bodies too).
+        drain_seconds: on SIGTERM, HTTP requests in flight get this long before they are cancelled; queued jobs
+        then fail with "the server shut down".
     """
 
     backend: str = "classical"
@@ -97,6 +111,7 @@ class SynthSettings:
     max_boxes: int = 256
     max_description_chars: int = 2000
     max_body_bytes: int = 64 << 20
+    drain_seconds: float = 10.0
 
 
 # ----------------------------------------------------------------------------------------------- the worker side
@@ -366,36 +381,45 @@ class JobBody(BaseModel):
     """``POST /jobs``."""
 
     model_config = ConfigDict(extra="forbid")
-    image: str = Field(description="The source image: base64 or a data URL (PNG, JPEG, WEBP or BMP).")
+    image: str | bytes = Field(description="The source image: base64 or a data URL (PNG, JPEG, WEBP, BMP or GIF; "
+                               "decoded to bytes by the body parser).")
     boxes: list[list[float]] = Field(default_factory=list, description="Foreground boxes [x1, y1, x2, y2] in pixels.")
-    masks: list[str] = Field(default_factory=list, description="Foreground masks (base64 PNG, image-sized; non-zero = keep).")
+    masks: list[str | bytes] = Field(default_factory=list, description="Foreground masks (base64 PNG, image-sized; "
+                                     "non-zero = keep).")
     description: str = Field(description="The new image description the background is generated from.")
     seed: int = Field(0, description="Seed of the generation (same inputs and seed → same image).")
     refine: bool = Field(True, description="Refine boxes into masks with the server's segmenter, if it has one.")
 
 
-def decode_image(data: str, field: str, settings: SynthSettings, *, mode: str = "RGB") -> np.ndarray:
-    """A base64 / data-URL image → (H, W, 3) uint8 (or (H, W) for ``mode="L"``), checking format and size."""
-    payload = data.split(",", 1)[1] if data.startswith("data:") and "," in data else data
+def decode_image(data: str | bytes, field: str, settings: SynthSettings, *, mode: str = "RGB") -> np.ndarray:
+    """A base64 / data-URL image (or its bytes) → (H, W, 3) uint8 (or (H, W) for ``mode="L"``): only `IMAGE_FORMATS`
+    (`vlrl.data.sample.load_image`, the one image loader), size checked from the header before decoding."""
+    if isinstance(data, str):
+        payload = data.split(",", 1)[1] if data.startswith("data:") and "," in data else data
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest(f"field '{field}': not valid base64 (send base64 or a data URL)") from None
     try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise BadRequest(f"field '{field}': not valid base64 (send base64 or a data URL)") from None
-    try:
-        image = Image.open(io.BytesIO(raw))
-    except Exception:  # noqa: BLE001  (PIL raises many types)
-        raise BadRequest(f"field '{field}': not a decodable image") from None
-    if image.format not in IMAGE_FORMATS:
-        raise BadRequest(f"field '{field}': format {image.format} not accepted; send {', '.join(IMAGE_FORMATS)}")
-    W, H = image.size
+        W, H = image_size(data)
+    except SampleError as err:
+        reason = _reason(err)
+        raise BadRequest(f"field '{field}': " + (reason if "is not accepted" in reason else
+                                                 f"not a decodable image ({reason})")) from None
     if min(W, H) < settings.min_image_side or max(W, H) > settings.max_image_side or W * H > settings.max_image_pixels:
         raise BadRequest(f"field '{field}': size {W}x{H} outside the limits (sides {settings.min_image_side}.."
                          f"{settings.max_image_side} px, at most {settings.max_image_pixels} pixels)")
     try:
-        image.load()
-    except Exception as err:  # noqa: BLE001
-        raise BadRequest(f"field '{field}': truncated or corrupt image ({err})") from None
-    return np.asarray(image.convert(mode), dtype=np.uint8)
+        image = load_image(data, max_pixels=settings.max_image_pixels, mode=mode)
+    except SampleError as err:
+        raise BadRequest(f"field '{field}': truncated or corrupt image ({_reason(err)})") from None
+    return np.asarray(image, dtype=np.uint8)
+
+
+def _reason(err: SampleError) -> str:
+    """`load_image`'s message without its "image <bytes>:" prefix."""
+    message = str(err)
+    return message.split(": ", 1)[1] if message.startswith(("image <bytes>", "cannot decode image <bytes>")) else message
 
 
 def check_boxes(boxes: Sequence[Sequence[float]], size: tuple[int, int], settings: SynthSettings) -> list[list[float]]:
@@ -426,6 +450,10 @@ def parse_job(body: JobBody, settings: SynthSettings) -> tuple[np.ndarray, np.nd
     description = body.description.strip()
     if not description:
         raise BadRequest("field 'description': must not be empty")
+    try:
+        description.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadRequest(f"field 'description': not valid Unicode (a lone surrogate at character {err.start})") from None
     if len(description) > settings.max_description_chars:
         raise BadRequest(f"field 'description': {len(description)} characters, at most {settings.max_description_chars}")
     if not 0 <= body.seed < 2**32:
@@ -446,46 +474,62 @@ def parse_job(body: JobBody, settings: SynthSettings) -> tuple[np.ndarray, np.nd
 
 # ----------------------------------------------------------------------------------------------- HTTP
 def create_app(service: SynthService, *, api_key: str | None) -> Any:
-    """The FastAPI application of ``service``. ``api_key=None`` disables authentication."""
+    """The FastAPI application of ``service``. ``api_key=None`` disables authentication. Bodies are bounded by
+    ``max_body_bytes`` as they are received (`vlrl.serving.BodyLimit`) and parsed off the event loop
+    (`vlrl.serving.BodyParser`); an unexpected error answers 500 with an id, never a traceback."""
+    import asyncio
+
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
+    from pydantic import ValidationError
 
-    app = FastAPI(title="vlrl synthesis server")
+    class SafeJSON(JSONResponse):
+        def render(self, content: Any) -> bytes:
+            return encode_json(content)
+
+    app = FastAPI(title="vlrl synthesis server", default_response_class=SafeJSON)
     settings = service.settings
-
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse({"error": f"body of {length} bytes exceeds max_body_bytes = {settings.max_body_bytes}"}, 413)
-        return await call_next(request)
-
-    install_bearer_auth(app, api_key)  # added last: runs first
+    # a job is an image, at most max_boxes boxes of 4 numbers, masks, a description and a seed
+    parser = BodyParser(max_values=8 * settings.max_boxes + 4096, max_string_chars=max(settings.max_description_chars, 4096))
+    on_close(app, parser.close)
+    protect(app, api_key=api_key, max_body_bytes=settings.max_body_bytes,
+            setting="max_body_bytes; vlrl synth serve --max-body-mb")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
-        return JSONResponse({"error": explain_validation_error(err)}, 400)
+        return SafeJSON({"error": explain_validation_error(err)}, 400)
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, err: BadRequest):
-        return JSONResponse({"error": str(err)}, 400)
+        return SafeJSON({"error": str(err)}, 400)
 
-    @app.get("/health")
-    async def health():
-        return service.health()
-
-    @app.post("/jobs", status_code=202)
-    async def submit(body: JobBody):
-        import asyncio
-
+    async def submit(request: Request):  # (a plain Starlette route: the raw body is read, not injected)
+        if "json" not in request.headers.get("content-type", ""):
+            raise BadRequest("the body must be a JSON object sent with Content-Type: application/json")
+        try:
+            payload = await parser.parse(await request.body(), base64_fields=("image", "masks"))
+        except BodyError as err:
+            raise BadRequest(str(err)) from None
+        if not isinstance(payload, dict):
+            raise BadRequest("the body must be a JSON object sent with Content-Type: application/json")
+        try:
+            body = await asyncio.to_thread(JobBody.model_validate, payload)
+        except ValidationError as err:
+            raise BadRequest(explain_validation_error(err)) from None
         image, keep, boxes = await asyncio.to_thread(parse_job, body, settings)
         try:
             job = service.submit(image, keep, boxes, body.description.strip(), body.seed, body.refine)
         except QueueFull as err:
-            return JSONResponse({"error": f"server busy: {err}"}, 429, headers={"Retry-After": "1"})
-        return JSONResponse({"id": job.id, "status": job.status, "queued": service.health()["queued"]}, 202,
-                            headers={"Location": f"/jobs/{job.id}"})
+            return SafeJSON({"error": f"server busy: {err}"}, 429, headers={"Retry-After": "1"})
+        return SafeJSON({"id": job.id, "status": job.status, "queued": service.health()["queued"]}, 202,
+                        headers={"Location": f"/jobs/{job.id}"})
+
+    app.router.add_route("/jobs", submit, methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        return service.health()
 
     def _job(job_id: str):
         job = service.get(job_id)
@@ -534,22 +578,13 @@ def create_app(service: SynthService, *, api_key: str | None) -> Any:
 def serve(settings: SynthSettings, *, host: str = "127.0.0.1", port: int = 30100, api_key: str | None = None,
           no_auth: bool = False) -> None:
     """`vlrl synth serve`: start the workers and serve until interrupted."""
-    import signal
-    import sys
-
-    import uvicorn
-
     api_key = resolve_api_key(api_key, no_auth=no_auth, host=host, command="vlrl synth serve")
-    # uvicorn re-raises the SIGTERM it caught once it has shut down: exit through `finally` (workers stopped,
-    # temporary results removed) instead of dying at once
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     service = SynthService(settings)
     sock = bind_socket(host, port)
     print(f"vlrl synth serve: listening on http://{host}:{sock.getsockname()[1]} (back-end {settings.backend}, "
           f"{settings.workers} {settings.executor} worker(s), results in {service.results_dir}, "
           f"auth {'on' if api_key else 'off'})", flush=True)
-    try:
-        uvicorn.Server(uvicorn.Config(create_app(service, api_key=api_key), log_level="warning",
-                                      lifespan="off")).run(sockets=[sock])
+    try:  # SIGTERM: no new connections, requests in flight get drain_seconds, then the workers stop
+        run_server(create_app(service, api_key=api_key), sock, drain_seconds=settings.drain_seconds)
     finally:
         service.close()

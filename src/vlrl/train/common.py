@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 
 from vlrl.config import DataConfig, OptimConfig, Section, dump_config
-from vlrl.data import Sample, generate, read_samples
+from vlrl.data import DataError, Sample, generate, read_samples
 from vlrl.report import MetricsLogger
 
 
@@ -59,20 +60,84 @@ def reward_names_check(sample: Sample) -> None:
         get_reward(name)
 
 
+def sample_check(sample: Sample) -> None:
+    """`reward_names_check`, and reject a sample whose reference answer its own verifier can never score as
+    correct (`vlrl.rewards.reference`: ``answer: "seven"`` with ``number``)."""
+    from vlrl.rewards.reference import unscorable_answer
+
+    reward_names_check(sample)
+    problem = unscorable_answer(sample.answer, sample.reward, sample.metadata, sample.response)
+    if problem:
+        raise ValueError(problem)
+
+
 def load_split(cfg: DataConfig, split: str, logger: MetricsLogger | None = None) -> list[Sample]:
-    """The ``train`` or ``test`` samples: read from the configured file, or generated procedurally."""
+    """The ``train`` or ``test`` samples: read from the configured file, or generated procedurally. (Reads
+    ``cfg.train`` whole: the held-out split of a training file is `load_splits`'.)"""
     path = cfg.train if split == "train" else cfg.test
     if path is None:
         n = cfg.n_train if split == "train" else cfg.n_test
         return generate(cfg.suite, n, split=split, seed=cfg.seed, tasks=cfg.tasks, **cfg.suite_options)
-    report = read_samples(path, on_error=cfg.on_error, check=reward_names_check)
+    report = read_samples(path, on_error=cfg.on_error, check=sample_check)
     if logger is not None:
         logger.info(f"data {split}: {path}: {report.summary()}")
         if report.skipped:
             logger.log("data", 0, {f"data/{split}_skipped": len(report.skipped), f"data/{split}_read": len(report.samples)})
     if not report.samples:
-        raise ValueError(f"{path}: no usable samples ({len(report.skipped)} skipped)")
+        raise DataError(f"{path}: no usable samples ({len(report.skipped)} skipped)")
     return report.samples
+
+
+def holds_out(cfg: DataConfig) -> bool:
+    """Whether the held-out samples come out of ``cfg.train`` (a file given, no ``cfg.test``)."""
+    return cfg.train is not None and cfg.test is None
+
+
+def hold_out_problem(cfg: DataConfig, n_train: int | None = None) -> str | None:
+    """Why no test split can be held out of ``cfg.train`` (``n_train`` samples), or None. The message is about
+    the field ``data.test``."""
+    if not holds_out(cfg):
+        return None
+    if cfg.packing_plan is not None:
+        return (f"unset, and data.train ({cfg.train}) is packed by data.packing_plan, which covers the whole file: "
+                "give held-out samples with --test FILE / data.test")
+    if cfg.test_fraction == 0:
+        return (f"unset, and data.test_fraction is 0: evaluating on the procedural {cfg.suite!r} suite would not "
+                f"measure your data ({cfg.train}); give held-out samples with --test FILE / data.test, or set "
+                "data.test_fraction (e.g. 0.1) to hold some out of data.train")
+    if n_train is not None and n_train < 2:
+        return f"unset, and data.train ({cfg.train}) holds {n_train} sample(s): too few to hold any out; give --test FILE"
+    return None
+
+
+def split_held_out(samples: list[Sample], cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
+    """(train, test): ``round(test_fraction × N)`` samples (at least 1, at most ``n_test``, leaving at least 1 to
+    train on) held out of ``samples``. They are the samples whose sha256(seed:id) sort first, so the split
+    depends only on the ids and ``cfg.seed``: `vlrl sft` and `vlrl rl` on the same file hold out the same
+    samples, and reordering or appending to the file moves few of them."""
+    count = min(max(1, round(cfg.test_fraction * len(samples))), cfg.n_test, len(samples) - 1)
+    rank = sorted(range(len(samples)), key=lambda k: hashlib.sha256(f"{cfg.seed}:{samples[k].id}".encode()).hexdigest())
+    test_index = set(rank[:count])
+    return ([s for k, s in enumerate(samples) if k not in test_index],
+            [s for k, s in enumerate(samples) if k in test_index])
+
+
+def load_splits(cfg: DataConfig, logger: MetricsLogger | None = None) -> tuple[list[Sample], list[Sample]]:
+    """(train, test) of a run: each read from its file or generated; with a training file and no test file, a
+    seeded share of the file held out (`split_held_out`, stated in the log) — never the procedural suite.
+    Raises `DataError` (``data.test: …``) when nothing can be held out."""
+    train = load_split(cfg, "train", logger)
+    if not holds_out(cfg):
+        return train, load_split(cfg, "test", logger)
+    problem = hold_out_problem(cfg, len(train))
+    if problem:
+        raise DataError(f"data.test: {problem}")
+    train, test = split_held_out(train, cfg)
+    if logger is not None:
+        logger.info(f"data test: held out {len(test)} of {len(train) + len(test)} samples of {cfg.train} "
+                    f"(data.test_fraction {cfg.test_fraction:g}, at most data.n_test {cfg.n_test}; seed data.seed "
+                    f"{cfg.seed}); training on the other {len(train)}. Give --test FILE to evaluate on your own split.")
+    return train, test
 
 
 class PromptCursor:

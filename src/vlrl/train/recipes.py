@@ -34,7 +34,7 @@ from vlrl.synth.workflow import syn_eval_samples
 from vlrl.train.async_grpo import make_engine, train_async_grpo
 from vlrl.train.budget import FlopMeter, control_budget
 from vlrl.train.checkpoint import export_hf, metrics_offset, resolve_resume
-from vlrl.train.common import load_split, prepare_run_dir, seed_everything, write_json
+from vlrl.train.common import load_split, load_splits, prepare_run_dir, seed_everything, write_json
 from vlrl.train.distributed import (
     DistContext,
     Runtime,
@@ -92,7 +92,7 @@ def _write_report(run_dir: Path, logger: MetricsLogger) -> None:
 
 def _data(cfg: RunConfig, logger: MetricsLogger) -> tuple[list[Sample], list[Sample]]:
     with logger.progress.task("data"):
-        return load_split(cfg.data, "train", logger), load_split(cfg.data, "test", logger)
+        return load_splits(cfg.data, logger)  # a training file without a test file: a seeded share held out
 
 
 def _check(cfg: RunConfig, logger: MetricsLogger, train: list[Sample], test: list[Sample]) -> None:
