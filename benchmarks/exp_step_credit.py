@@ -62,7 +62,7 @@ def plan_eval(engine, samples, *, samples_per_prompt: int, temperature: float, m
     for name, batch in (("greedy", greedy), ("sampled", sampled)):
         for t in batch:
             for task in (t.sample.task, "mean"):
-                table[f"{name}_success"][task].append(t.reward_parts.get("accuracy", 0.0))
+                table[f"{name}_success"][task].append(t.accuracy or 0.0)
                 table[f"{name}_step_acc"][task].append(t.reward_parts.get("plan_success/step_acc", 0.0))
     return {metric: {task: round(sum(v) / len(v), 4) for task, v in by_task.items()} for metric, by_task in table.items()}
 

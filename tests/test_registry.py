@@ -35,3 +35,30 @@ def test_unknown_name_lists_registered_names():
         reg.get("no_such_module_xyz:fn")
     with pytest.raises(RegistryError, match="has no 'nope'"):
         reg.get("os:nope")
+
+
+def test_register_path_imports_at_the_first_lookup_and_refuses_duplicates():
+    import os.path
+
+    reg = Registry("thing")
+    reg.register_path("join", "os.path:join")
+    assert "join" in reg and reg.names() == ["join"]
+    assert reg.get("join") is os.path.join
+    with pytest.raises(RegistryError, match="already registered"):
+        reg.register("join")(lambda: 1)
+    with pytest.raises(RegistryError, match="already registered"):
+        reg.register_path("join", "os.path:split")
+    reg.register_path("missing", "no_such_module_xyz:fn")
+    with pytest.raises(RegistryError, match="thing 'missing': cannot import module"):
+        reg.get("missing")
+
+
+def test_the_step_credit_shaper_is_registered_without_importing_the_training_room():
+    """`vlrl.algos` names it by location; nothing imports `vlrl.train.step_credit` to register it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vlrl.algos as a; assert 'step_credit' in a.ADVANTAGE_SHAPING; "
+            "assert 'vlrl.train.step_credit' not in sys.modules; "
+            "from vlrl.train.step_credit import step_credit; assert a.get_advantage_shaping('step_credit') is step_credit")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -145,9 +145,12 @@ def _check_sizes(report: CheckReport, sft, rl) -> None:
 
 # ----------------------------------------------------------------------------------------------- names
 def _check_names(report: CheckReport, cfg: RunConfig, rl) -> None:
-    import vlrl.train.step_credit  # noqa: F401  (registers the step_credit advantage shaper, as the recipe does)
     from vlrl.algos import get_advantage, get_advantage_shaping, get_policy_loss, get_reward_shaping
+    from vlrl.config import plugin_option_problems
     from vlrl.report.sinks import SINKS, sink_requirement
+
+    for where, message in plugin_option_problems(cfg):  # options against each plug-in's signature
+        report.problem(where, message)
 
     checked = set()
     for p, stage in rl:

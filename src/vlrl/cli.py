@@ -195,10 +195,10 @@ def eval_(
     out: Path | None = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
     """Greedy accuracy, sampled accuracy and pass@k per task on held-out data (preflight-checked first)."""
-    from vlrl.config import DataConfig, ModelConfig, RunConfig
+    from vlrl.config import DataConfig, ModelConfig, RolloutConfig, RunConfig
     from vlrl.eval import evaluate
     from vlrl.models import load_policy
-    from vlrl.rollout import HFEngine
+    from vlrl.rollout import build_engine
     from vlrl.train.common import seed_everything
 
     run = _run_config_of(model)
@@ -216,10 +216,8 @@ def eval_(
     with progress.task(f"load {model}"):
         policy = load_policy(model, **bounds)
     with progress.task(f"eval {len(test)} prompts × {settings.samples}"):
-        result = evaluate(HFEngine(policy, max_batch_size=settings.max_batch_size), test, settings)
-    result.pop("examples")
-    result["settings"] = {**settings.model_dump(), "seed": seed}
-    text = json.dumps(result, indent=2)
+        result = evaluate(build_engine(RolloutConfig(), policy, max_batch_size=settings.max_batch_size), test, settings)
+    text = json.dumps({**result.to_dict(examples=False), "settings": {**settings.model_dump(), "seed": seed}}, indent=2)
     if out:
         out.write_text(text + "\n")
     typer.echo(text)
@@ -578,11 +576,11 @@ def data_select(
 ) -> None:
     """Discrepancy-driven selection: N rollouts per prompt, pass@1 / pass@k / mean reward, keep the band."""
     from vlrl.check import CheckReport, preflight, read_data
-    from vlrl.config import DataConfig, ModelConfig, RunConfig
+    from vlrl.config import DataConfig, ModelConfig, RolloutConfig, RunConfig
     from vlrl.data import DataError, write_samples
     from vlrl.data.select import Band, RolloutStore, rollout_and_score, select, summarise
     from vlrl.models import load_policy
-    from vlrl.rollout import HFEngine, SamplingParams
+    from vlrl.rollout import SamplingParams, build_engine, close_engine
     from vlrl.train.common import seed_everything
 
     if on_error not in ("raise", "skip"):
@@ -603,14 +601,14 @@ def data_select(
         rollout_store = RolloutStore(store or out / "rollouts.jsonl")
         seed_everything(seed)
         with progress.task(f"load {model}"):
-            if servers:
+            if servers:  # they already serve --model: only its tokenizer and processor are loaded here
                 from vlrl.models.policy import load_processor
-                from vlrl.rollout.http_engine import HTTPEngine
 
-                engine = HTTPEngine(load_processor(model), [u.strip() for u in servers.split(",") if u.strip()],
-                                    weights_dir=out / "weights")
+                urls = [u.strip() for u in servers.split(",") if u.strip()]
+                engine = build_engine(RolloutConfig(servers=urls, weights_dir=str(out / "weights")),
+                                      load_processor(model), sync_weights=False)
             else:
-                engine = HFEngine(load_policy(model))
+                engine = build_engine(RolloutConfig(), load_policy(model))
         sampling = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens)
         with progress.task(f"roll out {len(samples)} prompts × {n}", total=len(samples)) as task:
             rollouts, generated, failures = rollout_and_score(
@@ -621,8 +619,7 @@ def data_select(
         typer.secho(f"vlrl data select: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
     finally:
-        if hasattr(engine, "close"):
-            engine.close()
+        close_engine(engine)
     out.mkdir(parents=True, exist_ok=True)
     write_samples(kept, out / "selected.jsonl")
     with open(out / "stats.jsonl", "w", encoding="utf-8") as handle:

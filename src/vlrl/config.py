@@ -706,9 +706,23 @@ def load_config(cls: type[Section], path: str | Path | None = None, overrides: l
         resolve_paths(cls, raw, path.resolve().parent)
     apply_overrides(raw, overrides or [], cls=cls, base=Path.cwd())
     try:
-        return cls.model_validate(raw)
+        cfg = cls.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_explain(err, path)) from None
+    problems = plugin_option_problems(cfg)
+    if problems:
+        where = f"{path}: " if path else ""
+        raise ConfigError("\n".join(f"{where}config field '{field}': {message}" for field, message in problems))
+    return cfg
+
+
+def plugin_option_problems(cfg: Section) -> list[tuple[str, str]]:
+    """Hook: every plug-in option of ``cfg`` (estimator, loss, shapers, environment, rollout function) checked
+    against the plug-in's keyword-only signature, and settings that cannot work together; (field, message) each.
+    The checks live with the recipes that bind the options (`vlrl.train.options`)."""
+    from vlrl.train.options import config_problems
+
+    return config_problems(cfg)
 
 
 def _sections(annotation: Any) -> list[type[BaseModel]]:

@@ -4,14 +4,23 @@ A registry maps a short name to a callable. Every entry of one registry has the 
 by the registry's ``signature`` text and checked by the contract tests). A lookup accepts a registered
 name or a dotted path ``package.module:attribute``, so a researcher can plug in their own function from
 config without touching vlrl. Registering a name twice is an error: silent shadowing is how two plug-ins
-end up fighting over one name.
+end up fighting over one name. An entry may also be registered by location (`Registry.register_path`): the
+module that defines it is imported at the first lookup, so a low room can name a plug-in that lives in a
+higher one (the ``step_credit`` shaper needs a model) without importing it.
+
+Options. A plug-in's options are its keyword-only parameters (``fn(inputs, *, eps=1e-6, norm_by_std=True)``);
+the recipe binds them from config. `option_problems` checks a config's options against that signature — unknown
+names, missing required options, wrong types — before anything loads, each problem naming the config field. A
+plug-in whose options are a pydantic model declares it as ``fn.options_model``; that model validates them instead.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+import inspect
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -38,49 +47,137 @@ class Registry(Generic[F]):
         self.kind = kind
         self.signature = signature
         self._entries: dict[str, F] = {}
+        self._paths: dict[str, str] = {}  # name → "pkg.mod:attr", imported at the first lookup
 
     def register(self, name: str) -> Callable[[F], F]:
         """Decorator: add ``fn`` under ``name``; a second registration of the same name raises."""
 
         def decorator(fn: F) -> F:
-            if name in self._entries and self._entries[name] is not fn:
-                raise RegistryError(
-                    f"{self.kind} {name!r} is already registered (by {_qualname(self._entries[name])}); "
-                    f"pick another name for {_qualname(fn)}"
-                )
+            if name in self._paths or (name in self._entries and self._entries[name] is not fn):
+                owner = self._paths.get(name) or _qualname(self._entries[name])
+                raise RegistryError(f"{self.kind} {name!r} is already registered (by {owner}); "
+                                    f"pick another name for {_qualname(fn)}")
             self._entries[name] = fn
             return fn
 
         return decorator
 
+    def register_path(self, name: str, path: str) -> None:
+        """Register ``name`` as the object at ``path`` (``pkg.mod:attr``), imported at the first `get`."""
+        if name in self._entries or self._paths.get(name, path) != path:
+            raise RegistryError(f"{self.kind} {name!r} is already registered; pick another name for {path}")
+        self._paths[name] = path
+
     def get(self, name: str) -> F:
         """Return the entry for a registered ``name`` or a dotted path ``pkg.mod:attr``."""
         if name in self._entries:
             return self._entries[name]
+        if name in self._paths:
+            self._entries[name] = self._import(name, self._paths[name])
+            return self._entries[name]
         if ":" in name:
-            module_name, _, attr = name.partition(":")
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError as err:
-                raise RegistryError(f"{self.kind} {name!r}: cannot import module {module_name!r} ({err})") from err
-            try:
-                return getattr(module, attr)
-            except AttributeError as err:
-                raise RegistryError(f"{self.kind} {name!r}: module {module_name!r} has no {attr!r}") from err
-        known = ", ".join(sorted(self._entries)) or "(none)"
+            return self._import(name, name)
+        known = ", ".join(self.names()) or "(none)"
         raise RegistryError(f"unknown {self.kind} {name!r}; registered: {known}; or give a dotted path 'pkg.mod:fn'")
 
+    def _import(self, name: str, path: str) -> F:
+        module_name, _, attr = path.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise RegistryError(f"{self.kind} {name!r}: cannot import module {module_name!r} ({err})") from err
+        try:
+            return getattr(module, attr)
+        except AttributeError as err:
+            raise RegistryError(f"{self.kind} {name!r}: module {module_name!r} has no {attr!r}") from err
+
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return name in self._entries or name in self._paths
 
     def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._entries))
+        return iter(self.names())
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted({*self._entries, *self._paths})
 
     def items(self) -> list[tuple[str, F]]:
-        return sorted(self._entries.items())
+        return [(name, self.get(name)) for name in self.names()]
+
+
+# ----------------------------------------------------------------------------------------------- options
+def option_problems(fn: Callable, options: Mapping[str, Any], *, where: str, name: str,
+                    bound: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """(config field, message) of every option in ``options`` that plug-in ``fn`` cannot take.
+
+    ``where`` is the config field holding the options (``algo.advantage_options``), ``name`` the plug-in's
+    name as configured, ``bound`` the keyword parameters the recipe itself passes (name → the config field or
+    the part of vlrl that sets them). Options are ``fn``'s keyword-only parameters (a class: its constructor's),
+    or ``fn.options_model`` (a pydantic model) when it declares one; a ``**kwargs`` parameter takes any name.
+    """
+    bound = dict(bound or {})
+    model = getattr(fn, "options_model", None)
+    if model is not None:
+        return _model_problems(model, options, where=where, name=name)
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: nothing to check against
+        return []
+    keyword = {p.name: p for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    known = sorted(k for k in keyword if k not in bound)
+    problems = []
+    for key in options:
+        if key in bound:
+            problems.append((f"{where}.{key}", f"set by {bound[key]}, not an option of {name}"))
+        elif key not in keyword and not open_ended:
+            problems.append((f"{where}.{key}", f"unknown option of {name}; known: {', '.join(known) or 'none'}"))
+    for key, p in keyword.items():
+        if p.default is inspect.Parameter.empty and key not in options and key not in bound:
+            problems.append((f"{where}.{key}", f"required option of {name} is missing"))
+    hints = _type_hints(fn)
+    for key, value in options.items():
+        if key in keyword and key not in bound and key in hints:
+            message = _type_problem(hints[key], value)
+            if message:
+                problems.append((f"{where}.{key}", f"{message} (option of {name})"))
+    return problems
+
+
+def _model_problems(model: Any, options: Mapping[str, Any], *, where: str, name: str) -> list[tuple[str, str]]:
+    from pydantic import ValidationError
+
+    try:
+        model(**options)
+    except ValidationError as err:
+        return [(".".join([where, *(str(p) for p in e["loc"])]),
+                 f"unknown option of {name}; known: {', '.join(sorted(model.model_fields))}"
+                 if e["type"] == "extra_forbidden" else f"{e['msg']} (option of {name})") for e in err.errors()]
+    except ValueError as err:  # a model_validator's own check
+        return [(where, f"{err} (options of {name})")]
+    return []
+
+
+def _type_hints(fn: Callable) -> dict[str, Any]:
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    try:
+        return typing.get_type_hints(target)
+    except Exception:  # an annotation that does not resolve here: check names only
+        return {}
+
+
+def _type_problem(hint: Any, value: Any) -> str | None:
+    """Pydantic's complaint about ``value`` as a ``hint`` (lax mode: "0.5" is a float), or None."""
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+    try:
+        adapter = TypeAdapter(hint, config=ConfigDict(arbitrary_types_allowed=True))
+    except Exception:  # a type pydantic cannot build a validator for: leave it to the plug-in
+        return None
+    try:
+        adapter.validate_python(value)
+    except ValidationError as err:
+        return err.errors()[0]["msg"]
+    return None
 
 
 def _qualname(fn: Callable) -> str:

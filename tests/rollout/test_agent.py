@@ -324,6 +324,7 @@ def test_agent_metrics_hand_computed():
         t.reward = r
     m = agent_metrics(batch)
     assert m["agent/turns_mean"] == pytest.approx((2 + 2 + 3) / 3)
+    assert not any(k.startswith("agent/env/") for k in m)  # RightEnv reports no numbers besides the reward
     assert m["agent/turns=2"] == pytest.approx(2 / 3) and m["agent/turns=3"] == pytest.approx(1 / 3)
     assert m["agent/stop/done"] == pytest.approx(2 / 3) and m["agent/stop/max_turns"] == pytest.approx(1 / 3)
     # action tokens: 12, 12, 18 → 14; observation tokens: 3, 3, 6 → 4
@@ -331,6 +332,22 @@ def test_agent_metrics_hand_computed():
     assert m["agent/reward_turns=2"] == 0.5 and m["agent/reward_turns=3"] == 0.5
     # step rewards: (0, 1), (0, 1), (0, 0, 0) → 2 / 7
     assert m["agent/step_reward_mean"] == pytest.approx(2 / 7)
+
+
+class CallCountingEnv(RightEnv):
+    """RightEnv that also reports a tool call (a number) and a note (text, not a metric) for every wrong answer."""
+
+    def step(self, response_text):
+        observation, done, info = super().step(response_text)
+        return observation, done, info if done else {**info, "calls": 1, "note": "wrong"}
+
+
+def test_numbers_an_environment_reports_become_per_episode_metrics():
+    (two,), _ = run(["wrong", "right"], env=CallCountingEnv)  # 1 wrong turn → 1 call
+    (three,), _ = run(["wrong"], env=CallCountingEnv, max_turns=3)  # 3 wrong turns (the last one stepped too)
+    assert [turn.info for turn in two.turns] == [{"calls": 1.0}, {}]
+    m = agent_metrics([two, three])
+    assert m["agent/env/calls"] == pytest.approx((1 + 3) / 2) and "agent/env/note" not in m
 
 
 def test_build_rollout_from_config_and_the_engine_wrapper():
@@ -350,10 +367,39 @@ def test_config_errors_name_the_field():
         load_config(RLConfig, None, ["rollout.function=multi_turn"])
     with pytest.raises(ConfigError, match="config field 'rollout.max_turns'"):
         load_config(RLConfig, None, ["rollout.max_turns=0"])
-    cfg = load_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=shapes_feedback",
-                                       "rollout.env_kwargs={zom: true}"])
+    # an environment or rollout-function option is checked against its signature when the config loads
+    with pytest.raises(ConfigError, match=r"'rollout.env_kwargs.zom': unknown option of shapes_feedback; known: "
+                                          r"feedback, margin, zoom, zoom_size"):
+        load_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=shapes_feedback",
+                                     "rollout.env_kwargs={zom: true}"])
+    with pytest.raises(ConfigError, match=r"'rollout.function_options.turns': unknown option of multi_turn; known: none"):
+        load_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=shapes_feedback",
+                                     "rollout.function_options={turns: 2}"])
+    # and again where the rollout is built (a config made in code skips load_config)
+    cfg = load_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=shapes_feedback"])
     with pytest.raises(EnvConfigError, match=r"rollout.env_kwargs.zom: unknown option"):
-        build_rollout(cfg.rollout)
+        build_rollout(cfg.rollout.model_copy(update={"env_kwargs": {"zom": True}}))
+
+
+def hinted(engine, requests, sampling, *, agent, hint: str = "", repeat: int = 1):
+    """A custom rollout function with options: every response's text gets ``hint`` ``repeat`` times."""
+    out = single_turn(engine, requests, sampling, agent=agent)
+    for t in out:
+        t.response_text += hint * repeat
+    return out
+
+
+def test_function_options_are_bound_to_a_custom_rollout_and_checked():
+    cfg = load_config(RLConfig, None, ["rollout.function=tests.rollout.test_agent:hinted",
+                                       "rollout.function_options={hint: '!', repeat: 2}"])
+    engine = RolloutEngine(ScriptedEngine(["ab"]), build_rollout(cfg.rollout))
+    assert [t.response_text for t in engine.generate([engine.encode(sample())], SamplingParams(n=2))] == ["ab!!"] * 2
+    with pytest.raises(ConfigError, match=r"'rollout.function_options.repeat': Input should be a valid integer"):
+        load_config(RLConfig, None, ["rollout.function=tests.rollout.test_agent:hinted",
+                                     "rollout.function_options={repeat: many}"])
+    with pytest.raises(ConfigError, match=r"'rollout.function_options.agent': set by the rollout.\* fields"):
+        load_config(RLConfig, None, ["rollout.function=tests.rollout.test_agent:hinted",
+                                     "rollout.function_options={agent: 1}"])
 
 
 def test_a_prompt_longer_than_the_budget_is_truncated_before_generating():

@@ -160,8 +160,9 @@ def test_tool_zoom_calls_errors_and_final_answer():
     env = ToolZoomEnv(zoom_size=56, max_calls=1)
     instructions = env.reset(sample)
     assert "zoom(x1, y1, x2, y2)" in instructions.text
-    observation, done, _ = env.step("let me look: zoom(0, 0, 56, 28)")
+    observation, done, info = env.step("let me look: zoom(0, 0, 56, 28)")
     assert not done and observation.images[0].size == (56, 56) and observation.text == "zoom(0, 0, 56, 28):"
+    assert info == {"zoom_call": 1}  # counted per episode as agent/env/zoom_call
     # the crop is the top-left quarter of the image, enlarged: same top-left pixel
     assert observation.images[0].getpixel((0, 0)) == load_image(sample.images[0]).getpixel((0, 0))
     observation, done, _ = env.step("zoom(0, 0, 56, 28)")

@@ -56,7 +56,7 @@ def test_foreground_boxes_from_objects_answers_and_detections():
 
 def _trajectory(sample, group, response, accuracy):
     return SimpleNamespace(sample=sample, group_index=group, response_text=response, reward=accuracy,
-                           reward_parts={"accuracy": accuracy})
+                           accuracy=accuracy, reward_parts={"accuracy": accuracy})
 
 
 def _response(v, description):

@@ -7,7 +7,8 @@ from vlrl.config import CheckpointConfig
 from vlrl.models import load_policy
 from vlrl.train.checkpoint import Checkpointer
 from vlrl.train.common import clip_and_step, make_optimizer
-from vlrl.train.distributed import DistContext, Runtime
+from vlrl.train.distributed import DistContext
+from vlrl.train.runtime import Runtime
 from vlrl.train.sft import sft_backward
 
 from .dist_helpers import (

@@ -36,8 +36,9 @@ from vlrl.config import CheckpointConfig, DistConfig, RLConfig, SFTConfig, load_
 from vlrl.models import load_policy  # noqa: E402
 from vlrl.train.checkpoint import Checkpointer  # noqa: E402
 from vlrl.train.common import clip_and_step, make_optimizer  # noqa: E402
-from vlrl.train.distributed import Runtime, init_distributed, shutdown_distributed, wrap_model  # noqa: E402
+from vlrl.train.distributed import init_distributed, shutdown_distributed, wrap_model  # noqa: E402
 from vlrl.train.recipes import run_rl, run_sft  # noqa: E402
+from vlrl.train.runtime import Runtime  # noqa: E402
 from vlrl.train.sft import sft_backward  # noqa: E402
 from vlrl.train.update import accumulate  # noqa: E402
 

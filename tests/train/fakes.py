@@ -18,6 +18,7 @@ def fake_trajectories(rewards, groups, lengths, *, statuses=None, accuracy=None,
             sample=sample, prompt_ids=torch.tensor([1, 2, 3]), response_ids=torch.arange(4, 4 + n),
             loss_mask=mask, behaviour_logp=-torch.ones(n) * mask, status=statuses[i] if statuses else Status.COMPLETED,
             response_text="x" * n, group_index=g, reward=float(r), reward_parts=parts,
+            accuracy=float(accuracy[i]) if accuracy is not None else None,
         ))
     return out
 

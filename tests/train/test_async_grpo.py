@@ -18,6 +18,7 @@ from vlrl.rollout import HFEngine, Status
 from vlrl.rollout.server import ThreadedEngine
 from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.grpo import train_grpo
+from vlrl.train.state import GroupRecord
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -171,9 +172,9 @@ def test_state_exposes_cursor_requeue_and_buffer():
     assert stats["steps"] == 2
     assert set(state) >= {"cursor", "requeue", "buffer", "version", "trained", "discarded", "buffered", "pending", "drawn"}
     assert state["version"] == 2 and state["cursor"]["position"] == state["drawn"] % 12
-    for group in state["buffer"]:  # undrained groups as plain data, ready for a checkpoint
-        assert len(group["trajectories"]) == 4
-        assert all(isinstance(t["response_ids"], list) and t["weight_version"] <= 2 for t in group["trajectories"])
+    for group in state["buffer"]:  # undrained groups as typed plain data (`GroupRecord`), ready for a checkpoint
+        assert isinstance(group, GroupRecord) and len(group.responses) == 4 and group.ticket in state["buffered"]
+        assert all(isinstance(r.response_ids, torch.Tensor) and r.weight_version <= 2 for r in group.responses)
     assert accounted_for(state)
 
 
@@ -221,7 +222,8 @@ def test_stale_groups_give_their_quota_back_while_the_trainer_waits():
     """The buffer holds only groups older than η. `prepare_batch` must hand them to ``on_stale`` (which returns
     their admission quota) before it waits: the workers generate the replacement only then. Before this, the
     quota came back after the batch was complete — which it never was (a hang seen with a slow server)."""
-    from vlrl.train.async_grpo import Draw, Group, GroupBuffer
+    from vlrl.train.async_rollout import GroupBuffer
+    from vlrl.train.sampling import Draw, Group
 
     from .fakes import fake_trajectories
 

@@ -22,10 +22,13 @@ from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import SamplingParams
 from vlrl.rollout.server import ThreadedEngine
-from vlrl.train.async_grpo import AsyncRollout, GroupBuffer, train_async_grpo
+from vlrl.train.async_grpo import train_async_grpo
+from vlrl.train.async_rollout import AsyncRollout, GroupBuffer
 from vlrl.train.checkpoint import Checkpointer, latest_checkpoint
 from vlrl.train.common import PromptCursor
-from vlrl.train.distributed import DistContext, Runtime, check_scalable
+from vlrl.train.distributed import DistContext, check_scalable
+from vlrl.train.runtime import Runtime
+from vlrl.train.state import AsyncState, SyncState
 
 from .fakes import ScriptedEngine, scripted_samples
 from .test_async_grpo import _samples, _stage
@@ -102,9 +105,10 @@ def first_run(tmp_path_factory):
 
 def test_a_resumed_run_continues_steps_optimizer_buffer_and_ledger(first_run, tmp_path):
     checkpoint, carry, weights, exp_avg = first_run
-    cut = carry["rollout"]
-    assert carry["ledger"]["trained"] == list(range(2 * P))  # steps 0 and 1 trained the first 8 draws
-    assert len(cut["buffer"]) >= 1  # the rollout ran ahead: the checkpoint holds undrained groups
+    assert isinstance(carry, AsyncState)  # the typed record of this recipe, not a dict of magic keys
+    cut = carry.rollout
+    assert carry.ledger.trained == list(range(2 * P))  # steps 0 and 1 trained the first 8 draws
+    assert len(cut.buffer) >= 1  # the rollout ran ahead: the checkpoint holds undrained groups
     first_batch = []
 
     def spy(policy, batch, optimizer):
@@ -121,14 +125,14 @@ def test_a_resumed_run_continues_steps_optimizer_buffer_and_ledger(first_run, tm
     assert stats["steps"] == 4 and [r["step"] for r in records] == [3, 4]
     assert state["version"] == 4
     # the restored groups are trained first (FIFO), with the versions and tokens they were generated with
-    restored = cut["buffer"][:P]
-    assert state["trained"][: 2 * P + len(restored)] == carry["ledger"]["trained"] + [g.draw.ticket for g in restored]
-    saved = [t for g in restored for t in g.trajectories]
-    assert [t.weight_version for t in first_batch[: len(saved)]] == [t.weight_version for t in saved]
+    restored = cut.buffer[:P]
+    assert state["trained"][: 2 * P + len(restored)] == carry.ledger.trained + [g.ticket for g in restored]
+    saved = [r for g in restored for r in g.responses]
+    assert [t.weight_version for t in first_batch[: len(saved)]] == [r.weight_version for r in saved]
     assert all(torch.equal(a.response_ids, b.response_ids) for a, b in zip(first_batch, saved, strict=False))
     # nothing drawn before or after the restart is lost or counted twice
-    held = {d.ticket for d in cut["requeue"] + cut["in_flight"]}
-    assert state["drawn"] >= cut["drawn"] and accounted_for(state)
+    held = {d.ticket for d in cut.requeue + cut.in_flight}
+    assert state["drawn"] >= cut.drawn and accounted_for(state)
     assert held <= set(state["trained"] + state["buffered"] + state["pending"])  # re-queued draws came back
     assert len(state["trained"]) == 4 * P
 
@@ -139,9 +143,9 @@ def test_a_restored_group_older_than_eta_is_discarded_not_trained(first_run, tmp
     checkpoint, carry, _, _ = first_run
     target = tmp_path / checkpoint.name
     shutil.copytree(checkpoint, target)
-    old = carry["rollout"]["buffer"][0]
-    for t in old.trajectories:
-        t.weight_version = 0  # staleness 2 at step 2
+    old = carry.rollout.buffer[0]
+    for r in old.responses:
+        r.weight_version = 0  # staleness 2 at step 2
     torch.save(carry, target / "carry_over" / "rank_00000.pt")
     seen = []
     _, records, stats, state, _ = _run(tmp_path, 3, resume_from=target,
@@ -149,7 +153,7 @@ def test_a_restored_group_older_than_eta_is_discarded_not_trained(first_run, tmp
 
     assert stats["steps"] == 3 and len(seen) == P * N
     assert all(2 - v <= ETA for v in seen)  # every trained sample at most η versions old
-    assert old.draw.ticket in state["discarded"] and old.draw.ticket not in state["trained"]
+    assert old.ticket in state["discarded"] and old.ticket not in state["trained"]
     assert records[0]["staleness/discarded"] >= 1
     assert accounted_for(state)
 
@@ -167,7 +171,7 @@ def test_the_two_recipes_refuse_each_others_checkpoints(first_run, tmp_path):
                    runtime=_runtime(policy, tmp_path, resume_from=checkpoint))
     synchronous = tmp_path / checkpoint.name
     shutil.copytree(checkpoint, synchronous)
-    torch.save({k: v for k, v in carry.items() if k != "rollout"}, synchronous / "carry_over" / "rank_00000.pt")
+    torch.save(SyncState(carry.algorithm, drawn=0, carry=[]), synchronous / "carry_over" / "rank_00000.pt")
     with pytest.raises(ValueError, match="checkpoint.resume: .* synchronous recipe"):
         _run(tmp_path, 3, resume_from=synchronous)
 
@@ -217,14 +221,14 @@ def test_in_flight_prompts_at_a_checkpoint_are_generated_again_after_resume():
         _, later = rollout.checkpoint_state()
     finally:
         rollout.stop()
-    first_ids = [d.sample.id for d in cut["in_flight"]]
-    assert [d.ticket for d in cut["in_flight"]] == [0, 1] and cut["buffer"] == [] and cut["requeue"] == []
-    assert cut["drawn"] == 2 and cut["started"] == 0 and cursor.state() == {"epoch": 0, "position": 2}
-    assert [g.draw.ticket for g in later["buffer"]] == [0, 1] and later["in_flight"] == [] and later["started"] == 2
+    first_ids = [d.sample.id for d in cut.in_flight]
+    assert [d.ticket for d in cut.in_flight] == [0, 1] and cut.buffer == [] and cut.requeue == []
+    assert cut.drawn == 2 and cut.started == 0 and cursor.state() == {"epoch": 0, "position": 2}
+    assert [g.ticket for g in later.buffer] == [0, 1] and later.in_flight == [] and later.started == 2
 
     resumed = _rollout(GatedEngine(), samples, cursor.state())
     resumed.load_state(cut)
-    assert [d["draw"] for d in resumed.state_dict()["requeue"]] == [0, 1] and resumed.requeued == 2
+    assert [d.ticket for d in resumed.state_dict()["requeue"]] == [0, 1] and resumed.requeued == 2
     resumed.engine.gate.set()
     resumed.start()
     try:

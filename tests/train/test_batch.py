@@ -103,17 +103,24 @@ def test_an_estimator_needing_a_greedy_baseline_refuses_a_batch_without_one():
 
 
 def test_step_metrics_diversity_and_generation_probability():
-    from vlrl.train.batch import step_metrics
+    from vlrl.train.metrics import step_metrics
+    from vlrl.train.sampling import Draw, Group
+    from vlrl.train.update import UpdateStats
 
     # accuracies: group 0 → 1, 0 (V = .25), group 1 → 1, 1 (V = 0): batch mean V(q) = .125
     # behaviour log-probs are −1 per token → generation probability e^−1
     trajectories = fake_trajectories([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1], [2, 3, 1, 1], accuracy=[1, 0, 1, 1])
     batch = prepare_batch(_algorithm(), None, trajectories, step=0, max_new_tokens=3)
-    metrics = step_metrics(batch, {"policy/loss": [1.0, 3.0]}, [])
+    groups = [Group(trajectories[:2], Draw(0, trajectories[0].sample, 3), [("s0", "number: timeout")]),
+              Group(trajectories[2:], Draw(1, trajectories[2].sample, 4))]
+    metrics = step_metrics(batch, UpdateStats(values={"policy/loss": [1.0, 3.0]}), groups)
     assert metrics["rollout/diversity"] == pytest.approx(0.125)
     assert metrics["rollout/gen_prob"] == pytest.approx(math.exp(-1))
     assert metrics["policy/zero_adv_groups_frac"] == 0.5 and metrics["policy/loss"] == 2.0
     assert metrics["response/length_mean"] == pytest.approx(7 / 4) and metrics["response/length_max"] == 3
+    # accuracy from the verifiers' typed accuracy: 3 of 4 right; one reward failure; the latest draw's epoch
+    assert metrics["accuracy/fake/task"] == 0.75 and metrics["reward/failures"] == 1 and metrics["data/epoch"] == 4
+    assert not any(k.startswith("agent/") for k in metrics)  # single-turn: no agent metrics
 
 
 def test_kl_coef_zero_builds_no_reference_and_runs_no_extra_pass():

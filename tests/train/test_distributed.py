@@ -12,7 +12,8 @@ from vlrl.config import CheckpointConfig, DistConfig
 from vlrl.models import load_policy
 from vlrl.train.checkpoint import Checkpointer
 from vlrl.train.common import make_optimizer
-from vlrl.train.distributed import DistContext, Runtime, fsdp_units
+from vlrl.train.distributed import DistContext, fsdp_units
+from vlrl.train.runtime import Runtime
 from vlrl.train.sft import sft_backward
 from vlrl.train.update import accumulate
 

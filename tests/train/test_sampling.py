@@ -7,9 +7,10 @@ import torch
 from vlrl.config import DynamicSamplingConfig
 from vlrl.rollout import SamplingParams
 from vlrl.train.common import PromptCursor
-from vlrl.train.sampling import GroupSampler
+from vlrl.train.sampling import Draw, Group, GroupSampler, flatten, is_informative
+from vlrl.train.state import GroupRecord
 
-from .fakes import ScriptedEngine, scripted_samples
+from .fakes import ScriptedEngine, fake_trajectories, scripted_samples
 
 ALL_RIGHT = ("a", ["a", "a"], "a")
 ALL_WRONG = ("a", ["b", "c"], "b")
@@ -25,14 +26,16 @@ def _sampler(specs, *, prompts=2, greedy_baseline=False, **dynamic):
 
 
 def _groups(batch):
-    return [[t.reward for t in batch.trajectories if t.group_index == g] for g in range(len(batch.trajectories) // 2)]
+    return [[t.reward for t in g.trajectories] for g in batch.groups]
 
 
 def test_without_dynamic_sampling_every_group_is_kept():
     sampler, engine = _sampler([ALL_RIGHT, ALL_WRONG, MIXED, MIXED])
     batch = sampler.next_batch()
-    assert len(batch.trajectories) == 4 and engine.prompts_generated == 2 and batch.metrics == {}
-    assert [t.group_index for t in batch.trajectories] == [0, 0, 1, 1]
+    trajectories, baselines = flatten(batch.groups)
+    assert len(trajectories) == 4 and engine.prompts_generated == 2 and batch.metrics == {} and baselines is None
+    assert [t.group_index for t in trajectories] == [0, 0, 1, 1]
+    assert [g.draw.ticket for g in batch.groups] == [0, 1] and sampler.drawn == 2
 
 
 def test_dynamic_sampling_drops_all_equal_groups_and_back_fills():
@@ -74,7 +77,8 @@ def test_dynamic_sampling_on_the_accuracy_part():
     spec = [("abcz", ["abcd", "abxy"], "abcd")]
     sampler, _ = _sampler(spec, enabled=True, prompts=1)
     sampler.cursor.samples[0].reward = "ocr"
-    assert [t.reward for t in sampler.next_batch().trajectories] == [0.75, 0.5]
+    (group,) = sampler.next_batch().groups
+    assert [t.reward for t in group.trajectories] == [0.75, 0.5] and [t.accuracy for t in group.trajectories] == [0, 0]
     sampler, _ = _sampler(spec, enabled=True, prompts=1, metric="accuracy", max_extra_rounds=1)
     sampler.cursor.samples[0].reward = "ocr"
     with pytest.raises(RuntimeError, match="equal rewards"):
@@ -83,19 +87,35 @@ def test_dynamic_sampling_on_the_accuracy_part():
 
 def test_greedy_baseline_for_remax():
     sampler, engine = _sampler([("a", ["a", "b"], "a"), ("a", ["b", "a"], "c")], greedy_baseline=True)
-    batch = sampler.next_batch()
+    trajectories, baselines = flatten(sampler.next_batch().groups)
     # each response carries its prompt's greedy reward: 1 for the prompt whose greedy answer is right, 0 otherwise
-    by_prompt = {t.sample.id: float(b) for t, b in zip(batch.trajectories, batch.baseline_rewards, strict=True)}
+    by_prompt = {t.sample.id: float(b) for t, b in zip(trajectories, baselines, strict=True)}
     assert by_prompt == {"q0": 1.0, "q1": 0.0}
     assert engine.prompts_generated == 4  # 2 sampled + 2 greedy requests
-    state = sampler.state()
-    assert state["carry"] == [] and state["cursor"]["position"] == 2
+    assert sampler.carry == [] and sampler.cursor.state()["position"] == 2
 
 
-def test_sampler_state_holds_the_carried_groups_as_plain_data():
+def test_carried_groups_round_trip_through_their_typed_record():
+    """Dynamic sampling's surplus group, as a checkpoint holds it (`GroupRecord`: tensors, numbers, strings), comes
+    back as the same group: ticket, tokens, behaviour log-probs, rewards and accuracy."""
     sampler, _ = _sampler([MIXED, MIXED, MIXED], enabled=True, oversample=1.5)
     sampler.next_batch()
-    carry = sampler.state()["carry"]
-    assert len(carry) == 1 and len(carry[0]["trajectories"]) == 2
-    assert all(isinstance(t["response_ids"], list) for t in carry[0]["trajectories"])
-    assert torch.tensor([t["reward"] for t in carry[0]["trajectories"]]).tolist() == [1.0, 0.0]
+    (carried,) = sampler.carry
+    record = GroupRecord.of(carried)
+    assert all(isinstance(r.response_ids, torch.Tensor) for r in record.responses)
+    assert [r.reward for r in record.responses] == [1.0, 0.0] and [r.accuracy for r in record.responses] == [1.0, 0.0]
+    back = record.restore()
+    assert back.draw == carried.draw and back.draw.ticket == 2
+    for a, b in zip(back.trajectories, carried.trajectories, strict=True):
+        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.behaviour_logp, b.behaviour_logp)
+        assert (a.reward, a.accuracy, a.weight_version, a.status) == (b.reward, b.accuracy, b.weight_version, b.status)
+
+
+def test_informative_groups_by_reward_and_by_accuracy():
+    def group(rewards, accuracy):
+        trajectories = fake_trajectories(rewards, [0] * len(rewards), [2] * len(rewards), accuracy=accuracy)
+        return Group(trajectories, Draw(0, trajectories[0].sample, 0))
+
+    assert is_informative(group([0.75, 0.5], [0, 0]))  # rewards differ
+    assert not is_informative(group([0.75, 0.5], [0, 0]), "accuracy")  # both wrong
+    assert is_informative(group([1.0, 1.0], [1, 0]), "accuracy") and not is_informative(group([1.0, 1.0], [1, 0]))

@@ -44,7 +44,7 @@ def _pieces(tokenizer, text, every=3):
 def _trajectory(tokenizer, text=None, ids=None, success=False, answer=GOLD):
     ids = ids if ids is not None else tokenizer(text, add_special_tokens=False)["input_ids"]
     return SimpleNamespace(response_ids=torch.tensor(ids), sample=SimpleNamespace(answer=answer, id="s"),
-                           reward=float(success), reward_parts={"accuracy": float(success)})
+                           reward=float(success), accuracy=float(success))
 
 
 def _decoded(tokenizer, trajectory, index, k):
@@ -81,7 +81,7 @@ def test_options_are_validated_by_name():
         parse_options({"wieght": 1.0})
     with pytest.raises(ValueError, match="step_credit option 'alpha'"):
         parse_options({"alpha": 1.5})
-    with pytest.raises(KeyError, match="unknown step matcher 'fuzzy'"):
+    with pytest.raises(ValueError, match="unknown step matcher 'fuzzy'"):
         parse_options({"match": "fuzzy"})
     missing = [name for name, f in StepCreditOptions.model_fields.items() if not (f.description and len(f.description) > 10)]
     assert not missing
@@ -150,7 +150,7 @@ def test_forward_proxy_and_stepopsd_with_a_tiny_teacher(policy):
         request = engine.encode(sample)
         ids = tokenizer(sample.response, add_special_tokens=False)["input_ids"]
         batch.append(SimpleNamespace(sample=sample, prompt_ids=torch.tensor(request.prompt_ids), vision=request.vision,
-                                     response_ids=torch.tensor(ids), reward=0.0, reward_parts={"accuracy": 0.0}))
+                                     response_ids=torch.tensor(ids), reward=0.0, accuracy=0.0))
     T = max(len(t.response_ids) for t in batch)
     loss_mask = torch.zeros(2, T)
     for b, t in enumerate(batch):

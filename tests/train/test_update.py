@@ -77,14 +77,17 @@ def test_update_steps_once_per_minibatch_and_logs_its_statistics(rollout):
     moved = any(not torch.equal(v, state[k]) for k, v in policy.model.state_dict().items())
     policy.model.load_state_dict(state)  # leave the module's policy as it was
     assert moved
-    assert len(stats["policy/grad_norm"]) == 4  # 2 epochs × 2 minibatches
-    assert len(stats["policy/loss"]) == 2 * 2 * 2  # each minibatch of 3 rows: micro-batches of 2 and 1
+    assert len(stats.values["policy/grad_norm"]) == 4  # 2 epochs × 2 minibatches
+    assert len(stats.values["policy/loss"]) == 2 * 2 * 2  # each minibatch of 3 rows: micro-batches of 2 and 1
+    metrics = stats.metrics()
     for key in ("policy/entropy", "policy/approx_kl_old", "policy/clip_low", "policy/clip_high", "policy/ratio",
                 "policy/behaviour_weight_mean", "policy/behaviour_weight_max", "policy/behaviour_weight_capped_frac",
                 "policy/logp_drift"):
-        assert key in stats, key
-    assert stats["policy/approx_kl_old"][0] < 1e-10  # the first micro-batch is on-policy (π_θ = π_old)
-    assert stats["policy/approx_kl_old"][-1] > 1e-8  # the last one is not: the weights moved 3 times
+        assert key in metrics, key
+    assert not any(key.startswith("_") or "behaviour_weights" == key for key in stats.values)  # counters kept apart
+    assert stats.drift_tokens > 0 and sum(len(w) for w in stats.behaviour_weights) == stats.drift_tokens  # all sampled now
+    assert stats.values["policy/approx_kl_old"][0] < 1e-10  # the first micro-batch is on-policy (π_θ = π_old)
+    assert stats.values["policy/approx_kl_old"][-1] > 1e-8  # the last one is not: the weights moved 3 times
 
 
 def test_the_critic_regresses_on_the_returns_and_leaves_the_policy_alone(rollout):
@@ -139,7 +142,7 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(rollout):
         stats = ppo_update(policy, batch, _settings("token_mean", 2, minibatches=2, skip_zero_advantage=skip),
                            optimizer, scheduler, seed=0, step=0)
         after.append({k: v.clone() for k, v in policy.model.state_dict().items()})
-        skipped.append(sum(stats["policy/skipped_rows_frac"]))
+        skipped.append(sum(stats.values["policy/skipped_rows_frac"]))
     policy.model.load_state_dict(state)
     assert skipped[0] == 0 and skipped[1] == pytest.approx(2 / 3)  # 2 of 6 rows over 2 minibatches of 3
     assert any(not torch.equal(after[0][k], state[k]) for k in state)

@@ -45,6 +45,10 @@ from vlrl.algos.shaping import (
     register_reward_shaping,
 )
 
+# The step-level credit shaper scores responses with a model, so it lives in the training room; it is registered
+# here by location like every other shaper is by name (imported at its first lookup, never as a side effect).
+ADVANTAGE_SHAPING.register_path("step_credit", "vlrl.train.step_credit:step_credit")
+
 __all__ = [
     "ADVANTAGES", "ADVANTAGE_SHAPING", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "REWARD_SHAPING",
     "AdvantageInputs", "AdvantageOutput", "AdvantageShapingInputs", "DiversityState", "LossOutput", "PolicyLossInputs",

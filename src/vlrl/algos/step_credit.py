@@ -103,11 +103,6 @@ def prefix_reward(n: int, k: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- step tensors
-def num_steps_of(index: torch.Tensor) -> int:
-    """K: the number of step columns an index tensor (B, T) needs (0 if no token belongs to a step)."""
-    return int(index.max()) + 1 if index.numel() and int(index.max()) >= 0 else 0
-
-
 def broadcast_steps(step_values: torch.Tensor, target_index: torch.Tensor) -> torch.Tensor:
     """Per-token values (B, T): token t of response b gets ``step_values[b, target_index[b, t]]``, 0 where
     ``target_index`` is −1 (tokens outside every credit target)."""

@@ -1,19 +1,24 @@
 """Held-out evaluation: greedy accuracy, sampled accuracy (pass@1 at the training temperature), pass@k.
 
-Correctness of a response is the ``accuracy`` sub-score its verifier reports (1 correct, 0 wrong; e.g.
-IoU ≥ 0.5 for boxes, exact match for OCR); a verifier without one counts ``overall ≥ 0.5`` as correct.
-``mean`` is the macro-average over tasks (each task weighs the same).
+Correctness of a response is its verifiers' accuracy (`RewardOutput.accuracy`, carried as `Trajectory.accuracy`:
+1 correct, 0 wrong; e.g. IoU ≥ 0.5 for boxes, exact match for OCR); a verifier without one counts
+``overall ≥ 0.5`` as correct. ``mean`` is the macro-average over tasks (each task weighs the same). The engine
+is whatever the recipe built (`vlrl.rollout.build_engine`): with a multi-turn rollout, each response is an
+episode and its final answer is scored.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
 
 from vlrl.config import EvalConfig
 from vlrl.data import Sample
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import Engine, SamplingParams, Trajectory
+from vlrl.rollout.agent import agent_metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -24,12 +29,44 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def correct(t: Trajectory) -> float:
-    acc = t.reward_parts.get("accuracy")
-    return float(acc) if acc is not None else float(t.reward >= 0.5)
+    return float(t.accuracy) if t.accuracy is not None else float(t.reward >= 0.5)
 
 
-def evaluate(engine: Engine, samples: list[Sample], cfg: EvalConfig) -> dict:
-    """Return ``{"accuracy": {task: x, "mean": m}, "greedy": {...}, "pass@k": {...}, "reward": {...}, "k": k}``."""
+@dataclass
+class EvalResult:
+    """One evaluation. Each table maps task → value, plus ``mean`` (the macro-average over tasks)."""
+
+    accuracy: dict[str, float]  # sampled pass@1: mean correctness of the ``k`` samples per prompt
+    greedy: dict[str, float]  # correctness of the greedy response
+    pass_at_k: dict[str, float]  # unbiased pass@k over the k samples
+    reward: dict[str, float]  # mean reward of the samples
+    k: int  # samples per prompt
+    n_prompts: int
+    reward_failures: int  # verifier units that failed (timed out, raised) and scored the fallback
+    examples: list[dict[str, Any]] = field(default_factory=list)  # a few greedy responses with their answers
+    agent: dict[str, float] = field(default_factory=dict)  # multi-turn: `agent_metrics` of the sampled episodes
+
+    def to_dict(self, *, examples: bool = True) -> dict[str, Any]:
+        """The JSON layout of ``summary.json`` and ``vlrl eval``: ``{"accuracy": {...}, "greedy": {...},
+        "pass@k": {...}, "reward": {...}, "k": k, "n_prompts": n, "reward_failures": f[, "examples": [...]]}``."""
+        out = {"k": self.k, "n_prompts": self.n_prompts, "reward_failures": self.reward_failures,
+               "accuracy": self.accuracy, "greedy": self.greedy, "pass@k": self.pass_at_k, "reward": self.reward}
+        if self.agent:
+            out["agent"] = self.agent
+        if examples:
+            out["examples"] = self.examples
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """What an evaluation logs: ``accuracy/<task>``, ``greedy/<task>``, ``pass@<k>/<task>`` (and ``mean``),
+        and for episodes their ``agent/…`` metrics."""
+        return {**{f"accuracy/{task}": v for task, v in self.accuracy.items()},
+                **{f"greedy/{task}": v for task, v in self.greedy.items()},
+                **{f"pass@{self.k}/{task}": v for task, v in self.pass_at_k.items()}, **self.agent}
+
+
+def evaluate(engine: Engine, samples: list[Sample], cfg: EvalConfig) -> EvalResult:
+    """Greedy and ``cfg.samples`` sampled responses per held-out prompt, scored per task."""
     requests = [engine.encode(s) for s in samples]
     greedy = engine.generate(requests, SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens))
     sampled = engine.generate(
@@ -49,16 +86,17 @@ def evaluate(engine: Engine, samples: list[Sample], cfg: EvalConfig) -> dict:
         per_task[task]["accuracy"].append(sum(correct(t) for t in group) / len(group))
         per_task[task]["pass@k"].append(pass_at_k(len(group), c, k))
         per_task[task]["reward"].append(sum(t.reward for t in group) / len(group))
-    result: dict = {"k": k, "n_prompts": len(samples), "reward_failures": failures}
+    tables = {}
     for metric in ("accuracy", "greedy", "pass@k", "reward"):
         table = {task: _mean(v[metric]) for task, v in sorted(per_task.items())}
         table["mean"] = _mean(list(table.values()))
-        result[metric] = table
-    result["examples"] = [
-        {"task": t.sample.task, "id": t.sample.id, "response": t.response_text, "answer": t.sample.answer,
-         "reward": t.reward} for t in greedy[:8]
-    ]
-    return result
+        tables[metric] = table
+    examples = [{"task": t.sample.task, "id": t.sample.id, "response": t.response_text, "answer": t.sample.answer,
+                 "reward": t.reward} for t in greedy[:8]]
+    agent = agent_metrics(sampled) if any(t.turns for t in sampled) else {}
+    return EvalResult(accuracy=tables["accuracy"], greedy=tables["greedy"], pass_at_k=tables["pass@k"],
+                      reward=tables["reward"], k=k, n_prompts=len(samples), reward_failures=failures, examples=examples,
+                      agent=agent)
 
 
 def _mean(values: list[float]) -> float:

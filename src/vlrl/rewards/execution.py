@@ -361,7 +361,8 @@ def default_executor() -> RewardExecutor:
 
 def score_trajectories(trajectories: list, *, fallback: float = 0.0, failures_path: str | Path | None = None,
                        executor: RewardExecutor | None = None) -> ScoreReport:
-    """Fill ``reward`` and ``reward_parts`` of each trajectory; returns the `ScoreReport`.
+    """Fill ``reward``, ``accuracy`` (`RewardOutput.accuracy`) and ``reward_parts`` of each trajectory; returns
+    the `ScoreReport`.
 
     The verifier metadata is the sample's ``metadata`` plus ``response_length`` (the trajectory's number
     of model tokens, for ``overlong``) and, for judge verifiers, ``question`` (the prompt's text). A unit
@@ -378,6 +379,7 @@ def score_trajectories(trajectories: list, *, fallback: float = 0.0, failures_pa
     outputs, report = (executor or default_executor()).score(items, fallback=fallback, failures_path=failures_path)
     for t, out in zip(trajectories, outputs, strict=True):
         t.reward = out.overall
+        t.accuracy = out.accuracy
         t.reward_parts = out.parts
     return report
 

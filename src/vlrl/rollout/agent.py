@@ -2,10 +2,12 @@
 
 Two plug-in levels, as in slime (both are registries; a name may be a dotted path ``pkg.mod:fn``):
 
-- ``rollout.function`` replaces the whole rollout: ``fn(engine, requests, sampling, *, agent) ->
+- ``rollout.function`` replaces the whole rollout: ``fn(engine, requests, sampling, *, agent, **options) ->
   list[Trajectory]`` (``len(requests) * sampling.n`` trajectories, the n of request i with
-  ``group_index == i``). ``single_turn`` is exactly ``engine.generate``; ``multi_turn`` is the batched agent
-  loop below; ``per_sample`` runs a per-sample generate for every (request, sample) pair.
+  ``group_index == i``); ``options`` are its keyword-only parameters, bound from ``rollout.function_options``
+  (checked against its signature when the config loads). ``single_turn`` is exactly ``engine.generate``;
+  ``multi_turn`` is the batched agent loop below; ``per_sample`` runs a per-sample generate for every
+  (request, sample) pair.
 - ``rollout.generate`` replaces only the per-sample generate used by ``per_sample``:
   ``fn(engine, request, sampling, *, agent) -> Trajectory``; ``agent`` is the default (the same loop for one
   sample).
@@ -29,17 +31,20 @@ rewards an environment reports in ``info["reward"]`` are kept on ``Trajectory.tu
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import logging
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from vlrl.models.adapters import VisionInputs
-from vlrl.registry import Registry
+from vlrl.registry import Registry, option_problems
 from vlrl.rollout.env import Environment, env_factory
 from vlrl.rollout.types import Engine, Request, SamplingParams, Status, Trajectory, Turn
 
@@ -47,8 +52,10 @@ log = logging.getLogger(__name__)
 
 RolloutFn = Callable[..., list[Trajectory]]
 ROLLOUTS: Registry[RolloutFn] = Registry(
-    "rollout function", signature="fn(engine, requests, sampling, *, agent: AgentSettings | None) -> list[Trajectory]"
+    "rollout function",
+    signature="fn(engine, requests, sampling, *, agent: AgentSettings | None, **options) -> list[Trajectory]",
 )
+BOUND_BY_RECIPE = {"agent": "the rollout.* fields (AgentSettings)"}  # keyword parameters the recipe passes itself
 GENERATES: Registry[Callable[..., Trajectory]] = Registry(
     "per-sample generate", signature="fn(engine, request, sampling, *, agent: AgentSettings) -> Trajectory"
 )
@@ -66,7 +73,6 @@ class AgentSettings:
         env_timeout_seconds: a reset/step that takes longer counts as failed (the call is abandoned).
         generate: per-sample generate of the ``per_sample`` rollout (registered name or dotted path).
         tools: tool schemas handed to the chat template when encoding observations.
-        options: free-form options for a custom rollout function.
     """
 
     env: Callable[[], Environment] | None = None
@@ -76,7 +82,6 @@ class AgentSettings:
     env_timeout_seconds: float = 30.0
     generate: str = "agent"
     tools: list[dict] | None = None
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 def get_rollout(name: str) -> RolloutFn:
@@ -85,43 +90,128 @@ def get_rollout(name: str) -> RolloutFn:
 
 def build_rollout(cfg: Any) -> Callable[[Engine, Sequence[Request], SamplingParams], list[Trajectory]]:
     """``fn(engine, requests, sampling)`` for a `vlrl.config.RolloutConfig`: the configured rollout function
-    with its `AgentSettings` bound (the environment is built once here, so bad ``env_kwargs`` fail now)."""
+    with its `AgentSettings` and ``rollout.function_options`` bound (the environment is built once here, so bad
+    ``env_kwargs`` fail now)."""
     fn = get_rollout(cfg.function)
+    problems = option_problems(fn, cfg.function_options, where="rollout.function_options", name=cfg.function,
+                               bound=BOUND_BY_RECIPE)
+    if problems:
+        raise ValueError("\n".join(f"{field}: {message}" for field, message in problems))
     if cfg.env is None and cfg.function in ("multi_turn", "per_sample"):
         raise ValueError(f"config field 'rollout.env': rollout.function={cfg.function!r} needs an environment")
     agent = AgentSettings(
         env=env_factory(cfg.env, cfg.env_kwargs) if cfg.env is not None else None,
         max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
         max_env_retries_per_turn=cfg.max_env_retries_per_turn, env_timeout_seconds=cfg.env_timeout_seconds,
-        generate=cfg.generate, options=dict(cfg.function_options),
+        generate=cfg.generate,
     )
     GENERATES.get(agent.generate)  # fail now on a bad name
-
-    def rollout(engine: Engine, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
-        return fn(engine, requests, sampling, agent=agent)
-
-    return rollout
+    return functools.partial(fn, agent=agent, **cfg.function_options)
 
 
-class RolloutEngine:
-    """An `Engine` whose ``generate`` is a rollout function over an inner engine — so any recipe or
-    evaluation written against ``engine.generate`` runs multi-turn episodes unchanged."""
+class TurnEngine:
+    """What a rollout function drives: ``generate`` of the inner engine, and the encoding side (``encode``,
+    ``encode_observation``, ``decode``) of ``codec`` — an engine on the same tokenizer and processor — one thread at
+    a time (the asynchronous recipe runs episodes of several prompts on worker threads; a tokenizer must not be
+    used by two threads at once)."""
 
-    def __init__(self, engine: Engine, rollout: Callable[[Engine, Sequence[Request], SamplingParams], list[Trajectory]]):
-        self.engine, self.rollout = engine, rollout
+    def __init__(self, engine: Engine, codec: Any = None) -> None:
+        self.engine, self.codec = engine, codec if codec is not None else engine
+        self._lock = threading.Lock()
+        if not callable(getattr(self.codec, "encode_observation", None)):
+            self.encode_observation = None  # a multi-turn episode refuses this engine, naming it
 
     @property
     def weight_version(self) -> int:
         return self.engine.weight_version
 
     def encode(self, sample):
-        return self.engine.encode(sample)
+        with self._lock:
+            return self.codec.encode(sample)
+
+    def encode_observation(self, messages: list[dict], *, last_token: int | None, tools: list[dict] | None = None):
+        with self._lock:
+            return self.codec.encode_observation(messages, last_token=last_token, tools=tools)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self._lock:
+            return self.codec.decode(ids)
 
     def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
-        return self.rollout(self.engine, requests, sampling)
+        return self.engine.generate(requests, sampling)
 
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         self.engine.update_weights(version=version, state_dict=state_dict)
+
+    def __repr__(self) -> str:
+        return type(self.engine).__name__
+
+
+class RolloutEngine:
+    """An `Engine` whose ``generate`` is a rollout function over an inner engine — so any recipe or evaluation
+    written against ``engine.generate`` runs multi-turn episodes unchanged. Everything else the inner engine
+    offers (``publish``, ``live_servers``, ...) is passed through, except ``agenerate``: `wrap` builds an
+    `AsyncRolloutEngine` (whose ``agenerate`` runs the rollout function) over an engine that has one.
+
+    ``codec``: an engine that encodes and decodes for the inner one (`vlrl.rollout.build_engine` passes an
+    `HFEngine` on the trainer's tokenizer and processor, for inner engines that cannot encode observations)."""
+
+    def __init__(self, engine: Engine, rollout: Callable[[Engine, Sequence[Request], SamplingParams], list[Trajectory]],
+                 *, codec: Any = None) -> None:
+        self.engine, self.rollout = engine, rollout
+        self.turns = TurnEngine(engine, codec)
+
+    @staticmethod
+    def wrap(engine: Engine, rollout: Callable, *, codec: Any = None, max_workers: int = 64) -> RolloutEngine:
+        """`AsyncRolloutEngine` over an engine with ``agenerate``, else `RolloutEngine`."""
+        if callable(getattr(engine, "agenerate", None)):
+            return AsyncRolloutEngine(engine, rollout, codec=codec, max_workers=max_workers)
+        return RolloutEngine(engine, rollout, codec=codec)
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def encode(self, sample):
+        return self.turns.encode(sample)
+
+    def encode_observation(self, messages: list[dict], *, last_token: int | None, tools: list[dict] | None = None):
+        return self.turns.encode_observation(messages, last_token=last_token, tools=tools)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.turns.decode(ids)
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        return self.rollout(self.turns, requests, sampling)
+
+    def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        self.engine.update_weights(version=version, state_dict=state_dict)
+
+    def close(self) -> None:
+        if callable(getattr(self.engine, "close", None)):
+            self.engine.close()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("engine", "agenerate"):  # never the inner engine's agenerate: it would bypass the rollout
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+
+class AsyncRolloutEngine(RolloutEngine):
+    """`RolloutEngine` over an asynchronous engine (`ThreadedEngine`, `HTTPEngine`): ``agenerate`` runs the
+    rollout function on a worker thread, each turn a blocking call to the inner engine's thread-safe
+    ``generate`` (the calls of concurrent episodes meet in the inner engine's batches)."""
+
+    def __init__(self, engine: Engine, rollout: Callable, *, codec: Any = None, max_workers: int = 64) -> None:
+        super().__init__(engine, rollout, codec=codec)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="vlrl-episode")
+
+    async def agenerate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.generate, list(requests), sampling)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        super().close()
 
 
 # ----------------------------------------------------------------------------------------------- rollouts
@@ -288,6 +378,7 @@ class Episode:
         observation, done, info = result
         if isinstance(info.get("reward"), (int, float)):
             self.turns[-1].reward = float(info["reward"])
+        self.turns[-1].info = {k: float(v) for k, v in info.items() if k != "reward" and isinstance(v, (int, float))}
         if done:
             self._stop(self._final_status(), "done")
         elif len(self.turns) >= self.agent.max_turns:
@@ -431,8 +522,10 @@ def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
     ``agent/turns_mean``, ``agent/turns=k`` (fraction with k turns), ``agent/stop/<reason>`` (fraction),
     ``agent/failed`` (count), ``agent/env_retries`` (total), ``agent/action_tokens_mean``,
-    ``agent/observation_tokens_mean``, ``agent/images_per_trajectory``, ``agent/reward_turns=k``, and
-    ``agent/step_reward_mean`` when environments report per-step rewards.
+    ``agent/observation_tokens_mean``, ``agent/images_per_trajectory``, ``agent/reward_turns=k``,
+    ``agent/step_reward_mean`` when environments report per-step rewards, and ``agent/env/<key>`` for every
+    other number an environment reports in ``info`` (its sum over an episode's turns, mean over episodes:
+    e.g. ``agent/env/zoom_call`` = zoom calls per episode).
     """
     n = len(trajectories)
     if n == 0:
@@ -456,4 +549,7 @@ def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     step_rewards = [turn.reward for t in trajectories for turn in t.turns if turn.reward is not None]
     if step_rewards:
         metrics["agent/step_reward_mean"] = sum(step_rewards) / len(step_rewards)
+    keys = sorted({key for t in trajectories for turn in t.turns for key in turn.info})
+    for key in keys:
+        metrics[f"agent/env/{key}"] = sum(turn.info.get(key, 0.0) for t in trajectories for turn in t.turns) / n
     return metrics

@@ -183,6 +183,15 @@ class HTTPEngine:
         with self._tokenizer_lock:
             return self._encoder.encode(sample)
 
+    def encode_observation(self, messages: list[dict], *, last_token: int | None, tools: list[dict] | None = None):
+        """Tokens (and vision inputs) of an environment's observation after a model turn (multi-turn rollouts)."""
+        with self._tokenizer_lock:
+            return self._encoder.encode_observation(messages, last_token=last_token, tools=tools)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self._tokenizer_lock:
+            return self._encoder.decode(ids)
+
     def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
         return self._call(self._generate(requests, sampling))
 

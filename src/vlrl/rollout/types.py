@@ -63,6 +63,7 @@ class Turn:
     reward: float | None = None  # a per-step reward the environment reported in ``info["reward"]``
     env_retries: int = 0  # failed environment calls (raised or timed out) before this turn's step succeeded
     num_images: int = 0  # images the observation of this turn added
+    info: dict[str, float] = field(default_factory=dict)  # numeric ``info`` the environment returned (e.g. zoom_call)
 
 
 @dataclass
@@ -83,7 +84,10 @@ class Trajectory:
         response_text: the decoded response (model tokens only, special tokens skipped).
         group_index: index of the prompt within its batch; the n samples of a prompt share it.
         reward: scalar reward (filled by the reward stage).
-        reward_parts: named sub-scores of the reward (``overall``, ``accuracy``, ``format``, ...).
+        accuracy: whether the response is correct (1 / 0, or a fraction for a weighted sum of verifiers) — the
+            reward's `RewardOutput.accuracy`; None when no verifier of the sample reports one (filled with
+            ``reward``).
+        reward_parts: named sub-scores of the reward (``overall``, ``accuracy``, ``format``, ...), for logging.
         turns: multi-turn only: one `Turn` per model turn (boundaries, per-step rewards, retries); empty
             for a single-turn response.
         stop_reason: multi-turn only (empty for a single-turn response): why the episode ended: ``done``
@@ -105,6 +109,7 @@ class Trajectory:
     response_text: str = ""
     group_index: int = 0
     reward: float | None = None
+    accuracy: float | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)
     turns: list[Turn] = field(default_factory=list)
     stop_reason: str = ""

@@ -228,7 +228,7 @@ class SynGRPO:
         chosen = select_descriptions(ranking, groups, valid)
         self._chosen = [(trajectories[i].sample, parsed[i].description) for i in chosen.values()]
         self.counts["skipped_no_description"] += len(set(groups.tolist())) - len(chosen)
-        accuracy = torch.tensor([float(t.reward_parts.get("accuracy", 0.0)) for t in trajectories]).clamp(0, 1)
+        accuracy = torch.tensor([float(t.accuracy or 0.0) for t in trajectories]).clamp(0, 1)
         v = group_diversity(accuracy, groups)  # (B,)
         first = {int(g): i for i, g in reversed(list(enumerate(groups.tolist())))}
         predicted = [p.diversity for p in parsed if p.diversity is not None]

@@ -13,10 +13,8 @@ nothing here branches on an algorithm's name.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,7 @@ from typing import Any
 import torch
 
 from vlrl.algos import AdvantageInputs, PolicyLossInputs, get_advantage, get_policy_loss, masked_mean
-from vlrl.algos.advantages import advantage_needs, group_variance
+from vlrl.algos.advantages import advantage_needs
 from vlrl.algos.filters import mask_truncated
 from vlrl.algos.kl import kl_reward_penalty
 from vlrl.algos.losses import applies_behaviour_weight
@@ -38,9 +36,8 @@ from vlrl.algos.shaping import (
 from vlrl.config import RLStage, ShapingSpec
 from vlrl.models import Policy
 from vlrl.models.packed import sequence_logprobs
-from vlrl.report.watch import generation_prob
 from vlrl.rollout import Status, Trajectory
-from vlrl.train import step_credit as _step_credit  # noqa: F401  (registers the step_credit advantage shaper)
+from vlrl.train.common import evaluating, frozen_copy
 from vlrl.train.critic import Critic
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
@@ -115,7 +112,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
                     reference: torch.nn.Module | None = None) -> Algorithm:
     """Bind ``stage.algo`` (and ``stage.critic``) once. ``apply_behaviour_weight``: multiply the loss by
     w = min(π_prox / π_behave, cap) — the async recipe's decoupled objective — unless the loss does it itself.
-    ``reference``: a frozen reference already built (e.g. FSDP2-sharded by `vlrl.train.distributed`);
+    ``reference``: a frozen reference already built (e.g. FSDP2-sharded by `vlrl.train.runtime.make_runtime`);
     unset, a frozen copy of the policy is made when ``algo.kl_coef > 0``."""
     algo, train = stage.algo, stage.train
     estimator = get_advantage(algo.advantage)
@@ -164,8 +161,9 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
     n_updates = settings.ppo_epochs * settings.minibatches
     need_old = n_updates > 1 or (algorithm.kl_in_reward > 0 and algorithm.reference is not None)
     free = settings.padding_free
-    old_logp = score(policy.model, policy, trajectories, settings.temperature, padding_free=free) if need_old else None
-    ref_logp = (score(algorithm.reference, policy, trajectories, settings.temperature, padding_free=free)
+    old_logp = teacher_logprobs(policy.model, policy, trajectories, settings.temperature, padding_free=free) \
+        if need_old else None
+    ref_logp = (teacher_logprobs(algorithm.reference, policy, trajectories, settings.temperature, padding_free=free)
                 if algorithm.reference is not None else None)
     values = algorithm.critic.values(trajectories) if algorithm.critic is not None else None  # (B, R)
     context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step,
@@ -233,80 +231,16 @@ def place_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, last_index: to
     return token_rewards
 
 
-@torch.no_grad()
-def score(model: torch.nn.Module, policy: Policy, trajectories: Sequence[Trajectory], temperature: float, *,
-          padding_free: bool = False) -> torch.Tensor:
-    """Teacher-forced log-probs (B, R) of the trajectories' responses under ``model`` (padded, or packed into
-    rows without padding between sequences: the same values)."""
-    was_training = model.training
-    model.eval()
-    logp, _, _ = sequence_logprobs(model, policy.adapter, [t.prompt_ids for t in trajectories],
-                                   [t.response_ids for t in trajectories], [t.vision for t in trajectories],
-                                   pad_token_id=policy.pad_token_id, temperature=temperature, padding_free=padding_free)
-    model.train(was_training)
+def teacher_logprobs(model: torch.nn.Module, policy: Policy, trajectories: Sequence[Trajectory], temperature: float, *,
+                     padding_free: bool = False, prompts: Sequence[Any] | None = None,
+                     visions: Sequence[Any] | None = None) -> torch.Tensor:
+    """(B, R) log-probs of the trajectories' responses under ``model`` (no gradient, eval mode), after their own
+    prompts or the given ``prompts`` / ``visions`` (a teacher's context): the one teacher-forced function,
+    `vlrl.models.packed.sequence_logprobs`, padded or packed (the same values)."""
+    prompts = [t.prompt_ids for t in trajectories] if prompts is None else prompts
+    visions = [t.vision for t in trajectories] if visions is None else visions
+    with evaluating(model):
+        logp, _, _ = sequence_logprobs(model, policy.adapter, prompts, [t.response_ids for t in trajectories], visions,
+                                       pad_token_id=policy.pad_token_id, temperature=temperature,
+                                       padding_free=padding_free)
     return logp
-
-
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    reference = copy.deepcopy(model).eval()
-    for p in reference.parameters():
-        p.requires_grad_(False)
-    return reference
-
-
-def step_metrics(batch: UpdateBatch, stats: dict[str, list[float]], failures: Sequence[Any]) -> dict[str, float]:
-    """The metrics of one RL step: rewards per task, accuracy, response lengths, zero-advantage groups, the
-    update's statistics (averaged over micro-batches) and the shapers' metrics."""
-    trajectories = batch.trajectories
-    rewards = torch.tensor([t.reward for t in trajectories])
-    metrics: dict[str, float] = {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "reward/failures": len(failures),
-    }
-    by_task: dict[str, list[Trajectory]] = defaultdict(list)
-    for t in trajectories:
-        by_task[t.sample.task].append(t)
-    accuracies = []
-    for task, group in sorted(by_task.items()):
-        metrics[f"reward/{task}"] = sum(t.reward for t in group) / len(group)
-        acc = [t.reward_parts.get("accuracy") for t in group if "accuracy" in t.reward_parts]
-        if acc:
-            metrics[f"accuracy/{task}"] = sum(acc) / len(acc)
-            accuracies.append(metrics[f"accuracy/{task}"])
-    if accuracies:
-        metrics["accuracy/mean"] = sum(accuracies) / len(accuracies)
-    lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float)
-    metrics["response/length_mean"] = float(lengths.mean())
-    metrics["response/length_max"] = float(lengths.max())
-    metrics["response/truncated_frac"] = sum(t.status is Status.TRUNCATED for t in trajectories) / len(trajectories)
-    metrics["rollout/gen_prob"] = generation_prob(trajectories)
-    metrics["rollout/diversity"] = diversity(trajectories, batch.group_index)
-    seq_adv = (batch.advantages.abs() * batch.loss_mask).sum(-1)  # (B,)
-    groups = batch.group_index
-    zero = [bool((seq_adv[groups == g] == 0).all()) for g in groups.unique()]
-    metrics["policy/zero_adv_groups_frac"] = sum(zero) / len(zero)
-    for name, values in stats.items():
-        metrics[name] = sum(values) / len(values)
-    metrics.update(batch.metrics)
-    return metrics
-
-
-def diversity(trajectories: Sequence[Trajectory], group_index: torch.Tensor) -> float:
-    """Syn-GRPO's diversity (eq. 4), batch mean: V(q) = var of the accuracy rewards within each group (the
-    ``accuracy`` sub-score when every response has one, else the scalar reward), averaged over groups."""
-    if all("accuracy" in t.reward_parts for t in trajectories):
-        scores = torch.tensor([float(t.reward_parts["accuracy"]) for t in trajectories])
-    else:
-        scores = torch.tensor([float(t.reward) for t in trajectories])
-    per_element = group_variance(scores, group_index)  # (B,)
-    _, first = unique_first(group_index)
-    return float(per_element[first].mean())
-
-
-def unique_first(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(distinct values, position of each one's first occurrence)."""
-    values, inverse = torch.unique(index, return_inverse=True)
-    first = torch.full((len(values),), len(index), dtype=torch.long).scatter_reduce(
-        0, inverse, torch.arange(len(index)), "amin")
-    return values, first

@@ -7,9 +7,10 @@ Layout of ``OUT/checkpoints/step_00000012/``:
                          so a checkpoint written by 2 ranks loads on 1 and vice versa (any DDP/FSDP2 mix).
     trainer_state.json   stage, step, data cursor, scheduler, the RNG states of every rank, the position of
                          metrics.jsonl
-    carry_over/          each rank's loop state beyond the weights (torch.save): the RL shapers' states
-                         (e.g. an EMA baseline), dynamic-sampling leftovers, the critic; the async recipe's
-                         undrained groups, re-queued and in-flight draws and ticket ledger
+    carry_over/          each rank's loop state beyond the weights (torch.save of the recipe's typed record,
+                         `vlrl.train.state.SyncState` / `AsyncState`): the RL shapers' states (e.g. an EMA
+                         baseline), dynamic-sampling leftovers, the critic; the async recipe's undrained groups,
+                         re-queued and in-flight draws and ticket ledger
     hf/                  (checkpoint.export_hf) config + safetensors + tokenizer + image processor, which plain
                          transformers, vLLM and SGLang load
 
@@ -279,19 +280,3 @@ def _fsync_dir(path: Path) -> None:
     finally:
         os.close(fd)
 
-
-def algorithm_state(algorithm) -> dict[str, Any]:
-    """The RL loop's carry-over: the states the reward and advantage shapers returned at the last step."""
-    return {"reward_shaping": list(algorithm.reward_shaping.states),
-            "advantage_shaping": list(algorithm.advantage_shaping.states)}
-
-
-def load_algorithm_state(algorithm, state: dict[str, Any] | None) -> None:
-    if not state:
-        return
-    for chain, saved in ((algorithm.reward_shaping, state["reward_shaping"]),
-                         (algorithm.advantage_shaping, state["advantage_shaping"])):
-        if len(saved) != len(chain.states):
-            raise ValueError(f"the checkpoint holds {len(saved)} {chain.field} shaper state(s), the config "
-                             f"configures {len(chain.states)}: resume with the same algo.*_shaping")
-        chain.states = list(saved)

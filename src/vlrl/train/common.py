@@ -1,10 +1,14 @@
-"""Pieces every recipe uses: seeding, the optimizer, data loading, the prompt cursor, the run directory."""
+"""Pieces every recipe uses: seeding, the optimizer, data loading, the prompt cursor, the run directory, frozen
+copies and no-grad evaluation of a model."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +202,23 @@ def prepare_run_dir(out: str | Path, config: Section, *, keep_metrics_bytes: int
 
 def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of ``model`` in eval mode (a reference policy, a teacher)."""
+    reference = copy.deepcopy(model).eval()
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    return reference
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """No gradient and eval mode (no dropout) for a teacher-forced pass; the model's mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)

@@ -28,19 +28,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from vlrl.config import DistConfig
-
-if TYPE_CHECKING:
-    from vlrl.train.checkpoint import Checkpointer
-    from vlrl.train.common import PromptCursor
 
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -192,64 +188,6 @@ def gradient_sync(module: torch.nn.Module, enabled: bool) -> Iterator[None]:
     yield
 
 
-# ----------------------------------------------------------------------------------------------- the runtime
-@dataclass
-class Runtime:
-    """What a training loop needs beyond the model to run on N ranks and to survive a kill: the process
-    context, the module to train (wrapped), and the checkpointer (with the checkpoint to resume from)."""
-
-    ctx: DistContext
-    module: torch.nn.Module
-    cfg: DistConfig = field(default_factory=DistConfig)
-    checkpointer: Checkpointer | None = None
-    reference: torch.nn.Module | None = None  # RL with a KL term: the frozen reference, sharded like the actor
-
-    @classmethod
-    def single(cls, model: torch.nn.Module) -> Runtime:
-        """One process, no checkpoints: the loops' default."""
-        return cls(DistContext(device=next(model.parameters()).device), model)
-
-    def gradient_sync(self, last: bool):
-        return gradient_sync(self.module, last)
-
-    def global_normaliser(self, local_count: float) -> float:
-        """This rank's loss denominator for a count (tokens or sequences) of its shard: Σ_ranks count / W."""
-        return self.ctx.local_normaliser(self.ctx.all_reduce_sum([local_count])[0])
-
-    def autocast(self):
-        """torch.autocast for DDP and single-process mixed precision (FSDP2 casts through its own policy)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if self.cfg.mixed_precision == "none" or isinstance(self.module, FSDPModule):
-            return nullcontext()
-        return torch.autocast(self.ctx.device.type, dtype=MIXED_DTYPES[self.cfg.mixed_precision])
-
-    def out_of_time(self, elapsed: float, budget: float | None) -> bool:
-        """The wall-clock budget is spent (all ranks agree, so they stop at the same step)."""
-        return budget is not None and self.ctx.any(elapsed >= budget)
-
-    def restore(self, stage: str, optimizer, scheduler, cursor: PromptCursor) -> tuple[int, Any]:
-        """Load the checkpoint to resume from, if any: weights, optimizer, scheduler, cursor, RNG states.
-        Returns (step, this rank's carry-over state); (0, None) for a fresh start."""
-        if self.checkpointer is None or self.checkpointer.resume_from is None:
-            return 0, None
-        state = self.checkpointer.load(self.checkpointer.resume_from, stage=stage, module=self.module,
-                                       optimizer=optimizer, scheduler=scheduler)
-        cursor.load_state(state["cursor"])
-        return int(state["step"]), state["carry_over"]
-
-    def checkpoint_due(self, step: int) -> bool:
-        """A checkpoint is written at ``step`` (loops with state that is costly to gather ask first)."""
-        return self.checkpointer is not None and self.checkpointer.due(step)
-
-    def after_step(self, step: int, stage: str, optimizer, scheduler, cursor: PromptCursor,
-                   carry_over: Any = None) -> None:
-        """Save a checkpoint when one is due at ``step``."""
-        if self.checkpoint_due(step):
-            self.checkpointer.save(step, stage=stage, module=self.module, optimizer=optimizer, scheduler=scheduler,
-                                   cursor=cursor.state(), carry_over=carry_over)
-
-
 def check_scalable(cfg, world_size: int) -> None:
     """What runs under several ranks and with resumable checkpoints; the error names the field."""
     scaled = world_size > 1 or cfg.checkpoint.every or cfg.checkpoint.resume
@@ -280,30 +218,6 @@ def check_scalable(cfg, world_size: int) -> None:
     if rollout.servers and world_size > 1:
         raise ValueError("rollout.servers: under torchrun every rank generates in-process; rollout servers serve "
                          "the single-process recipe")
-
-
-def make_runtime(cfg, ctx: DistContext, policy, run_dir, resume_from=None) -> Runtime:
-    """Wrap the policy's model for ``cfg.dist`` and attach the checkpointer of ``run_dir`` (resuming from
-    ``resume_from`` when given). With several ranks each rank then draws from its own random stream
-    (seed + rank), after the weights were built identically everywhere."""
-    from pathlib import Path
-
-    from vlrl.train.checkpoint import Checkpointer
-    from vlrl.train.common import seed_everything
-
-    algo = getattr(cfg, "algo", None)
-    reference = None
-    if ctx.enabled and algo is not None and algo.kl_coef > 0:  # copied before the actor is sharded in place
-        from vlrl.train.batch import frozen_copy
-
-        reference = wrap_model(frozen_copy(policy.model), ctx, cfg.dist.model_copy(update={"strategy": "fsdp"})) \
-            if cfg.dist.strategy == "fsdp" else frozen_copy(policy.model)
-    module = wrap_model(policy.model, ctx, cfg.dist)
-    if ctx.enabled:
-        seed_everything(cfg.seed + ctx.rank)
-    checkpointer = Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, ctx, policy=policy,
-                                metrics_path=Path(run_dir) / "metrics.jsonl", resume_from=resume_from)
-    return Runtime(ctx, module, cfg.dist, checkpointer, reference)
 
 
 # ----------------------------------------------------------------------------------------------- RL over ranks
@@ -350,37 +264,3 @@ def _rows(value, start: int, count: int, width: int):
         return value
     value = value[start : start + count]
     return value[:, :width] if value.dim() == 2 else value
-
-
-def global_step_metrics(ctx: DistContext, batch, stats: dict[str, list[float]], failures) -> dict[str, float]:
-    """`step_metrics` of the global batch: every rank's per-response scalars (reward, task, accuracy, length,
-    status, |advantage| sum) and update statistics are gathered, so rank 0 logs what one process would."""
-    from types import SimpleNamespace
-
-    from vlrl.train.batch import step_metrics
-
-    if not ctx.enabled:
-        return step_metrics(batch, stats, failures)
-    rows = [{"reward": t.reward, "task": t.sample.task, "parts": dict(t.reward_parts), "length": len(t.response_ids),
-             "status": t.status, "logp": t.behaviour_logp[t.loss_mask.bool()] if len(t.behaviour_logp) else t.behaviour_logp}
-            for t in batch.trajectories]
-    local = {"rows": rows, "adv": (batch.advantages.abs() * batch.loss_mask).sum(-1), "group": batch.group_index,
-             "stats": {k: list(v) for k, v in stats.items()}, "failures": len(failures), "metrics": batch.metrics}
-    parts = ctx.gather_objects(local)
-    trajectories, adv, groups, offset = [], [], [], 0
-    for part in parts:
-        trajectories += [SimpleNamespace(reward=r["reward"], sample=SimpleNamespace(task=r["task"]),
-                                         reward_parts=r["parts"], response_ids=range(r["length"]), status=r["status"],
-                                         behaviour_logp=r["logp"], loss_mask=torch.ones(len(r["logp"])))
-                         for r in part["rows"]]
-        adv.append(part["adv"])
-        groups.append(part["group"] + offset)
-        offset += int(part["group"].max()) + 1 if len(part["group"]) else 0
-    merged_stats: dict[str, list[float]] = {}
-    for part in parts:
-        for name, values in part["stats"].items():
-            merged_stats.setdefault(name, []).extend(values)
-    shaping = {k: sum(p["metrics"].get(k, 0.0) for p in parts) / len(parts) for k in parts[0]["metrics"]}
-    proxy = SimpleNamespace(trajectories=trajectories, advantages=torch.cat(adv).unsqueeze(-1),
-                            loss_mask=torch.ones(len(trajectories), 1), group_index=torch.cat(groups), metrics=shaping)
-    return step_metrics(proxy, merged_stats, range(sum(p["failures"] for p in parts)))

@@ -17,33 +17,27 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vlrl.check import PreflightError, preflight
-from vlrl.config import DataConfig, DemoConfig, RLConfig, RunConfig, SFTConfig
+from vlrl.config import DataConfig, DemoConfig, RLConfig, RolloutConfig, RunConfig, SFTConfig
 from vlrl.data import Sample
 from vlrl.data.curriculum import with_template
 from vlrl.data.packing import PackingPlan
 from vlrl.data.select import select_for_training
-from vlrl.eval import evaluate
+from vlrl.eval import EvalResult, evaluate
 from vlrl.models import Policy, load_policy
 from vlrl.report import MetricsLogger, make_sink
 from vlrl.report.environment import describe, environment
 from vlrl.report.progress import LiveProgress
 from vlrl.report.samples import SampleLog
 from vlrl.report.watch import WatchedEngine
-from vlrl.rollout import HFEngine
+from vlrl.rollout import build_engine, close_engine
 from vlrl.synth.workflow import syn_eval_samples
-from vlrl.train.async_grpo import make_engine, train_async_grpo
+from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.budget import FlopMeter, control_budget
 from vlrl.train.checkpoint import export_hf, metrics_offset, resolve_resume
 from vlrl.train.common import load_split, load_splits, prepare_run_dir, seed_everything, write_json
-from vlrl.train.distributed import (
-    DistContext,
-    Runtime,
-    check_scalable,
-    init_distributed,
-    make_runtime,
-    shutdown_distributed,
-)
+from vlrl.train.distributed import DistContext, check_scalable, init_distributed, shutdown_distributed
 from vlrl.train.grpo import train_grpo
+from vlrl.train.runtime import Runtime, make_runtime
 from vlrl.train.sft import train_sft
 
 
@@ -116,8 +110,10 @@ def _load(cfg: RunConfig, logger: MetricsLogger, device: str | None = None) -> P
     return policy
 
 
-def _engine(policy: Policy, cfg: RunConfig, logger: MetricsLogger, samples: SampleLog, max_batch_size: int = 256):
-    return WatchedEngine(HFEngine(policy, max_batch_size=max_batch_size), logger, samples)
+def _engine(rollout: RolloutConfig, policy: Policy, run_dir: Path, logger: MetricsLogger, samples: SampleLog) -> WatchedEngine:
+    """The engine of a run or stage (`vlrl.rollout.build_engine`: in-process / threaded / rollout servers, the
+    configured rollout function), watched by the report."""
+    return build_engine(rollout, policy, run_dir=run_dir, logger=logger, samples=samples)
 
 
 def _save(policy: Policy, target: Path, logger: MetricsLogger) -> Path:
@@ -126,15 +122,12 @@ def _save(policy: Policy, target: Path, logger: MetricsLogger) -> Path:
 
 
 def _eval(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, stage: str) -> dict:
+    """Evaluate on the held-out prompts, log ``eval/<stage>`` and return the result as summary.json holds it."""
     with logger.progress.task(f"eval/{stage}"), engine.capture() as batches:
-        result = evaluate(engine, test, cfg.eval)
+        result: EvalResult = evaluate(engine, test, cfg.eval)
     engine.samples.write(f"eval/{stage}", 0, batches)
-    logger.log(f"eval/{stage}", 0, {
-        **{f"accuracy/{k}": v for k, v in result["accuracy"].items()},
-        **{f"greedy/{k}": v for k, v in result["greedy"].items()},
-        **{f"pass@{result['k']}/{k}": v for k, v in result["pass@k"].items()},
-    }, show=("accuracy/mean", "greedy/mean", f"pass@{result['k']}/mean"))
-    return result
+    logger.log(f"eval/{stage}", 0, result.metrics(), show=("accuracy/mean", "greedy/mean", f"pass@{result.k}/mean"))
+    return result.to_dict()
 
 
 def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: int, name: str = "sft",
@@ -199,7 +192,8 @@ def run_sft(cfg: SFTConfig) -> dict:
             stats = _sft(policy, train, cfg, cfg, logger, seed=cfg.seed, plan=_plan(cfg.data, logger), runtime=runtime)
             final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
         if ctx.is_main:
-            engine = _engine(_eval_policy(policy, runtime, final, cfg), cfg, logger, _samples(cfg, run_dir))
+            engine = _engine(RolloutConfig(), _eval_policy(policy, runtime, final, cfg), run_dir, logger,
+                             _samples(cfg, run_dir))
             summary = {"sft": _eval(engine, test, cfg, logger, "final"), "train": stats}
             write_json(run_dir / "summary.json", summary)
     return summary
@@ -263,8 +257,8 @@ def run_rl(cfg: RLConfig) -> dict:
             summary = _rl_stages(policy, train, test, cfg, run_dir, logger)
             write_json(run_dir / "summary.json", summary)
             return summary
-        # in-process, or rollout.servers over HTTP (rollout.mode=async)
-        engine = WatchedEngine(make_engine(cfg.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
+        # in-process, threaded (rollout.mode=async) or rollout.servers over HTTP; single- or multi-turn
+        engine = _engine(cfg.rollout, policy, run_dir, logger, _samples(cfg, run_dir))
         try:
             if ctx.is_main and resume is None:
                 summary["initial"] = _eval(engine, test, cfg, logger, "initial")
@@ -273,11 +267,10 @@ def run_rl(cfg: RLConfig) -> dict:
             final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
             if ctx.is_main:
                 evaluator = engine if not ctx.enabled else \
-                    _engine(_eval_policy(policy, runtime, final, cfg), cfg, logger, engine.samples)
+                    _engine(cfg.rollout, _eval_policy(policy, runtime, final, cfg), run_dir, logger, engine.samples)
                 summary.update({"rl": _eval(evaluator, test, cfg, logger, "final"), "train": stats})
         finally:
-            if hasattr(engine.engine, "close"):
-                engine.engine.close()
+            close_engine(engine)
         if ctx.is_main:
             write_json(run_dir / "summary.json", summary)
     return summary
@@ -294,7 +287,7 @@ def _rl_stages(policy: Policy, train: list[Sample], test: list[Sample], cfg: RLC
         held_out = test
         if stage.prompt_template is not None:
             samples, held_out = with_template(samples, stage.prompt_template), with_template(test, stage.prompt_template)
-        engine = WatchedEngine(make_engine(stage.rollout, policy, run_dir=run_dir), logger, _samples(cfg, run_dir))
+        engine = _engine(stage.rollout, policy, run_dir, logger, _samples(cfg, run_dir))
         try:
             if k == 0:
                 summary["initial"] = _eval(engine, held_out, cfg, logger, "initial")
@@ -302,8 +295,7 @@ def _rl_stages(policy: Policy, train: list[Sample], test: list[Sample], cfg: RLC
             checkpoint = _save(policy, run_dir / "checkpoints" / stage.name, logger)
             summary[stage.name] = _eval(engine, held_out, cfg, logger, stage.name)
         finally:
-            if hasattr(engine.engine, "close"):
-                engine.engine.close()
+            close_engine(engine)
         if k + 1 < len(cfg.stages):
             policy = load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
                                  min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
@@ -337,7 +329,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         _check(cfg, logger, train, test)
         policy = _load(cfg, logger)
         samples = _samples(cfg, run_dir)
-        engine = _engine(policy, cfg, logger, samples, cfg.rl.rollout.max_batch_size)
+        engine = _engine(cfg.rl.rollout, policy, run_dir, logger, samples)
         summary["base"] = _eval(engine, test, cfg, logger, "base")
         with FlopMeter(policy.model) as meter:  # counts the stages' passes; evaluations sit between snapshots
             summary["sft_train"] = _sft(policy, train, cfg.sft, cfg, logger, seed=cfg.seed)
@@ -350,7 +342,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         _save(policy, run_dir / "checkpoints" / "rl", logger)
         summary["rl"] = _eval(engine, test, cfg, logger, "rl")
         if cfg.control:
-            summary.update(_control(cfg, train, test, sft_dir, samples, logger, rl_flops=rl_flops, sft_flops=sft_flops,
+            summary.update(_control(cfg, train, test, sft_dir, run_dir, samples, logger, rl_flops=rl_flops, sft_flops=sft_flops,
                                     sft_stats=summary["sft_train"], rl_stats=summary["rl_train"]))
         summary["wall_seconds"] = round(time.time() - start, 1)
         write_json(run_dir / "summary.json", summary)
@@ -358,8 +350,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     return summary
 
 
-def _control(cfg: DemoConfig, train, test, sft_dir: Path, samples: SampleLog, logger: MetricsLogger, *, rl_flops,
-             sft_flops, sft_stats: dict, rl_stats: dict) -> dict:
+def _control(cfg: DemoConfig, train, test, sft_dir: Path, run_dir: Path, samples: SampleLog, logger: MetricsLogger, *,
+             rl_flops, sft_flops, sft_stats: dict, rl_stats: dict) -> dict:
     """The SFT checkpoint trained by more SFT on the same labelled samples with the RL stage's budget, evaluated."""
     budget = control_budget(cfg.control_budget, rl_flops=rl_flops, rl_seconds=rl_stats["seconds"], sft_flops=sft_flops,
                             sft_steps=sft_stats["steps"], sft_seconds=sft_stats["seconds"])
@@ -371,9 +363,10 @@ def _control(cfg: DemoConfig, train, test, sft_dir: Path, samples: SampleLog, lo
                      max_seconds=budget["max_seconds"])
     budget.update(control_flops=meter.flops.total, control_seconds=round(stats["seconds"], 1),
                   control_steps=stats["steps"])
-    _save(control, Path(cfg.out) / "checkpoints" / "sft_control", logger)
-    return {"sft_control": _eval(_engine(control, cfg, logger, samples), test, cfg, logger, "sft_control"),
-            "sft_control_train": stats, "budget": budget}
+    _save(control, run_dir / "checkpoints" / "sft_control", logger)
+    engine = _engine(cfg.rl.rollout, control, run_dir, logger, samples)
+    return {"sft_control": _eval(engine, test, cfg, logger, "sft_control"), "sft_control_train": stats,
+            "budget": budget}
 
 
 def _print_summary(logger: MetricsLogger, summary: dict) -> None:

@@ -1,18 +1,27 @@
-"""Steps 1–3 of the synchronous RL step: draw prompts, sample n responses each, score — with DAPO dynamic
-sampling and ReMax's greedy baseline when configured.
+"""The sampling front half both RL recipes share: draw prompts, generate n responses each, score them, keep the
+informative groups, and flatten the kept groups into the step's batch.
 
-Dynamic sampling (DAPO §3.2.2, eq. 11; verl ``filter_groups``): generate a round of prompts, drop the groups
-whose rewards are all equal (zero advantage, no gradient), and generate more rounds until the batch holds
-``prompts_per_step`` informative groups or ``max_extra_rounds`` extra rounds were spent. A round asks for
-``ceil(missing × oversample)`` prompts; informative groups beyond the batch are carried over to the next
-step (they were sampled by weights one step older: the update treats them as on-policy, like verl).
+    Draw / Group      a prompt drawn from the data cursor (ticket, sample, epoch) / its n scored responses
+    PromptEncoder     each sample encoded once (token ids + processor outputs), for as long as it is in the data
+    score_groups      score a round's responses (and ReMax's greedy responses) and cut them into groups
+    is_informative    DAPO eq. 11: a group whose rewards (or accuracies) all agree has zero advantage
+    flatten           groups → the batch's trajectories (``group_index`` = position of the group) and baselines
+    GroupSampler      the synchronous recipe's steps 1–3; the asynchronous one keeps prompts in flight instead
+                      (`vlrl.train.async_grpo.AsyncRollout`) and pushes the same `Group` records into its buffer
+
+Dynamic sampling (DAPO §3.2.2, eq. 11; verl ``filter_groups``), synchronous recipe: generate a round of prompts,
+drop the groups whose rewards are all equal (zero advantage, no gradient), and generate more rounds until the
+batch holds ``prompts_per_step`` informative groups or ``max_extra_rounds`` extra rounds were spent. A round asks
+for ``ceil(missing × oversample)`` prompts; informative groups beyond the batch are carried over to the next step
+(they were sampled by weights one step older: the update treats them as on-policy, like verl).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,113 +33,150 @@ from vlrl.rollout import Engine, Request, SamplingParams, Trajectory
 from vlrl.train.common import PromptCursor
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One prompt drawn from the data cursor: its ticket (unique per draw, in draw order), the sample, the
+    cursor's epoch when it was drawn."""
+
+    ticket: int
+    sample: Sample
+    epoch: int
+
+
 @dataclass
-class SampledGroup:
-    """The n scored responses to one prompt (and, for ReMax, the reward of its greedy response)."""
+class Group:
+    """The n scored responses to one drawn prompt (and, for ReMax, the reward of its greedy response)."""
 
     trajectories: list[Trajectory]
+    draw: Draw
+    reward_failures: list[tuple[str, str]] = field(default_factory=list)  # (sample id, error) of failed verifiers
     baseline_reward: float | None = None
+
+    @property
+    def weight_version(self) -> int:
+        return min(t.weight_version for t in self.trajectories)  # one request → one version; min to be safe
+
+
+class PromptEncoder:
+    """``engine.encode`` once per sample id (tokens and processor outputs are reused by every later draw)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._requests: dict[str, Request] = {}
+
+    def __call__(self, sample: Sample) -> Request:
+        request = self._requests.get(sample.id)
+        if request is None:
+            request = self._requests[sample.id] = self.engine.encode(sample)
+        return request
+
+    def forget(self, sample_ids: Sequence[str]) -> None:
+        """Drop the encodings of samples that left the dataset (Syn-GRPO replaced them)."""
+        for sample_id in sample_ids:
+            self._requests.pop(sample_id, None)
+
+
+def sampling_params(rollout: Any) -> SamplingParams:
+    """How a `vlrl.config.RolloutConfig` samples: n responses per prompt at its temperature and budget."""
+    return SamplingParams(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                          max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop))
+
+
+def greedy(sampling: SamplingParams) -> SamplingParams:
+    """ReMax's baseline sampling: one greedy response, the same budget and stop strings."""
+    return SamplingParams(n=1, temperature=0.0, max_new_tokens=sampling.max_new_tokens, stop=list(sampling.stop))
+
+
+def score_groups(draws: Sequence[Draw], trajectories: Sequence[Trajectory], n: int,
+                 baselines: Sequence[Trajectory] | None = None) -> list[Group]:
+    """Score ``trajectories`` (n per draw, in draw order) and the greedy ``baselines`` (one per draw) with the
+    samples' verifiers, and cut them into groups. A verifier failure belongs to the first group of its sample."""
+    report = score_trajectories([*trajectories, *(baselines or [])])
+    groups = [Group(list(trajectories[k * n : (k + 1) * n]), draw,
+                    baseline_reward=float(baselines[k].reward) if baselines is not None else None)
+              for k, draw in enumerate(draws)]
+    first = {}
+    for group in groups:
+        first.setdefault(group.draw.sample.id, group)
+    for sample_id, error in report.failures:
+        first[sample_id].reward_failures.append((sample_id, error))
+    return groups
+
+
+def is_informative(group: Group, metric: str = "reward") -> bool:
+    """True if the group's ``metric`` — the scalar reward, or the verifiers' accuracy (0 when none reports one) —
+    is not the same for every response (DAPO eq. 11)."""
+    values = [t.accuracy or 0.0 for t in group.trajectories] if metric == "accuracy" else \
+        [t.reward for t in group.trajectories]
+    scores = torch.tensor([float(v) for v in values])
+    return bool(informative_groups(scores, torch.zeros(len(scores), dtype=torch.long)).all())
+
+
+def flatten(groups: Sequence[Group]) -> tuple[list[Trajectory], torch.Tensor | None]:
+    """The batch's trajectories, group by group, with ``group_index`` = the group's position in the batch, and
+    (B,) the greedy reward of each response's prompt when the groups carry one (ReMax), else None."""
+    trajectories = []
+    for i, group in enumerate(groups):
+        for t in group.trajectories:
+            t.group_index = i
+            trajectories.append(t)
+    if not groups or groups[0].baseline_reward is None:
+        return trajectories, None
+    return trajectories, torch.tensor([g.baseline_reward for g in groups for _ in g.trajectories])
 
 
 @dataclass
 class SampledBatch:
-    trajectories: list[Trajectory]  # group by group, ``group_index`` = position of the group in the batch
-    failures: list = field(default_factory=list)  # reward failures (`ScoreReport.failures`) of every round
-    baseline_rewards: torch.Tensor | None = None  # (B,) greedy reward of each response's prompt
-    metrics: dict[str, float] = field(default_factory=dict)
+    groups: list[Group]
+    metrics: dict[str, float] = field(default_factory=dict)  # dynamic sampling's ``sampling/…``
 
 
 class GroupSampler:
-    """Draws prompts from ``cursor`` and returns one step's scored groups."""
+    """Steps 1–3 of the synchronous recipe: draws prompts from ``cursor`` and returns one step's scored groups."""
 
     def __init__(self, engine: Engine, cursor: PromptCursor, sampling: SamplingParams, *, prompts_per_step: int,
                  dynamic: DynamicSamplingConfig, greedy_baseline: bool = False,
-                 shard: Callable[[list[Sample]], list[Sample]] | None = None) -> None:
+                 shard: Callable[[list[Draw]], list[Draw]] | None = None) -> None:
         """``shard``: under torchrun, keeps this rank's share of the prompts every rank drew (same cursor)."""
         self.engine, self.cursor, self.sampling = engine, cursor, sampling
-        self.shard = shard or (lambda prompts: prompts)
+        self.shard = shard or (lambda draws: draws)
         self.prompts_per_step, self.dynamic, self.greedy_baseline = prompts_per_step, dynamic, greedy_baseline
-        self.carry: list[SampledGroup] = []  # informative groups left over from the previous step
-        self._requests: dict[str, Request] = {}
+        self.encode = PromptEncoder(engine)
+        self.carry: list[Group] = []  # informative groups left over from the previous step
+        self.drawn = 0  # tickets issued
 
     def next_batch(self) -> SampledBatch:
         if not self.dynamic.enabled:
-            groups, failures = self._round(self.prompts_per_step)
-            return self._batch(groups, failures, {})
+            return SampledBatch(self._round(self.prompts_per_step))
         P = self.prompts_per_step
-        kept, failures, carried_in = self.carry, [], len(self.carry)
+        kept, carried_in = self.carry, len(self.carry)
         self.carry = []
         rounds = generated = dropped = 0
         while len(kept) < P and rounds <= self.dynamic.max_extra_rounds:
-            groups, round_failures = self._round(math.ceil((P - len(kept)) * self.dynamic.oversample))
-            rounds, generated, failures = rounds + 1, generated + len(groups), failures + round_failures
-            informative = [g for g in groups if self._informative(g)]
+            groups = self._round(math.ceil((P - len(kept)) * self.dynamic.oversample))
+            rounds, generated = rounds + 1, generated + len(groups)
+            informative = [g for g in groups if is_informative(g, self.dynamic.metric)]
             dropped += len(groups) - len(informative)
             kept = kept + informative
         kept, self.carry = kept[:P], kept[P:]
-        n = self.sampling.n
-        metrics = {"sampling/rounds": rounds, "sampling/prompts_generated": generated,
-                   "sampling/samples_generated": generated * n, "sampling/groups_dropped": dropped,
-                   "sampling/prompts_used": len(kept), "sampling/carried_in": carried_in,
-                   "sampling/carried_over": len(self.carry)}
         if not kept:
             raise RuntimeError(f"dynamic sampling: every one of {generated} groups in {rounds} round(s) had equal rewards "
                                f"(zero advantage); raise algo.dynamic_sampling.max_extra_rounds or check the reward")
-        return self._batch(kept, failures, metrics)
+        return SampledBatch(kept, {
+            "sampling/rounds": rounds, "sampling/prompts_generated": generated,
+            "sampling/samples_generated": generated * self.sampling.n, "sampling/groups_dropped": dropped,
+            "sampling/prompts_used": len(kept), "sampling/carried_in": carried_in,
+            "sampling/carried_over": len(self.carry)})
 
-    def forget(self, sample_ids: list[str]) -> None:
-        """Drop the cached encodings of samples that left the dataset (Syn-GRPO replaced them)."""
-        for sample_id in sample_ids:
-            self._requests.pop(sample_id, None)
+    def draw(self) -> Draw:
+        sample = self.cursor.next(1)[0]
+        self.drawn += 1
+        return Draw(self.drawn - 1, sample, self.cursor.epoch)
 
-    def _round(self, count: int) -> tuple[list[SampledGroup], list]:
+    def _round(self, count: int) -> list[Group]:
         """Draw ``count`` prompts, sample ``n`` responses each, score them (and their greedy responses)."""
-        prompts = self.shard(self.cursor.next(count))
-        requests = [self._requests.setdefault(s.id, self.engine.encode(s)) for s in prompts]
+        draws = self.shard([self.draw() for _ in range(count)])
+        requests = [self.encode(d.sample) for d in draws]
         trajectories = self.engine.generate(requests, self.sampling)
-        report = score_trajectories(trajectories)
-        n = self.sampling.n
-        groups = [SampledGroup(trajectories[k * n : (k + 1) * n]) for k in range(len(prompts))]
-        failures = list(report.failures)
-        if self.greedy_baseline:  # ReMax: one greedy response per prompt, scored like the others
-            greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.sampling.max_new_tokens,
-                                    stop=list(self.sampling.stop))
-            baselines = self.engine.generate(requests, greedy)
-            failures += list(score_trajectories(baselines).failures)
-            for group, baseline in zip(groups, baselines, strict=True):
-                group.baseline_reward = float(baseline.reward)
-        return groups, failures
-
-    def _informative(self, group: SampledGroup) -> bool:
-        return group_is_informative(group.trajectories, self.dynamic.metric)
-
-    def _batch(self, groups: list[SampledGroup], failures: list, metrics: dict[str, float]) -> SampledBatch:
-        trajectories = []
-        for i, group in enumerate(groups):
-            for t in group.trajectories:
-                t.group_index = i
-                trajectories.append(t)
-        baseline = None
-        if self.greedy_baseline:
-            baseline = torch.tensor([g.baseline_reward for g in groups for _ in g.trajectories])
-        return SampledBatch(trajectories, failures, baseline, metrics)
-
-    def state(self) -> dict:
-        """Plain data a checkpoint needs besides the cursor: the carried-over groups (token ids, log-probs,
-        rewards), in the layout of `vlrl.train.async_grpo.GroupBuffer.state_dict`."""
-        return {"cursor": self.cursor.state(), "carry": [{
-            "sample_id": g.trajectories[0].sample.id, "baseline_reward": g.baseline_reward, "trajectories": [
-                {"response_ids": t.response_ids.tolist(), "behaviour_logp": t.behaviour_logp.tolist(),
-                 "loss_mask": t.loss_mask.tolist(), "weight_version": t.weight_version, "status": t.status.value,
-                 "reward": t.reward, "reward_parts": dict(t.reward_parts), "response_text": t.response_text}
-                for t in g.trajectories]} for g in self.carry]}
-
-
-def group_is_informative(trajectories: list[Trajectory], metric: str = "reward") -> bool:
-    """True if the group's ``metric`` (the scalar reward, or the ``accuracy`` sub-score — 0 when missing)
-    is not the same for every response (DAPO eq. 11)."""
-    if metric == "accuracy":
-        scores = torch.tensor([float(t.reward_parts.get("accuracy", 0.0)) for t in trajectories])
-    else:
-        scores = torch.tensor([float(t.reward) for t in trajectories])
-    return bool(informative_groups(scores, torch.zeros(len(scores), dtype=torch.long)).all())
+        baselines = self.engine.generate(requests, greedy(self.sampling)) if self.greedy_baseline else None
+        return score_groups(draws, trajectories, self.sampling.n, baselines)

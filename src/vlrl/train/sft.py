@@ -29,13 +29,13 @@ from vlrl.config import SFTStage
 from vlrl.data import Sample
 from vlrl.data.packing import PackingPlan
 from vlrl.data.sample import load_image
-from vlrl.models import Policy, collate, response_logprobs
+from vlrl.models import Policy
 from vlrl.models.adapters import VisionInputs
 from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
 from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
-from vlrl.train.distributed import Runtime
 from vlrl.train.modules import restore_trainable, set_trainable
+from vlrl.train.runtime import Runtime
 
 
 @dataclass
@@ -86,7 +86,7 @@ def train_sft(
     """Run the SFT loop on ``samples`` (or on the bins of ``plan``, a plan computed for ``samples``); returns
     the last logged metrics plus ``steps``, ``seconds`` and ``epochs``.
 
-    ``runtime`` (`vlrl.train.distributed`): the ranks, the wrapped module and the checkpointer; default one
+    ``runtime`` (`vlrl.train.runtime`): the ranks, the wrapped module and the checkpointer; default one
     process, no checkpoints. Resuming restores the step, cursor, optimizer and RNG from its checkpoint."""
     train = stage.train
     rt = runtime or Runtime.single(policy.model)
@@ -94,6 +94,7 @@ def train_sft(
     units, examples = _units(policy, samples, stage, plan)
     packed = plan is not None or train.padding_free
     frozen = set_trainable(policy.model, train.trainable, policy.adapter.module_groups)
+    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)  # logged: train.trainable's effect
     cursor = PromptCursor(list(range(len(units))), seed)  # type: ignore[arg-type]  (any list works)
     model = rt.module
     model.train()
@@ -112,7 +113,7 @@ def train_sft(
             seconds = time.time() - step_start
             last = {"sft/loss": total_loss, "sft/grad_norm": grad_norm, "perf/step_seconds": seconds,
                     "perf/tokens_per_s": real / max(seconds, 1e-9), "perf/padding_frac": 1 - real / max(processed, 1),
-                    "sft/lr": scheduler.get_last_lr()[0]}
+                    "sft/lr": scheduler.get_last_lr()[0], "sft/trainable_params": trainable}
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("sft/loss", "sft/grad_norm", "perf/step_seconds"))
             rt.after_step(step, stage_name, optimizer, scheduler, cursor)
@@ -198,12 +199,3 @@ def _check_bins(units: list[list[int]], examples: dict[int, SFTExample], plan: P
                 f"{model.get('min_pixels')}, max_pixels {model.get('max_pixels')}); re-run `vlrl data pack` for this model"
             )
 
-
-def sft_step_check(policy: Policy, samples: list[Sample]) -> torch.Tensor:
-    """Mean assistant-token NLL of ``samples`` under the policy (no gradient), for tests and reports."""
-    examples = [encode_sft(policy, s) for s in samples]
-    tokens = collate([e.prompt_ids for e in examples], [e.target_ids for e in examples], [e.vision for e in examples],
-                     pad_token_id=policy.pad_token_id)
-    with torch.no_grad():
-        logp, _ = response_logprobs(policy.model, policy.adapter, tokens)
-    return -logp.sum() / tokens.response_mask.sum()

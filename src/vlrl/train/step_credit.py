@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vlrl.algos.shaping import AdvantageShapingInputs, ShapingOutput, register_advantage_shaping
+from vlrl.algos.shaping import AdvantageShapingInputs, ShapingOutput
 from vlrl.algos.step_credit import (
     STEP_PROXIES,
     FlipCounts,
@@ -39,9 +39,12 @@ from vlrl.algos.step_credit import (
     get_matcher,
 )
 from vlrl.data.tasks.embodied import REFERENCE_TEMPLATE, with_reference
-from vlrl.models import Policy, collate, response_logprobs
+from vlrl.models import Policy
 from vlrl.models.spans import token_char_offsets
+from vlrl.registry import RegistryError
 from vlrl.rewards.plan import locate_plan, plan_steps
+from vlrl.train.batch import teacher_logprobs
+from vlrl.train.common import frozen_copy
 
 Source = Literal["action_id", "action_name", "semantic"]
 
@@ -88,17 +91,23 @@ class StepCreditOptions(BaseModel):
         None, description="Where step_credit.jsonl and the heatmaps go; unset: the run directory when the recipe "
         "provides one, else no files (metrics are logged either way).")
 
+    @model_validator(mode="after")
+    def _check_names(self) -> StepCreditOptions:
+        try:  # unknown matcher, injection or proxy names
+            get_matcher(self.match), get_injection(self.injection), STEP_PROXIES.get(self.proxy)
+        except RegistryError as err:
+            raise ValueError(str(err)) from None
+        return self
+
 
 def parse_options(options: dict[str, Any]) -> StepCreditOptions:
     """Validate the shaper's options; the error names the option."""
     try:
-        parsed = StepCreditOptions(**options)
+        return StepCreditOptions(**options)
     except ValidationError as err:
-        lines = [f"step_credit option '{'.'.join(str(p) for p in e['loc'])}': "
+        lines = [f"step_credit option '{'.'.join(str(p) for p in e['loc']) or '(options)'}': "
                  f"{'unknown option' if e['type'] == 'extra_forbidden' else e['msg']}" for e in err.errors()]
         raise ValueError("; ".join(lines)) from None
-    get_matcher(parsed.match), get_injection(parsed.injection), STEP_PROXIES.get(parsed.proxy)  # unknown names raise
-    return parsed
 
 
 # ----------------------------------------------------------------------------------------------- spans
@@ -175,28 +184,6 @@ def step_index_tensors(plans: Sequence[ResponsePlan | None], loss_mask: torch.Te
 
 
 # ----------------------------------------------------------------------------------------------- teacher
-@torch.no_grad()
-def sequence_logprobs(model: torch.nn.Module, policy: Policy, prompts: Sequence[Sequence[int]],
-                      responses: Sequence[torch.Tensor], visions: Sequence[Any], temperature: float,
-                      micro_batch_size: int = 64) -> torch.Tensor:
-    """Teacher-forced log-probs (B, T) of ``responses`` after ``prompts`` under ``model`` (no gradient)."""
-    B = len(responses)
-    T = max(1, max(len(r) for r in responses))
-    out = torch.zeros(B, T)
-    was_training = model.training
-    model.eval()
-    try:
-        for start in range(0, B, micro_batch_size):
-            rows = range(start, min(B, start + micro_batch_size))
-            tokens = collate([prompts[i] for i in rows], [responses[i] for i in rows], [visions[i] for i in rows],
-                             pad_token_id=policy.pad_token_id)
-            logp, _ = response_logprobs(model, policy.adapter, tokens, temperature=temperature)
-            out[start : start + len(rows), : logp.shape[1]] = logp.float().cpu()
-    finally:
-        model.train(was_training)
-    return out
-
-
 def teacher_prompts(policy: Policy, trajectories: Sequence[Any], template: str) -> tuple[list[list[int]], list[Any]]:
     """Prompt ids and vision inputs of the teacher context: each sample's prompt plus its reference plan."""
     from vlrl.data.sample import load_image
@@ -230,7 +217,6 @@ class StepCreditState:
     analysis_dir: Path | None = None
 
 
-@register_advantage_shaping("step_credit")
 def step_credit(inputs: AdvantageShapingInputs, **options: Any) -> ShapingOutput:
     """Step-level credit for JSON action plans (the embodied seed's ``grpo_step`` and StepOPSD), as an
     advantage shaper: A^E = the estimator's advantages; see the module docstring and `StepCreditOptions`.
@@ -258,11 +244,13 @@ def step_credit(inputs: AdvantageShapingInputs, **options: Any) -> ShapingOutput
     return ShapingOutput(values=result.advantages, metrics=result.metrics, state=state)
 
 
+step_credit.options_model = StepCreditOptions  # config load checks algo.advantage_shaping options against it
+
+
 def start_state(options: StepCreditOptions, context: Any) -> StepCreditState:
     """At the first step: the teacher (``reference``: the recipe's frozen reference model, or a frozen copy of
     the policy as it is now; a path: that model, frozen) and a fresh analysis directory."""
     from vlrl.report.step_credit import ANALYSIS_DIR
-    from vlrl.train.batch import frozen_copy
 
     teacher = None
     if options.signal == "forward_proxy" and options.teacher == "reference":
@@ -324,11 +312,9 @@ def shape_step_credit(advantages: torch.Tensor, loss_mask: torch.Tensor, traject
             raise ValueError("step_credit: signal=forward_proxy scores single-turn responses (the teacher context is "
                              "the prompt plus the reference plan); use signal=rule for multi-turn episodes")
         prompts, visions = teacher_prompts(policy, trajectories, options.teacher_template)
-        responses = [t.response_ids for t in trajectories]
-        teacher = sequence_logprobs(teacher_model, policy, prompts, responses, visions, temperature)
-        student = sequence_logprobs(teacher_model, policy, [t.prompt_ids for t in trajectories], responses,
-                                    [t.vision for t in trajectories], temperature)
-        delta = (teacher[:, :T] - student[:, :T]) * loss_mask
+        teacher = teacher_logprobs(teacher_model, policy, trajectories, temperature, prompts=prompts, visions=visions)
+        student = teacher_logprobs(teacher_model, policy, trajectories, temperature)
+        delta = (teacher[:, :T].float().cpu() - student[:, :T].float().cpu()) * loss_mask
         proxy_kwargs = dict(tau=options.tau, norm=options.norm, robust=options.robust)
         if options.proxy == "residual_contrast":
             proxy_kwargs.update(threshold=options.gate_threshold, gate_tau=options.gate_tau,
@@ -351,9 +337,8 @@ def shape_step_credit(advantages: torch.Tensor, loss_mask: torch.Tensor, traject
 
 # ----------------------------------------------------------------------------------------------- analysis
 def trajectory_success(t: Any) -> bool:
-    """A trajectory counts as successful when its reward reports accuracy ≥ 0.5 (else reward ≥ 0.5)."""
-    accuracy = t.reward_parts.get("accuracy") if getattr(t, "reward_parts", None) else None
-    value = accuracy if accuracy is not None else (t.reward if t.reward is not None else 0.0)
+    """A trajectory counts as successful when its verifiers' accuracy is ≥ 0.5 (else its reward)."""
+    value = t.accuracy if t.accuracy is not None else (t.reward if t.reward is not None else 0.0)
     return float(value) >= 0.5
 
 

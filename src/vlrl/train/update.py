@@ -31,7 +31,7 @@ from vlrl.algos.staleness import behaviour_weight_stats, behaviour_weights, logp
 from vlrl.models import Policy
 from vlrl.models.packed import sequence_logprobs
 from vlrl.train.common import clip_and_step
-from vlrl.train.distributed import Runtime
+from vlrl.train.runtime import Runtime
 
 
 @dataclass
@@ -51,6 +51,47 @@ class UpdateBatch:
     metrics: dict[str, float] = field(default_factory=dict)  # from the shapers (logged with the step)
     old_values: torch.Tensor | None = None  # (B, R) critic values when the batch was prepared (gae)
     returns: torch.Tensor | None = None  # (B, R) the critic's regression targets
+
+
+@dataclass
+class UpdateStats:
+    """What an update measured. ``values``: the logged metrics (``policy/…``, ``critic/…``), one value per
+    micro-batch (or per optimizer step: grad norms), averaged when logged; the behaviour weights and the drift
+    counters are kept apart, as the tensors and sums they are, so that ranks can pool them (`merge`)."""
+
+    values: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    behaviour_weights: list[torch.Tensor] = field(default_factory=list)  # w of every trained token, per micro-batch
+    drift_sum: float = 0.0  # Σ |log π_behave − log π_old| over tokens sampled by the trainer's current weights
+    drift_tokens: int = 0
+    behaviour_weight_cap: float = 5.0
+
+    def add(self, name: str, value: float) -> None:
+        self.values[name].append(float(value))
+
+    def extend(self, other: UpdateStats) -> None:
+        for name, values in other.values.items():
+            self.values[name].extend(values)
+        self.behaviour_weights += other.behaviour_weights
+        self.drift_sum += other.drift_sum
+        self.drift_tokens += other.drift_tokens
+
+    @classmethod
+    def merge(cls, parts: Sequence[UpdateStats]) -> UpdateStats:
+        """One record of several (every rank's, in rank order)."""
+        merged = cls(behaviour_weight_cap=parts[0].behaviour_weight_cap if parts else 5.0)
+        for part in parts:
+            merged.extend(part)
+        return merged
+
+    def metrics(self) -> dict[str, float]:
+        """Means of ``values``, ``policy/behaviour_weight_{mean,max,capped_frac}`` and ``policy/logp_drift``."""
+        out = {name: sum(values) / len(values) for name, values in self.values.items() if values}
+        weights = torch.cat(self.behaviour_weights) if self.behaviour_weights else torch.zeros(0)
+        for name, value in behaviour_weight_stats(weights, torch.ones_like(weights), cap=self.behaviour_weight_cap).items():
+            out[f"policy/behaviour_weight_{name}"] = float(value)
+        if self.drift_tokens:
+            out["policy/logp_drift"] = self.drift_sum / self.drift_tokens
+        return out
 
 
 @dataclass(frozen=True)
@@ -73,19 +114,18 @@ class UpdateSettings:
 
 
 def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, optimizer, scheduler, *, seed: int,
-               step: int, critic: Any = None, runtime: Runtime | None = None) -> dict[str, list[float]]:
-    """``ppo_epochs`` × ``minibatches`` optimizer steps on ``batch``; returns per-micro-batch statistics.
+               step: int, critic: Any = None, runtime: Runtime | None = None) -> UpdateStats:
+    """``ppo_epochs`` × ``minibatches`` optimizer steps on ``batch``; returns what they measured.
     With a ``critic`` (`vlrl.train.critic.Critic`) its clipped value loss is minimised on the same minibatches.
 
-    Under torchrun (``runtime``, `vlrl.train.distributed`) ``batch`` is this rank's shard: every rank splits its
+    Under torchrun (``runtime``, `vlrl.train.runtime`) ``batch`` is this rank's shard: every rank splits its
     rows into the same number of minibatches, the normaliser is all-reduced, and gradients are reduced once per
     minibatch, so N ranks take the optimizer steps of one big batch. (The critic is single-process:
     `check_scalable` refuses value-based estimators under several ranks.)"""
     rt = runtime or Runtime.single(policy.model)
     model = rt.module
     model.train()
-    stats: dict[str, list[float]] = defaultdict(list)
-    weights_seen: list[torch.Tensor] = []
+    stats = UpdateStats(behaviour_weight_cap=settings.behaviour_weight_cap)
     B = len(batch.trajectories)
     generator = torch.Generator().manual_seed(seed * 7919 + step)
     skippable = zero_advantage_rows(batch, settings, world_size=rt.ctx.world_size)  # (B,) bool
@@ -95,23 +135,15 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
             rows = minibatch.tolist()
             normaliser = rt.global_normaliser(normaliser_for(settings.loss_agg, batch.loss_mask[rows]))  # all rows
             trained = [r for r in rows if not skippable[r]] or rows[:1]  # ≥ 1 row: AdamW steps on a real gradient
-            stats["policy/skipped_rows_frac"].append(1 - len(trained) / max(len(rows), 1))
-            for name, values in accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt).items():
-                (weights_seen if name == "behaviour_weights" else stats[name]).extend(values)
-            stats["policy/grad_norm"].append(clip_and_step(model, optimizer, scheduler, settings.grad_clip))
+            stats.add("policy/skipped_rows_frac", 1 - len(trained) / max(len(rows), 1))
+            stats.extend(accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt))
+            stats.add("policy/grad_norm", clip_and_step(model, optimizer, scheduler, settings.grad_clip))
             if critic is not None:
                 for name, values in critic.accumulate(batch, rows, micro_batch_size=settings.micro_batch_size,
                                                       loss_agg=settings.loss_agg, normaliser=normaliser).items():
-                    stats[name].extend(values)
-                stats["critic/grad_norm"].append(critic.step())
+                    stats.values[name].extend(values)
+                stats.add("critic/grad_norm", critic.step())
     model.eval()
-    all_w = torch.cat(weights_seen) if weights_seen else torch.zeros(0)
-    for name, value in behaviour_weight_stats(all_w, torch.ones_like(all_w), cap=settings.behaviour_weight_cap).items():
-        stats[f"policy/behaviour_weight_{name}"] = [float(value)]
-    drift_tokens = sum(stats.pop("_drift_tokens", []))
-    drift_sum = sum(stats.pop("_drift_sum", []))
-    if drift_tokens:
-        stats["policy/logp_drift"] = [drift_sum / drift_tokens]
     return stats
 
 
@@ -130,14 +162,14 @@ def zero_advantage_rows(batch: UpdateBatch, settings: UpdateSettings, *, world_s
 
 
 def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,
-               normaliser: float, runtime: Runtime | None = None) -> dict[str, list[Any]]:
+               normaliser: float, runtime: Runtime | None = None) -> UpdateStats:
     """Forward + backward over ``rows`` of ``batch`` in micro-batches of ``settings.micro_batch_size``,
     adding to the parameters' ``.grad`` (no optimizer step). ``normaliser`` is the `aggregate` denominator of
     the whole minibatch (all micro-batches, all ranks; ÷ world size under a ``runtime``, whose DDP/FSDP2 module
     trains and reduces gradients in the last micro-batch's backward). Returns per-micro-batch statistics."""
     rt = runtime or Runtime.single(policy.model)
     model = rt.module
-    stats: dict[str, list[Any]] = defaultdict(list)
+    stats = UpdateStats(behaviour_weight_cap=settings.behaviour_weight_cap)
     starts = range(0, len(rows), settings.micro_batch_size)
     for start in starts:
         micro = list(rows[start : start + settings.micro_batch_size])
@@ -162,17 +194,17 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
             if batch.ref_logp is not None and settings.kl_coef > 0:
                 kl = kl_estimate(logp, batch.ref_logp[micro, :R], settings.kl_estimator)
                 loss = loss + settings.kl_coef * aggregate(kl, mask, settings.loss_agg, normaliser=normaliser)
-                stats["policy/kl_ref"].append(float(masked_mean(kl.detach(), mask)))
+                stats.add("policy/kl_ref", masked_mean(kl.detach(), mask))
             loss.backward()
-        stats["policy/loss"].append(float(loss.detach()))
-        stats["policy/entropy"].append(float(masked_mean(entropy.detach(), mask)))
-        stats["policy/approx_kl_old"].append(float(masked_mean(0.5 * (logp.detach() - old) ** 2, mask)))
+        stats.add("policy/loss", loss.detach())
+        stats.add("policy/entropy", masked_mean(entropy.detach(), mask))
+        stats.add("policy/approx_kl_old", masked_mean(0.5 * (logp.detach() - old) ** 2, mask))
         for name, values in out.metrics.items():
-            stats[f"policy/{name}"].append(float(masked_mean(values, mask)))
-        stats["behaviour_weights"].append(w[mask.bool()])
+            stats.add(f"policy/{name}", masked_mean(values, mask))
+        stats.behaviour_weights.append(w[mask.bool()].detach())
         drift, n = logp_drift(behaviour, old, mask, batch.same_version[micro])
-        stats["_drift_sum"].append(float(drift) * int(n))
-        stats["_drift_tokens"].append(int(n))
+        stats.drift_sum += float(drift) * int(n)
+        stats.drift_tokens += int(n)
     return stats
 
 

@@ -57,4 +57,5 @@ class ToolZoomEnv(BaseEnv):
             return Observation(text=text, role=self.role), False, {"zoom_error": True}
         self.calls += 1
         crop = self.image.crop((x1, y1, x2, y2)).resize((self.zoom_size, self.zoom_size), Image.Resampling.BICUBIC)
-        return Observation(text=f"zoom({x1}, {y1}, {x2}, {y2}):", images=[crop], role=self.role), False, {}
+        observation = Observation(text=f"zoom({x1}, {y1}, {x2}, {y2}):", images=[crop], role=self.role)
+        return observation, False, {"zoom_call": 1}  # counted per episode as agent/env/zoom_call

@@ -1,0 +1,423 @@
+"""Every shipped config runs through the command a user types, and its own feature shows in the run's output.
+
+For each file in ``configs/``: ``python -m vlrl.cli sft|rl|demo --config configs/X.yaml`` with tiny overrides (2
+steps, 2 prompts × 4 responses, 2 held-out prompts × 1 sample; a staged config gets the same overrides in each
+stage, through a shrunk copy of the file), then the feature the config is for is asserted by its signature in
+``metrics.jsonl`` or the run directory — multi-turn episodes take more than one turn, the zoom tool is called, the
+judge's feedback is appended, Syn-GRPO submits descriptions, step credit logs its shaping metrics and analysis
+file, PPO trains a critic, ReMax scores a greedy baseline, DAPO filters groups, the curriculum switches stages,
+staged SFT trains three stages with their own trainable sets, asynchronous runs log staleness. A config whose
+feature is silently off fails; a config file without an entry in `CASES` fails too. The multi-turn preset also
+runs with ``rollout.mode=async`` in-process and against one ``vlrl serve`` server.
+
+Models. The RL presets that need a model which sometimes answers right (DAPO's informative groups, the feedback
+environment's early stops, a critic with non-zero returns) start from the ``shapes_sft`` case's own checkpoint
+(the README's order: SFT, then RL). ``tool_zoom`` and Syn-GRPO start from a checkpoint SFT'd (through ``vlrl sft
+--data``) on prompts of those two presets answered with a zoom call and with the Syn-GRPO template: the features
+need a model that calls the tool and writes a description; the tool, the environment and the synthesis are real.
+Everything else uses the presets' random initialisation (saved once, loaded from disk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+import vlrl
+
+CONFIGS = Path(vlrl.__file__).parent / "configs"  # = the repository's configs/ (a symlink to it)
+REPO = Path(__file__).resolve().parents[1]
+RL_TINY = ("train.steps=2", "train.prompts_per_step=2", "rollout.n=4", "data.n_train=8", "data.n_test=2",
+           "eval.samples=1", "train.log_every=1", "report.html=false")
+SFT_TINY = ("train.steps=2", "train.batch_size=4", "train.micro_batch_size=4", "data.n_train=8", "data.n_test=2",
+            "eval.samples=1", "train.log_every=1", "report.html=false")
+SHORT = ("rollout.max_new_tokens=24", "eval.max_new_tokens=24")  # the embodied presets' 128 tokens, shortened
+ZOOM_CALL = "zoom(0, 0, 56, 56)"
+SYN_RESPONSE = "<diversity>0.5</diversity><description>a red brick wall</description><answer>[10, 10, 60, 60]</answer>"
+
+
+# ----------------------------------------------------------------------------------------------- runs
+@dataclasses.dataclass
+class Run:
+    """A finished run: its directory, its metrics.jsonl records, summary.json and resolved config.yaml."""
+
+    path: Path
+    records: list[dict]
+    summary: dict
+    config: dict
+
+    @classmethod
+    def read(cls, path: Path) -> Run:
+        records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((path / "summary.json").read_text())
+        return cls(path, records, summary, yaml.safe_load((path / "config.yaml").read_text()))
+
+    def stage(self, name: str) -> list[dict]:
+        return [r for r in self.records if r["stage"] == name]
+
+    def stages(self) -> list[str]:
+        return list(dict.fromkeys(r["stage"] for r in self.records))
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 600) -> None:
+    """``python -m vlrl.cli ARGS`` — the entry point of the ``vlrl`` command — which must succeed."""
+    done = subprocess.run([sys.executable, "-m", "vlrl.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+                          cwd=REPO)
+    assert done.returncode == 0, f"vlrl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}"
+
+
+def shrunk(name: str, tmp: Path) -> Path:
+    """A staged config with the tiny overrides applied inside every stage (dotted overrides do not reach into
+    the ``stages`` list): same stages, same sections, tiny sizes."""
+    raw = yaml.safe_load((CONFIGS / name).read_text())
+    raw["data"] = {**raw.get("data", {}), "n_train": 8, "n_test": 2}
+    raw["eval"] = {**raw.get("eval", {}), "samples": 1, "max_new_tokens": 16}
+    raw["report"] = {"html": False}
+    for stage in raw["stages"]:
+        if "data" in stage:
+            stage["data"] = {**stage["data"], "n_train": 8}
+        if "rollout" in stage:  # an RL stage
+            stage["rollout"] = {**stage["rollout"], "n": 4, "max_new_tokens": min(16, stage["rollout"]["max_new_tokens"])}
+            stage["train"] = {**stage["train"], "steps": 2, "prompts_per_step": 2, "log_every": 1}
+        else:
+            stage["train"] = {**stage["train"], "steps": 2, "batch_size": 4, "micro_batch_size": 4, "log_every": 1}
+    path = tmp / name
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_vlm_dir):
+    """The presets' random initialisation saved once (tiny-qwen2-vl, and tiny-qwen2 for the text-only preset
+    and the judge), so that each run loads it from disk instead of building it (with its tokenizer)."""
+    from vlrl.models import load_policy
+
+    text = tmp_path_factory.mktemp("tiny-qwen2")
+    load_policy("tiny-qwen2").save(text)
+    return {"vlm": tiny_vlm_dir, "lm": text}
+
+
+@pytest.fixture(scope="module")
+def shapes_sft(tmp_path_factory, models) -> Run:
+    """``vlrl sft --config configs/shapes_sft.yaml`` long enough to learn the answer format (~20–30 % right):
+    the ``shapes_sft`` case, and the warm start of the shapes RL presets."""
+    out = tmp_path_factory.mktemp("runs") / "shapes_sft"
+    cli("sft", "--config", str(CONFIGS / "shapes_sft.yaml"), f"model.path={models['vlm']}", "train.steps=100",
+        "train.batch_size=16", "train.micro_batch_size=16", "optim.lr=2e-3", "train.log_every=50", "data.n_train=400",
+        "data.n_test=8", "eval.samples=2", "report.html=false", f"out={out}")
+    return Run.read(out)
+
+
+@pytest.fixture(scope="module")
+def tools_sft(tmp_path_factory, models) -> Path:
+    """A checkpoint that calls ``zoom`` on the tool_zoom preset's prompts (its instructions appended, as the
+    environment does at reset) and writes the Syn-GRPO template on the Syn-GRPO preset's (locate prompts in the
+    short template): ``vlrl sft --data`` on 64 + 64 such samples."""
+    from vlrl.data import generate, write_samples
+    from vlrl.rollout.envs.tool_zoom import INSTRUCTIONS
+    from vlrl.synth.workflow import apply_syn_template
+
+    root = tmp_path_factory.mktemp("tools_sft")
+    instructions = {"role": "user", "content": [{"type": "text", "text": INSTRUCTIONS}]}
+    zoom = [dataclasses.replace(s, id=f"zoom-{s.id}", messages=[*s.messages, instructions], response=ZOOM_CALL)
+            for s in generate("shapes", 64, split="train", seed=5, tasks=["count", "color"])]
+    syn = [dataclasses.replace(apply_syn_template(s, template="short"), id=f"syn-{s.id}", response=SYN_RESPONSE)
+           for s in generate("shapes", 64, split="train", seed=6, tasks=["locate"])]
+    data = write_samples(zoom + syn, root / "data" / "train.jsonl")
+    cli("sft", "--config", str(CONFIGS / "shapes_sft.yaml"), "--data", str(data), f"model.path={models['vlm']}",
+        "train.steps=60", "train.batch_size=16", "train.micro_batch_size=16", "optim.lr=3e-3", "train.log_every=20",
+        "data.n_test=2", "eval.samples=1", "report.html=false", f"out={root / 'run'}")
+    return root / "run" / "checkpoints" / "final"
+
+
+# ----------------------------------------------------------------------------------------------- signatures
+def rl_trained(run: Run, stage: str = "rl") -> list[dict]:
+    """The RL stage logged both steps and saved; a step with a non-zero advantage moved the weights (from a random
+    start every reward may be 0: then nothing can move)."""
+    records = run.stage(stage)
+    assert [r["step"] for r in records] == [1, 2], run.stages()
+    for r in records:
+        assert r["policy/zero_adv_groups_frac"] == 1.0 or r["policy/grad_norm"] > 0
+    assert (run.path / "checkpoints" / "final" / "model.safetensors").is_file()
+    return records
+
+
+def learns(records: list[dict]) -> None:
+    """From the SFT warm start some group's responses disagree: a gradient flowed."""
+    assert any(r["policy/zero_adv_groups_frac"] < 1 and r["policy/grad_norm"] > 0 for r in records)
+
+
+def plain_rl(run: Run, advantage: str, *, warm: bool = True) -> list[dict]:
+    records = rl_trained(run)
+    if warm:
+        learns(records)
+    assert {"eval/initial", "eval/final"} <= set(run.stages())
+    assert run.config["algo"]["advantage"] == advantage
+    assert not any(k.startswith(("agent/", "staleness/", "critic/", "sampling/")) for r in records for k in r)
+    return records
+
+
+def multi_turn(run: Run) -> list[dict]:
+    """Episodes took more than one turn at some step, with observations appended after the model's turns."""
+    records = rl_trained(run)
+    assert any(r["agent/turns_mean"] > 1 for r in records), [r.get("agent/turns_mean") for r in records]
+    assert all(r["agent/observation_tokens_mean"] > 0 for r in records)
+    return records
+
+
+def shapes_feedback(run: Run) -> None:
+    records = multi_turn(run)
+    assert any(r["agent/images_per_trajectory"] > 1 for r in records)  # zoom: true shows a crop after a wrong answer
+    assert any(r.get("agent/stop/done", 0) > 0 for r in records)  # a right answer ended an episode early
+
+
+def tool_zoom(run: Run) -> None:
+    records = multi_turn(run)
+    assert any(r.get("agent/env/zoom_call", 0) > 0 for r in records)  # the tool was called and answered with a crop
+    assert any(r["agent/images_per_trajectory"] > 1 for r in records)
+
+
+def judge(run: Run) -> None:
+    records = multi_turn(run)
+    assert all("agent/step_reward_mean" in r for r in records)  # the judge's verdict on every turn
+    assert run.config["rollout"]["env"] == "judge"
+
+
+def step_credit(run: Run, *, gate: bool = False) -> None:
+    records = rl_trained(run)
+    for r in records:
+        assert "shaping/step_credit/parse_fail_frac" in r and "shaping/step_credit/steps_mean" in r
+        assert ("shaping/step_credit/gate_mean" in r) == gate  # the residual-contrast gate ran
+    lines = (run.path / "step_credit" / "step_credit.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2] and json.loads(lines[0])["responses"] == 8
+
+
+def curriculum(run: Run) -> None:
+    assert run.stages() == ["eval/initial", "answer_only", "eval/answer_only", "chain_of_thought",
+                            "eval/chain_of_thought"]
+    for stage in ("answer_only", "chain_of_thought"):
+        rl_trained(run, stage)
+        assert (run.path / "checkpoints" / stage / "model.safetensors").is_file()
+    assert (run.path / "checkpoints" / "final").resolve().name == "chain_of_thought"
+
+
+def three_stage_sft(run: Run) -> None:
+    trainable = {}
+    for stage in ("align", "midtrain", "instruct"):
+        records = run.stage(stage)
+        assert [r["step"] for r in records] == [1, 2]
+        trainable[stage] = records[-1]["sft/trainable_params"]
+        assert (run.path / "checkpoints" / stage / "model.safetensors").is_file()
+    # align trains the projector only; midtrain and instruct train everything (with per-module learning rates)
+    assert 0 < trainable["align"] < trainable["midtrain"] == trainable["instruct"]
+    assert run.stages()[:3] == ["align", "midtrain", "instruct"]
+
+
+def sft(run: Run, task: str) -> None:
+    records = run.stage("sft")
+    assert records and records[-1]["sft/loss"] > 0 and records[-1]["sft/trainable_params"] > 0
+    assert task in run.summary["sft"]["accuracy"]
+
+
+def demo(run: Run) -> None:
+    assert {"eval/base", "sft", "eval/sft", "rl", "eval/rl", "sft_control", "eval/sft_control"} <= set(run.stages())
+    rl = run.stage("rl")
+    assert [r["step"] for r in rl] == [1, 2]
+    assert all("policy/skipped_rows_frac" in r for r in rl)  # train.skip_zero_advantage
+    assert {"base", "sft", "rl", "sft_control"} <= set(run.summary)
+
+
+def ppo(run: Run) -> None:
+    records = rl_trained(run)
+    learns(records)
+    assert all(r["critic/value_loss"] > 0 and r["critic/grad_norm"] >= 0 for r in records)  # the critic trains
+    assert all("policy/kl_ref" in r for r in records)  # the KL penalty in the reward
+
+
+def dapo(run: Run) -> None:
+    records = rl_trained(run)
+    learns(records)
+    for r in records:
+        assert r["sampling/prompts_used"] == 2 and r["policy/zero_adv_groups_frac"] == 0.0  # only informative groups
+        assert r["sampling/rounds"] >= 1 and "sampling/groups_dropped" in r
+        assert "shaping/overlong_penalty/penalised_frac" in r  # the soft overlong punishment
+
+
+def remax(run: Run) -> None:
+    records = rl_trained(run)
+    learns(records)
+    assert all("reward/greedy_baseline" in r for r in records)  # one greedy response per prompt, scored
+
+
+def syn_grpo(run: Run) -> None:
+    records = rl_trained(run)
+    assert any(r["synth/submitted"] > 0 for r in records)  # descriptions went to the synthesis server
+    assert all("shaping/syn_diversity/reward_mean" in r for r in records)  # the diversity reward
+
+
+def asynchronous(run: Run) -> list[dict]:
+    records = rl_trained(run)
+    assert all("staleness/mean" in r and "staleness/max" in r and "perf/wait_seconds" in r for r in records)
+    return records
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    recipe: str  # sft | rl | demo
+    check: Callable[[Run], None]
+    overrides: tuple[str, ...] = ()
+    start: str = "random"  # random | shapes_sft | tools_sft: where model.path points
+    staged: bool = False  # run a shrunk copy (tiny sizes inside every stage)
+
+
+CASES: dict[str, Case] = {
+    "arith_grpo.yaml": Case("rl", lambda run: (plain_rl(run, "grpo", warm=False), _text_only(run)), start="lm"),
+    "curriculum_grpo.yaml": Case("rl", curriculum, staged=True),
+    "demo.yaml": Case("demo", demo),
+    "embodied_forward_proxy.yaml": Case("rl", step_credit, SHORT),
+    "embodied_grpo.yaml": Case("rl", lambda run: (plain_rl(run, "grpo", warm=False), _no_step_credit(run)), SHORT),
+    "embodied_residual_gate.yaml": Case("rl", lambda run: step_credit(run, gate=True), SHORT),
+    "embodied_rule_exact.yaml": Case("rl", step_credit, SHORT),
+    "embodied_rule_lcs.yaml": Case("rl", step_credit, SHORT),
+    "embodied_rule_prefix.yaml": Case("rl", step_credit, SHORT),
+    "embodied_sft.yaml": Case("sft", lambda run: sft(run, "embodied/pick_place"), ("eval.max_new_tokens=24",)),
+    "embodied_stepopsd.yaml": Case("rl", step_credit, SHORT),
+    "judge_grpo.yaml": Case("rl", judge, ("rollout.env_kwargs.judge={lm}",)),
+    "shapes_dapo.yaml": Case("rl", dapo, start="shapes_sft"),
+    "shapes_dr_grpo.yaml": Case("rl", lambda run: plain_rl(run, "dr_grpo"), start="shapes_sft"),
+    "shapes_feedback_grpo.yaml": Case("rl", shapes_feedback, start="shapes_sft"),
+    "shapes_grpo.yaml": Case("rl", lambda run: plain_rl(run, "grpo"), start="shapes_sft"),
+    "shapes_ppo.yaml": Case("rl", ppo, start="shapes_sft"),
+    "shapes_reinforce_pp.yaml": Case("rl", lambda run: _kl_in_reward(rl_trained(run)), start="shapes_sft"),
+    "shapes_remax.yaml": Case("rl", remax, start="shapes_sft"),
+    "shapes_rloo.yaml": Case("rl", lambda run: plain_rl(run, "rloo"), start="shapes_sft"),
+    "shapes_sft.yaml": Case("sft", lambda run: sft(run, "shapes/count")),  # the shapes_sft fixture's run
+    "shapes_syn_grpo.yaml": Case("rl", syn_grpo, ("synth.poll_interval=0.05",), start="tools_sft"),
+    "three_stage_sft.yaml": Case("sft", three_stage_sft, staged=True),
+    "tool_zoom_grpo.yaml": Case("rl", tool_zoom, start="tools_sft"),
+}
+
+
+def _text_only(run: Run) -> None:
+    """A causal LM (no vision tower) trained on the arith word problems."""
+    trained = json.loads((run.path / "checkpoints" / "final" / "config.json").read_text())
+    assert "vision_config" not in trained
+    assert {"reward/arith/add", "reward/arith/sub"} & set(run.stage("rl")[-1])
+
+
+def _no_step_credit(run: Run) -> None:
+    assert not (run.path / "step_credit").exists()
+    assert any(k.startswith("reward/embodied/") for k in run.stage("rl")[-1])
+
+
+def _kl_in_reward(records: list[dict]) -> None:
+    assert all("policy/kl_ref" in r for r in records)
+
+
+# ----------------------------------------------------------------------------------------------- the tests
+def test_every_shipped_config_has_a_case():
+    """A new config file needs an entry in CASES saying how its feature shows (and a case needs its file)."""
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(CASES)
+
+
+def _start(case: Case, models, request) -> str:
+    if case.start == "random":
+        return str(models["vlm"])
+    if case.start == "lm":
+        return str(models["lm"])
+    if case.start == "shapes_sft":
+        return str(request.getfixturevalue("shapes_sft").path / "checkpoints" / "final")
+    return str(request.getfixturevalue("tools_sft"))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_shipped_config_runs_with_its_feature_on(name, models, request, tmp_path):
+    if name not in CASES:
+        pytest.fail(f"configs/{name} has no entry in tests/test_shipped_configs.py CASES: say how its feature shows")
+    case = CASES[name]
+    if name == "shapes_sft.yaml":  # the warm start of the shapes presets is this config's own run
+        case.check(request.getfixturevalue("shapes_sft"))
+        return
+    out = tmp_path / "run"
+    config = shrunk(name, tmp_path) if case.staged else CONFIGS / name
+    model = _start(case, models, request)
+    if case.recipe == "demo":
+        args = ["demo", "--config", str(config), "--out", str(out), f"model.path={model}", "data.n_train=16",
+                "data.n_test=2", "sft.train.steps=2", "sft.train.batch_size=4", "sft.train.micro_batch_size=4",
+                "rl.train.steps=2", "rl.train.prompts_per_step=2", "rl.train.log_every=1", "eval.samples=1",
+                "report.html=false"]
+    else:
+        tiny = () if case.staged else (RL_TINY if case.recipe == "rl" else SFT_TINY)
+        overrides = [o.format(lm=models["lm"]) for o in case.overrides]
+        args = [case.recipe, "--config", str(config), f"model.path={model}", *tiny, *overrides, f"out={out}"]
+    cli(*args)
+    run = Run.read(out)
+    case.check(run)
+    if case.recipe == "rl" and run.config["rollout"]["mode"] == "async":
+        asynchronous(run)
+
+
+@pytest.mark.e2e
+def test_the_multi_turn_preset_asynchronous_in_process(request, tmp_path):
+    """``rollout.mode=async`` without servers: the episodes run behind the threaded engine's ``agenerate``."""
+    model = request.getfixturevalue("shapes_sft").path / "checkpoints" / "final"
+    cli("rl", "--config", str(CONFIGS / "shapes_feedback_grpo.yaml"), f"model.path={model}", *RL_TINY,
+        "rollout.mode=async", "staleness.eta=1", f"out={tmp_path}")
+    run = Run.read(tmp_path)
+    shapes_feedback(run)
+    asynchronous(run)
+
+
+@pytest.mark.e2e
+def test_the_multi_turn_preset_asynchronous_against_a_vlrl_serve_server(request, tmp_path):
+    """``rollout.mode=async`` with one ``vlrl serve`` server: every turn of every episode (its context: prompt,
+    earlier turns, observations and their zoomed crops) is generated by the server, which loads the trainer's
+    weights after each step."""
+    model = request.getfixturevalue("shapes_sft").path / "checkpoints" / "final"
+    key = {"VLRL_API_KEY": "shipped-configs-test"}
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "vlrl.cli", "serve", "--model", str(model), "--port", str(port)],
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **key}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_port(port, server)
+        cli("rl", "--config", str(CONFIGS / "shapes_feedback_grpo.yaml"), f"model.path={model}", *RL_TINY,
+            "rollout.mode=async", "staleness.eta=1", f"rollout.servers=[http://127.0.0.1:{port}]",
+            f"out={tmp_path}", env=key)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    run = Run.read(tmp_path)
+    shapes_feedback(run)
+    asynchronous(run)
+    assert (tmp_path / "rollout_weights").is_dir()  # the weights the server loaded
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"vlrl serve exited ({process.returncode}):\n{process.stderr.read()[-3000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"vlrl serve did not listen on port {port} within {timeout:.0f}s")
