@@ -262,3 +262,21 @@ def test_held_out_split_is_stated_and_user_stages_need_a_test_file(tmp_path):
     staged = preflight(load_config(SFTConfig, None, [*SMALL, "model.path=tiny-qwen2", "data.suite=arith",
                                                      f"stages=[{{name: a, data: {{train: {data}}}}}]"]))
     assert "data.test" in _where(staged) and "stages.0.data.train" in staged.problems[0].message
+
+
+def test_media_budgets_name_the_line_or_the_sample(tmp_path):
+    from PIL import Image
+
+    for k in range(4):
+        Image.new("RGB", (32, 32), (60 * k, 0, 0)).save(tmp_path / f"f{k}.png")
+    clip = {"messages": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "How many?"}]}],
+            "videos": [[f"f{k}.png" for k in range(4)]]}
+    video = {k: v for k, v in _record(1).items() if k != "prompt"}
+    data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), {**video, **clip}])
+    test = _write_jsonl(tmp_path / "test.jsonl", [_record(9)])
+    report = preflight(_rl(f"data.train={data}", f"data.test={test}", "data.max_images=3"))
+    assert _where(report) == {f"{data}:2"} and "4 images (video frames included) exceed data.max_images = 3" in report.problems[0].message
+    assert preflight(_rl(f"data.train={data}", f"data.test={test}", "data.max_images=3", "data.max_frames=3")).ok
+    # the procedural suite: every generated clip over the budget is a problem of the data section
+    report = preflight(_rl("data.tasks=[video_count]", "data.suite_options={frames: 4, image_size: 32}", "data.max_images=3"))
+    assert _where(report) == {"data"} and "data.max_images = 3" in report.problems[0].message

@@ -43,6 +43,8 @@ NOT_RUN = {
     "directory on your machine (the config's own judge, tiny-qwen2, is what tests/rollout run)",
     "pip install torch --index-url https://download.pytorch.org/whl/cu128": "installs a CUDA build of torch",
     "vlrl rl --config configs/shapes_grpo.yaml model.path=Qwen/Qwen2.5-VL-3B-Instruct": "a GPU and a hub download",
+    "vlrl rl --config configs/shapes_grpo.yaml model.path=Qwen/Qwen3-VL-8B-Instruct": "a GPU and a hub download "
+    "(every family's tiny preset saved to a directory runs this path: tests/models/test_families_cli.py)",
     "export VLRL_API_KEY=": "the test sets VLRL_API_KEY itself (a random token, as this line makes)",
     "python -m sglang.launch_server": "a real SGLang server on a GPU",
     "torchrun --standalone --nproc_per_node 8": "8 GPUs and a hub download",

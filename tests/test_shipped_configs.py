@@ -266,6 +266,13 @@ def syn_grpo(run: Run) -> None:
     assert all("shaping/syn_diversity/reward_mean" in r for r in records)  # the diversity reward
 
 
+def video(run: Run) -> None:
+    """Clips fed as their sampled frames: the run states how many videos and frames per video it read."""
+    plain_rl(run, "grpo", warm=False)
+    data = {k: v for r in run.stage("data") for k, v in r.items()}
+    assert data["data/train_videos"] == 8 and data["data/train_frames_per_video"] == 4  # n_train=8, 4-frame clips
+
+
 def asynchronous(run: Run) -> list[dict]:
     records = rl_trained(run)
     assert all("staleness/mean" in r and "staleness/max" in r and "perf/wait_seconds" in r for r in records)
@@ -303,6 +310,7 @@ CASES: dict[str, Case] = {
     "shapes_remax.yaml": Case("rl", remax, start="shapes_sft"),
     "shapes_rloo.yaml": Case("rl", lambda run: plain_rl(run, "rloo"), start="shapes_sft"),
     "shapes_sft.yaml": Case("sft", lambda run: sft(run, "shapes/count")),  # the shapes_sft fixture's run
+    "shapes_video_grpo.yaml": Case("rl", video),
     "shapes_syn_grpo.yaml": Case("rl", syn_grpo, ("synth.poll_interval=0.05",), start="tools_sft"),
     "three_stage_sft.yaml": Case("sft", three_stage_sft, staged=True),
     "tool_zoom_grpo.yaml": Case("rl", tool_zoom, start="tools_sft"),

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vlrl.config import DemoConfig, RLConfig, RLStage, RunConfig, SFTConfig, SFTStage
-from vlrl.data import DataError, Sample, generate, load_image, read_samples
+from vlrl.data import DataError, MediaLimits, Sample, load_image, read_samples
 from vlrl.registry import RegistryError
 
 _DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -226,7 +226,7 @@ def _check_held_out(report: CheckReport, cfg: RunConfig) -> None:
 
 
 def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]:
-    from vlrl.train.common import hold_out_problem, holds_out, split_held_out
+    from vlrl.train.common import generate_split, hold_out_problem, holds_out, media_limits, split_held_out
 
     data, out = cfg.data, {}
     for split, path, count in (("train", data.train, data.n_train), ("test", data.test, data.n_test)):
@@ -235,7 +235,9 @@ def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]
         if path is None:
             n = min(count, cfg.check.samples_per_task * max(1, len(data.tasks)) * 2)
             try:
-                out[split] = generate(data.suite, n, split=split, seed=data.seed, tasks=data.tasks, **data.suite_options)
+                out[split] = generate_split(data, split, n)  # videos as frames, within the data.* budgets
+            except DataError as err:
+                report.problem("data", str(err))
             except RegistryError as err:
                 report.problem("data.suite", str(err))
             except TypeError as err:
@@ -243,7 +245,7 @@ def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]
             except ValueError as err:
                 report.problem("data.tasks", str(err))
             continue
-        out[split] = read_data(report, f"data.{split}", path, data.on_error)
+        out[split] = read_data(report, f"data.{split}", path, data.on_error, media_limits(data))
     if holds_out(data) and "train" in out:
         problem = hold_out_problem(data, len(out["train"]) or None)  # an unreadable file is reported already
         if problem:
@@ -269,15 +271,17 @@ def _check_reward_dependencies(report: CheckReport, splits: dict[str, list[Sampl
             report.problem("data", message)
 
 
-def read_data(report: CheckReport, field_name: str, path: str | Path, on_error: str) -> list[Sample]:
+def read_data(report: CheckReport, field_name: str, path: str | Path, on_error: str,
+              media: MediaLimits | None = None) -> list[Sample]:
     """Every usable record of a data file (or directory), each checked as the recipes read it (reward names,
-    images, answers its verifier can score); bad ones become problems (``on_error=raise``) or warnings
+    images, answers its verifier can score, videos as frames within the ``media`` budgets — default ones when
+    None); bad ones become problems (``on_error=raise``) or warnings
     (``skip``) in ``report``, listed one by one, never raised."""
     from vlrl.train.common import sample_check
 
     try:
         with _quiet("vlrl.data.io"):  # its "skipped N records" warning: every record is listed below instead
-            read = read_samples(path, on_error="skip", check=sample_check)
+            read = read_samples(path, on_error="skip", check=sample_check, media=media or MediaLimits())
     except DataError as err:
         report.problem(field_name, str(err))
         return []
@@ -370,7 +374,7 @@ def _load_processor(report: CheckReport, model) -> _Processor | None:
         tokenizer = AutoTokenizer.from_pretrained(path)
         image_processor = _load_image_processor(path) if hasattr(config, "vision_config") else None
         set_pixel_bounds(image_processor, model.min_pixels, model.max_pixels)
-        adapter = adapter_for(config, tokenizer, image_processor)
+        adapter = adapter_for(config, tokenizer, image_processor, source=path)
     except Exception as err:  # OSError (missing files, no hub), ValueError (unsupported family), ...
         where = "" if local.exists() else f"no such directory, not a preset ({', '.join(PRESETS)}), and as a hub id: "
         report.problem("model.path", f"cannot load the config/tokenizer/processor of {path!r}: {where}{_first_line(err)}")
@@ -500,20 +504,92 @@ def _check_vision_tokens(report: CheckReport, proc: _Processor, encoded, where: 
     token_id = getattr(proc.adapter, "image_token_id", None)
     if vision is None or token_id is None:
         return 0
-    grids = vision.image_grid_thw  # (num_images, 3): temporal, height, width patches
-    merge = getattr(getattr(proc.config, "vision_config", None), "spatial_merge_size", 1) or 1
-    features = sum(int(g.prod()) // merge**2 for g in grids)
+    counted = tower_features(proc.config, vision, processor_merge_size=getattr(proc.adapter, "merge_size", None))
+    if counted is None:
+        report.warn(where, f"vision tokens not checked: no feature arithmetic for model family {proc.adapter.family!r}")
+        return vision.num_images
+    features, how = counted
     tokens = sum(1 for t in encoded.input_ids if t == token_id)
-    patches = int(vision.pixel_values.shape[0])
-    if patches != sum(int(g.prod()) for g in grids):
-        report.problem(where, f"the image processor returned {patches} patches but its grids hold "
-                       f"{sum(int(g.prod()) for g in grids)}")
-    elif tokens != features:
+    grids = vision.image_grid_thw
+    if grids is not None and vision.pixel_values is not None and vision.pixel_values.dim() == 2:
+        patches = int(vision.pixel_values.shape[0])
+        if patches != sum(int(g.prod()) for g in grids):
+            report.problem(where, f"the image processor returned {patches} patches but its grids hold "
+                           f"{sum(int(g.prod()) for g in grids)}")
+            return vision.num_images
+    if tokens != features:
         report.problem(where, f"{tokens} image tokens in the prompt but the vision tower outputs {features} features "
-                       f"for {len(grids)} image(s) (image processor merge_size {getattr(proc.adapter, 'merge_size', '?')}, "
-                       f"model vision_config.spatial_merge_size {merge}): the forward pass would fail with "
+                       f"for {vision.num_images} image(s) ({how}): the forward pass would fail with "
                        "'Image features and image tokens do not match'")
-    return len(grids)
+    return vision.num_images
+
+
+def tower_features(config: Any, vision, *, processor_merge_size: int | None = None) -> tuple[int, str] | None:
+    """Features the vision tower of ``config``'s model outputs for these processor outputs, by the family's own
+    arithmetic read from the *model* config (so a processor that disagrees with the model is caught), and how
+    it was counted; None for a family without a formula here.
+
+    - M-RoPE families (Qwen2-VL ... Qwen3.5, GLM-4.xV): Σ prod(grid_thw) / spatial_merge_size²;
+    - Gemma 3: images (crops included) × mm_tokens_per_image;
+    - InternVL: tiles × (image_size / patch_size)² × downsample_ratio²;
+    - SmolVLM / Idefics3: non-empty tiles × (image_size / patch_size)² / scale_factor²;
+    - LLaVA-OneVision: the model's own ``pack_image_features`` (anyres grid, unpadding, newline tokens) run on
+      zero features of width 1.
+    """
+    vision_config = getattr(config, "vision_config", None)
+    pixels = vision.pixel_values
+    grids = vision.image_grid_thw
+    if vision_config is None or pixels is None:
+        return None
+    merge = getattr(vision_config, "spatial_merge_size", None)
+    if grids is not None and merge:
+        return (sum(int(g.prod()) // merge**2 for g in grids),
+                f"image processor merge_size {processor_merge_size if processor_merge_size is not None else '?'}, "
+                f"model vision_config.spatial_merge_size {merge}")
+    side = _side(vision_config)
+    if getattr(config, "mm_tokens_per_image", None):
+        return int(pixels.shape[0]) * config.mm_tokens_per_image, f"mm_tokens_per_image {config.mm_tokens_per_image}"
+    if getattr(config, "downsample_ratio", None) and side:
+        per_tile = int(side**2 * config.downsample_ratio**2)
+        return int(pixels.shape[0]) * per_tile, f"{per_tile} tokens per tile (downsample_ratio {config.downsample_ratio})"
+    if getattr(config, "scale_factor", None) and side:
+        tiles = pixels.reshape(-1, *pixels.shape[-3:])
+        real = int(((tiles == 0).flatten(1).sum(-1) != tiles[0].numel()).sum())
+        per_tile = side**2 // config.scale_factor**2
+        return real * per_tile, f"{per_tile} tokens per tile (scale_factor {config.scale_factor})"
+    if getattr(config, "image_grid_pinpoints", None) and side and "image_sizes" in vision.tensors:
+        return _anyres_features(config, vision, side), "anyres grid (image_grid_pinpoints)"
+    return None
+
+
+def _side(vision_config: Any) -> int | None:
+    size, patch = getattr(vision_config, "image_size", None), getattr(vision_config, "patch_size", None)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    return size // patch if size and patch else None
+
+
+def _anyres_features(config: Any, vision, side: int) -> int:
+    import types
+
+    import torch
+    from transformers.models.llava_onevision.modeling_llava_onevision import (
+        LlavaOnevisionModel,
+        image_size_to_num_patches,
+    )
+
+    sizes = vision.tensors["image_sizes"]
+    counts = vision.tensors.get("batch_num_images")
+    patching = [True] * len(sizes) if counts is None else [int(n) == 1 for n in counts for _ in range(int(n))]
+    crops = [image_size_to_num_patches(image_size=s, grid_pinpoints=config.image_grid_pinpoints,
+                                       patch_size=config.vision_config.image_size) if p else 1
+             for s, p in zip(sizes, patching, strict=True)]
+    per_crop = side**2 - (1 if getattr(config, "vision_feature_select_strategy", "full") == "default" else 0)
+    features = [torch.zeros(n, per_crop, 1) for n in crops]
+    stand_in = types.SimpleNamespace(config=config)
+    packed, _ = LlavaOnevisionModel.pack_image_features(stand_in, features, sizes, image_newline=torch.zeros(1),
+                                                        vision_aspect_ratio=config.vision_aspect_ratio)
+    return sum(int(f.shape[0]) for f in packed)
 
 
 def detect_recipe(raw: dict[str, Any], path: str | Path | None = None) -> str:

@@ -472,9 +472,12 @@ def data_pack(
     on_overlong: str = typer.Option("drop", "--on-overlong", help="Samples longer than the capacity: drop, truncate or raise."),
     greedy_only: bool = typer.Option(False, "--greedy-only", help="Skip the diversity-first phase (fill greedily)."),
     on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip (they are then not in the plan's file set)."),
+    video_fps: float = typer.Option(2.0, "--video-fps", help="Frames per second taken from video files (as data.video_fps)."),
+    max_frames: int = typer.Option(8, "--max-frames", help="Most frames per video (as data.max_frames)."),
+    max_images: int = typer.Option(32, "--max-images", help="Most images per sample, frames included (as data.max_images)."),
 ) -> None:
     """Offline packing: count every sample's tokens, plan bins of --capacity tokens, write the plan once."""
-    from vlrl.data import DataError, read_samples
+    from vlrl.data import DataError, MediaLimits, read_samples
     from vlrl.data.packing import PackingError, plan_samples
     from vlrl.models.lengths import TokenCounter
     from vlrl.models.policy import load_processor
@@ -485,7 +488,8 @@ def data_pack(
     progress = _progress()
     try:
         with progress.task(f"read {data}"):
-            samples = read_samples(data, on_error=on_error, verify_images=False).samples
+            media = MediaLimits(video_fps=video_fps, max_frames=max_frames, max_images=max_images)
+            samples = read_samples(data, on_error=on_error, verify_images=False, media=media).samples
         with progress.task(f"load the processor of {model}"):
             processor = load_processor(model, seed=init_seed, min_pixels=min_pixels, max_pixels=max_pixels)
         with progress.task(f"count tokens of {len(samples)} samples and pack"):

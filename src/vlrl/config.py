@@ -91,7 +91,7 @@ class DataConfig(Section):
     suite: str = Field("shapes", description="Procedural task suite used when train/test are unset: shapes, arith or embodied.")
     tasks: list[str] = Field(
         default_factory=lambda: ["count", "color"],
-        description="Sub-tasks of the suite (shapes: count, color, locate, ocr; arith: add, sub, mul, two_step; embodied: pick_place, clean, cool, heat, pick_two).",
+        description="Sub-tasks of the suite (shapes: count, color, locate, ocr, video_count; arith: add, sub, mul, two_step; embodied: pick_place, clean, cool, heat, pick_two).",
     )
     suite_options: dict[str, Any] = Field(
         default_factory=dict, description="Extra options of the suite generator, e.g. {template: think, max_shapes: 4}."
@@ -106,6 +106,29 @@ class DataConfig(Section):
     )
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="Bad records in data files: 'raise' stops with file:line; 'skip' skips and counts them."
+    )
+    video_fps: float = Field(
+        2.0, gt=0, description="Videos are fed as sampled frames (each an image part; native video tokens are not "
+        "used: transformers' video processors need torchvision): a video file gives one frame every 1/video_fps "
+        "seconds (Qwen2.5-VL/Qwen3-VL sample at 2 fps). A list of frames is taken as already sampled.",
+    )
+    max_frames: int = Field(
+        8, ge=1, description="Most frames per video: a longer clip gives max_frames frames spread evenly over its "
+        "whole duration (a list of frames is thinned evenly). Each frame costs one image's tokens.",
+    )
+    max_images: int | None = Field(
+        32, ge=1, description="Most images per sample, video frames included; a sample with more is a bad record "
+        "(data.on_error: raise names its file:line, skip counts it). With model.max_pixels bounding each image's "
+        "tokens, this bounds a sample's vision tokens. None: no limit.",
+    )
+    max_image_pixels: int | None = Field(
+        None, ge=1, description="Most pixels of one image or frame as stored (width×height from its header, before "
+        "any decoding or resizing); a bigger one makes its sample a bad record. None: no limit (Pillow's own "
+        "decompression-bomb check still applies).",
+    )
+    max_sample_pixels: int | None = Field(
+        None, ge=1, description="Most pixels of all a sample's images and frames together, as stored; a sample "
+        "over it is a bad record. None: no limit.",
     )
     packing_plan: str | None = Field(
         None, description="SFT: a packing plan written by `vlrl data pack` for `train` (.npz + .json sidecar). "

@@ -57,34 +57,4 @@ def test_gradient_reaches_vision_tower(tiny_vlm):
     grad = tiny_vlm.model.model.visual.patch_embed.proj.weight.grad
     assert grad is not None and grad.abs().sum() > 0
 
-
-def test_a_shared_image_is_encoded_once_with_the_same_values_and_gradient(tiny_vlm):
-    """Rows holding the same VisionInputs object (a GRPO group) are collated with each image once and an
-    ``image_index``; log-probs, entropy and the gradient equal those of the same rows with private copies."""
-    from vlrl.models.adapters import VisionInputs
-
-    engine = HFEngine(tiny_vlm)
-    a, b = [engine.encode(s) for s in generate("shapes", 2, tasks=["count", "color"])]
-    prompts, responses = [a.prompt_ids, b.prompt_ids, a.prompt_ids, a.prompt_ids], [[7, 8], [9], [10, 11, 12], [7]]
-    shared = collate(prompts, responses, [a.vision, b.vision, a.vision, a.vision], pad_token_id=tiny_vlm.pad_token_id)
-    private = collate(prompts, responses,
-                      [VisionInputs(v.pixel_values.clone(), v.image_grid_thw.clone()) for v in (a.vision, b.vision, a.vision, a.vision)],
-                      pad_token_id=tiny_vlm.pad_token_id)
-    assert shared.vision.image_index.tolist() == [0, 1, 0, 0] and len(shared.vision.image_grid_thw) == 2
-    assert private.vision.image_index is None and len(private.vision.image_grid_thw) == 4
-    expanded = shared.vision.expanded()  # what DDP / FSDP2 models get: one copy per occurrence
-    assert torch.equal(expanded.pixel_values, private.vision.pixel_values)
-    assert torch.equal(expanded.image_grid_thw, private.vision.image_grid_thw)
-    results = []
-    for tokens in (shared, private):
-        tiny_vlm.model.zero_grad(set_to_none=True)
-        logp, entropy = response_logprobs(tiny_vlm.model, tiny_vlm.adapter, tokens, with_entropy=True)
-        (logp.sum() + entropy.sum()).backward()
-        grads = {n: p.grad.clone() for n, p in tiny_vlm.model.named_parameters() if p.grad is not None}
-        results.append((logp.detach(), entropy.detach(), grads))
-    tiny_vlm.model.zero_grad(set_to_none=True)
-    (lp_s, ent_s, g_s), (lp_p, ent_p, g_p) = results
-    assert torch.allclose(lp_s, lp_p, atol=1e-5) and torch.allclose(ent_s, ent_p, atol=1e-5)
-    assert g_s.keys() == g_p.keys() and any("visual" in n for n in g_s)
-    for name, g in g_p.items():
-        assert torch.allclose(g_s[name], g, rtol=1e-4, atol=1e-6), name
+# The shared-image path (a GRPO group's image encoded once) is tested for every family in test_families.py.

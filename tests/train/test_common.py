@@ -64,3 +64,15 @@ def test_sample_check_rejects_an_answer_its_verifier_cannot_score():
         sample_check(Sample(id="b", task="t", messages=[], answer="seven", reward="number"))
     with pytest.raises(KeyError, match="unknown reward"):
         sample_check(Sample(id="c", task="t", messages=[], answer="7", reward="numbr"))
+
+
+def test_procedural_videos_become_frames_and_a_budget_names_the_sample():
+    from vlrl.train.common import generate_split
+
+    data = DataConfig(suite="shapes", tasks=["video_count"], suite_options={"frames": 4, "image_size": 32})
+    samples = generate_split(data, "train", 2)
+    assert [s.metadata["video_frames"] for s in samples] == [[4], [4]] and all(len(s.images) == 4 for s in samples)
+    thinned = generate_split(data.model_copy(update={"max_frames": 2}), "train", 1)[0]
+    assert thinned.images == [samples[0].images[0], samples[0].images[3]]  # frames 0 and 3 of 4 (first and last)
+    with pytest.raises(DataError, match=r"shapes sample shapes-train-0-000000: 4 images .* data.max_images = 3"):
+        generate_split(data.model_copy(update={"max_images": 3}), "train", 1)

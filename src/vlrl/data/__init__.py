@@ -3,8 +3,9 @@
 from vlrl.data.io import DataError, ReadReport, read_samples, write_samples
 from vlrl.data.sample import Sample, SampleError, load_image
 from vlrl.data.tasks import TASK_SUITES, generate
+from vlrl.data.video import MediaLimits, prepare_media
 
 __all__ = [
-    "DataError", "ReadReport", "Sample", "SampleError", "TASK_SUITES", "generate", "load_image", "read_samples",
+    "DataError", "MediaLimits", "ReadReport", "Sample", "SampleError", "TASK_SUITES", "generate", "load_image", "prepare_media", "read_samples",
     "write_samples",
 ]

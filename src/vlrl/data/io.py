@@ -24,6 +24,7 @@ from vlrl.data.sample import (
     sample_from_json,
     sample_to_json,
 )
+from vlrl.data.video import MediaLimits, prepare_media
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def read_samples(
     on_error: OnError = "raise",
     check: Callable[[Sample], None] | None = None,
     verify_images: bool = True,
+    media: MediaLimits | None = MediaLimits(),  # noqa: B008  (frozen)
 ) -> ReadReport:
     """Read samples from a ``.jsonl`` or ``.parquet`` file, or every such file in a directory.
 
@@ -64,6 +66,8 @@ def read_samples(
             ``ValueError``/``KeyError`` with a message, which is reported with the file and line.
         verify_images: open every image once at read time so a missing or corrupt file is reported here
             (with its line) rather than in the middle of training.
+        media: how videos become frames and the per-sample image budgets (`vlrl.data.video.prepare_media`);
+            a sample over a budget is a bad record. None: samples are returned as read (videos kept).
     """
     path = Path(path)
     if path.is_dir():
@@ -89,6 +93,8 @@ def read_samples(
                     raise record
                 sample = sample_from_json(record, file.parent)
                 sample.source = where
+                if media is not None:
+                    sample = prepare_media(sample, media)
                 if sample.id in seen_ids:
                     raise SampleError(f"duplicate id {sample.id!r} (first seen at {seen_ids[sample.id]})")
                 if verify_images:
@@ -173,32 +179,47 @@ def write_samples(samples: Iterable[Sample], out: str | Path) -> Path:
         return _write_parquet(list(samples), out)
     if out.suffix != ".jsonl":
         raise DataError(f"{out}: choose a .jsonl or .parquet file name")
-    image_dir = out.parent / "images"
     with open(out, "w", encoding="utf-8") as handle:
         for sample in samples:
-            paths = []
-            for k, image in enumerate(sample.images):
-                if isinstance(image, str) and not image.startswith("data:"):
-                    source = Path(image)
-                    try:
-                        paths.append(str(source.resolve().relative_to(out.parent.resolve())))
-                        continue
-                    except ValueError:
-                        image = load_image(image)
-                if not isinstance(image, Image.Image):
-                    image = load_image(image)
-                image_dir.mkdir(exist_ok=True)
-                name = f"images/{_safe(sample.id)}_{k}.png"
-                image.save(out.parent / name)
-                paths.append(name)
-            handle.write(json.dumps(sample_to_json(sample, paths), ensure_ascii=False) + "\n")
+            paths = [_write_image(image, out.parent, f"{_safe(sample.id)}_{k}") for k, image in enumerate(sample.images)]
+            videos: list[Any] = []
+            for k, video in enumerate(sample.videos):
+                if isinstance(video, str):  # a video file: referenced where it is (relative when beside `out`)
+                    videos.append(_relative(video, out.parent) or str(Path(video).resolve()))
+                else:
+                    videos.append([_write_image(frame, out.parent, f"{_safe(sample.id)}_v{k}_{f}")
+                                   for f, frame in enumerate(video)])
+            handle.write(json.dumps(sample_to_json(sample, paths, videos), ensure_ascii=False) + "\n")
     return out
+
+
+def _relative(path: str, root: Path) -> str | None:
+    try:
+        return str(Path(path).resolve().relative_to(root.resolve()))
+    except ValueError:
+        return None
+
+
+def _write_image(image: Any, root: Path, stem: str) -> str:
+    """The jsonl path of one image: its own path when it lies under ``root``, else a PNG written to images/."""
+    if isinstance(image, str) and not image.startswith("data:"):
+        relative = _relative(image, root)
+        if relative is not None:
+            return relative
+    if not isinstance(image, Image.Image):
+        image = load_image(image)
+    (root / "images").mkdir(exist_ok=True)
+    name = f"images/{stem}.png"
+    image.save(root / name)
+    return name
 
 
 def _write_parquet(samples: list[Sample], out: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if any(sample.videos for sample in samples):
+        raise DataError(f"{out}: samples with videos are written to .jsonl (frames as PNG files), not .parquet")
     columns: dict[str, list[Any]] = {k: [] for k in ("id", "task", "messages", "images", "answer", "reward", "response", "metadata")}
     for sample in samples:
         columns["id"].append(sample.id)

@@ -5,8 +5,10 @@ A Sample is what crosses from `vlrl.data` to rollout and SFT. Its jsonl form is 
 
 Messages follow the chat format that transformers' chat templates take: a list of
 ``{"role": "user" | "system" | "assistant", "content": str | list[part]}`` where a part is
-``{"type": "text", "text": ...}`` or ``{"type": "image"}``. Image parts are placeholders, matched in order
-to ``images``. A plain ``"prompt"`` string with ``<image>`` markers is accepted on input as a shorthand.
+``{"type": "text", "text": ...}``, ``{"type": "image"}`` or ``{"type": "video"}``. Image parts are placeholders,
+matched in order to ``images``; video parts likewise to ``videos`` (a video file, or a list of frame images),
+which `vlrl.data.video.frames_as_images` turns into sampled frames fed as image parts before anything else sees
+the sample. A plain ``"prompt"`` string with ``<image>`` markers is accepted on input as a shorthand.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from PIL import Image
 
 # An image source: a path on disk, encoded bytes (PNG/JPEG/...), or an already decoded PIL image.
 ImageSource = str | bytes | Image.Image
+# A video source: a video file's path (decoded with PyAV), or its frames as a list of image sources.
+VideoSource = str | list[ImageSource]
 
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
 _DATA_URL = re.compile(r"^data:image/[a-zA-Z0-9.+-]+;base64,")
 
 
@@ -40,6 +45,8 @@ class Sample:
         task: free-form task name used to group metrics (e.g. ``"shapes/count"``).
         messages: the prompt as chat messages (no final assistant turn).
         images: one source per ``{"type": "image"}`` part, in order of appearance.
+        videos: one source per ``{"type": "video"}`` part, in order of appearance: a video file path or a list of
+            frames. Readers replace them by sampled frames (`vlrl.data.video`), so training sees images only.
         answer: the ground truth handed to the verifier (string, number, list, or dict).
         reward: a verifier name (``"number"``) or weights of several (``{"bbox_iou": 0.8, "format": 0.2}``).
         response: a reference response for SFT (the assistant text), or None.
@@ -51,6 +58,7 @@ class Sample:
     task: str
     messages: list[dict[str, Any]]
     images: list[ImageSource] = field(default_factory=list)
+    videos: list[VideoSource] = field(default_factory=list)
     answer: Any = None
     reward: str | dict[str, float] = ""
     response: str | None = None
@@ -59,6 +67,9 @@ class Sample:
 
     def num_image_parts(self) -> int:
         return sum(1 for m in self.messages for p in _parts(m) if p.get("type") == "image")
+
+    def num_video_parts(self) -> int:
+        return sum(1 for m in self.messages for p in _parts(m) if p.get("type") == "video")
 
     def validate(self) -> None:
         """Raise `SampleError` naming the field if the record is inconsistent."""
@@ -75,8 +86,8 @@ class Sample:
             if not isinstance(content, (str, list)):
                 raise SampleError(f"field 'messages[{i}].content': must be a string or a list of parts")
             for j, part in enumerate(_parts(message)):
-                if part.get("type") not in ("text", "image"):
-                    raise SampleError(f"field 'messages[{i}].content[{j}].type': must be 'text' or 'image'")
+                if part.get("type") not in ("text", "image", "video"):
+                    raise SampleError(f"field 'messages[{i}].content[{j}].type': must be 'text', 'image' or 'video'")
                 if part["type"] == "text" and not isinstance(part.get("text"), str):
                     raise SampleError(f"field 'messages[{i}].content[{j}].text': must be a string")
         if self.num_image_parts() != len(self.images):
@@ -84,6 +95,14 @@ class Sample:
                 f"field 'images': {len(self.images)} image(s) given but the messages hold "
                 f"{self.num_image_parts()} image placeholder(s)"
             )
+        if self.num_video_parts() != len(self.videos):
+            raise SampleError(
+                f"field 'videos': {len(self.videos)} video(s) given but the messages hold "
+                f"{self.num_video_parts()} video placeholder(s)"
+            )
+        for k, video in enumerate(self.videos):
+            if isinstance(video, list) and not video:
+                raise SampleError(f"field 'videos[{k}]': a list of frames must hold at least one frame")
         if isinstance(self.reward, dict):
             if not self.reward or not all(isinstance(w, (int, float)) for w in self.reward.values()):
                 raise SampleError("field 'reward': a dict must map verifier names to numeric weights")
@@ -97,7 +116,8 @@ class Sample:
         """The text of all prompt messages, image parts shown as ``<image>`` (for logs and reports)."""
         out = []
         for m in self.messages:
-            out.append("".join(p["text"] if p["type"] == "text" else IMAGE_MARKER for p in _parts(m)))
+            markers = {"image": IMAGE_MARKER, "video": VIDEO_MARKER}
+            out.append("".join(p["text"] if p["type"] == "text" else markers[p["type"]] for p in _parts(m)))
         return "\n".join(out)
 
 
@@ -205,7 +225,7 @@ def sample_from_json(record: Any, base_dir: Path) -> Sample:
     """Build a Sample from one decoded jsonl object; relative image paths resolve against ``base_dir``."""
     if not isinstance(record, dict):
         raise SampleError(f"expected a JSON object, got {type(record).__name__}")
-    known = {"id", "task", "messages", "prompt", "images", "answer", "reward", "response", "metadata"}
+    known = {"id", "task", "messages", "prompt", "images", "videos", "answer", "reward", "response", "metadata"}
     unknown = sorted(set(record) - known)
     if unknown:
         raise SampleError(f"unknown field(s) {unknown}; known fields: {sorted(known)}")
@@ -231,15 +251,15 @@ def sample_from_json(record: Any, base_dir: Path) -> Sample:
         response = last["content"] if isinstance(last.get("content"), str) else "".join(
             p.get("text", "") for p in _parts(last)
         )
-    images: list[ImageSource] = []
-    for k, image in enumerate(record.get("images") or []):
-        if isinstance(image, str) and not _DATA_URL.match(image):
-            path = Path(image)
-            images.append(str(path if path.is_absolute() else base_dir / path))
-        elif isinstance(image, str):
-            images.append(image)
+    images = [_image_source(image, base_dir, f"images[{k}]") for k, image in enumerate(record.get("images") or [])]
+    videos: list[VideoSource] = []
+    for k, video in enumerate(record.get("videos") or []):
+        if isinstance(video, list):
+            videos.append([_image_source(frame, base_dir, f"videos[{k}][{f}]") for f, frame in enumerate(video)])
+        elif isinstance(video, str) and not _DATA_URL.match(video):
+            videos.append(_resolve(video, base_dir))
         else:
-            raise SampleError(f"field 'images[{k}]': expected a path or a data:image/...;base64 URL")
+            raise SampleError(f"field 'videos[{k}]': expected a video file path or a list of frame images")
     if "id" not in record:
         raise SampleError("field 'id' is required")
     sample = Sample(
@@ -247,6 +267,7 @@ def sample_from_json(record: Any, base_dir: Path) -> Sample:
         task=record.get("task", ""),
         messages=messages,
         images=images,
+        videos=videos,
         answer=record.get("answer"),
         reward=record.get("reward", ""),
         response=response,
@@ -256,13 +277,26 @@ def sample_from_json(record: Any, base_dir: Path) -> Sample:
     return sample
 
 
-def sample_to_json(sample: Sample, image_paths: list[str]) -> dict[str, Any]:
-    """The jsonl object for ``sample`` with its images already written at ``image_paths`` (relative)."""
+def _resolve(path: str, base_dir: Path) -> str:
+    return str(Path(path) if Path(path).is_absolute() else base_dir / path)
+
+
+def _image_source(image: Any, base_dir: Path, name: str) -> str:
+    """One image of a jsonl record: a path (relative ones resolve against ``base_dir``) or a data URL."""
+    if isinstance(image, str):
+        return image if _DATA_URL.match(image) else _resolve(image, base_dir)
+    raise SampleError(f"field '{name}': expected a path or a data:image/...;base64 URL")
+
+
+def sample_to_json(sample: Sample, image_paths: list[str], video_paths: list[Any] | None = None) -> dict[str, Any]:
+    """The jsonl object for ``sample`` with its images already written at ``image_paths`` (relative), and its
+    videos at ``video_paths`` (a file path, or a list of frame paths, per video)."""
     record: dict[str, Any] = {
         "id": sample.id,
         "task": sample.task,
         "messages": sample.messages,
         "images": image_paths,
+        **({"videos": video_paths} if video_paths else {}),
         "answer": sample.answer,
         "reward": sample.reward,
     }

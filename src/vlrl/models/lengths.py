@@ -1,11 +1,13 @@
 """Token lengths of samples as training encodes them, without decoding a single pixel.
 
 Text: the chat template rendered and tokenized by the model's own tokenizer. Vision: each image's size is
-read from its file header and turned into vision tokens by the image processor's own arithmetic
-(Qwen2-VL: ``get_number_of_image_patches(h, w) / merge_size²`` after its smart resize into
-[min_pixels, max_pixels]). The result equals ``len(prompt_ids) + len(target_ids)`` of `encode_sft`
-(tests/models/test_lengths.py checks it), so a packing plan made from these lengths fits when training
-encodes the same samples.
+read from its file header, and its markup is what the family's processor expands a blank image of that size
+into (an image's markup depends only on its size: Qwen2-VL's ``get_number_of_image_patches(h, w) / merge_size²``
+after its smart resize into [min_pixels, max_pixels], InternVL's and SmolVLM's tile grids, LLaVA-OneVision's
+anyres count, Gemma 3's fixed run), cached per size (`VisionAdapter.count_prompt_tokens`). The result equals
+``len(prompt_ids) + len(target_ids)`` of `encode_sft` (tests/models/test_lengths.py and, for every family,
+tests/models/test_families.py check it), so a packing plan made from these lengths fits when training encodes
+the same samples.
 """
 
 from __future__ import annotations

@@ -108,6 +108,8 @@ def pack_sequences(
     responses = [torch.as_tensor(r, dtype=torch.long) for r in responses]
     B = len(prompts)
     rows = default_rows(model, None, B) if rows is None else [list(r) for r in rows]
+    if adapter.one_sequence_per_row:  # recurrent layers / token-type masks: exact only one sequence per row
+        rows = [[i] for row in rows for i in row]
     if sorted(i for r in rows for i in r) != list(range(B)):
         raise ValueError(f"rows must hold every sequence index 0..{B - 1} exactly once, got {rows}")
     R = max(1, max(len(r) for r in responses))

@@ -27,8 +27,20 @@ class Policy:
     source: str
 
     @classmethod
-    def from_parts(cls, model, tokenizer, image_processor, *, source: str) -> Policy:
-        return cls(model, tokenizer, image_processor, adapter_for(model.config, tokenizer, image_processor), source)
+    def from_parts(cls, model, tokenizer, image_processor, *, source: str, processor: Any | None = None) -> Policy:
+        """A policy from its parts; the family's processor is built from the tokenizer and image processor (with
+        the settings of ``source``'s ``processor_config.json`` when it is a directory) unless given."""
+        eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) is not None else None
+        eos = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+        adapter = adapter_for(model.config, tokenizer, image_processor, processor=processor,
+                              source=None if source.startswith("preset:") else source, model=model,
+                              eos_token_ids=eos or None)
+        return cls(model, tokenizer, image_processor, adapter, source)
+
+    @property
+    def processor(self) -> Any | None:
+        """The family's transformers processor (None for a text model)."""
+        return getattr(self.adapter, "processor", None)
 
     @property
     def is_vision(self) -> bool:
@@ -57,6 +69,10 @@ class Policy:
         self.tokenizer.save_pretrained(out_dir)
         if self.image_processor is not None:
             self.image_processor.save_pretrained(out_dir)
+        if self.processor is not None:
+            from vlrl.models.processor import save_processor_config
+
+            save_processor_config(self.processor, out_dir)
         return out_dir
 
 

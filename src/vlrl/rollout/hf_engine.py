@@ -2,8 +2,10 @@
 
 Behaviour log-probs come from the logits `generate` already computed (``output_logits``), divided by the
 temperature — the same quantity the trainer's teacher-forced pass computes — so no extra forward pass is
-spent. Special tokens other than EOS (e.g. ``<|image_pad|>``) are suppressed while sampling: a random tiny
-model would otherwise emit image placeholders that break re-scoring.
+spent. The family's vision markup (every token of an expanded image, the config's vision token ids:
+``<|image_pad|>``, ``<IMG_CONTEXT>``, ``<image_soft_token>``, ``<row_1_col_1>``, ...) and the tokenizer's other
+special tokens, never EOS, are suppressed while sampling (`VisionAdapter.special_token_ids`): a random tiny model
+would otherwise emit image placeholders that break re-scoring.
 
 Multi-turn: to continue a conversation, pass a `Request` whose ``prompt_ids`` are the whole context so far
 (prompt, earlier turns, observations) and whose ``vision`` holds all its images in order; the model family's
@@ -23,6 +25,17 @@ from vlrl.data.sample import Sample, load_image
 from vlrl.models.adapters import EncodedPrompt, VisionInputs
 from vlrl.models.policy import Policy
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
+
+
+def _gather_root(model: torch.nn.Module) -> None:
+    """FSDP2: gather the root unit's parameters before ``generate``. transformers 5 encodes a prompt's images
+    before the decoder's first forward (``get_image_features`` outside the root's forward), and parts of that
+    encoder may live in the root unit (Gemma 3's / InternVL's / SmolVLM's projector, LLaVA-OneVision's
+    ``image_newline``); the vision tower itself is a unit of its own (`vlrl.train.distributed.fsdp_units`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.unshard()
 
 
 class HFEngine:
@@ -92,6 +105,7 @@ class HFEngine:
             input_ids.to(device), attention_mask.to(device), vision.to(device) if vision is not None else None
         )
         greedy = sampling.temperature <= 0
+        _gather_root(policy.model)
         gen = policy.model.generate(
             **kwargs,
             do_sample=not greedy,

@@ -782,29 +782,9 @@ def build_request(policy: Policy, text: str | None, input_ids: list[int] | None,
 
 
 def _expand_ids(policy: Policy, ids: list[int], vision) -> list[int]:
-    """Token ids with image tokens already expanded pass through; one placeholder per image is expanded."""
-    n_images = 0 if vision is None else len(vision.image_grid_thw)
-    image_token = getattr(policy.adapter, "image_token_id", None)
-    found = sum(1 for t in ids if t == image_token) if image_token is not None else 0
-    if n_images == 0:
-        if found:
-            raise ValueError(f"'input_ids' hold {found} image token(s) but no image was given")
-        return ids
-    merge = policy.adapter.merge_size ** 2
-    sizes = [int(g.prod()) // merge for g in vision.image_grid_thw]
-    if found == sum(sizes):
-        return ids
-    if found != n_images:
-        raise ValueError(f"'input_ids' hold {found} image token(s); expected {sum(sizes)} (expanded) or "
-                         f"{n_images} (one placeholder per image) for {n_images} image(s)")
-    out, k = [], 0
-    for t in ids:
-        if t == image_token:
-            out.extend([t] * sizes[k])
-            k += 1
-        else:
-            out.append(t)
-    return out
+    """Token ids with image tokens already expanded pass through; one placeholder per image is expanded (by the
+    family's adapter: each image's markup as its processor expands it)."""
+    return policy.adapter.expand_ids(ids, vision)
 
 
 def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, return_logprob: bool,

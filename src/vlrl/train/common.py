@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from vlrl.config import DataConfig, OptimConfig, Section, dump_config
-from vlrl.data import DataError, Sample, generate, read_samples
+from vlrl.data import DataError, MediaLimits, Sample, SampleError, generate, prepare_media, read_samples
 from vlrl.report import MetricsLogger
 
 
@@ -75,14 +75,35 @@ def sample_check(sample: Sample) -> None:
         raise ValueError(problem)
 
 
+def media_limits(cfg: DataConfig) -> MediaLimits:
+    """Video frame sampling and per-sample image budgets of ``cfg`` (`vlrl.data.video`)."""
+    return MediaLimits(video_fps=cfg.video_fps, max_frames=cfg.max_frames, max_images=cfg.max_images,
+                       max_image_pixels=cfg.max_image_pixels, max_sample_pixels=cfg.max_sample_pixels)
+
+
+def generate_split(cfg: DataConfig, split: str, n: int) -> list[Sample]:
+    """``n`` samples of the procedural suite, their videos as sampled frames and within the budgets (a sample
+    over one raises `DataError` naming it and the field: the suite's options are then wrong for the budgets)."""
+    limits, samples = media_limits(cfg), []
+    for sample in generate(cfg.suite, n, split=split, seed=cfg.seed, tasks=cfg.tasks, **cfg.suite_options):
+        try:
+            samples.append(prepare_media(sample, limits))
+        except SampleError as err:
+            raise DataError(f"{cfg.suite} sample {sample.id}: {err}") from err
+    return samples
+
+
 def load_split(cfg: DataConfig, split: str, logger: MetricsLogger | None = None) -> list[Sample]:
-    """The ``train`` or ``test`` samples: read from the configured file, or generated procedurally. (Reads
-    ``cfg.train`` whole: the held-out split of a training file is `load_splits`'.)"""
+    """The ``train`` or ``test`` samples: read from the configured file, or generated procedurally; videos become
+    sampled frames and the per-sample budgets hold (`media_limits`). (Reads ``cfg.train`` whole: the held-out
+    split of a training file is `load_splits`'.)"""
     path = cfg.train if split == "train" else cfg.test
     if path is None:
-        n = cfg.n_train if split == "train" else cfg.n_test
-        return generate(cfg.suite, n, split=split, seed=cfg.seed, tasks=cfg.tasks, **cfg.suite_options)
-    report = read_samples(path, on_error=cfg.on_error, check=sample_check)
+        samples = generate_split(cfg, split, cfg.n_train if split == "train" else cfg.n_test)
+        _log_videos(samples, cfg, split, logger)
+        return samples
+    report = read_samples(path, on_error=cfg.on_error, check=sample_check, media=media_limits(cfg))
+    _log_videos(report.samples, cfg, split, logger)
     if logger is not None:
         logger.info(f"data {split}: {path}: {report.summary()}")
         if report.skipped:
@@ -90,6 +111,18 @@ def load_split(cfg: DataConfig, split: str, logger: MetricsLogger | None = None)
     if not report.samples:
         raise DataError(f"{path}: no usable samples ({len(report.skipped)} skipped)")
     return report.samples
+
+
+def _log_videos(samples: list[Sample], cfg: DataConfig, split: str, logger: MetricsLogger | None) -> None:
+    """State how many videos a split holds and how many frames they became (``data/<split>_videos``,
+    ``data/<split>_frames_per_video``)."""
+    frames = [n for s in samples for n in s.metadata.get("video_frames", [])]
+    if logger is None or not frames:
+        return
+    mean = sum(frames) / len(frames)
+    logger.info(f"data {split}: {len(frames)} video(s) fed as sampled frames, {mean:.1f} per video on average "
+                f"(data.video_fps {cfg.video_fps:g}, data.max_frames {cfg.max_frames}; each frame is an image)")
+    logger.log("data", 0, {f"data/{split}_videos": len(frames), f"data/{split}_frames_per_video": mean})
 
 
 def holds_out(cfg: DataConfig) -> bool:

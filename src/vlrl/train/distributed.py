@@ -131,13 +131,15 @@ def shutdown_distributed(ctx: DistContext) -> None:
 
 # ----------------------------------------------------------------------------------------------- wrapping
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Modules that become FSDP2 units, innermost first: the blocks named in ``_no_split_modules``, then the
-    vision tower (``model.visual`` / ``vision_tower``) as a whole."""
+    """Modules that become FSDP2 units, innermost first: the blocks named in ``_no_split_modules`` (decoder
+    layers, vision blocks), then the vision tower as a whole (`vlrl.models.adapters.vision_tower`: ``visual``,
+    ``vision_tower`` or ``vision_model``, whichever the family has)."""
+    from vlrl.models.adapters import vision_tower
+
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
-    inner = getattr(model, "model", model)
-    towers = [t for t in (getattr(inner, "visual", None), getattr(inner, "vision_tower", None)) if t is not None]
-    return blocks + towers
+    tower = vision_tower(model)
+    return blocks + ([tower] if tower is not None else [])
 
 
 def wrap_model(model: torch.nn.Module, ctx: DistContext, cfg: DistConfig) -> torch.nn.Module:
@@ -160,11 +162,31 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, cfg: DistConfig) -> tor
     for unit in fsdp_units(model):
         fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    _keep_output_capturing(model)
     model._is_fsdp_managed_module = True  # transformers' generate() then runs with synced_gpus
     device = ctx.device
     with torch.no_grad():  # FSDP2 takes the first module to run forward as its root: make it the model
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
     return model
+
+
+def _keep_output_capturing(model: torch.nn.Module) -> None:
+    """transformers 5 records a model's intermediate outputs (the hidden states LLaVA-OneVision's and InternVL's
+    ``vision_feature_layer`` selects) through a registry keyed by the module's class name; `fully_shard` gives
+    every unit a new class (``FSDP<name>``), so re-register each unit under it — or the tower returns no hidden
+    states."""
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # an older transformers: nothing to keep
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            original = next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule))
+            recorded = dict.get(_CAN_RECORD_REGISTRY, str(original))
+            if recorded is not None:
+                _CAN_RECORD_REGISTRY[module] = recorded
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

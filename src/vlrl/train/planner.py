@@ -32,6 +32,16 @@ and prints the feasible placements ranked by estimated step time, with the formu
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", counted for this
 layer type; `vlrl plan --measure` and tests/train/test_planner.py compare it with a measured CPU step.)
 
+**Families.** The same formulas serve every family, with its sizes read from its config: the vision tower's
+depth (``depth`` or ``num_hidden_layers``), width and patch values; N_p = the patches the tower encodes
+(`vision_patches`: Qwen-style patch rows, or tiles × (H/p)(W/p) of InternVL / Gemma 3 / LLaVA-OV / SmolVLM
+pixels); I = the MLP width a token passes through (a mixture of experts: the chosen experts' plus the shared
+one's; Ψ still counts every expert). Stated approximations, measured against a CPU step of each tiny preset
+(tests/models/test_families.py): parameters, gradients and AdamW moments exact; activations 0.76–1.14× of
+measured for attention-only families (MoE routing buffers are not counted); Qwen3.5's Gated DeltaNet layers
+are counted as attention layers, which gives ~0.5× of their activations (chunked delta-rule intermediates,
+convolution states) — budget Qwen3.5 activations at 2× the printed value.
+
 **Time** (per step; F peak FLOP/s, η the MFU assumption, W memory bandwidth, Λ link bandwidth):
 
     train      (6Ψ_t·T + 6Ψ_v·T_v + 12·n_layers·h·L·T) · epochs / (n_train·F·η)   (Kaplan et al. 2020)
@@ -166,8 +176,9 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     params = sum(p.numel() for p in model.parameters())
-    inner = getattr(model, "model", model)
-    tower = getattr(inner, "visual", None) or getattr(inner, "vision_tower", None)
+    from vlrl.models.adapters import vision_tower
+
+    tower = vision_tower(model)
     tower_modules = {id(m) for m in tower.modules()} if tower is not None else set()
     blocks = [u for u in fsdp_units(model) if u is not tower]
     sizes = [_count(b) for b in blocks]
@@ -178,16 +189,48 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     shape: dict[str, Any] = dict(
         params=params, params_vision=_count(tower) if tower is not None else 0,
         largest_unit=max(sizes), layers=text.num_hidden_layers, hidden=text.hidden_size,
-        intermediate=text.intermediate_size, kv_dim=getattr(text, "num_key_value_heads", heads) * head_dim,
+        intermediate=_active_intermediate(text), kv_dim=getattr(text, "num_key_value_heads", heads) * head_dim,
         vocab=text.vocab_size,
     )
     vision = getattr(config, "vision_config", None)
     if vision is not None and tower is not None:
         width = getattr(vision, "embed_dim", None) or vision.hidden_size
         inter = getattr(vision, "intermediate_size", None) or int(width * getattr(vision, "mlp_ratio", 4))
-        shape.update(vision_depth=vision.depth, vision_hidden=width, vision_intermediate=inter,
-                     patch_values=vision.in_channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2)
+        depth = getattr(vision, "depth", None) or vision.num_hidden_layers
+        channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
+        patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
+        shape.update(vision_depth=depth, vision_hidden=width, vision_intermediate=inter,
+                     patch_values=channels * getattr(vision, "temporal_patch_size", 1) * patch**2)
     return ModelShape(**shape)
+
+
+def _active_intermediate(text: Any) -> int:
+    """I of the formulas: the MLP width a token passes through — a dense MLP's ``intermediate_size``; for a
+    mixture of experts the chosen experts' (``num_experts_per_tok · moe_intermediate_size``) plus a shared
+    expert's."""
+    experts = getattr(text, "num_experts_per_tok", None)
+    if experts and getattr(text, "moe_intermediate_size", None):
+        return experts * text.moe_intermediate_size + (getattr(text, "shared_expert_intermediate_size", 0) or 0)
+    return text.intermediate_size
+
+
+def vision_patches(vision: Any, patch_size: int) -> int:
+    """N_p: patches the vision tower encodes for one sequence's processor outputs — rows of Qwen-style
+    ``(patches, values)`` pixels, or tiles × (H / p) × (W / p) of ``(tiles, C, H, W)`` images (InternVL, Gemma 3),
+    of ``(images, crops, C, H, W)`` (LLaVA-OneVision) and of ``(1, tiles, C, H, W)`` (SmolVLM), padding included."""
+    pixels = vision.pixel_values
+    if pixels is None:
+        return 0
+    if pixels.dim() == 2:
+        return int(pixels.shape[0])
+    tiles = int(torch.tensor(pixels.shape[:-3]).prod())
+    return tiles * (pixels.shape[-2] // patch_size) * (pixels.shape[-1] // patch_size)
+
+
+def _patch_size(adapter: Any) -> int:
+    vision = getattr(getattr(adapter, "config", None), "vision_config", None)
+    patch = getattr(vision, "patch_size", 14) or 14
+    return patch[0] if isinstance(patch, (list, tuple)) else patch
 
 
 def _count(module: torch.nn.Module) -> int:
@@ -213,25 +256,26 @@ def meta_model(path: str, *, init_seed: int = 0) -> tuple[torch.nn.Module, Any]:
     with torch.device("meta"):
         model = (AutoModelForImageTextToText if is_vision else AutoModelForCausalLM).from_config(config)
     processor = _load_image_processor(path) if is_vision else None
-    return model, adapter_for(config, AutoTokenizer.from_pretrained(path), processor)
+    return model, adapter_for(config, AutoTokenizer.from_pretrained(path), processor, source=path, model=model)
 
 
 def workload(cfg, adapter, *, samples: int = 16) -> Workload:
     """Sizes of one step of ``cfg`` (an `SFTConfig` or `RLConfig`): the longest of a few encoded samples."""
     from vlrl.config import RLConfig
-    from vlrl.data import generate, load_image, read_samples
+    from vlrl.data import load_image, read_samples
+    from vlrl.train.common import generate_split, media_limits
 
     data = cfg.data
     if data.train is not None:
-        picked = read_samples(data.train, on_error="skip").samples[:samples]
+        picked = read_samples(data.train, on_error="skip", media=media_limits(data)).samples[:samples]
     else:
-        picked = generate(data.suite, samples, split="train", seed=data.seed, tasks=data.tasks, **data.suite_options)
+        picked = generate_split(data, "train", samples)
     prompt, patches, response = 1, 0, 1
     for sample in picked:
         encoded = adapter.encode_prompt(sample.messages, [load_image(src) for src in sample.images])
         prompt = max(prompt, len(encoded.input_ids))
         if encoded.vision is not None:
-            patches = max(patches, int(encoded.vision.pixel_values.shape[0]))
+            patches = max(patches, vision_patches(encoded.vision, _patch_size(adapter)))
         if sample.response is not None:
             response = max(response, len(adapter.encode_text(sample.response)) + 1)
     weight = DTYPE_BYTES[cfg.model.dtype]
@@ -448,12 +492,11 @@ def measure_train_step(cfg, policy, w: Workload) -> dict[str, float]:
     P + R tokens tracked by torch's `MemTracker` — the quantity `activations` + `trained_state` estimate."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from vlrl.data import generate, load_image
+    from vlrl.data import load_image
     from vlrl.models import collate, response_logprobs
-    from vlrl.train.common import make_optimizer
+    from vlrl.train.common import generate_split, make_optimizer
 
-    data = cfg.data
-    samples = generate(data.suite, w.micro_batch, split="train", seed=data.seed, tasks=data.tasks, **data.suite_options)
+    samples = generate_split(cfg.data, "train", w.micro_batch)
     encoded = [policy.adapter.encode_prompt(s.messages, [load_image(x) for x in s.images]) for s in samples]
     filler = policy.adapter.encode_text("a")[0]
     tokens = collate([e.input_ids for e in encoded], [[filler] * w.response_tokens] * len(encoded),

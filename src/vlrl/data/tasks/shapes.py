@@ -5,6 +5,9 @@
 - ``locate``: "Where is the <shape>?" → a box ``[x1, y1, x2, y2]`` in pixels (or 0..1000 normalised, stated in
   the prompt), verified by ``bbox_iou``.
 - ``ocr``: "What word is written in the image?" → a short word, verified by ``ocr``.
+- ``video_count``: a clip of ``frames`` frames (a `Sample` video given as its list of frames) in which each shape is
+  shown in exactly one frame; "How many shapes appeared over the clip?" → a number, verified by ``number``. Every
+  frame must be seen to answer, so keep ``frames`` ≤ ``data.max_frames``. Not among the default tasks.
 
 In ``color`` and ``locate`` the named shape kind occurs exactly once in the image, so the answer is unique.
 """
@@ -21,6 +24,7 @@ from vlrl.data.tasks import TASK_SUITES, format_prompt, format_response
 COLORS = {"red": (214, 39, 40), "green": (44, 160, 44), "blue": (31, 119, 220), "yellow": (230, 190, 20)}
 KINDS = ("circle", "square", "triangle")
 TASKS = ("count", "color", "locate", "ocr")
+VIDEO_TASKS = ("video_count",)
 WORDS = (
     "cat", "dog", "sun", "map", "box", "red", "sky", "cup", "hat", "pen", "bus", "car", "fox", "owl", "bee",
     "tree", "fish", "bird", "moon", "star", "door", "lamp", "book", "milk", "rain", "ship", "frog", "wolf",
@@ -38,6 +42,7 @@ def generate_shapes(
     max_shapes: int = 4,
     template: str = "answer",
     coords: str = "pixel",
+    frames: int = 4,
 ) -> list[Sample]:
     """Generate ``n`` shapes samples, cycling through ``tasks`` so each task gets an equal share.
 
@@ -46,11 +51,14 @@ def generate_shapes(
         max_shapes: shapes per image are drawn uniformly from 1..max_shapes.
         template: prompt suffix, one of `vlrl.data.tasks.TEMPLATES` ("answer", "think", "none").
         coords: ``"pixel"`` boxes in pixels, or ``"norm1000"`` boxes scaled to 0..1000 (Qwen2-VL style).
+        frames: frames per clip of ``video_count``.
     """
     tasks = list(tasks or TASKS)
-    unknown = sorted(set(tasks) - set(TASKS))
+    unknown = sorted(set(tasks) - set(TASKS) - set(VIDEO_TASKS))
     if unknown:
-        raise ValueError(f"shapes: unknown task(s) {unknown}; choose from {list(TASKS)}")
+        raise ValueError(f"shapes: unknown task(s) {unknown}; choose from {list(TASKS + VIDEO_TASKS)}")
+    if not 1 <= frames <= 64:
+        raise ValueError(f"shapes: frames must be in 1..64, got {frames}")
     if coords not in ("pixel", "norm1000"):
         raise ValueError(f"shapes: coords must be 'pixel' or 'norm1000', got {coords!r}")
     if not 1 <= max_shapes <= 6:
@@ -59,15 +67,21 @@ def generate_shapes(
     for i in range(n):
         task = tasks[i % len(tasks)]
         rng = random.Random(f"shapes/{split}/{seed}/{i}")
-        make = {"count": _count, "color": _color, "locate": _locate, "ocr": _ocr}[task]
-        question, answer, answer_text, reward, image, meta = make(rng, image_size, max_shapes, coords)
+        if task == "video_count":
+            question, answer, answer_text, reward, clip, meta = _video_count(rng, image_size, max_shapes, frames)
+            media, images, videos = "video", [], [clip]
+        else:
+            make = {"count": _count, "color": _color, "locate": _locate, "ocr": _ocr}[task]
+            question, answer, answer_text, reward, image, meta = make(rng, image_size, max_shapes, coords)
+            media, images, videos = "image", [image], []
         prompt = format_prompt(question, template)
         samples.append(
             Sample(
                 id=f"shapes-{split}-{seed}-{i:06d}",
                 task=f"shapes/{task}",
-                messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}],
-                images=[image],
+                messages=[{"role": "user", "content": [{"type": media}, {"type": "text", "text": prompt}]}],
+                images=images,
+                videos=videos,
                 answer=answer,
                 reward=reward,
                 response=format_response(answer_text, template),
@@ -151,6 +165,21 @@ def _locate(rng, size, max_shapes, coords):
     question = f"Where is the {target}? Give its bounding box as [x1, y1, x2, y2] in {unit}."
     text = "[" + ", ".join(str(v) for v in box) + "]"
     return question, box, text, "bbox_iou", image, {"objects": objects, "coords": coords}
+
+
+def _video_count(rng, size, max_shapes, frames):
+    """1..max_shapes shapes, each drawn in one random frame of the clip (at most 3 per frame, so they fit)."""
+    total = rng.randint(1, min(max_shapes, 3 * frames))
+    per_frame = [0] * frames
+    for _ in range(total):
+        per_frame[rng.choice([f for f in range(frames) if per_frame[f] < 3])] += 1
+    clip, objects = [], []
+    for f, count in enumerate(per_frame):
+        image, shown = _scene(rng, size, [rng.choice(KINDS) for _ in range(count)])
+        clip.append(image)
+        objects += [{**o, "frame": f} for o in shown]
+    question = "How many shapes appeared over the clip?"
+    return question, str(total), str(total), "number", clip, {"objects": objects}
 
 
 def _ocr(rng, size, max_shapes, coords):
