@@ -80,7 +80,7 @@ def demo(
     out: str | None = typer.Option(None, "--out", help="Run directory (default runs/demo)."),
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
-    """The main job: tiny VLM, shapes data, SFT warm start, eval, GRPO, eval, and an equal-time SFT control."""
+    """The main job: tiny VLM, shapes data, SFT warm start, eval, GRPO, eval, and an SFT control with the RL stage's FLOPs."""
     from vlrl.train.recipes import run_demo
 
     default = Path(__file__).parent / "configs" / "demo.yaml"

@@ -553,6 +553,35 @@ class RLTrainConfig(Section):
     )
 
 
+class SelectConfig(Section):
+    """Discrepancy-driven selection of the RL prompts before training (LLaVA-OV-1.5-RL; `vlrl data select`)."""
+
+    enabled: bool = Field(
+        False, description="Roll out `n` responses per training prompt with the starting policy and train only on the "
+        "prompts inside the band: solved sometimes but not always (pass@1 < 1, pass@N > 0 with the default band). "
+        "Groups of the dropped prompts would all score alike (zero advantage). Costs n rollouts per scored prompt.",
+    )
+    n: int = Field(8, ge=1, description="Rollouts per prompt (N) for pass@1, pass@k and the mean reward.")
+    k: int | None = Field(None, ge=1, description="pass@k of the gap; unset: k = n (pass@N).")
+    min_mean_reward: float | None = Field(
+        0.1, description="Drop prompts whose mean reward is lower (never solved; with n = 8 and 0/1 rewards: 0 of 8).")
+    max_mean_reward: float | None = Field(
+        0.9, description="Drop prompts whose mean reward is higher (always solved; with n = 8 and 0/1 rewards: 8 of 8).")
+    min_gap: float | None = Field(None, description="Keep only prompts with pass@k − pass@1 ≥ this; unset: no bound.")
+    max_prompts: int | None = Field(
+        None, ge=1, description="Score only the first N training prompts (the rest are not trained on); unset: all.")
+    cache: str | None = Field(
+        None, description="Rollout cache (jsonl, `vlrl data select --store`) reused across runs, keyed by model.path: "
+        "clear it when the weights at that path change. Unset: fresh rollouts, kept in RUN_DIR/select_rollouts.jsonl.",
+    )
+
+    @model_validator(mode="after")
+    def _check_k(self) -> SelectConfig:
+        if self.k is not None and self.k > self.n:
+            raise ValueError(f"select.k = {self.k} exceeds select.n = {self.n} (pass@k needs k ≤ n rollouts)")
+        return self
+
+
 class RLStage(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="How responses are sampled.")
     algo: AlgoConfig = Field(default_factory=AlgoConfig, description="Advantage, loss, clipping and KL.")
@@ -565,6 +594,9 @@ class RLStage(Section):
         default_factory=CriticConfig, description="The value model trained when algo.advantage needs values (gae / PPO)."
     )
     synth: SynthConfig = Field(default_factory=SynthConfig, description="Syn-GRPO online data synthesis (off by default).")
+    select: SelectConfig = Field(
+        default_factory=SelectConfig, description="pass@N-vs-pass@1 selection of the training prompts (off by default)."
+    )
 
     @model_validator(mode="after")
     def _check_sizes(self) -> RLStage:
@@ -743,16 +775,27 @@ class RLConfig(RunConfig, RLStage):
 
     @model_validator(mode="after")
     def _check_stages(self) -> RLConfig:
-        _check_stages(self, ("rollout", "algo", "optim", "train", "staleness"), "rollout, algo, optim, train and staleness")
+        _check_stages(self, ("rollout", "algo", "optim", "train", "staleness", "select"),
+                      "rollout, algo, optim, train, staleness and select")
         return self
 
 
 class DemoConfig(RunConfig):
-    """`vlrl demo`: SFT warm start → eval → RL → eval, plus an equal-time SFT control."""
+    """`vlrl demo`: SFT warm start → eval → RL → eval, plus an SFT control with the RL stage's budget."""
 
     sft: SFTStage = Field(default_factory=SFTStage, description="The SFT warm-start stage.")
     rl: RLStage = Field(default_factory=RLStage, description="The RL stage, started from the SFT checkpoint.")
-    control: bool = Field(True, description="Also train the SFT checkpoint by SFT for the RL stage's wall time (the control).")
+    control: bool = Field(
+        True, description="Also train the SFT checkpoint by more SFT on the same labelled samples with the RL stage's "
+        "budget (the control), and evaluate it the same way.",
+    )
+    control_budget: Literal["flops", "wall"] = Field(
+        "flops", description="The control's budget. flops: the RL stage's training + generation FLOPs (counted as run, "
+        "vlrl.train.budget) converted to SFT steps at the SFT stage's FLOPs per step — the same for every run of a "
+        "config, seed and thread count, whatever the machine's load; it counts a decode FLOP like a training FLOP, "
+        "which on CPUs gives the control fewer steps than equal time would. wall: the RL stage's wall time (moves "
+        "with load). summary.json's `budget` records the step counts of both.",
+    )
 
     @model_validator(mode="after")
     def _check_in_process(self) -> DemoConfig:

@@ -105,3 +105,49 @@ def test_select_command_on_a_tiny_model(tmp_path):
     assert len((tmp_path / "sel" / "selected.jsonl").read_text().splitlines()) == 6
     again = runner.invoke(app, args)  # the second selection reuses the store
     assert again.exit_code == 0 and json.loads((tmp_path / "sel" / "summary.json").read_text())["generated"] == 0
+
+
+def test_select_for_training_keeps_the_band_and_logs_it(tmp_path):
+    from vlrl.config import RolloutConfig, SelectConfig
+    from vlrl.data.select import select_for_training
+    from vlrl.report import MetricsLogger
+
+    samples = [_sample(x) for x in "abcde"]
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", quiet=True, progress="off")
+    kept, summary = select_for_training(ScriptedEngine(), samples, SelectConfig(enabled=True), RolloutConfig(),
+                                        logger=logger, run_dir=tmp_path, model="m")
+    assert [s.id for s in kept] == ["c", "d", "e"]  # 1, 7 and 4 of 8 correct: inside [0.1, 0.9]
+    assert summary["verdicts"] == {"too_easy": 1, "too_hard": 1, "keep": 3}
+    record = logger.records[-1]
+    assert record["stage"] == "rl/select"
+    assert (record["select/items"], record["select/kept"], record["select/too_easy"], record["select/too_hard"]) == (5, 3, 1, 1)
+    assert len((tmp_path / "select_rollouts.jsonl").read_text().splitlines()) == 5
+    # max_prompts: only the first 2 are scored (a: too easy, b: too hard) — nothing left is a clear error
+    with pytest.raises(ValueError, match="none of the 2 prompts fell inside the band"):
+        select_for_training(ScriptedEngine(), samples, SelectConfig(enabled=True, max_prompts=2), RolloutConfig(),
+                            logger=logger, run_dir=tmp_path, model="m")
+
+
+def test_select_k_above_n_is_refused():
+    from vlrl.config import SelectConfig
+
+    with pytest.raises(ValueError, match="select.k = 9 exceeds select.n = 8"):
+        SelectConfig(k=9)
+
+
+def test_vlrl_rl_selects_its_prompts_with_one_switch(tmp_path):
+    from vlrl.cli import app
+
+    run = tmp_path / "run"
+    # an untrained model scores 0 everywhere: with the lower bound open (0) every scored prompt is kept
+    result = CliRunner().invoke(app, [
+        "rl", f"out={run}", "model.path=tiny-qwen2", "data.suite=arith", "data.tasks=[add]", "data.n_train=16",
+        "data.n_test=4", "train.steps=1", "train.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4",
+        "eval.samples=2", "eval.max_new_tokens=4", "select.enabled=true", "select.n=2", "select.max_prompts=6",
+        "select.min_mean_reward=0", "report.html=false"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    selected = [r for r in records if r["stage"] == "rl/select"]
+    assert len(selected) == 1 and (selected[0]["select/items"], selected[0]["select/kept"]) == (6, 6)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["train"]["select"]["verdicts"] == {"keep": 6} and summary["train"]["select"]["n"] == 2

@@ -1,34 +1,54 @@
-"""A quick demo configuration end to end: SFT → eval → RL → eval → control, summary.json complete."""
+"""The demo's quick configuration end to end, through `vlrl demo` and the shipped demo.yaml, at two training seeds:
+SFT → eval → RL → eval → FLOP-matched control, summary.json complete, and RL improves held-out reward over SFT at
+both seeds.
+
+The quick configuration keeps the demo's SFT stage (700 steps on 200 labels — smaller SFT stages leave the model on
+its chance plateau, where RL lowered held-out reward at every size tried: docs/experiments/demo.md) and shortens
+the rest: 80 RL steps instead of 250, 100 held-out prompts × 4 samples.
+"""
 
 import json
 
 import pytest
+import torch
+from typer.testing import CliRunner
 
-from vlrl.config import DemoConfig, load_config
-from vlrl.train.recipes import run_demo
+from vlrl.cli import app
+
+QUICK = ["data.n_test=100", "rl.train.steps=80", "eval.samples=4", 'report.progress="off"']
+
+
+@pytest.fixture
+def one_thread():
+    """The run is deterministic for a torch thread count, not across counts: the margins below were measured at one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.e2e
-def test_quick_demo_writes_a_complete_run(tmp_path):
-    cfg = load_config(DemoConfig, None, [
-        f"out={tmp_path}", "data.n_train=400", "data.n_test=40", "data.tasks=[count]",
-        "sft.train.steps=40", "sft.optim.betas=[0.5,0.9]", "sft.train.batch_size=16", "sft.train.micro_batch_size=16", "sft.optim.lr=2e-3",
-        "rl.train.steps=4", "rl.train.prompts_per_step=8", "rl.rollout.n=4", "rl.rollout.max_new_tokens=6",
-        "eval.samples=2", "eval.max_new_tokens=6",
-    ])
-    summary = run_demo(cfg)
+@pytest.mark.timeout(2400)  # ~5-6 min per seed on a quiet core (the demo's whole SFT stage); 32-34 min seen under load
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quick_demo_rl_beats_sft(tmp_path, seed, one_thread):
+    result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), f"seed={seed}", *QUICK])
+    assert result.exit_code == 0, result.output
     saved = json.loads((tmp_path / "summary.json").read_text())
-    assert saved["wall_seconds"] == summary["wall_seconds"] > 0
+    assert saved["seed"] == seed and saved["wall_seconds"] > 0
     for stage in ("base", "sft", "rl", "sft_control"):
         assert set(saved[stage]["accuracy"]) == {"shapes/count", "mean"}
-        assert set(saved[stage]["greedy"]) == {"shapes/count", "mean"}
-    assert (tmp_path / "config.yaml").exists()
     for name in ("sft", "rl", "sft_control"):
         assert (tmp_path / "checkpoints" / name / "model.safetensors").exists()
-    stages = {json.loads(line)["stage"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()}
-    assert {"sft", "rl", "sft_control", "eval/sft", "eval/rl", "eval/sft_control"} <= stages
-    # SFT taught the answer format: the untrained model earns no reward, the SFT checkpoint does
-    assert saved["base"]["reward"]["mean"] == 0.0
-    assert saved["sft"]["reward"]["mean"] > 0.15
-    # the control trained for (about) the RL stage's wall time, bounded by time, not by sft.train.steps
-    assert saved["sft_control_train"]["seconds"] >= saved["rl_train"]["seconds"]
+    # SFT taught the answer format and some counting: the untrained model almost never answers right (1 of 400 at
+    # the full demo's test size), the SFT checkpoint a third of the time or more (0.34-0.51 at seeds 0-2)
+    assert saved["base"]["reward"]["mean"] < 0.05
+    assert saved["sft"]["reward"]["mean"] > 0.2
+    # RL on the 4,000 unlabelled prompts improves held-out reward over its SFT checkpoint by ≥ 5 points (measured,
+    # one torch thread: 0.448 → 0.583 at seed 0, 0.275 → 0.468 at seed 1)
+    assert saved["rl"]["reward"]["mean"] >= saved["sft"]["reward"]["mean"] + 0.05
+    # the control got the RL stage's FLOPs, not its wall time: it ran exactly the FLOP-matched step count, and its
+    # counted FLOPs equal the RL stage's to within one SFT step's
+    budget = saved["budget"]
+    assert budget["unit"] == "flops" and budget["max_seconds"] is None
+    assert saved["sft_control_train"]["steps"] == budget["control_steps"] == budget["flops_matched_steps"]
+    assert abs(budget["control_flops"] - budget["rl_flops"]["total"]) <= budget["sft_step_flops"]

@@ -27,9 +27,11 @@ from typing import Any
 
 import yaml
 
+from vlrl.report.environment import describe
 from vlrl.report.plots import Line, Panel, render_bars, render_panel
 from vlrl.report.samples import read_jsonl_rows, read_sample_rows
 from vlrl.report.sinks import RESERVED, flatten
+from vlrl.report.verdict import demo_verdict
 
 REPORT_FILE = "report.html"
 MAX_LINES = 10  # series per chart; more are listed under the chart, not drawn
@@ -420,8 +422,10 @@ def _headline(run: Run) -> dict[str, Any]:
             steps[record["stage"]] = max(steps.get(record["stage"], 0), int(record["step"]))
     evals = [(r["stage"][5:], r.get("accuracy/mean"), r.get("greedy/mean")) for r in run.eval_records]
     model = run.config.get("model", {}).get("path", "?") if isinstance(run.config.get("model"), dict) else "?"
+    env = run.summary.get("environment")
     return {"label": run.label, "path": str(run.path), "recipe": run.recipe, "model": model,
-            "steps": steps, "wall": run.wall_seconds, "evals": evals}
+            "steps": steps, "wall": run.wall_seconds, "evals": evals, "verdict": demo_verdict(run.summary),
+            "environment": describe(env) if isinstance(env, dict) else None, "seed": run.summary.get("seed")}
 
 
 def step_credit_sections(runs: list[Run]) -> list[dict[str, Any]]:

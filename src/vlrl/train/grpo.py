@@ -38,6 +38,7 @@ from vlrl.train.runtime import Runtime
 from vlrl.train.sampling import GroupSampler, flatten, sampling_params, starved_warning
 from vlrl.train.state import AlgorithmState, GroupRecord, SyncState, expect_state
 from vlrl.train.update import ppo_update
+from vlrl.train.zero_advantage import ZeroAdvantageWatch
 
 
 def train_grpo(
@@ -83,6 +84,7 @@ def train_grpo(
             engine.update_weights(version=step)
         run_dir = logger.path.parent if logger.path is not None and rt.ctx.is_main else None  # shapers' analysis files
         start, last = time.time(), {}
+        zero_advantage = ZeroAdvantageWatch(logger, stage_name)  # one warning when most groups carry no signal
         while step < train.steps and not rt.out_of_time(time.time() - start, budget):
             t0 = time.time()
             # 1-3. prompts (this rank's share) → n responses each → rewards, as groups
@@ -108,6 +110,8 @@ def train_grpo(
                          "policy/trainable_params": modules.trainable_params,
                          "perf/gradient_checkpointing": float(modules.gradient_checkpointing),
                          "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9)})
+            if rt.ctx.is_main:
+                zero_advantage.update(step, last)
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds"))
             if rt.checkpoint_due(step):

@@ -21,15 +21,18 @@ from vlrl.config import DataConfig, DemoConfig, RLConfig, RolloutConfig, RunConf
 from vlrl.data import Sample
 from vlrl.data.curriculum import with_template
 from vlrl.data.packing import PackingPlan
+from vlrl.data.select import select_for_training
 from vlrl.eval import EvalResult, evaluate
 from vlrl.models import Policy, load_policy
 from vlrl.report import MetricsLogger, make_sink
+from vlrl.report.environment import describe, environment
 from vlrl.report.progress import LiveProgress
 from vlrl.report.samples import SampleLog
 from vlrl.report.watch import WatchedEngine
 from vlrl.rollout import build_engine, close_engine
 from vlrl.synth.workflow import syn_eval_samples
 from vlrl.train.async_grpo import train_async_grpo
+from vlrl.train.budget import FlopMeter, control_budget
 from vlrl.train.checkpoint import export_hf, metrics_offset, resolve_resume
 from vlrl.train.common import load_split, load_splits, prepare_run_dir, seed_everything, write_json
 from vlrl.train.distributed import DistContext, check_scalable, init_distributed, shutdown_distributed
@@ -153,6 +156,13 @@ def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: i
 
 def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger, name: str = "rl",
         runtime: Runtime | None = None) -> dict:
+    selected = None
+    if stage.select.enabled:  # pass@N-vs-pass@1 selection of the prompts, by the starting policy
+        if runtime is not None and runtime.ctx.enabled:
+            raise ValueError("select.enabled runs in one process; under torchrun run `vlrl data select` first and "
+                             "train on its selected.jsonl")
+        train, selected = select_for_training(engine, train, stage.select, stage.rollout, logger=logger, stage=name,
+                                              run_dir=logger.path.parent if logger.path else None, model=cfg.model.path)
     with logger.progress.task(name, total=stage.train.steps, stage=name), \
             engine.training(name, total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
         if stage.rollout.mode == "async":
@@ -162,7 +172,7 @@ def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: Met
             stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name,
                                runtime=runtime)
     _log_last_step(logger, name, stats)
-    return stats
+    return stats if selected is None else {**stats, "select": selected}
 
 
 def _log_last_step(logger: MetricsLogger, stage: str, stats: dict) -> None:
@@ -320,48 +330,76 @@ def _link_final(run_dir: Path, stage: str) -> None:
 
 
 def run_demo(cfg: DemoConfig) -> dict:
-    """SFT warm start → eval → RL → eval, and the equal-time SFT control from the same checkpoint."""
+    """SFT warm start → eval → RL → eval, and the SFT control: the same SFT checkpoint trained by more SFT with
+    the RL stage's budget (``control_budget``: its FLOPs — training and generation, counted by `FlopMeter` —
+    or its wall time), evaluated the same way."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("vlrl demo runs in one process; under torchrun or `vlrl launch` use `vlrl sft` and `vlrl rl`")
     start = time.time()
     run_dir, logger = _open_run(cfg)
     with _reporting(cfg, run_dir, logger):
+        summary: dict = {"seed": cfg.seed, "environment": environment()}
+        logger.info(describe(summary["environment"]))
         train, test = _data(cfg, logger)
         _check(cfg, logger, train, test)
         policy = _load(cfg, logger)
         samples = _samples(cfg, run_dir)
         engine = _engine(cfg.rl.rollout, policy, run_dir, logger, samples)
-        base_eval = _eval(engine, test, cfg, logger, "base")
-        sft_stats = _sft(policy, train, cfg.sft, cfg, logger, seed=cfg.seed)
-        sft_dir = _save(policy, run_dir / "checkpoints" / "sft", logger)
-        sft_eval = _eval(engine, test, cfg, logger, "sft")
-        rl_stats = _rl(policy, engine, train, cfg.rl, cfg, logger)
+        summary["base"] = _eval(engine, test, cfg, logger, "base")
+        with FlopMeter(policy.model) as meter:  # counts the stages' passes; evaluations sit between snapshots
+            summary["sft_train"] = _sft(policy, train, cfg.sft, cfg, logger, seed=cfg.seed)
+            sft_flops = meter.snapshot()
+            sft_dir = _save(policy, run_dir / "checkpoints" / "sft", logger)
+            summary["sft"] = _eval(engine, test, cfg, logger, "sft")
+            before_rl = meter.snapshot()
+            summary["rl_train"] = _rl(policy, engine, train, cfg.rl, cfg, logger)
+            rl_flops = meter.snapshot() - before_rl
         _save(policy, run_dir / "checkpoints" / "rl", logger)
-        rl_eval = _eval(engine, test, cfg, logger, "rl")
-        summary = {"base": base_eval, "sft": sft_eval, "rl": rl_eval, "sft_train": sft_stats, "rl_train": rl_stats}
+        summary["rl"] = _eval(engine, test, cfg, logger, "rl")
         if cfg.control:
-            # The control: the same SFT checkpoint, trained by more SFT for the RL stage's wall time
-            # (bounded by time only, not by the SFT stage's step count).
-            control = _with_lora(cfg, load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device))
-            unbounded = cfg.sft.model_copy(update={"train": cfg.sft.train.model_copy(update={"steps": 10**9})})
-            control_stats = _sft(control, train, unbounded, cfg, logger, seed=cfg.seed + 1, name="sft_control",
-                                 max_seconds=rl_stats["seconds"])
-            _save(control, run_dir / "checkpoints" / "sft_control", logger)
-            summary["sft_control"] = _eval(_engine(cfg.rl.rollout, control, run_dir, logger, samples), test, cfg, logger,
-                                           "sft_control")
-            summary["sft_control_train"] = control_stats
+            summary.update(_control(cfg, train, test, sft_dir, run_dir, samples, logger, rl_flops=rl_flops, sft_flops=sft_flops,
+                                    sft_stats=summary["sft_train"], rl_stats=summary["rl_train"]))
         summary["wall_seconds"] = round(time.time() - start, 1)
         write_json(run_dir / "summary.json", summary)
         _print_summary(logger, summary)
     return summary
 
 
+def _control(cfg: DemoConfig, train, test, sft_dir: Path, run_dir: Path, samples: SampleLog, logger: MetricsLogger, *,
+             rl_flops, sft_flops, sft_stats: dict, rl_stats: dict) -> dict:
+    """The SFT checkpoint trained by more SFT on the same labelled samples with the RL stage's budget, evaluated."""
+    budget = control_budget(cfg.control_budget, rl_flops=rl_flops, rl_seconds=rl_stats["seconds"], sft_flops=sft_flops,
+                            sft_steps=sft_stats["steps"], sft_seconds=sft_stats["seconds"])
+    control = _with_lora(cfg, load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device))
+    steps = budget["control_steps"] or 10**9  # wall: bounded by time only, not by the SFT stage's step count
+    stage = cfg.sft.model_copy(update={"train": cfg.sft.train.model_copy(update={"steps": steps})})
+    with FlopMeter(control.model) as meter:
+        stats = _sft(control, train, stage, cfg, logger, seed=cfg.seed + 1, name="sft_control",
+                     max_seconds=budget["max_seconds"])
+    budget.update(control_flops=meter.flops.total, control_seconds=round(stats["seconds"], 1),
+                  control_steps=stats["steps"])
+    _save(control, run_dir / "checkpoints" / "sft_control", logger)
+    engine = _engine(cfg.rl.rollout, control, run_dir, logger, samples)
+    return {"sft_control": _eval(engine, test, cfg, logger, "sft_control"), "sft_control_train": stats,
+            "budget": budget}
+
+
 def _print_summary(logger: MetricsLogger, summary: dict) -> None:
-    rows = [("base", "untrained"), ("sft", "SFT checkpoint"), ("rl", "after RL"), ("sft_control", "SFT control (same time)")]
+    from vlrl.report.verdict import demo_verdict
+
+    rows = [("base", "untrained"), ("sft", "SFT checkpoint"), ("rl", "after RL"), ("sft_control", "SFT control")]
     logger.info("held-out accuracy (sampled pass@1 / greedy):")
     for key, label in rows:
         if key in summary:
             s = summary[key]
             logger.info(f"  {label:26s} {s['accuracy']['mean']:.3f} / {s['greedy']['mean']:.3f}   "
                         + "  ".join(f"{t}={v:.2f}/{s['greedy'][t]:.2f}" for t, v in s["accuracy"].items() if t != "mean"))
+    budget = summary.get("budget")
+    if budget:
+        logger.info(f"control budget ({budget['unit']}): {budget['control_steps']} SFT steps; the RL stage's FLOPs "
+                    f"({budget['rl_flops']['total']:.3g}) match {budget['flops_matched_steps']} SFT steps, its "
+                    f"{budget['rl_seconds']:.0f} s match {budget['wall_matched_steps']} on this machine now")
+    verdict = demo_verdict(summary)
+    if verdict:
+        logger.info(verdict["sentence"])
     logger.info(f"wall time {summary['wall_seconds']:.0f}s")

@@ -1,0 +1,79 @@
+"""`FlopMeter` against torch's own FLOP counter, and the control budget's arithmetic."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from vlrl.data import generate
+from vlrl.data.sample import load_image
+from vlrl.models import collate, load_policy, response_logprobs
+from vlrl.rollout import HFEngine, SamplingParams
+from vlrl.train.budget import FlopMeter, Flops, control_budget, control_steps
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def eager_policy(tiny_vlm_dir):
+    """Eager attention: torch's FlopCounterMode does not count the CPU SDPA kernel, it does count matmuls."""
+    policy = load_policy(str(tiny_vlm_dir))
+    policy.model.set_attn_implementation("eager")
+    return policy
+
+
+def _batch(policy, n=4):
+    samples = generate("shapes", n, split="test", tasks=["count"])
+    encoded = [policy.adapter.encode_prompt(s.messages, [load_image(x) for x in s.images]) for s in samples]
+    responses = [policy.adapter.encode_text(s.response) + [policy.eos_token_ids[0]] for s in samples]
+    return samples, collate([e.input_ids for e in encoded], responses, [e.vision for e in encoded],
+                            pad_token_id=policy.pad_token_id)
+
+
+def test_a_training_pass_counts_as_torch_counts_it(eager_policy):
+    _, tokens = _batch(eager_policy)
+    with FlopMeter(eager_policy.model) as meter, FlopCounterMode(display=False) as counter:
+        logp, _ = response_logprobs(eager_policy.model, eager_policy.adapter, tokens)
+        (-logp.sum()).backward()
+    eager_policy.model.zero_grad(set_to_none=True)
+    assert meter.flops.inference == 0 and meter.flops.train > 0
+    # within 5 %: the meter charges backward 2× forward everywhere, while the patch embedding (a convolution
+    # of the pixels, which need no gradient) only computes its weight gradient — measured +3.8 % here
+    assert meter.flops.train == pytest.approx(counter.get_total_flops(), rel=0.05)
+    assert meter.flops.train >= counter.get_total_flops()
+
+
+def test_generation_counts_as_torch_counts_it_and_as_inference(eager_policy):
+    samples, _ = _batch(eager_policy)
+    engine = HFEngine(eager_policy)
+    requests = [engine.encode(s) for s in samples]
+    torch.manual_seed(0)
+    with FlopMeter(eager_policy.model) as meter, FlopCounterMode(display=False) as counter:
+        engine.generate(requests, SamplingParams(n=2, temperature=1.0, max_new_tokens=6))
+    assert meter.flops.train == 0
+    assert meter.flops.inference == pytest.approx(counter.get_total_flops(), rel=0.02)
+
+
+def test_the_meter_stops_counting_when_removed(eager_policy):
+    _, tokens = _batch(eager_policy, n=2)
+    meter = FlopMeter(eager_policy.model)
+    with meter, torch.no_grad():
+        response_logprobs(eager_policy.model, eager_policy.adapter, tokens)
+    counted = meter.snapshot()
+    with torch.no_grad():
+        response_logprobs(eager_policy.model, eager_policy.adapter, tokens)
+    assert meter.flops == counted and counted.inference > 0 and counted.train == 0
+
+
+def test_control_steps_and_budget_arithmetic():
+    rl = Flops(train=3e12, inference=1e12)
+    assert control_steps(rl, 1e11) == 40  # 4e12 / 1e11
+    # SFT: 100 steps, 2e13 FLOPs, 50 s → 2e11 FLOPs and 0.5 s per step; RL: 4e12 FLOPs in 30 s
+    budget = control_budget("flops", rl_flops=rl, rl_seconds=30.0, sft_flops=Flops(train=2e13), sft_steps=100,
+                            sft_seconds=50.0)
+    assert (budget["flops_matched_steps"], budget["wall_matched_steps"]) == (20, 60)
+    assert (budget["control_steps"], budget["max_seconds"]) == (20, None)
+    wall = control_budget("wall", rl_flops=rl, rl_seconds=30.0, sft_flops=Flops(train=2e13), sft_steps=100,
+                          sft_seconds=50.0)
+    assert (wall["control_steps"], wall["max_seconds"]) == (None, 30.0)
+    with pytest.raises(ValueError, match="sft.train.steps"):
+        control_budget("flops", rl_flops=rl, rl_seconds=1, sft_flops=Flops(), sft_steps=0, sft_seconds=0)
