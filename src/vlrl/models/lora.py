@@ -74,6 +74,13 @@ class AdaptersOff(torch.nn.Module):
         self.base = peft_model.get_base_model()
         object.__setattr__(self, "_peft", peft_model)  # not a submodule: its parameters are `base`'s
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped transformers model, as a DDP wrapper's ``.module``: the family adapter reads which inputs its
+        forward takes from it, and — the model being wrapped — never calls its vision encoder outside this
+        forward (where the adapters would be on): images go through `forward`, per row."""
+        return self.base
+
     def forward(self, *args, **kwargs):
         with self._peft.disable_adapter():
             return self.base(*args, **kwargs)
