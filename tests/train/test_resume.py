@@ -119,19 +119,19 @@ def test_killed_at_a_random_step_resumes_exactly(two_ranks, tiny_vlm_dir, tmp_pa
 
 def test_dynamic_sampling_carry_and_the_critic_resume_exactly(tiny_vlm_dir, tmp_path):
     """The sync recipe's state beyond weights and cursor — dynamic sampling's carried-over groups and the critic
-    (weights, AdamW) — is in the checkpoint: 2 steps, then a resume to 4, equals the 4 steps run at once.
+    (weights, AdamW) — is in the checkpoint: 1 step, then a resume to 4, equals the 4 steps run at once.
     oversample=2 on a dense reward leaves surplus informative groups after the first step."""
     data = write_rl_data(tmp_path / "data" / "train.jsonl")
     args = [*run_args("rl", tiny_vlm_dir, data, nproc=1), "algo.kl_coef=0", "algo.advantage=gae",
             "algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.oversample=2"]
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     in_process("rl", [*args, f"out={reference}"])
-    in_process("rl", [*args, f"out={resumed}", "train.steps=2"])
+    in_process("rl", [*args, f"out={resumed}", "train.steps=1"])
     in_process("rl", [*args, f"out={resumed}", "checkpoint.resume=auto"])
 
     expected, got = records(reference, "rl"), records(resumed, "rl")
     assert [r["step"] for r in got] == [1, 2, 3, 4]
-    assert got[2]["sampling/carried_in"] > 0  # the first resumed step trains groups carried over from step 2
+    assert got[1]["sampling/carried_in"] > 0  # the first resumed step trains groups carried over from step 1
     keys = (*COMPARED["rl"][:-2], "response/length_mean", "critic/value_loss", "critic/grad_norm",
             "sampling/carried_in", "sampling/prompts_generated")
     for a, b in zip(expected, got, strict=True):
