@@ -1161,11 +1161,18 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: st
     sock = bind_socket(host, port)
     print(f"vlrl serve: listening on http://{host}:{sock.getsockname()[1]} ({policy.source}, "
           f"{policy.num_parameters() / 1e6:.2f}M parameters, auth {'on' if api_key else 'off'})", flush=True)
+    signalled: list[float] = []  # when the shutdown signal arrived (the drain bound counts from here)
+
+    def on_drain() -> None:
+        signalled.append(time.monotonic())
+        app.state.on_drain()
+
     try:
-        run_server(app, sock, drain_seconds=limits.drain_seconds, on_drain=app.state.on_drain)
+        run_server(app, sock, drain_seconds=limits.drain_seconds, on_drain=on_drain)
     finally:
         batcher.close()
-        print("vlrl serve: stopped", flush=True)
+        after = f" {time.monotonic() - signalled[0]:.2f} s after the shutdown signal" if signalled else ""
+        print(f"vlrl serve: stopped{after}", flush=True)
 
 
 def encode_image(image: Image.Image) -> str:
