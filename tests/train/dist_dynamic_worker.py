@@ -23,7 +23,8 @@ from vlrl.train.grpo import train_grpo  # noqa: E402
 from vlrl.train.runtime import Runtime  # noqa: E402
 
 # answer "a": prompts whose 4 responses all agree (all "a" or all "b") are uninformative and dropped; the others
-# are kept. 12 prompts: the cursor goes around (reshuffled per epoch) within 3 steps.
+# are kept. 12 prompts: the cursor goes around (reshuffled per epoch) within 3 steps. Micro-batches of 3 split the
+# 16 responses of a step differently on 1 rank (3+3+3+3+3+1) and on 2 (3+3+2 each): the logged numbers must not care.
 SPECS = [("a", ["a", "bb"], "a"), ("a", ["b"], "b"), ("a", ["a", "a", "bc"], "a"), ("a", ["a"], "a"),
          ("a", ["cb", "a"], "b"), ("a", ["b", "b", "b", "a"], "a"), ("a", ["b"], "a"), ("a", ["a", "b", "cc"], "b"),
          ("a", ["a"], "b"), ("a", ["b", "a", "a"], "a"), ("a", ["b"], "b"), ("a", ["a", "bcb"], "a")]
@@ -42,7 +43,7 @@ class TokenEngine(ScriptedEngine):
 
 def stage() -> RLStage:
     return RLStage.model_validate({
-        "train": {"steps": 3, "prompts_per_step": 4, "micro_batch_size": 4, "log_every": 1},
+        "train": {"steps": 3, "prompts_per_step": 4, "micro_batch_size": 3, "log_every": 1},
         "rollout": {"n": 4, "max_new_tokens": 4}, "optim": {"lr": 1e-3},
         "algo": {"dynamic_sampling": {"enabled": True, "oversample": 1.5, "max_extra_rounds": 3}}})
 

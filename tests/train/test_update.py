@@ -80,7 +80,7 @@ def test_update_steps_once_per_minibatch_and_logs_its_statistics(rollout):
     policy.model.load_state_dict(state)  # leave the module's policy as it was
     assert moved
     assert len(stats.values["policy/grad_norm"]) == 4  # 2 epochs × 2 minibatches
-    assert len(stats.values["policy/loss"]) == 2 * 2 * 2  # each minibatch of 3 rows: micro-batches of 2 and 1
+    assert len(stats.values["policy/loss"]) == 4  # one per minibatch: the sum of its micro-batches (2 rows + 1)
     metrics = stats.metrics()
     for key in ("policy/entropy", "policy/approx_kl_old", "policy/clip_low", "policy/clip_high", "policy/ratio",
                 "policy/behaviour_weight_mean", "policy/behaviour_weight_max", "policy/behaviour_weight_capped_frac",
@@ -88,8 +88,31 @@ def test_update_steps_once_per_minibatch_and_logs_its_statistics(rollout):
         assert key in metrics, key
     assert not any(key.startswith("_") or "behaviour_weights" == key for key in stats.values)  # counters kept apart
     assert stats.drift_tokens > 0 and sum(len(w) for w in stats.behaviour_weights) == stats.drift_tokens  # all sampled now
-    assert stats.values["policy/approx_kl_old"][0] < 1e-10  # the first micro-batch is on-policy (π_θ = π_old)
-    assert stats.values["policy/approx_kl_old"][-1] > 1e-8  # the last one is not: the weights moved 3 times
+    # per-token statistics are pooled over every trained token: 2 epochs × the batch's tokens
+    assert stats.token_sums["policy/entropy"][1] == 2 * float(batch.loss_mask.sum())
+    assert metrics["policy/approx_kl_old"] > 1e-8  # the weights moved between minibatches: π_θ ≠ π_old later on
+    one = ppo_update(policy, batch, _settings("token_mean", 2), optimizer, scheduler, seed=0, step=0)
+    policy.model.load_state_dict(state)
+    assert one.metrics()["policy/approx_kl_old"] < 1e-10  # one minibatch: every micro-batch is on-policy (π_θ = π_old)
+
+
+def test_logged_update_metrics_do_not_depend_on_the_micro_batch_size(rollout):
+    """The logged loss is the minibatch's loss (Σ micro-batch losses, each over the minibatch's normaliser), and
+    per-token statistics are token means over the batch: one micro-batch of 6 rows or three of 2 log the same
+    numbers (before, the loss was a mean of partial losses — 1/k of the minibatch loss for k micro-batches)."""
+    policy, trajectories = rollout
+    batch = _batch(policy, trajectories)
+    state = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    logged = []
+    for micro in (6, 2):
+        optimizer, scheduler = make_optimizer(policy.model, RLStage().optim)
+        logged.append(ppo_update(policy, batch, _settings("token_mean", micro), optimizer, scheduler, seed=0,
+                                 step=0).metrics())
+        policy.model.load_state_dict(state)
+    whole, split = logged
+    assert abs(whole["policy/loss"]) > 1e-6
+    for key in ("policy/loss", "policy/entropy", "policy/approx_kl_old", "policy/clip_low", "policy/ratio"):
+        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
 
 
 def test_the_critic_regresses_on_the_returns_and_leaves_the_policy_alone(rollout):
@@ -108,7 +131,7 @@ def test_the_critic_regresses_on_the_returns_and_leaves_the_policy_alone(rollout
     for _ in range(8):
         stats = critic.accumulate(batch, range(6), micro_batch_size=6, loss_agg="token_mean",
                                   normaliser=float(batch.loss_mask.sum()))
-        losses.append(stats["critic/value_loss"][0])
+        losses.append(stats.values["critic/value_loss"][0])
         critic.step()
     assert losses[-1] < 0.5 * losses[0], losses
     assert all(torch.equal(p, b) for p, b in zip(policy.model.parameters(), policy_before, strict=True))

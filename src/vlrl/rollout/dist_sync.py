@@ -17,7 +17,7 @@ The protocol is SGLang's (``python/sglang/srt/managers/io_struct.py``; the train
 
 Names are checkpoint names (what ``save_pretrained`` writes; SGLang's ``load_weights`` expects them), dtypes
 strings without ``torch.``. The group is built the way SGLang's ``init_custom_process_group`` builds it — a TCP
-rendezvous at ``tcp://master_address:master_port``, its store prefixed by ``group_name``, a process group of its
+store at ``master_address:master_port`` (hosted by rank 0), prefixed by ``group_name``, a process group of its
 own beside any default group — so a trainer that already runs under torchrun can host it, and a real SGLang
 server (NCCL on GPUs) can join it. vlrl's own server joins over gloo on CPU (`vlrl.rollout.server`).
 
@@ -61,9 +61,10 @@ def open_group(master_address: str, master_port: int, *, rank: int, world_size: 
     from torch.distributed import distributed_c10d as c10d
 
     wait = timedelta(seconds=timeout)
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                                   timeout=wait))
-    store.set_timeout(wait)
+    # the TCP store itself, not `rendezvous("tcp://…")`: under torchrun (TORCHELASTIC_USE_AGENT_STORE) that makes
+    # every rank a client of a store nobody hosts, and a trainer rank 0 must host this one
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=wait,
+                          wait_for_workers=False)
     group, _ = c10d._new_process_group_helper(world_size, rank, [], backend, dist.PrefixStore(group_name, store),
                                               group_name=group_name, timeout=wait)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # so dist.broadcast(..., group=) works

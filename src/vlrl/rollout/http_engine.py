@@ -94,6 +94,10 @@ class NoServersLeft(RuntimeError):
     """Every rollout server failed and was dropped from the pool."""
 
 
+class _GroupBroken(RuntimeError):
+    """The weight-update group failed mid-update (a server died, a timeout): this update must go by disk."""
+
+
 class RolloutRequestError(RuntimeError):
     """A request failed on every server it was retried on, or a server answered with something unusable."""
 
@@ -145,6 +149,7 @@ class HTTPEngine:
         self._group_servers: list[str] = []
         self._group_ids = itertools.count()
         self._entries: list[dist_sync.Entry] | None = None
+        self.rank, self.world_size = 0, 1  # trainer ranks sharing these servers (`join_trainer_ranks`)
         self.policy = policy
         self.weight_version = 0
         self.weights_dir = Path(weights_dir)
@@ -434,8 +439,76 @@ class HTTPEngine:
 
     # -------------------------------------------------------------------------------------------- weights
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """Save the weights, have every live server load them, check checksums, then adopt ``version``."""
+        """Save the weights, have every live server load them, check checksums, then adopt ``version``.
+        Under several trainer ranks (`join_trainer_ranks`) every rank calls it: see `_update_over_ranks`."""
+        if self.world_size > 1:
+            self._update_over_ranks(version)
+            return
         self.publish(version=version, state_dict=state_dict).result()
+
+    def join_trainer_ranks(self, rank: int, world_size: int) -> None:
+        """``rollout.servers`` under torchrun: this engine is rank ``rank``'s of ``world_size`` trainer ranks (in
+        the default torch.distributed group), each generating its share of the step on the same servers. A
+        weight update is then a collective call of every rank: rank 0 alone talks to the servers, the others join
+        the FSDP2 gathers of the parameters (bucket by bucket, or the full state dict for the disk path)."""
+        self.rank, self.world_size = rank, world_size
+
+    def _update_over_ranks(self, version: int) -> None:
+        """One weight update with several trainer ranks. Distributed sync: rank 0 plans the buckets and shares the
+        plan; every rank gathers each bucket's full tensors (FSDP2 all-gathers: one bucket of full tensors at a
+        time) and rank 0 broadcasts them to the servers. If the group breaks, or with ``weight_sync=disk``, every
+        rank joins the gather of the full state dict onto rank 0, which saves it and has the servers load it.
+        Rank 0 then shares the outcome, so every rank adopts ``version`` — or raises rank 0's error — only after
+        the servers confirmed: no rank generates from the old weights after the call returns."""
+        import torch.distributed as dist
+
+        def share(obj):  # rank 0's ``obj`` on every rank
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+
+        main, outcome = self.rank == 0, "disk"
+        state = self.policy.model.state_dict()
+        if self.weight_sync == "distributed":
+            plan = share(self._bucket_plan(self.live_servers()) if main else None)
+            if main:
+                try:
+                    self._sync_distributed(version, None, plan=plan, fallback=False)
+                    outcome = "done"
+                except _GroupBroken as err:
+                    log.warning("distributed weight update %d failed (%s); loading it from disk instead, the next "
+                                "update forms a new group", version, err)
+                except Exception as err:  # noqa: BLE001 — every rank raises it below
+                    outcome = f"{type(err).__name__}: {err}"
+            else:
+                for bucket in plan[1]:
+                    dist_sync.full_tensors(state, bucket)  # rank 0's gathers need ours
+            outcome = share(outcome)
+        if outcome == "disk":
+            full = None
+            if any(hasattr(t, "full_tensor") for t in state.values()):  # FSDP2: gathered onto rank 0 only
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+                full = get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True,
+                                                                                        cpu_offload=True))
+            if main:
+                try:
+                    self.publish(version=version, state_dict=full).result() if self.weight_sync == "disk" else \
+                        self._disk_fallback(version, full)
+                    outcome = "done"
+                except Exception as err:  # noqa: BLE001 — every rank raises it below
+                    outcome = f"{type(err).__name__}: {err}"
+            outcome = share(outcome)
+        if outcome != "done":
+            raise WeightSyncError(f"weight update {version} to the rollout servers failed on rank 0: {outcome}")
+        self.weight_version = version
+
+    def _disk_fallback(self, version: int, state_dict: dict[str, torch.Tensor] | None) -> None:
+        self.weight_sync = "disk"
+        try:
+            self.publish(version=version, state_dict=state_dict).result()
+        finally:
+            self.weight_sync = "distributed"
 
     def publish(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> concurrent.futures.Future:
         """`update_weights` without waiting for the servers: save the weights and predict their checksums now (so
@@ -506,18 +579,34 @@ class HTTPEngine:
             raise NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
 
     # -------------------------------------------------------------------------------------------- distributed sync
-    def _sync_distributed(self, version: int, state_dict: dict[str, torch.Tensor] | None) -> int:
+    def _sync_distributed(self, version: int, state_dict: dict[str, torch.Tensor] | None, *,
+                          plan: tuple[torch.dtype, list[list[dist_sync.Entry]]] | None = None,
+                          fallback: bool = True) -> int:
         """One update over the weight-update group (see the module docstring); falls back to disk when the group
-        breaks. Returns ``version`` once every server confirmed a matching checksum."""
+        breaks (``fallback=False``: raises `_GroupBroken` instead, after every bucket was still gathered). ``plan``:
+        the buckets (`_bucket_plan`) the other trainer ranks gather with this one. Returns ``version`` once every
+        server confirmed a matching checksum."""
         started = time.monotonic()
         live = self.live_servers()
+        plan = plan or self._bucket_plan(live)
         if not live:
+            if not fallback:  # the other ranks still gather every bucket with us
+                state = state_dict if state_dict is not None else self.policy.model.state_dict()
+                for bucket in plan[1]:
+                    dist_sync.full_tensors(state, bucket)
             raise NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
         failure = None
         try:
             if self._group is None or self._group_servers != [s.url for s in live]:
-                self._form_group(live)
-            sent, count = self._broadcast(version, state_dict, live)
+                try:
+                    self._form_group(live)
+                except BaseException:
+                    if not fallback:
+                        state = state_dict if state_dict is not None else self.policy.model.state_dict()
+                        for bucket in plan[1]:
+                            dist_sync.full_tensors(state, bucket)
+                    raise
+            sent, count = self._broadcast(version, state_dict, live, plan)
         except (WeightSyncError, NoServersLeft):
             raise
         except Exception as err:  # the group broke (a server died, a timeout): this update goes by disk
@@ -525,17 +614,15 @@ class HTTPEngine:
                 raise RolloutRequestError("the HTTP engine was closed during a weight update") from err
             failure = f"{type(err).__name__}: {err}"
         if failure is not None:  # (out of the except block: its traceback no longer holds the group's sockets open)
-            log.warning("distributed weight update %d failed (%s); loading it from disk instead, the next update "
-                        "forms a new group", version, failure)
             group, self._group = self._group, None
             dist_sync.close_group(group)  # the servers still waiting in its broadcast see the connection close
             del group
             gc.collect()
-            self.weight_sync = "disk"
-            try:
-                self.publish(version=version, state_dict=state_dict).result()
-            finally:
-                self.weight_sync = "distributed"
+            if not fallback:
+                raise _GroupBroken(failure)
+            log.warning("distributed weight update %d failed (%s); loading it from disk instead, the next update "
+                        "forms a new group", version, failure)
+            self._disk_fallback(version, state_dict)
             return version
         self.weight_version = version
         self.last_sync = SyncStats("distributed", time.monotonic() - started, sent, count, len(live))
@@ -567,49 +654,70 @@ class HTTPEngine:
         log.info("weight-update group %s: trainer + %d server(s) over %s at %s:%d", name, len(live), backend,
                  self.sync_address, port)
 
-    def _broadcast(self, version: int, state_dict: dict[str, torch.Tensor] | None,
-                   live: list[ServerState]) -> tuple[int, int]:
-        """Send every bucket; check the last answers' checksums. Returns (bytes of one copy sent, buckets)."""
+    def _bucket_plan(self, live: list[ServerState]) -> tuple[torch.dtype, list[list[dist_sync.Entry]]]:
+        """(the dtype the servers receive, the update's buckets of entries) — what every trainer rank gathers."""
         model = self.policy.model
         if self._entries is None:
             names = checkpoint_names(model)  # {checkpoint name → state-dict name}; servers receive checkpoint names
             self._entries = dist_sync.plan_entries(model, {v: k for k, v in names.items()} if names else None)
-        state = state_dict if state_dict is not None else model.state_dict()
         dtypes = {s.dtype for s in live}
         trainer_dtype = next(model.parameters()).dtype
         send_dtype = DTYPES.get(next(iter(dtypes)) or "", trainer_dtype) if len(dtypes) == 1 else trainer_dtype
-        checksum = dist_sync.StreamingChecksum([DTYPES.get(d or "") for d in dtypes])
         size = torch.empty(0, dtype=send_dtype).element_size()
-        planned = dist_sync.buckets(self._entries, element_size=size, bucket_bytes=self.bucket_bytes)
-        sent = 0
+        return send_dtype, dist_sync.buckets(self._entries, element_size=size, bucket_bytes=self.bucket_bytes)
+
+    def _broadcast(self, version: int, state_dict: dict[str, torch.Tensor] | None, live: list[ServerState],
+                   plan: tuple[torch.dtype, list[list[dist_sync.Entry]]]) -> tuple[int, int]:
+        """Send every bucket of ``plan``; check the last answers' checksums. Returns (bytes of one copy sent,
+        buckets). Every bucket is gathered even after a failure (other trainer ranks gather it with this one);
+        the first failure is raised once all were."""
+        model = self.policy.model
+        state = state_dict if state_dict is not None else model.state_dict()
+        dtypes = {s.dtype for s in live}
+        checksum = dist_sync.StreamingChecksum([DTYPES.get(d or "") for d in dtypes])
+        send_dtype, planned = plan
+        sent, failure = 0, None
         for k, bucket in enumerate(planned):
             last = k == len(planned) - 1
             gathered = dist_sync.full_tensors(state, bucket)  # FSDP2: gathered here, one bucket at a time
-            tensors = [t.to(send_dtype) if t.is_floating_point() else t for t in gathered]
-            body = {"names": [e.send_name for e in bucket], "dtypes": [dist_sync.dtype_name(t.dtype) for t in tensors],
-                    "shapes": [list(e.shape) for e in bucket], "group_name": self._group_name, "flush_cache": last,
-                    "abort_all_requests": self.abort_on_update, "load_format": dist_sync.FLATTENED,
-                    "weight_version": str(version) if last else None}
-            answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/update_weights_from_distributed",
-                                                                       [body] * len(live)), self._loop)
+            if failure is not None:
+                continue
             try:
-                dist_sync.send(self._group, tensors, flattened=True)
-            except BaseException:
-                answers.cancel()
-                raise
-            for entry, tensor in zip(bucket, gathered, strict=True):
-                checksum.add(entry, tensor)  # what the trainer holds, cast per server dtype as the disk path predicts
-            sent += sum(t.numel() * t.element_size() for t in tensors)
-            for server, answer in zip(live, answers.result(), strict=True):
-                if isinstance(answer, BaseException):
-                    raise RuntimeError(f"{server.url}: {type(answer).__name__}: {answer}")
-                if not answer.get("success", False):
-                    raise WeightSyncError(f"{server.url} could not load version {version} from the trainer's broadcast: "
-                                          f"{answer.get('message', answer)}")
-                if last:
-                    self._check_checksum(server, answer.get("weight_checksum"), version,
-                                         checksum.digest(DTYPES.get(server.dtype or "")))
+                sent += self._send_bucket(version, live, bucket, gathered, send_dtype, checksum, last=last)
+            except BaseException as err:  # noqa: BLE001 — raised after the remaining buckets' gathers
+                failure = err
+        if failure is not None:
+            raise failure
         return sent, len(planned)
+
+    def _send_bucket(self, version: int, live: list[ServerState], bucket: list[dist_sync.Entry],
+                     gathered: list[torch.Tensor], send_dtype: torch.dtype, checksum: dist_sync.StreamingChecksum,
+                     *, last: bool) -> int:
+        """Announce one bucket to every server, broadcast its bytes, read the answers; returns the bytes sent."""
+        tensors = [t.to(send_dtype) if t.is_floating_point() else t for t in gathered]
+        body = {"names": [e.send_name for e in bucket], "dtypes": [dist_sync.dtype_name(t.dtype) for t in tensors],
+                "shapes": [list(e.shape) for e in bucket], "group_name": self._group_name, "flush_cache": last,
+                "abort_all_requests": self.abort_on_update, "load_format": dist_sync.FLATTENED,
+                "weight_version": str(version) if last else None}
+        answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/update_weights_from_distributed",
+                                                                   [body] * len(live)), self._loop)
+        try:
+            dist_sync.send(self._group, tensors, flattened=True)
+        except BaseException:
+            answers.cancel()
+            raise
+        for entry, tensor in zip(bucket, gathered, strict=True):
+            checksum.add(entry, tensor)  # what the trainer holds, cast per server dtype as the disk path predicts
+        for server, answer in zip(live, answers.result(), strict=True):
+            if isinstance(answer, BaseException):
+                raise RuntimeError(f"{server.url}: {type(answer).__name__}: {answer}")
+            if not answer.get("success", False):
+                raise WeightSyncError(f"{server.url} could not load version {version} from the trainer's broadcast: "
+                                      f"{answer.get('message', answer)}")
+            if last:
+                self._check_checksum(server, answer.get("weight_checksum"), version,
+                                     checksum.digest(DTYPES.get(server.dtype or "")))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _check_checksum(self, server: ServerState, loaded: str | None, version: int, expected: str) -> None:
         if loaded is None:

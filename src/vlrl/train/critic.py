@@ -11,13 +11,12 @@ are the returns). It has its own AdamW optimizer and is trained with the clipped
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from vlrl.algos import aggregate, masked_mean
+from vlrl.algos import aggregate
 from vlrl.algos.losses import value_loss
 from vlrl.config import CriticConfig, OptimConfig
 from vlrl.models import Policy, collate
@@ -70,10 +69,14 @@ class Critic:
         return values
 
     def accumulate(self, batch: Any, rows: Sequence[int], *, micro_batch_size: int, loss_agg: str,
-                   normaliser: float) -> dict[str, list[float]]:
-        """Clipped value loss over ``rows`` in micro-batches, gradients accumulated (no step)."""
+                   normaliser: float) -> UpdateStats:
+        """Clipped value loss over ``rows`` in micro-batches, gradients accumulated (no step). Returns
+        ``critic/value_loss`` once (the sum over the micro-batches: the rows' share of the minibatch loss) and
+        the per-token ``critic/value_clip_frac`` and ``critic/values_mean`` pooled over the rows' tokens."""
+        from vlrl.train.update import UpdateStats
+
         self.model.train()
-        stats: dict[str, list[float]] = defaultdict(list)
+        stats, total = UpdateStats(), 0.0
         for start in range(0, len(rows), micro_batch_size):
             micro = list(rows[start : start + micro_batch_size])
             values = self.model([batch.trajectories[i] for i in micro])  # (b, R)
@@ -83,9 +86,10 @@ class Critic:
                              batch.returns[micro, :R].to(values.device), clip=self.cfg.value_clip)
             loss = aggregate(out.per_token_loss, mask, loss_agg, normaliser=normaliser)
             loss.backward()
-            stats["critic/value_loss"].append(float(loss.detach()))
-            stats["critic/value_clip_frac"].append(float(masked_mean(out.metrics["value_clip"], mask)))
-            stats["critic/values_mean"].append(float(masked_mean(values.detach(), mask)))
+            total += float(loss.detach())
+            stats.add_tokens("critic/value_clip_frac", out.metrics["value_clip"], mask)
+            stats.add_tokens("critic/values_mean", values, mask)
+        stats.add("critic/value_loss", total)
         return stats
 
     def step(self, *, on_nonfinite: str = "stop", where: str = "critic") -> float | None:

@@ -236,10 +236,6 @@ def check_scalable(cfg, world_size: int) -> None:
             raise ValueError(f"algo.advantage={algo.advantage}: the critic trains in one process (it is not yet "
                              "sharded like the actor); run value-based estimators without torchrun (or pick a "
                              "critic-free estimator such as grpo)")
-    if rollout.servers and world_size > 1:
-        raise ValueError("rollout.servers: under torchrun every rank generates in-process; rollout servers serve "
-                         "the single-process recipe (a rank-0 engine whose weight updates the other ranks join is not "
-                         "built yet; README \"Scaling out\")")
 
 
 # ----------------------------------------------------------------------------------------------- RL over ranks

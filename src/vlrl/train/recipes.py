@@ -125,10 +125,21 @@ def _with_lora(cfg: RunConfig, policy: Policy, logger: MetricsLogger | None = No
     return policy
 
 
-def _engine(rollout: RolloutConfig, policy: Policy, run_dir: Path, logger: MetricsLogger, samples: SampleLog) -> WatchedEngine:
+def _engine(rollout: RolloutConfig, policy: Policy, run_dir: Path, logger: MetricsLogger, samples: SampleLog, *,
+            sync_weights: bool = True) -> WatchedEngine:
     """The engine of a run or stage (`vlrl.rollout.build_engine`: in-process / threaded / rollout servers, the
-    configured rollout function), watched by the report."""
-    return build_engine(rollout, policy, run_dir=run_dir, logger=logger, samples=samples)
+    configured rollout function), watched by the report. ``sync_weights``: push the policy to the servers as
+    version 0 (rank 0 alone under torchrun)."""
+    return build_engine(rollout, policy, run_dir=run_dir, logger=logger, samples=samples, sync_weights=sync_weights)
+
+
+def _share_servers(engine, ctx: DistContext) -> None:
+    """``rollout.servers`` under torchrun: every rank generates its share of each step on the servers, and weight
+    updates become collective calls in which rank 0 alone updates the servers (`HTTPEngine.join_trainer_ranks`)."""
+    while engine is not None and not hasattr(engine, "join_trainer_ranks"):
+        engine = getattr(engine, "engine", None)  # WatchedEngine → RolloutEngine → HTTPEngine
+    if engine is not None and ctx.enabled:
+        engine.join_trainer_ranks(ctx.rank, ctx.world_size)
 
 
 def _save(policy: Policy, target: Path, logger: MetricsLogger) -> Path:
@@ -273,15 +284,17 @@ def run_rl(cfg: RLConfig) -> dict:
             write_json(run_dir / "summary.json", summary)
             return summary
         # in-process, threaded (rollout.mode=async) or rollout.servers over HTTP; single- or multi-turn
-        engine = _engine(cfg.rollout, policy, run_dir, logger, _samples(cfg, run_dir))
+        # (rollout.servers under torchrun: rank 0 gives the servers the initial weights, every rank generates on them)
+        engine = _engine(cfg.rollout, policy, run_dir, logger, _samples(cfg, run_dir), sync_weights=ctx.is_main)
         try:
             if ctx.is_main and resume is None:
                 summary["initial"] = _eval(engine, test, cfg, logger, "initial")
-            runtime = make_runtime(cfg, ctx, policy, run_dir, resume)
+            runtime = make_runtime(cfg, ctx, policy, run_dir, resume)  # (collective: rank 0's servers are ready)
+            _share_servers(engine, ctx)
             stats = _rl(policy, engine, train, cfg, cfg, logger, runtime=runtime)
             final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
-            if ctx.is_main:
-                evaluator = engine if not ctx.enabled else \
+            if ctx.is_main:  # the servers hold the final weights; an in-process engine must load the exported ones
+                evaluator = engine if not ctx.enabled or cfg.rollout.servers else \
                     _engine(cfg.rollout, _eval_policy(policy, runtime, final, cfg), run_dir, logger, engine.samples)
                 summary.update({"rl": _eval(evaluator, test, cfg, logger, "final"), "train": stats})
         finally:

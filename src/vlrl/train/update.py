@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, masked_mean, normaliser_for
+from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, normaliser_for
 from vlrl.algos.losses import behaviour_weight
 from vlrl.algos.staleness import behaviour_weight_stats, logp_drift
 from vlrl.models import Policy
@@ -60,11 +60,18 @@ class UpdateBatch:
 
 @dataclass
 class UpdateStats:
-    """What an update measured. ``values``: the logged metrics (``policy/…``, ``critic/…``), one value per
-    micro-batch (or per optimizer step: grad norms), averaged when logged; the behaviour weights and the drift
-    counters are kept apart, as the tensors and sums they are, so that ranks can pool them (`merge`)."""
+    """What an update measured, kept so that the logged numbers do not depend on how the batch was split into
+    micro-batches or over ranks (`merge` pools every rank's record):
+
+    - ``values``: one value per optimizer step and rank, averaged when logged — grad norms, and the losses
+      ``policy/loss`` / ``critic/value_loss`` as this rank's sum over its micro-batches of the minibatch (each
+      divided by the all-reduced normaliser ÷ W, so the mean over the W ranks is the minibatch's loss);
+    - ``token_sums``: per-token statistics (entropy, KL, clip fractions, …) as [Σ value, Σ tokens] over trained
+      tokens, logged as their token mean over the whole batch;
+    - the behaviour weights and the drift counters, as the tensors and sums they are."""
 
     values: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    token_sums: dict[str, list[float]] = field(default_factory=dict)  # name -> [Σ value·mask, Σ mask]
     behaviour_weights: list[torch.Tensor] = field(default_factory=list)  # w of every trained token, per micro-batch
     drift_sum: float = 0.0  # Σ |log π_behave − log π_old| over tokens sampled by the trainer's current weights
     drift_tokens: int = 0
@@ -75,9 +82,20 @@ class UpdateStats:
     def add(self, name: str, value: float) -> None:
         self.values[name].append(float(value))
 
+    def add_tokens(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Pool a per-token statistic (b, R) over the tokens of ``mask``; logged as Σ value / Σ tokens."""
+        mask = mask.to(values.dtype)
+        total = self.token_sums.setdefault(name, [0.0, 0.0])
+        total[0] += float((values.detach() * mask).sum())
+        total[1] += float(mask.sum())
+
     def extend(self, other: UpdateStats) -> None:
         for name, values in other.values.items():
             self.values[name].extend(values)
+        for name, (value, tokens) in other.token_sums.items():
+            total = self.token_sums.setdefault(name, [0.0, 0.0])
+            total[0] += value
+            total[1] += tokens
         self.behaviour_weights += other.behaviour_weights
         self.drift_sum += other.drift_sum
         self.drift_tokens += other.drift_tokens
@@ -94,8 +112,10 @@ class UpdateStats:
         return merged
 
     def metrics(self) -> dict[str, float]:
-        """Means of ``values``, ``policy/behaviour_weight_{mean,max,capped_frac}`` and ``policy/logp_drift``."""
+        """Means of ``values``, token means of ``token_sums``, ``policy/behaviour_weight_{mean,max,capped_frac}``
+        and ``policy/logp_drift``."""
         out = {name: sum(values) / len(values) for name, values in self.values.items() if values}
+        out.update({name: value / max(tokens, 1.0) for name, (value, tokens) in self.token_sums.items()})
         weights = torch.cat(self.behaviour_weights) if self.behaviour_weights else torch.zeros(0)
         for name, value in behaviour_weight_stats(weights, torch.ones_like(weights), cap=self.behaviour_weight_cap).items():
             out[f"policy/behaviour_weight_{name}"] = float(value)
@@ -161,16 +181,15 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
             part = accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt,
                               cov_selection=selection)
             stats.extend(part)
-            grad_norm = step_or_skip(model, optimizer, scheduler, settings.grad_clip, loss=sum(part.values["policy/loss"]),
+            grad_norm = step_or_skip(model, optimizer, scheduler, settings.grad_clip, loss=part.values["policy/loss"][0],
                                      ctx=rt.ctx, on_nonfinite=settings.on_nonfinite, where=f"rl step {step + 1}")
             if grad_norm is not None:
                 stats.add("policy/grad_norm", grad_norm)
             if settings.on_nonfinite == "skip":
                 stats.skipped += grad_norm is None
             if critic is not None:
-                for name, values in critic.accumulate(batch, rows, micro_batch_size=settings.micro_batch_size,
-                                                      loss_agg=settings.loss_agg, normaliser=normaliser).items():
-                    stats.values[name].extend(values)
+                stats.extend(critic.accumulate(batch, rows, micro_batch_size=settings.micro_batch_size,
+                                               loss_agg=settings.loss_agg, normaliser=normaliser))
                 critic_norm = critic.step(on_nonfinite=settings.on_nonfinite, where=f"rl step {step + 1} (critic)")
                 if critic_norm is not None:
                     stats.add("critic/grad_norm", critic_norm)
@@ -223,11 +242,13 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
     the whole minibatch (all micro-batches, all ranks; ÷ world size under a ``runtime``, whose DDP/FSDP2 module
     trains and reduces gradients in the last micro-batch's backward); ``cov_selection`` (B, R), the minibatch's
     Clip-Cov / KL-Cov tokens (`minibatch_cov_selection`); unset for those losses, each micro-batch selects
-    within itself. Returns per-micro-batch statistics."""
+    within itself. Returns the statistics of ``rows``: ``policy/loss`` once, the sum of the micro-batches'
+    losses (this rank's share of the minibatch loss), per-token statistics pooled over the rows' tokens."""
     rt = runtime or Runtime.single(policy.model)
     model = rt.module
     stats = UpdateStats(behaviour_weight_cap=settings.behaviour_weight_cap)
     starts = range(0, len(rows), settings.micro_batch_size)
+    total_loss = 0.0
     for start in starts:
         micro = list(rows[start : start + settings.micro_batch_size])
         trajectories = [batch.trajectories[i] for i in micro]
@@ -257,18 +278,19 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
             if batch.ref_logp is not None and settings.kl_coef > 0:
                 kl = kl_estimate(logp, batch.ref_logp[micro, :R], settings.kl_estimator)
                 loss = loss + settings.kl_coef * aggregate(kl, mask, settings.loss_agg, normaliser=normaliser)
-                stats.add("policy/kl_ref", masked_mean(kl.detach(), mask))
+                stats.add_tokens("policy/kl_ref", kl, mask)
             loss.backward()
-        stats.add("policy/loss", loss.detach())
-        stats.add("policy/entropy", masked_mean(entropy.detach(), mask))
-        stats.add("policy/approx_kl_old", masked_mean(0.5 * (logp.detach() - old) ** 2, mask))
+        total_loss += float(loss.detach())
+        stats.add_tokens("policy/entropy", entropy, mask)
+        stats.add_tokens("policy/approx_kl_old", 0.5 * (logp.detach() - old) ** 2, mask)
         for name, values in out.metrics.items():
-            stats.add(f"policy/{name}", masked_mean(values, mask))
+            stats.add_tokens(f"policy/{name}", values, mask)
         stats.behaviour_weights.append(w[mask.bool()].detach())
         stats.behaviour_capped += int((capped & mask.bool()).sum())
         drift, n = logp_drift(behaviour, old, mask, batch.same_version[micro])
         stats.drift_sum += float(drift) * int(n)
         stats.drift_tokens += int(n)
+    stats.add("policy/loss", total_loss)
     return stats
 
 
