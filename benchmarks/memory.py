@@ -1,12 +1,13 @@
 """Peak memory and time of one GRPO update on the ~20M preset: full / full + checkpointing / LoRA / LoRA + ckpt.
 
     python benchmarks/memory.py             # tiny-qwen2-vl-20m, 16 prompts × 8 responses, 3 repeats per arm
-    python benchmarks/memory.py --quick     # tiny-qwen2-vl, 4 × 4, 1 repeat
+    python benchmarks/memory.py --quick     # tiny-qwen2-vl, 4 × 8, 1 repeat
 
 One batch of trajectories is sampled once from the preset (shapes count/color prompts, 16 new tokens) and every
 arm runs the same `ppo_update` on it (the part of a GRPO step these options change; generation is the same for
 all arms): teacher-forced forward + backward in micro-batches of 32 + AdamW step. Peak memory is torch's
-MemTracker on CPU over one micro-batch's forward + backward (parameters, gradients, AdamW moments, activations
+MemTracker on CPU (its per-module stats restarted when the vision tower is called again for the next image
+group in the same step) over one micro-batch's forward + backward (parameters, gradients, AdamW moments, activations
 and temporaries; micro-batches run one by one, so this is the update's peak), after a warm-up update so the
 moments exist. Time: the median of whole `ppo_update` calls. Arms run back to back in one process, so their ratios are comparable even on a shared machine;
 absolute seconds are not. torch uses one thread.
@@ -21,9 +22,29 @@ import time
 import torch
 
 
-def arm_update(preset: str, trajectories, *, lora: bool, checkpointing: bool, micro: int, repeats: int):
+def _step_tracker():
+    """torch's `MemTracker`, tolerating a top-level module called more than once in one step.
+
+    The update encodes each distinct image group once (`_shared_kwargs` calls the vision tower per group,
+    outside the decoder's forward), which `MemTracker` takes for a new iteration and refuses. Here such a
+    repeated call restarts that module's (and its submodules') per-module stats instead; the global peak and the
+    category totals this benchmark reads are kept across the step."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    class StepTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            name = self._mod_tracker.get_known_fqn(module)
+            repeated = (module in self.memory_tracking and not self._mod_tracker.is_bw
+                        and set(self._mod_tracker.parents) - {name} == {"Global"})
+            if repeated:
+                for sub in module.modules():
+                    self.memory_tracking.pop(sub, None)
+            super()._pre_fw_hook(module, inputs)
+
+    return StepTracker()
+
+
+def arm_update(preset: str, trajectories, *, lora: bool, checkpointing: bool, micro: int, repeats: int):
     from vlrl.config import LoraConfig, RLStage
     from vlrl.models import load_policy
     from vlrl.models.lora import apply_lora
@@ -43,7 +64,7 @@ def arm_update(preset: str, trajectories, *, lora: bool, checkpointing: bool, mi
     optimizer, scheduler = make_optimizer(policy.model, stage.optim)
     with gradient_checkpointing(policy.model, checkpointing):
         ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=0, step=0)  # warm-up: moments exist
-        tracker = MemTracker()
+        tracker = _step_tracker()
         tracker.track_external(policy.model, optimizer)
         for p in policy.model.parameters():
             if not p.requires_grad:

@@ -196,3 +196,56 @@ def run_args(recipe: str, model_dir, data: Path | None, *, nproc: int) -> list[s
     strategy = ["dist.strategy=fsdp" if recipe == "sft" else "dist.strategy=ddp"] if nproc > 1 else []
     files = [f"data.train={data}", f"data.test={data}"] if data is not None else []
     return [f"model.path={model_dir}", *files, *(SFT_ARGS if recipe == "sft" else RL_ARGS), *strategy]
+
+
+# ----------------------------------------------------------------------------------------------- LoRA
+LORA_STEPS = 2
+
+
+def lora_policy(model_dir):
+    """The tiny VLM with r=4 adapters (model.lora), A and B set to seeded noise ×0.05 — the same in every process
+    (peft draws A from the global RNG, and starts B at 0, where every gradient of A is 0 and a missing reduction
+    of it would go unseen)."""
+    from vlrl.config import LoraConfig
+    from vlrl.models import load_policy
+    from vlrl.models.lora import apply_lora
+
+    policy = apply_lora(load_policy(str(model_dir)), LoraConfig(r=4, alpha=8))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    return policy
+
+
+def lora_steps(policy, trajectories, module, runtime=None) -> tuple[dict, dict]:
+    """`LORA_STEPS` GRPO updates (token_mean, a k3 KL term to the adapter-free base, AdamW lr 1e-3) of ``module`` on
+    ``trajectories``: (the first step's gradients, the adapter weights after the last), by parameter name."""
+    import dataclasses
+
+    from vlrl.algos import normaliser_for
+    from vlrl.config import OptimConfig, RLStage
+    from vlrl.train.batch import build_algorithm, prepare_batch
+    from vlrl.train.common import clip_and_step, make_optimizer
+    from vlrl.train.distributed import GlobalAdvantage
+    from vlrl.train.update import accumulate
+
+    stage = RLStage.model_validate({"rollout": {"n": 2}, "train": {"prompts_per_step": 4}, "algo": {"kl_coef": 0.05}})
+    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)  # π_ref: AdaptersOff
+    if runtime is not None:
+        algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, runtime.ctx)
+    batch = prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
+    assert batch.ref_logp is not None
+    settings = dataclasses.replace(rl_settings("token_mean"), kl_coef=0.05)
+    optimizer, scheduler = make_optimizer(module, OptimConfig(lr=1e-3, warmup_steps=0))
+    module.train()
+    first = None
+    for _ in range(LORA_STEPS):
+        count = normaliser_for("token_mean", batch.loss_mask)
+        normaliser = runtime.global_normaliser(count) if runtime is not None else count
+        accumulate(policy, batch, range(len(trajectories)), settings, normaliser=normaliser, runtime=runtime)
+        first = first if first is not None else grads_of(module)
+        clip_and_step(module, optimizer, scheduler, 1.0, ctx=runtime.ctx if runtime is not None else None)
+    adapters = {n: p.detach().clone() for n, p in unwrap(module).named_parameters() if ".lora_" in n}
+    return first, adapters

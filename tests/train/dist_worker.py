@@ -16,6 +16,10 @@ Writes into OUT_DIR (rank 0 writes files):
     ckpt_{ddp,fsdp}/, state_*.pt       a checkpoint after one SFT step on 2 ranks, and the full state it holds
     loaded_{ddp,fsdp}.pt               the full state after loading OUT_DIR/ckpt_1rank/step_00000001 on 2 ranks
     reference_{sft,rl}/                uninterrupted 2-rank runs of `vlrl sft|rl` with `dist_helpers.run_args`
+    lora_ddp.pt                        model.lora under DDP: `dist_helpers.lora_steps` on this rank's half of
+                                       OUT_DIR/trajectories.pt (first gradients, adapters after 2 steps), and
+                                       whether the two ranks' adapters are equal
+    lora_rl/                           a 2-rank `vlrl rl` run (DDP) with model.lora and a KL term
 """
 
 import sys
@@ -30,6 +34,8 @@ from dist_helpers import (  # noqa: E402
     RL_LOSSES,
     full_state,
     grads_of,
+    lora_policy,
+    lora_steps,
     rl_loss_batch,
     rl_settings,
     rl_update_batch,
@@ -137,6 +143,19 @@ def checkpoints(model_dir: str, out: Path, strategy: str) -> None:
         torch.save(state, out / f"loaded_{strategy}.pt")
 
 
+def lora_ddp(model_dir: str, out: Path) -> None:
+    policy = lora_policy(model_dir)
+    cfg = DistConfig(strategy="ddp")
+    ctx = init_distributed(cfg)
+    rt = Runtime(ctx, wrap_model(policy.model, ctx, cfg), cfg)
+    trajectories = rt.ctx.shard(torch.load(out / "trajectories.pt", weights_only=False), what="trajectories")
+    grads, adapters = lora_steps(policy, trajectories, rt.module, rt)
+    everyone = rt.ctx.gather_objects(adapters)
+    if rt.ctx.is_main:
+        same = all(torch.equal(everyone[0][k], everyone[1][k]) for k in adapters)
+        torch.save({"grads": grads, "adapters": adapters, "ranks_equal": same}, out / "lora_ddp.pt")
+
+
 def main(model_dir: str, out: str) -> None:
     out_dir = Path(out)
     ctx = init_distributed(DistConfig())
@@ -146,11 +165,14 @@ def main(model_dir: str, out: str) -> None:
         loss_gradients(model_dir, out_dir, strategy)
         checkpoints(model_dir, out_dir, strategy)
     checkpointed_gradients(model_dir, out_dir)
+    lora_ddp(model_dir, out_dir)
     # the uninterrupted 2-rank runs test_resume.py compares its killed-and-resumed runs with (what `vlrl sft|rl
     # ARGS` runs: load_config + the recipe, here in the process group this script joined)
     run_sft(load_config(SFTConfig, None, [*run_args("sft", model_dir, None, nproc=2), f"out={out_dir / 'reference_sft'}"]))
     data = out_dir / "rl_data" / "train.jsonl"
     run_rl(load_config(RLConfig, None, [*run_args("rl", model_dir, data, nproc=2), f"out={out_dir / 'reference_rl'}"]))
+    run_rl(load_config(RLConfig, None, [*run_args("rl", model_dir, data, nproc=2), "model.lora.r=4",
+                                        "train.steps=2", f"out={out_dir / 'lora_rl'}"]))
     shutdown_distributed(ctx)
 
 

@@ -6,6 +6,8 @@ peak total within ±15 % (measured while writing this: −4 %, +3 % and −10 % 
 tiny-qwen2 and tiny-qwen2.5-vl; the estimate leaves out short-lived temporaries such as the log-softmax
 gradient buffer, ~4 % of the measured peak)."""
 
+import dataclasses
+
 import pytest
 
 from vlrl.config import RLConfig, SFTConfig, load_config
@@ -106,3 +108,23 @@ def test_estimate_with_memory_options_matches_a_measured_training_step(options, 
     for key in ("param", "grad", "opt"):
         assert estimate[key] == pytest.approx(measured[key], rel=0.01), key
     assert sum(estimate.values()) == pytest.approx(measured["total"], rel=0.15)
+
+
+def test_lora_reference_is_the_base_with_adapters_off_not_a_second_copy():
+    """kl_coef > 0: a full fine-tune keeps a frozen reference copy; under LoRA the reference is the actor with its
+    adapters disabled, so no copy is counted (its forward pass still is, in the step time)."""
+    full = Workload("rl", prompt_tokens=6, response_tokens=4, patches=0, sequences=8, micro_batch=8, reference=True)
+    lora = Workload("rl", prompt_tokens=6, response_tokens=4, patches=0, sequences=8, micro_batch=8, reference=True,
+                    trained_params=0, adapter_params=40)
+
+    def reference_bytes(w):
+        return {p.name: [t.value for ts in p.memory.values() for t in ts if t.name == "reference parameters"]
+                for p in plan_placements(SHAPE, w, Device(2, 80.0))}
+
+    # Ψ·b_w/d = 1000·4/2 sharded over 2 FSDP ranks, 1000·4 on a DDP rank and on the lone trainer beside a server
+    assert reference_bytes(full) == {"colocated fsdp×2": [2000], "colocated ddp×2": [4000],
+                                     "separate: trainer fsdp×1 + 1 rollout server(s)": [4000]}
+    assert reference_bytes(lora) == {name: [] for name in reference_bytes(full)}
+    same = {p.name: p.step_seconds for p in plan_placements(SHAPE, dataclasses.replace(lora, reference=False),
+                                                            Device(2, 80.0))}
+    assert all(p.step_seconds > same[p.name] for p in plan_placements(SHAPE, lora, Device(2, 80.0)))

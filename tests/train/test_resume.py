@@ -139,3 +139,34 @@ def test_dynamic_sampling_carry_and_the_critic_resume_exactly(tiny_vlm_dir, tmp_
     weights_a = load_file(reference / "checkpoints" / "final" / "model.safetensors")
     weights_b = load_file(resumed / "checkpoints" / "final" / "model.safetensors")
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+def test_lora_run_killed_at_a_random_step_resumes_exactly(tiny_vlm_dir, tmp_path):
+    """`vlrl rl` with model.lora, SIGKILLed after a random step's checkpoint and resumed with
+    ``checkpoint.resume=auto``: the same per-step metrics, the same adapter directory and the same merged export
+    as the run left alone (the checkpoints hold the adapters, their AdamW moments and the RNG/cursor state)."""
+    data = write_rl_data(tmp_path / "data" / "train.jsonl")
+    args = [*run_args("rl", tiny_vlm_dir, data, nproc=1), "model.lora.r=4", "model.lora.alpha=8", "optim.lr=1e-2"]
+    steps = RECIPES["rl"][2]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    in_process("rl", [*args, f"out={reference}"])
+    kill_after = random.randint(1, steps - 2)
+    run_killed(command(1, "rl", *args, f"out={resumed}"), resumed, "rl", kill_after)
+    assert not (resumed / "summary.json").exists()
+    in_process("rl", [*args, f"out={resumed}", "checkpoint.resume=auto"])
+
+    expected, got = records(reference, "rl"), records(resumed, "rl")
+    assert [r["step"] for r in got] == list(range(1, steps + 1)), f"killed after step {kill_after}"
+    assert all(r["policy/grad_norm"] > 0 for r in expected)  # the adapters are trained at every step
+    assert 0 < expected[0]["policy/trainable_params"] < 0.2 * 1.06e6  # only the r = 4 adapters (of 1.06M)
+    for a, b in zip(expected, got, strict=True):
+        assert {k: a[k] for k in COMPARED["rl"]} == {k: b[k] for k in COMPARED["rl"]}, \
+            f"LoRA step {a['step']} differs after a kill at step {kill_after}"
+    final_a, final_b = reference / "checkpoints" / "final", resumed / "checkpoints" / "final"
+    adapter_a = load_file(final_a / "adapter" / "adapter_model.safetensors")
+    adapter_b = load_file(final_b / "adapter" / "adapter_model.safetensors")
+    assert adapter_a.keys() == adapter_b.keys() and all(torch.equal(adapter_a[k], adapter_b[k]) for k in adapter_a)
+    assert any(".lora_B." in k and adapter_a[k].abs().max() > 0 for k in adapter_a)  # B left 0: the adapters moved
+    merged_a = load_file(final_a / "model.safetensors")
+    merged_b = load_file(final_b / "model.safetensors")
+    assert merged_a.keys() == merged_b.keys() and all(torch.equal(merged_a[k], merged_b[k]) for k in merged_a)

@@ -13,12 +13,13 @@ wrapper is kept beside it as ``policy.lora`` for what only it does:
 - `save_adapter`: the adapter directory (adapter_config.json + adapter_model.safetensors) peft and TRL load.
 
 Resumable checkpoints (`vlrl.train.checkpoint`) hold the module's whole state — the adapters with it — so a
-resumed LoRA run continues exactly.
+resumed LoRA run continues exactly. Under torchrun LoRA trains with ``dist.strategy=ddp`` (every rank holds the
+whole model, DDP averages the adapters' gradients; `vlrl.train.distributed.check_scalable` refuses FSDP2): the
+reference, the merged export and the adapter directory are then each rank's own, identical, and rank 0 writes.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,9 +43,6 @@ def apply_lora(policy, cfg) -> Any:
     peft = require_peft()
     if cfg.load_in_4bit and not torch.cuda.is_available():
         raise ValueError("model.lora.load_in_4bit: QLoRA needs bitsandbytes on a CUDA GPU; there is none here")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("model.lora: LoRA training runs in one process in this version (the merged export and the "
-                         "disabled-adapter reference are not gathered over ranks); run without torchrun")
     config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                              target_modules=cfg.target_modules, modules_to_save=list(cfg.modules_to_save) or None)
     try:

@@ -307,6 +307,11 @@ def export_hf(policy, module: torch.nn.Module, out_dir: str | Path, ctx: DistCon
     out_dir = Path(out_dir)
     if not ctx.enabled:
         return policy.save(out_dir)
+    if policy.lora is not None:  # DDP (check_scalable): every rank holds the same whole model; merged + adapter/
+        if ctx.is_main:
+            policy.save(out_dir)
+        ctx.barrier()
+        return out_dir
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # rank 0 only

@@ -213,6 +213,10 @@ def gradient_sync(module: torch.nn.Module, enabled: bool) -> Iterator[None]:
 def check_scalable(cfg, world_size: int) -> None:
     """What runs under several ranks and with resumable checkpoints; the error names the field."""
     scaled = world_size > 1 or cfg.checkpoint.every or cfg.checkpoint.resume
+    if cfg.model.lora is not None and world_size > 1 and cfg.dist.strategy != "ddp":
+        raise ValueError(f"model.lora under torchrun needs dist.strategy=ddp (got {cfg.dist.strategy}): the "
+                         "adapters' merged export and the disabled-adapter reference are not built on FSDP2 shards "
+                         "yet; a 7B base in bf16 fits one GPU beside its adapters (README \"Memory\")")
     if getattr(cfg, "stages", None) and scaled:
         raise ValueError("stages: a staged run goes through its stages in one process without resumable checkpoints; "
                          "for torchrun / checkpoint.every / --resume run each stage as a run of its own (model.path = "

@@ -114,7 +114,7 @@ class Workload:
     epochs: int = 1  # ppo_epochs
     minibatches: int = 1  # optimizer steps per epoch
     old_pass: bool = False  # a π_old scoring pass (several optimizer steps per RL step)
-    reference: bool = False  # a frozen reference model (kl_coef > 0)
+    reference: bool = False  # a frozen reference model (kl_coef > 0); under LoRA a pass only (adapters disabled)
     critic: bool = False  # a value model (advantage gae)
     gen_batch: int = 256  # B: rollout.max_batch_size
     asynchronous: bool = False
@@ -506,7 +506,7 @@ def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
         memory = trained_state(s, w, d, "actor") + gather_buffers(s, w, d)
         if w.critic:
             memory += trained_state(s, w, d, "critic")
-        if w.reference:
+        if w.reference and not w.adapter_params:  # LoRA's reference is the base with adapters off: no copy
             memory += frozen(s, w, d, "reference")
         rows_per_rank = math.ceil(w.sequences / N)
         train_peak = activations(s, w, ranks=N)
@@ -525,7 +525,7 @@ def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
             trainer = trained_state(s, w, d, "actor") + gather_buffers(s, w, d) + activations(s, w, ranks=d)
             if w.critic:
                 trainer += trained_state(s, w, d, "critic")
-            if w.reference:
+            if w.reference and not w.adapter_params:
                 trainer += frozen(s, w, d, "reference")
             server = [Term("rollout parameters", s.params * w.compute_bytes, "Ψ·b_c",
                            f"{_mb(s.params)}·{w.compute_bytes}")] + generation(s, w, math.ceil(w.sequences / g))

@@ -91,7 +91,8 @@ def make_runtime(cfg, ctx: DistContext, policy, run_dir, resume_from=None) -> Ru
     (seed + rank), after the weights were built identically everywhere."""
     algo = getattr(cfg, "algo", None)
     reference = None
-    if ctx.enabled and algo is not None and algo.kl_coef > 0:  # copied before the actor is sharded in place
+    if ctx.enabled and algo is not None and algo.kl_coef > 0 and policy.lora is None:  # copied before sharding
+        # (LoRA: the reference is the actor with its adapters disabled, `vlrl.train.batch.reference_model`)
         reference = wrap_model(frozen_copy(policy.model), ctx, cfg.dist.model_copy(update={"strategy": "fsdp"})) \
             if cfg.dist.strategy == "fsdp" else frozen_copy(policy.model)
     module = wrap_model(policy.model, ctx, cfg.dist)
