@@ -32,7 +32,10 @@ def test_multi_turn_grpo_on_shapes_feedback_raises_the_reward(tiny_vlm):
         s.reward = "test_agent_short_answer"
     stage = RLStage.model_validate({
         "optim": {"lr": 5e-3},
-        "rollout": {"n": 8, "max_new_tokens": 6, "function": "multi_turn", "env": "shapes_feedback", "max_turns": 3},
+        # top-k 50: what `generate` applied silently before issue 26 (transformers' default when top_k is unset),
+        # which this calibration was made with; a random tiny model's full 1k-token distribution learns slower
+        "rollout": {"n": 8, "max_new_tokens": 6, "top_k": 50, "function": "multi_turn", "env": "shapes_feedback",
+                    "max_turns": 3},
         "train": {"steps": 12, "prompts_per_step": 8, "micro_batch_size": 64},
     })
     engine = RolloutEngine(HFEngine(tiny_vlm), build_rollout(stage.rollout))
@@ -50,7 +53,7 @@ def test_multi_turn_grpo_on_shapes_feedback_raises_the_reward(tiny_vlm):
 def stage_sampling(stage):
     from vlrl.rollout import SamplingParams
 
-    return SamplingParams(n=8, max_new_tokens=stage.rollout.max_new_tokens)
+    return SamplingParams(n=8, max_new_tokens=stage.rollout.max_new_tokens, top_k=stage.rollout.top_k)
 
 
 @pytest.mark.parametrize("name", ["shapes_feedback_grpo", "tool_zoom_grpo", "judge_grpo"])
