@@ -98,6 +98,36 @@ def test_a_three_turn_episode_is_exact_and_its_first_turn_prefilled_once_per_gro
     assert len(prefills) >= 3 and all(calls <= 8 for calls in prefills)
 
 
+@pytest.mark.parametrize("name", FAMILY_PRESETS)
+def test_rows_that_finish_early_leave_the_batch_and_the_others_stay_exact(name):
+    """EOS made likely (+2.5 on its logit, in the model's own head, so the teacher-forced pass sees it too): rows
+    end at different steps, the finished ones are dropped from the batch and its cache (a linear-attention
+    state included), and every row's log-probs still equal the teacher-forced ones — single-turn and in
+    multi-turn episodes whose turns end with EOS (the observation then follows the EOS, not a closing marker)."""
+    policy = _policy(name)
+    eos = policy.eos_token_ids[0]
+
+    def favour_eos(module, inputs, logits):
+        return logits.index_add(-1, torch.tensor([eos]), torch.full((*logits.shape[:-1], 1), 2.5))
+
+    handle = policy.model.get_output_embeddings().register_forward_hook(favour_eos)
+    try:
+        engine = HFEngine(policy)
+        requests = [engine.encode(s) for s in _samples(policy, 2)]
+        torch.manual_seed(1)
+        trajectories = engine.generate(requests, SamplingParams(n=8, temperature=0.9, top_k=50, max_new_tokens=12))
+        lengths = [len(t.response_ids) for t in trajectories]
+        assert engine.last_stats.compactions >= 1 and min(lengths) < max(lengths), lengths
+        assert sum(int(t.response_ids[-1]) == eos for t in trajectories) >= 4  # ≥ a quarter ended with EOS
+        assert _drift(policy, trajectories, 0.9) < TOL
+        episodes = multi_turn(engine, requests, SamplingParams(n=4, temperature=0.7, top_k=50, max_new_tokens=8),
+                              agent=AgentSettings(env=ImageOnTurnThree, max_turns=3))
+        assert any(t.response_ids[turn.action_end - 1] == eos for t in episodes for turn in t.turns[:-1])
+        assert _drift(policy, episodes, 0.7) < TOL
+    finally:
+        handle.remove()
+
+
 class ImageOnTurnThree(BaseEnv):
     """A text observation after turn 1; after turn 2 a crop of the prompt image (text only for a text model)."""
 

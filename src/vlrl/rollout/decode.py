@@ -71,6 +71,7 @@ class DecodeStats:
     prefilled: int = 0  # sequences run through the prefill (distinct prompts, or ``rows`` on the fallback)
     prefill_tokens: int = 0  # padded prompt positions prefilled
     steps: int = 0
+    compactions: int = 0  # times finished rows were dropped from the batch and its cache
     expanded: bool = True
     prefill_seconds: float = 0.0  # prompts through the model (vision tower included), cache expansion
     decode_seconds: float = 0.0  # the token-by-token steps
@@ -81,6 +82,7 @@ class DecodeStats:
         self.prefilled += other.prefilled
         self.prefill_tokens += other.prefill_tokens
         self.steps += other.steps
+        self.compactions += other.compactions
         self.expanded = self.expanded and other.expanded
         self.prefill_seconds += other.prefill_seconds
         self.decode_seconds += other.decode_seconds
@@ -247,7 +249,7 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
 
     ``on_step``: called after every decode step, returns a (rows,) bool tensor — those rows stop there."""
     stats = stats if stats is not None else DecodeStats()
-    stats.rows, stats.steps = len(rows), 0
+    stats.rows, stats.steps, stats.compactions = len(rows), 0, 0
     start = time.perf_counter()
     device = next(model.parameters()).device
     prompts, prompt_of_row = distinct_prompts(rows)
@@ -299,6 +301,7 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
             cache.reorder_cache(keep.nonzero().flatten())
             live, new, last_position = live[keep], new[keep], last_position[..., keep, :]
             prompt_mask = prompt_mask[keep]
+            stats.compactions += 1
         kwargs = {"input_ids": new.unsqueeze(-1),  # (live, 1)
                   "attention_mask": torch.cat([prompt_mask, prompt_mask.new_ones(len(live), step + 1)], dim=-1),
                   "position_ids": last_position + step + 1}
