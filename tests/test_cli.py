@@ -152,18 +152,19 @@ def test_eval_reads_the_eval_settings_and_data_of_any_runs_config(tmp_path, tiny
                                         "eval.max_new_tokens=3", "stages=[{name: a}, {name: b}]"])
     (run / "config.yaml").write_text(dump_config(cfg))
     result = runner.invoke(app, ["eval", "--model", str(run / "checkpoints" / "final"), "--temperature", "0.5",
-                                 "--out", str(tmp_path / "e.json")])
+                                 "--top-k", "5", "--out", str(tmp_path / "e.json")])
     assert result.exit_code == 0, result.output
     evaluated = json.loads((tmp_path / "e.json").read_text())
     assert evaluated["n_prompts"] == 3 and evaluated["k"] == 2
-    assert evaluated["settings"] == {"samples": 2, "temperature": 0.5, "max_new_tokens": 3, "max_batch_size": 256,
-                                     "seed": 0}
-    assert "the run's held-out file" in result.output
+    assert evaluated["settings"] == {"samples": 2, "temperature": 0.5, "top_k": 5, "max_new_tokens": 3,
+                                     "max_batch_size": 256, "seed": 0}
+    assert "the run's held-out file" in result.output and "top_k 5" in result.output
     result = runner.invoke(app, ["eval", "--model", str(tiny_vlm_dir), "--n", "2", "--samples", "1",
                                  "--out", str(tmp_path / "plain.json")])
     assert result.exit_code == 0, result.output
     plain = json.loads((tmp_path / "plain.json").read_text())
     assert plain["n_prompts"] == 2 and plain["settings"]["max_new_tokens"] == 16  # EvalConfig's default
+    assert plain["settings"]["top_k"] == 0 and "top_k off" in result.output  # off: the full vocabulary
     assert "procedural shapes test prompts" in result.output
 
 

@@ -193,6 +193,8 @@ def eval_(
                                        "(default: the run's eval.samples, else 4)."),
     temperature: float | None = typer.Option(None, "--temperature", help="Sampling temperature (default: the run's "
                                              "eval.temperature, else 1.0)."),
+    top_k: int | None = typer.Option(None, "--top-k", min=0, help="Top-k of the sampled responses, 0 = off (default: "
+                                     "the run's eval.top_k, else 0)."),
     max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="Generation budget (default: the run's "
                                               "eval.max_new_tokens, else 16)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampled responses: the same seed gives the same numbers."),
@@ -207,7 +209,7 @@ def eval_(
     from vlrl.train.common import seed_everything
 
     run = _run_config_of(model)
-    given = {"samples": samples, "temperature": temperature, "max_new_tokens": max_new_tokens}
+    given = {"samples": samples, "temperature": temperature, "top_k": top_k, "max_new_tokens": max_new_tokens}
     settings = (run.eval if run is not None else EvalConfig()).model_copy(
         update={k: v for k, v in given.items() if v is not None})
     bounds = {"min_pixels": run.model.min_pixels, "max_pixels": run.model.max_pixels} if run is not None else {}
@@ -275,8 +277,8 @@ def _eval_source(model: str, data: str | None, run, cfg, settings: EvalConfig) -
     else:
         what = f"the run's {d.n_test} procedural {d.suite} test prompts (tasks {', '.join(d.tasks)})"
     origin = "the run's config.yaml" if run is not None else "defaults"
-    return (f"vlrl eval: {what}; samples {settings.samples}, temperature {settings.temperature:g}, max_new_tokens "
-            f"{settings.max_new_tokens} (options, else {origin})")
+    return (f"vlrl eval: {what}; samples {settings.samples}, temperature {settings.temperature:g}, top_k "
+            f"{settings.top_k or 'off'}, max_new_tokens {settings.max_new_tokens} (options, else {origin})")
 
 
 def _checked_test_split(command: str, cfg, data: str | None, budget: str) -> list:
@@ -573,6 +575,8 @@ def data_select(
     n: int = typer.Option(8, "--n", help="Rollouts per prompt (N)."),
     k: int | None = typer.Option(None, "--k", help="pass@k of the gap (default: k = N)."),
     temperature: float = typer.Option(1.0, "--temperature"),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Top-k of the rollouts, 0 = off (the full vocabulary); give "
+                              "the RL run's rollout.top_k to select with the distribution it will sample."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     min_mean_reward: float | None = typer.Option(0.1, "--min-mean-reward", help="Drop items whose mean reward is lower (unsolvable)."),
     max_mean_reward: float | None = typer.Option(0.9, "--max-mean-reward", help="Drop items whose mean reward is higher (trivial)."),
@@ -618,7 +622,7 @@ def data_select(
                                       load_processor(model), sync_weights=False)
             else:
                 engine = build_engine(RolloutConfig(), load_policy(model))
-        sampling = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens)
+        sampling = SamplingParams(n=n, temperature=temperature, top_k=top_k, max_new_tokens=max_new_tokens)
         with progress.task(f"roll out {len(samples)} prompts × {n}", total=len(samples)) as task:
             rollouts, generated, failures = rollout_and_score(
                 engine, samples, sampling, rollout_store, model=model, batch_prompts=batch_prompts,

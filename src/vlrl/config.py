@@ -184,6 +184,8 @@ class DataConfig(Section):
 class EvalConfig(Section):
     samples: int = Field(4, ge=1, description="Samples per prompt for sampled accuracy (pass@1) and pass@k.")
     temperature: float = Field(1.0, ge=0, description="Temperature of the sampled evaluation (the training temperature).")
+    top_k: int = Field(0, ge=0, description="Top-k of the sampled evaluation; 0 disables (the full vocabulary, as "
+                       "rollout.top_k). Set it to the training rollout's top_k to evaluate the distribution RL sampled.")
     max_new_tokens: int = Field(16, ge=1, description="Generation budget per evaluation response.")
     max_batch_size: int = Field(256, ge=1, description="Sequences generated at once during evaluation.")
 
@@ -241,7 +243,9 @@ class RolloutConfig(Section):
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size; LLaVA-OV-1.5: 16).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (LLaVA-OV-1.5: 1.0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold; 1 disables.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables (the full vocabulary, as verl, TRL, SGLang "
+                       "and vLLM). The shipped configs set 50: what they were tuned with (transformers' `generate` "
+                       "default, which the in-process engine applied silently before it sampled with its own loop).")
     max_new_tokens: int = Field(16, ge=1, description="Response budget; longer responses are TRUNCATED.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
     max_batch_size: int = Field(256, ge=1, description="Sequences generated at once by the in-process engine.")

@@ -90,6 +90,25 @@ def test_estimate_matches_a_measured_training_step(preset, tiny_vlm_dir, tmp_pat
     assert sum(estimate.values()) == pytest.approx(measured["total"], rel=0.15)
 
 
+def test_prefill_is_counted_once_per_prompt_not_per_sample():
+    from vlrl.train.planner import generate_seconds
+
+    dev = Device(1, 80.0, tflops=1.0, mfu=0.5)
+    shared = Workload("rl", prompt_tokens=100, response_tokens=10, patches=0, sequences=32, micro_batch=8, prompts=4)
+    terms = {t.name: t.value for t in generate_seconds(SHAPE, shared, dev, replicas=1)}
+    # 2Ψ·P·prompts/(F·η) = 2·1000·100·4/(1e12·0.5) = 1.6e-6 s: the 4 prompts of 8 samples each, prefilled once
+    assert terms["prefill"] == pytest.approx(1.6e-6)
+    per_row = Workload("rl", prompt_tokens=100, response_tokens=10, patches=0, sequences=32, micro_batch=8)
+    assert {t.name: t.value for t in generate_seconds(SHAPE, per_row, dev, replicas=1)}["prefill"] == pytest.approx(8 * 1.6e-6)
+
+
+def test_an_rl_workload_knows_its_prompts(tiny_vlm_dir):
+    cfg = load_config(RLConfig, None, [f"model.path={tiny_vlm_dir}", "train.prompts_per_step=4", "rollout.n=8",
+                                       "train.micro_batch_size=4"])
+    w = workload(cfg, meta_model(cfg.model.path)[1])
+    assert (w.prompts, w.sequences) == (4, 32)
+
+
 @pytest.mark.parametrize("options", [["train.gradient_checkpointing=true"], ["model.lora.r=8"],
                                      ["model.lora.r=8", "train.gradient_checkpointing=true"], ["train.trainable=[llm]"]])
 def test_estimate_with_memory_options_matches_a_measured_training_step(options, tiny_vlm_dir):

@@ -70,7 +70,8 @@ def evaluate(engine: Engine, samples: list[Sample], cfg: EvalConfig) -> EvalResu
     requests = [engine.encode(s) for s in samples]
     greedy = engine.generate(requests, SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens))
     sampled = engine.generate(
-        requests, SamplingParams(n=cfg.samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+        requests, SamplingParams(n=cfg.samples, temperature=cfg.temperature, top_k=cfg.top_k,
+                                 max_new_tokens=cfg.max_new_tokens)
     )
     failures = len(score_trajectories(greedy).failures) + len(score_trajectories(sampled).failures)
     k = cfg.samples

@@ -1,11 +1,13 @@
-"""The in-process engine: sampling with transformers' `generate` on the trainer's own model.
+"""The in-process engine: sampling on the trainer's own model (`vlrl.rollout.decode`'s loop, not `generate`).
 
-Behaviour log-probs come from the logits `generate` already computed (``output_logits``), divided by the
-temperature — the same quantity the trainer's teacher-forced pass computes — so no extra forward pass is
-spent. The family's vision markup (every token of an expanded image, the config's vision token ids:
-``<|image_pad|>``, ``<IMG_CONTEXT>``, ``<image_soft_token>``, ``<row_1_col_1>``, ...) and the tokenizer's other
-special tokens, never EOS, are suppressed while sampling (`VisionAdapter.special_token_ids`): a random tiny model
-would otherwise emit image placeholders that break re-scoring.
+Each distinct prompt of a batch — a GRPO group's n samples share one — is prefilled once, vision tower
+included, and its KV cache expanded to its rows (`vlrl.rollout.decode`). Behaviour log-probs come from the
+logits the decode steps already computed, divided by the temperature — the same quantity the trainer's
+teacher-forced pass computes — so no extra forward pass is spent. The family's vision markup (every token of an
+expanded image, the config's vision token ids: ``<|image_pad|>``, ``<IMG_CONTEXT>``, ``<image_soft_token>``,
+``<row_1_col_1>``, ...) and the tokenizer's other special tokens, never EOS, are suppressed while sampling
+(`VisionAdapter.special_token_ids`): a random tiny model would otherwise emit image placeholders that break
+re-scoring.
 
 Multi-turn: to continue a conversation, pass a `Request` whose ``prompt_ids`` are the whole context so far
 (prompt, earlier turns, observations) and whose ``vision`` holds all its images in order; the model family's
@@ -18,12 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from vlrl.data.sample import Sample, load_image
-from vlrl.models.adapters import EncodedPrompt, VisionInputs
+from vlrl.models.adapters import EncodedPrompt
 from vlrl.models.policy import Policy
+from vlrl.rollout import decode
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
 
 
@@ -47,6 +48,8 @@ class HFEngine:
         self.weight_version = 0
         eos = set(policy.eos_token_ids)
         self._suppress = [t for t in policy.adapter.special_token_ids() if t not in eos]
+        self.last_stats = decode.DecodeStats()  # what the last batch did (prompts prefilled, steps, seconds)
+        self.total_stats = decode.DecodeStats()  # summed over every batch since construction
 
     def encode(self, sample: Sample) -> Request:
         """Render, tokenize and process the images of ``sample`` into a `Request`."""
@@ -92,84 +95,46 @@ class HFEngine:
     def _generate_rows(self, rows: list[tuple[int, Request]], sampling: SamplingParams,
                        on_step: Callable[[Sequence[Request]], Sequence[bool]] | None = None) -> list[Trajectory]:
         policy = self.policy
-        device = next(policy.model.parameters()).device
-        P = max(len(r.prompt_ids) for _, r in rows)
-        input_ids = torch.full((len(rows), P), policy.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), P), dtype=torch.long)
-        for k, (_, request) in enumerate(rows):
-            n = len(request.prompt_ids)
-            input_ids[k, P - n :] = torch.as_tensor(request.prompt_ids)
-            attention_mask[k, P - n :] = 1
-        vision = VisionInputs.concat([r.vision for _, r in rows])
-        kwargs = policy.adapter.generate_inputs(
-            input_ids.to(device), attention_mask.to(device), vision.to(device) if vision is not None else None
+        self.last_stats = decode.DecodeStats()
+        _gather_root(policy.model)  # FSDP2: the root unit (projectors, LLaVA-OV's image_newline) gathered first
+        decoded = decode.sample(
+            policy.model, policy.adapter, [request for _, request in rows], sampling,
+            pad_token_id=policy.pad_token_id, eos_token_ids=policy.eos_token_ids, suppress=self._suppress,
+            on_step=_row_flags(rows, on_step) if on_step is not None else None, stats=self.last_stats,
         )
-        greedy = sampling.temperature <= 0
-        _gather_root(policy.model)
-        gen = policy.model.generate(
-            **kwargs,
-            do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy or sampling.top_p >= 1 else sampling.top_p,
-            top_k=None if greedy or sampling.top_k <= 0 else sampling.top_k,
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=policy.eos_token_ids,
-            pad_token_id=policy.pad_token_id,
-            suppress_tokens=self._suppress or None,
-            stop_strings=sampling.stop or None,
-            tokenizer=policy.tokenizer if sampling.stop else None,
-            output_logits=True,
-            return_dict_in_generate=True,
-            stopping_criteria=StoppingCriteriaList([_StepHook(rows, on_step)]) if on_step is not None else None,
-        )
-        new_tokens = gen.sequences[:, P:].cpu()  # (N, T)
-        logits = torch.stack(gen.logits, dim=1).float().cpu()  # (N, T, V), raw (before temperature)
-        temperature = 1.0 if greedy else sampling.temperature
-        logp_all = F.log_softmax(logits / temperature, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        eos = torch.tensor(policy.eos_token_ids)
-        stop_texts = sampling.stop
+        self.total_stats.add(self.last_stats)
         trajectories = []
         for k, (group_index, request) in enumerate(rows):
-            tokens = new_tokens[k]
-            is_eos = torch.isin(tokens, eos)
-            if is_eos.any():
-                length, status = int(is_eos.nonzero()[0]) + 1, Status.COMPLETED
-            else:
-                length, status = len(tokens), Status.TRUNCATED
-            response = tokens[:length]
-            text = policy.tokenizer.decode(response, skip_special_tokens=True)
-            if status is Status.TRUNCATED and stop_texts and any(text.endswith(s) for s in stop_texts):
-                status = Status.COMPLETED
+            response = torch.tensor(decoded.tokens[k], dtype=torch.long)
+            status = Status.COMPLETED if decoded.eos[k] or decoded.stop_string[k] else Status.TRUNCATED
             trajectories.append(
                 Trajectory(
                     sample=request.sample,
                     prompt_ids=torch.as_tensor(request.prompt_ids, dtype=torch.long),
-                    response_ids=response.clone(),
-                    loss_mask=torch.ones(length, dtype=torch.long),
-                    behaviour_logp=logp_all[k, :length].clone(),
+                    response_ids=response,
+                    loss_mask=torch.ones(len(response), dtype=torch.long),
+                    behaviour_logp=decoded.logp[k],
                     vision=request.vision,
                     images=request.images,
                     weight_version=self.weight_version,
                     status=status,
-                    response_text=text,
+                    response_text=policy.tokenizer.decode(response, skip_special_tokens=True),
                     group_index=group_index,
                 )
             )
         return trajectories
 
 
+def _row_flags(rows: list[tuple[int, Request]], on_step: Callable[[Sequence[Request]], Sequence[bool]]
+               ) -> Callable[[], torch.Tensor]:
+    """`HFEngine.generate`'s ``on_step`` (one flag per distinct request) as one flag per row."""
+    distinct: dict[int, int] = {}
+    for _, request in rows:
+        distinct.setdefault(id(request), len(distinct))
+    requests = list({id(r): r for _, r in rows}.values())
+    row_request = torch.tensor([distinct[id(r)] for _, r in rows], dtype=torch.long)  # (N,)
 
-class _StepHook(StoppingCriteria):
-    """`HFEngine.generate`'s ``on_step`` as a stopping criterion: asked once per decode step, per request."""
+    def flags() -> torch.Tensor:
+        return torch.tensor(list(on_step(requests)), dtype=torch.bool)[row_request]  # (N,)
 
-    def __init__(self, rows: list[tuple[int, Request]], on_step: Callable[[Sequence[Request]], Sequence[bool]]) -> None:
-        distinct: dict[int, int] = {}
-        for _, request in rows:
-            distinct.setdefault(id(request), len(distinct))
-        self.requests = list({id(r): r for _, r in rows}.values())
-        self.row_request = torch.tensor([distinct[id(r)] for _, r in rows], dtype=torch.long)  # (N,)
-        self.on_step = on_step
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        stop = torch.tensor(list(self.on_step(self.requests)), dtype=torch.bool)  # (distinct requests,)
-        return stop[self.row_request].to(input_ids.device)  # (N,)
+    return flags

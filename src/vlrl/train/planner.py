@@ -26,8 +26,8 @@ and prints the feasible placements ranked by estimated step time, with the formu
                contiguous copies ≈ 6h_v, attention output and its concatenation over images 2h_v, quick-GELU
                MLP 3I_v; the pixel patches themselves C)
         logits 3 · m·(R + 1)·V · 4                (fp32 logits of the response, log-softmax, its gradient)
-    KV cache (generation) 2 · n_layers · k · (P + R) · B · b_c, plus the step logits B·R·V·4 the in-process
-        engine keeps (``output_logits``); B = sequences generated at once
+    KV cache (generation) 2 · n_layers · k · (P + R) · B · b_c; B = sequences generated at once (the engine keeps
+        one log-prob per sampled token, not the step logits)
 
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", counted for this
 layer type; `vlrl plan --measure` and tests/train/test_planner.py compare it with a measured CPU step.)
@@ -55,8 +55,9 @@ activations.
                c = 2 forward + 2 input gradients + 2·(share of the text weights trained) + 2 with checkpointing
                (the recomputed forward); c_v the same for the vision tower, 2 when it trains nothing
     extra passes (π_old when several optimizer steps, π_ref with a KL term) 2Ψ·T / (n_train·F·η) each
-    generate   prefill 2Ψ·P·rows / (n_gen·F·η) + R · ⌈rows/(n_gen·B)⌉ · (Ψ·b_c + KV/2)/W   (decode is memory-bound;
-               the cache is half full on average)
+    generate   prefill 2Ψ·P·prompts / (n_gen·F·η) + R · ⌈rows/(n_gen·B)⌉ · (Ψ·b_c + KV/2)/W   (each prompt is
+               prefilled once for its n samples, `vlrl.rollout.decode` — rows = prompts · n; decode is
+               memory-bound; the cache is half full on average)
                + colocated fsdp: R · ⌈…⌉ · Ψ·b_c·(d−1)/d / Λ   (the all-gather of every decode step)
     gradients  DDP: steps·2Ψ·b_w·(n−1)/n / Λ; FSDP2: steps·(2·micro-batches + 1)·Ψ·b_c·(n−1)/n / Λ
     weight sync (separate) Ψ·b_c / Λ;  step = generate + train (+ sync), or max(generate, train) + sync when
@@ -111,6 +112,7 @@ class Workload:
     patches: int  # N_p: vision patches per sequence (before the spatial merge)
     sequences: int  # sequences trained on per step (prompts_per_step · n, or batch_size)
     micro_batch: int  # m
+    prompts: int = 0  # distinct prompts generated from per step (prompts_per_step; 0 = sequences: none shared)
     epochs: int = 1  # ppo_epochs
     minibatches: int = 1  # optimizer steps per epoch
     old_pass: bool = False  # a π_old scoring pass (several optimizer steps per RL step)
@@ -340,7 +342,7 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
         rows = cfg.train.prompts_per_step * cfg.rollout.n
         return Workload(
             "rl", prompt, cfg.rollout.max_new_tokens, patches, rows, min(cfg.train.micro_batch_size, rows),
-            epochs=cfg.train.ppo_epochs, minibatches=cfg.train.minibatches,
+            prompts=cfg.train.prompts_per_step, epochs=cfg.train.ppo_epochs, minibatches=cfg.train.minibatches,
             old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1,
             reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.max_batch_size,
             asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute)
@@ -411,13 +413,13 @@ def activations(s: ModelShape, w: Workload, role: str = "actor", *, ranks: int =
 
 
 def generation(s: ModelShape, w: Workload, rows: int) -> list[Term]:
-    """KV cache and kept step logits of one generate call of ``rows`` sequences."""
+    """KV cache of one generate call of ``rows`` sequences (a group's prompt is prefilled once, then its cache
+    expanded to the n rows: the expanded cache is this size)."""
     B = min(rows, w.gen_batch)
-    L, R, b = w.length, w.response_tokens, w.compute_bytes
+    L, b = w.length, w.compute_bytes
     return [
         Term("KV cache", 2 * s.layers * s.kv_dim * L * B * b, "2·n_layers·k·(P+R)·B·b_c",
              f"2·{s.layers}·{s.kv_dim}·{L}·{B}·{b}"),
-        Term("step logits", B * R * s.vocab * 4, "B·R·V·4", f"{B}·{R}·{s.vocab}·4"),
     ]
 
 
@@ -482,11 +484,12 @@ def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, 
     B = min(per_replica, w.gen_batch)
     R, b = w.response_tokens, w.compute_bytes
     kv = 2 * s.layers * s.kv_dim * w.length * B * b / 2  # the cache is half full on average
-    prefill = 2 * s.params * w.prompt_tokens * rows / (replicas * dev.tflops * 1e12 * dev.mfu)
+    prompts = w.prompts or rows  # each distinct prompt prefilled once for its n rows
+    prefill = 2 * s.params * w.prompt_tokens * prompts / (replicas * dev.tflops * 1e12 * dev.mfu)
     decode = R * calls * (s.params * b + kv) / (dev.bandwidth_gbs * 1e9)  # every decode step reads all weights
     terms = [
-        Term("prefill", prefill, "2Ψ·P·rows/(n_gen·F·η)",
-             f"2·{_mb(s.params)}·{w.prompt_tokens}·{rows}/({replicas}·{dev.tflops:g}T·{dev.mfu:g})"),
+        Term("prefill", prefill, "2Ψ·P·prompts/(n_gen·F·η)",
+             f"2·{_mb(s.params)}·{w.prompt_tokens}·{prompts}/({replicas}·{dev.tflops:g}T·{dev.mfu:g})"),
         Term("decode", decode, "R·calls·(Ψ·b_c + KV/2)/W", f"{R}·{calls}·({_mb(s.params)}·{b} + {_mb(kv)})"
              f"/{dev.bandwidth_gbs:g}G"),
     ]

@@ -1,0 +1,123 @@
+"""What a GRPO rollout costs in the in-process engine, arm by arm, at two shapes (issue 26 items 1-2).
+
+Arms, on the same prompts, alternated, each repeated ``--repeats`` times (median reported):
+
+- ``generate``: transformers' `generate` over the n copies of every prompt (vlrl's engine before issue 26:
+  logits processors, stopping criteria, ``output_logits``) — it prefills each prompt, vision tower included,
+  n times;
+- ``loop, prefill per row``: vlrl's sampling loop (`vlrl.rollout.decode`) with prompt sharing turned off —
+  the per-token cost of the loop against `generate`'s;
+- ``loop, prefill per group``: the engine as shipped — each prompt prefilled once, its cache expanded.
+
+EOS is replaced by a suppressed token so every arm decodes exactly ``max_new_tokens`` steps; ``generate``'s
+prefill is measured as a ``max_new_tokens=1`` call, so its per-token cost is (t(T) − t(1)) / (T − 1).
+
+    PYTHONPATH=src python benchmarks/generation.py [--preset tiny-qwen2-vl] [--shape realistic] [--threads 1]
+
+Shapes: ``today`` = 8 prompts × n 4 × 32 new tokens, 112×112 images (16 vision tokens); ``realistic`` = 4
+prompts × n 8 × 64 new tokens, 448×448 images (256 vision tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from vlrl.data import generate
+from vlrl.data.sample import load_image
+from vlrl.models import load_policy
+from vlrl.models.adapters import VisionInputs
+from vlrl.rollout import Request, SamplingParams, decode
+
+SHAPES = {"today": dict(prompts=8, n=4, new=32, side=112), "realistic": dict(prompts=4, n=8, new=64, side=448)}
+
+
+def hf_generate(policy, rows, sampling: SamplingParams, eos: int, suppress: list[int]) -> None:
+    """The engine's pre-issue-26 path: `generate` on the left-padded rows (every copy prefilled)."""
+    P = max(len(r.prompt_ids) for r in rows)
+    input_ids = torch.full((len(rows), P), policy.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), P), dtype=torch.long)
+    for k, r in enumerate(rows):
+        input_ids[k, P - len(r.prompt_ids):] = torch.as_tensor(r.prompt_ids)
+        mask[k, P - len(r.prompt_ids):] = 1
+    kwargs = policy.adapter.generate_inputs(input_ids, mask, VisionInputs.concat([r.vision for r in rows]))
+    policy.model.generate(**kwargs, do_sample=True, temperature=sampling.temperature, max_new_tokens=sampling.max_new_tokens,
+                          eos_token_id=eos, pad_token_id=policy.pad_token_id, suppress_tokens=suppress,
+                          output_logits=True, return_dict_in_generate=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="tiny-qwen2-vl")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="realistic")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    shape = SHAPES[args.shape]
+    side = shape["side"]
+    policy = load_policy(args.preset, max_pixels=side * side)
+    policy.model.eval()
+    samples = generate("shapes", shape["prompts"], tasks=["count", "color"], image_size=side)
+    requests = []
+    for s in samples:
+        encoded = policy.adapter.encode_prompt(s.messages, [load_image(i) for i in s.images])
+        requests.append(Request(sample=s, prompt_ids=encoded.input_ids, vision=encoded.vision))
+    rows = [r for r in requests for _ in range(shape["n"])]
+    vision_tokens = requests[0].prompt_ids.count(policy.model.config.image_token_id)
+    eos = policy.model.config.image_token_id  # suppressed: never sampled, so every row runs to max_new_tokens
+    suppress = sorted(set(policy.adapter.special_token_ids()) - set(policy.eos_token_ids))
+    sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=shape["new"])
+    T = shape["new"]
+    print(f"{args.preset} ({policy.num_parameters() / 1e6:.1f}M), shape {args.shape}: {shape['prompts']} prompts × n "
+          f"{shape['n']} × {T} new tokens, {vision_tokens} vision tokens/image, prompt {len(requests[0].prompt_ids)} "
+          f"tokens, {args.threads} thread(s)")
+
+    def run_loop(share: bool) -> tuple[float, float, float]:
+        real = decode.distinct_prompts
+        if not share:
+            decode.distinct_prompts = lambda rs: (list(rs), list(range(len(rs))))
+        try:
+            stats = decode.DecodeStats()
+            start = time.perf_counter()
+            decode.sample(policy.model, policy.adapter, rows, sampling, pad_token_id=policy.pad_token_id,
+                          eos_token_ids=[eos], suppress=suppress, stats=stats)
+            return time.perf_counter() - start, stats.prefill_seconds, stats.decode_seconds
+        finally:
+            decode.distinct_prompts = real
+
+    def run_generate() -> tuple[float, float, float]:
+        start = time.perf_counter()
+        with torch.no_grad():
+            hf_generate(policy, rows, sampling, eos, suppress)
+        total = time.perf_counter() - start
+        start = time.perf_counter()
+        with torch.no_grad():
+            hf_generate(policy, rows, SamplingParams(n=1, max_new_tokens=1), eos, suppress)
+        first = time.perf_counter() - start
+        return total, first, total - first
+
+    arms = {"generate": run_generate, "loop, prefill per row": lambda: run_loop(False),
+            "loop, prefill per group": lambda: run_loop(True)}
+    run_loop(True)  # warm-up
+    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in arms}
+    for _ in range(args.repeats):
+        for name, fn in arms.items():  # alternated
+            results[name].append(fn())
+    tokens = len(rows) * T
+    print(f"{'arm':26s} {'s/rollout':>9s} {'tokens/s':>9s} {'prefill s':>9s} {'decode s':>9s} {'ms/token step':>13s}")
+    medians = {}
+    for name, runs in results.items():
+        total, prefill, steps = (statistics.median(r[i] for r in runs) for i in range(3))
+        medians[name] = total
+        print(f"{name:26s} {total:9.2f} {tokens / total:9.0f} {prefill:9.2f} {steps:9.2f} {1e3 * steps / (T - 1):13.1f}")
+    base = medians["generate"]
+    for name in list(arms)[1:]:
+        print(f"speed-up of '{name}' over generate: {base / medians[name]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

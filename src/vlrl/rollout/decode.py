@@ -1,0 +1,312 @@
+"""The in-process sampling loop: each distinct prompt is prefilled once, its KV cache expanded to its n rows.
+
+`generate(num_return_sequences=n)` prefills a GRPO group's prompt n times — at real VLM shapes (hundreds of
+vision tokens per image, n = 8–16) that prefill, vision tower included, is most of a rollout. Here:
+
+1. **Prefill once.** Rows whose prompts are equal (same token ids, same vision tensors — a group's n samples,
+   and the first turn of the n episodes of a multi-turn group) share one prefill: the distinct prompts are
+   left-padded into one batch and run through the model's forward (`TextAdapter.forward_inputs`: exactly the
+   inputs, M-RoPE positions included, that the trainer's teacher-forced pass uses), keeping only the last
+   position's logits.
+2. **Expand the cache.** ``Cache.reorder_cache(row → prompt)`` copies each prompt's keys/values — and a
+   linear-attention layer's conv/recurrent states — to its rows. A cache that is not a transformers `Cache`,
+   or whose layers leave a state unexpanded, is not trusted: the prompts are then prefilled once per row (the
+   old cost, same results), logged once per family.
+3. **Decode** with the model's forward and the cache, no `generate`: positions continue from each row's last
+   prompt position (+1 per token on every axis — after a text token all three M-RoPE axes are equal, so this
+   is what the model's ``get_rope_index`` gives the teacher-forced pass), sampling is temperature, top-k,
+   top-p and the suppressed tokens, nothing else. Finished rows leave the batch (the cache is compacted when a
+   quarter of its rows are done).
+
+Behaviour log-probs are ``log_softmax(logits / temperature)`` of the raw logits (before suppression, top-k and
+top-p) at the sampled token: the quantity the teacher-forced pass computes. The samples are equal in
+distribution to `generate`'s (the same processors in the same order, then one draw per row from the global
+generator by inverting the cumulative distribution, `draw`), not draw-for-draw: `generate`'s
+``torch.multinomial`` consumes the random stream differently.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from vlrl.models.adapters import TextAdapter, VisionInputs
+from vlrl.rollout.types import Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")  # per-token modality inputs: a generated token is text (0)
+_NOT_EXPANDABLE: set[str] = set()  # families whose cache could not be expanded (logged once each)
+
+
+@dataclass
+class Decoded:
+    """The sampled tokens of every row.
+
+    Attributes:
+        tokens: per row, the generated token ids (ending with EOS when ``finished`` says so).
+        logp: per row, (len(tokens),) behaviour log-probs.
+        eos: per row, whether it ended with an EOS token.
+        stop_string: per row, whether a stop string ended it.
+    """
+
+    tokens: list[list[int]]
+    logp: list[torch.Tensor]
+    eos: list[bool]
+    stop_string: list[bool]
+
+
+@dataclass
+class DecodeStats:
+    """What the last `sample` call did: prompts prefilled, rows decoded, whether the cache was expanded."""
+
+    rows: int = 0
+    prefilled: int = 0  # sequences run through the prefill (distinct prompts, or ``rows`` on the fallback)
+    prefill_tokens: int = 0  # padded prompt positions prefilled
+    steps: int = 0
+    compactions: int = 0  # times finished rows were dropped from the batch and its cache
+    expanded: bool = True
+    prefill_seconds: float = 0.0  # prompts through the model (vision tower included), cache expansion
+    decode_seconds: float = 0.0  # the token-by-token steps
+
+    def add(self, other: DecodeStats) -> None:
+        """Accumulate ``other`` (one batch) into these totals."""
+        self.rows += other.rows
+        self.prefilled += other.prefilled
+        self.prefill_tokens += other.prefill_tokens
+        self.steps += other.steps
+        self.compactions += other.compactions
+        self.expanded = self.expanded and other.expanded
+        self.prefill_seconds += other.prefill_seconds
+        self.decode_seconds += other.decode_seconds
+
+
+# ----------------------------------------------------------------------------------------------- grouping
+def distinct_prompts(requests: Sequence[Request]) -> tuple[list[Request], list[int]]:
+    """The distinct prompts among ``requests`` (equal token ids and equal vision tensors) and, per request, the
+    index of its prompt among them."""
+    unique: list[Request] = []
+    by_ids: dict[tuple[int, ...], list[int]] = {}
+    index: list[int] = []
+    for request in requests:
+        key = tuple(request.prompt_ids)
+        match = next((k for k in by_ids.get(key, []) if _same_vision(unique[k].vision, request.vision)), None)
+        if match is None:
+            match = len(unique)
+            unique.append(request)
+            by_ids.setdefault(key, []).append(match)
+        index.append(match)
+    return unique, index
+
+
+def _same_vision(a: VisionInputs | None, b: VisionInputs | None) -> bool:
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    ta, tb = _tensors(a), _tensors(b)
+    return ta.keys() == tb.keys() and all(ta[k].shape == tb[k].shape and torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def _tensors(vision: VisionInputs) -> dict[str, torch.Tensor]:
+    tensors = getattr(vision, "tensors", None)  # a dict of processor outputs, or named fields
+    if isinstance(tensors, dict):
+        return tensors
+    return {k: v for k, v in vars(vision).items() if isinstance(v, torch.Tensor)}
+
+
+# ----------------------------------------------------------------------------------------------- the model's API
+@cache
+def _forward_params(cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
+def _cache_key(model: torch.nn.Module) -> str:
+    """transformers ≥ 5.24 names the cache argument ``cache`` (``past_key_values`` before)."""
+    return "cache" if "cache" in _forward_params(type(getattr(model, "module", model))) else "past_key_values"
+
+
+def _forward(model: torch.nn.Module, kwargs: dict, cache) -> tuple[torch.Tensor, object]:
+    """Run ``model`` on ``kwargs`` with ``cache``; the last position's logits (rows, V) and the cache."""
+    if "logits_to_keep" in _forward_params(type(getattr(model, "module", model))):
+        kwargs = {**kwargs, "logits_to_keep": 1}
+    out = model(**kwargs, use_cache=True, **({_cache_key(model): cache} if cache is not None else {}))
+    cache = getattr(out, "cache", None) if hasattr(out, "cache") else getattr(out, "past_key_values", None)
+    return out.logits[:, -1], cache
+
+
+def prefill(model: torch.nn.Module, adapter: TextAdapter, prompts: Sequence[Request], pad_token_id: int
+            ) -> tuple[torch.Tensor, object, torch.Tensor, torch.Tensor, list[str]]:
+    """Run the left-padded ``prompts`` through the model once.
+
+    Returns ``(logits, cache, attention_mask, last_position, type_keys)``: the last position's logits (B, V), the
+    cache, the prompt mask (B, P), each row's last position ids (..., B, 1) — 1-D or M-RoPE (3, B, 1) — and the
+    per-token modality inputs the model takes (a decode step passes them as text)."""
+    device = next(model.parameters()).device
+    P = max(len(r.prompt_ids) for r in prompts)
+    input_ids = torch.full((len(prompts), P), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for k, request in enumerate(prompts):
+        n = len(request.prompt_ids)
+        input_ids[k, P - n :] = torch.as_tensor(request.prompt_ids)
+        attention_mask[k, P - n :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    vision = VisionInputs.concat([r.vision for r in prompts])
+    kwargs = adapter.forward_inputs(model, input_ids, attention_mask, vision.to(device) if vision is not None else None)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        kwargs["position_ids"] = position_ids
+    logits, cache = _forward(model, kwargs, None)
+    return logits, cache, attention_mask, position_ids[..., -1:], [k for k in _TYPE_KEYS if k in kwargs]
+
+
+def expand_cache(cache: object, index: torch.Tensor, family: str) -> bool:
+    """Copy the cache's rows to ``index`` (row → prompt) in place; False (logged once per family) when the cache
+    cannot be trusted to have expanded: not a transformers `Cache`, or a layer state left at the old batch size."""
+    from transformers.cache_utils import Cache
+
+    reason = None
+    if not isinstance(cache, Cache):
+        reason = f"the model returned a {type(cache).__name__}, not a transformers Cache"
+    else:
+        try:
+            cache.reorder_cache(index)
+            bad = [type(layer).__name__ for layer in cache.layers
+                   if any(t.shape[0] != len(index) for t in _layer_tensors(layer))]
+            if bad:
+                reason = f"cache layer(s) {sorted(set(bad))} kept a state at the prompt batch size"
+        except Exception as err:  # a layer type without a working reorder_cache
+            reason = f"{type(err).__name__}: {err}"
+    if reason is None:
+        return True
+    if family not in _NOT_EXPANDABLE:
+        _NOT_EXPANDABLE.add(family)
+        log.warning("%s: the KV cache cannot be expanded to a group's samples (%s); prefilling every sample "
+                    "instead (same results, n× the prompt work)", family, reason)
+    return False
+
+
+def _layer_tensors(layer: object) -> list[torch.Tensor]:
+    """The per-row tensors a cache layer holds: keys/values, and linear-attention conv/recurrent states."""
+    out = []
+    for value in vars(layer).values():
+        values = value.values() if isinstance(value, dict) else [value]
+        out.extend(v for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.numel() > 0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+def next_tokens(logits: torch.Tensor, sampling: SamplingParams, suppress: torch.Tensor | None) -> torch.Tensor:
+    """(rows,) tokens from raw logits (rows, V): suppressed tokens never; greedy at temperature 0, else
+    temperature → top-k → top-p → a draw (the order of `generate`'s logits processors)."""
+    logits = logits.float()
+    if suppress is not None:
+        logits = logits.index_fill(-1, suppress, float("-inf"))
+    if sampling.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]  # (rows, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1)  # ascending, as `TopPLogitsWarper`
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - sampling.top_p
+        drop[:, -1] = False  # keep at least the most likely token
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return draw(logits.softmax(-1))
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """(rows,) one draw per row of ``probs`` (rows, V) by inverting the cumulative distribution: one uniform per
+    row and a binary search. Equal in distribution to ``torch.multinomial(probs, 1)``, which draws a random number
+    per vocabulary entry — ~9× slower at V = 1024 on this CPU, and it grows with V (`benchmarks/generation.py`)."""
+    cdf = probs.double().cumsum(-1)  # (rows, V); float64: no drift over a 150k vocabulary
+    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=probs.device) * cdf[:, -1:]  # in [0, total)
+    # the first index whose cdf exceeds u: never a zero-probability token (its cdf equals its predecessor's)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def _stopped_by_string(tokenizer, tokens: list[int], stops: Sequence[str], tail: int) -> bool:
+    text = tokenizer.decode(tokens[-tail:], skip_special_tokens=False)  # every token is ≥ 1 byte: tail suffices
+    return any(text.endswith(s) for s in stops)
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+@torch.no_grad()
+def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request], sampling: SamplingParams, *,
+           pad_token_id: int, eos_token_ids: Sequence[int], suppress: Sequence[int] = (),
+           on_step: Callable[[], torch.Tensor] | None = None, stats: DecodeStats | None = None) -> Decoded:
+    """One sample per entry of ``rows`` (a request repeated n times is prefilled once).
+
+    ``on_step``: called after every decode step, returns a (rows,) bool tensor — those rows stop there."""
+    stats = stats if stats is not None else DecodeStats()
+    stats.rows, stats.steps, stats.compactions = len(rows), 0, 0
+    start = time.perf_counter()
+    device = next(model.parameters()).device
+    prompts, prompt_of_row = distinct_prompts(rows)
+    logits, cache, prompt_mask, last_position, type_keys = prefill(model, adapter, prompts, pad_token_id)
+    stats.prefilled, stats.prefill_tokens, stats.expanded = len(prompts), prompt_mask.numel(), True
+    index = torch.tensor(prompt_of_row, dtype=torch.long, device=device)
+    if len(prompts) != len(rows) and not expand_cache(cache, index, adapter.family):
+        logits, cache, prompt_mask, last_position, type_keys = prefill(model, adapter, list(rows), pad_token_id)
+        stats.prefilled, stats.prefill_tokens, stats.expanded = len(rows), prompt_mask.numel(), False
+    elif len(prompts) != len(rows):
+        logits, prompt_mask, last_position = logits[index], prompt_mask[index], last_position[..., index, :]
+
+    stats.prefill_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    N, T = len(rows), sampling.max_new_tokens
+    suppress_ids = torch.tensor(sorted(set(suppress)), dtype=torch.long, device=device) if suppress else None
+    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
+    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+    tail = max((len(s.encode()) for s in sampling.stop), default=0) + 2
+    tokens: list[list[int]] = [[] for _ in range(N)]
+    logps: list[list[torch.Tensor]] = [[] for _ in range(N)]
+    ended_eos, ended_stop = [False] * N, [False] * N
+    live = torch.arange(N, device=device)  # the rows still in the batch (the cache's rows, in order)
+    done = torch.zeros(N, dtype=torch.bool, device=device)  # over all rows
+    for step in range(T):
+        new = next_tokens(logits, sampling, suppress_ids)  # (live,)
+        logp = F.log_softmax(logits.float() / temperature, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        new_cpu, logp_cpu, live_cpu = new.tolist(), logp.cpu(), live.tolist()
+        for j, row in enumerate(live_cpu):
+            if done[row]:
+                continue
+            tokens[row].append(new_cpu[j])
+            logps[row].append(logp_cpu[j])
+        finished = torch.isin(new, eos) & ~done[live]
+        for j in finished.nonzero().flatten().tolist():
+            ended_eos[live_cpu[j]] = True
+        done[live] |= finished
+        if sampling.stop:
+            for row in live_cpu:
+                if not done[row] and _stopped_by_string(adapter.tokenizer, tokens[row], sampling.stop, tail):
+                    ended_stop[row], done[row] = True, True
+        stats.steps = step + 1
+        if on_step is not None:
+            done |= on_step().to(device)
+        if bool(done.all()) or step == T - 1:
+            break
+        keep = ~done[live]  # (live,)
+        if int(keep.sum()) <= 3 * len(live) // 4:  # compact: finished rows leave the cache
+            cache.reorder_cache(keep.nonzero().flatten())
+            live, new, last_position = live[keep], new[keep], last_position[..., keep, :]
+            prompt_mask = prompt_mask[keep]
+            stats.compactions += 1
+        kwargs = {"input_ids": new.unsqueeze(-1),  # (live, 1)
+                  "attention_mask": torch.cat([prompt_mask, prompt_mask.new_ones(len(live), step + 1)], dim=-1),
+                  "position_ids": last_position + step + 1}
+        kwargs.update({k: torch.zeros_like(kwargs["input_ids"], dtype=torch.int32) for k in type_keys})
+        logits, cache = _forward(model, kwargs, cache)
+    stats.decode_seconds = time.perf_counter() - start
+    return Decoded(tokens=tokens, logp=[torch.stack(lp) if lp else torch.zeros(0) for lp in logps],
+                   eos=ended_eos, stop_string=ended_stop)
