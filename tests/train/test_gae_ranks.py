@@ -62,3 +62,44 @@ def _initial(model_dir):
 
     policy = load_policy(str(model_dir))
     return policy.model.state_dict(), ValueModel(policy).state_dict()
+
+
+@pytest.mark.e2e  # three 2-rank launches: ~50 s on 2 shared cores
+def test_shapes_ppo_under_torchrun_checkpoints_and_resumes_the_critic(tiny_vlm_dir, tmp_path):
+    """configs/shapes_ppo.yaml as a user runs it, `torchrun -m vlrl.cli rl` on 2 FSDP2 ranks: 1 step, then
+    `--resume auto` to 3, logs the critic's value loss and grad norm of the 3 steps run at once, bit for bit, and
+    ends with the same weights — the critic's full state (weights, AdamW, scheduler) is in the checkpoint."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from vlrl.train.checkpoint import read_checkpoint_carry_over
+
+    from .dist_helpers import COMMON_ARGS, write_rl_data
+
+    data = write_rl_data(tmp_path / "data" / "train.jsonl")
+    args = ["rl", "--config", str(REPO / "configs/shapes_ppo.yaml"), f"model.path={tiny_vlm_dir}", f"data.train={data}",
+            f"data.test={data}", "train.steps=3", "train.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=6",
+            "train.micro_batch_size=4", "dist.strategy=fsdp", *COMMON_ARGS]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run_checked(torchrun(2, "-m", "vlrl.cli", *args, f"out={reference}"), timeout=600)
+    run_checked(torchrun(2, "-m", "vlrl.cli", *args, f"out={resumed}", "train.steps=1"), timeout=600)
+    carry = read_checkpoint_carry_over(resumed / "checkpoints" / "step_00000001", rank=1)
+    head = carry.algorithm.critic["model"]["head.weight"]
+    assert head.shape[0] == 1 and float(head.abs().sum()) > 0  # the full head (not a shard), trained from zero
+    assert carry.algorithm.critic["optimizer"]["state"]["head.weight"]["exp_avg"].shape == head.shape
+    run_checked(torchrun(2, "-m", "vlrl.cli", *args, f"out={resumed}", "--resume", "auto"), timeout=600)
+
+    def records(run_dir):
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r["stage"] == "rl"]
+
+    expected, got = records(reference), records(resumed)
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == [1, 2, 3]
+    keys = ("reward/mean", "policy/loss", "policy/grad_norm", "policy/kl_ref", "critic/value_loss", "critic/grad_norm",
+            "critic/values_mean")
+    for a, b in zip(expected, got, strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, f"step {a['step']}"
+    weights_a = load_file(reference / "checkpoints" / "final" / "model.safetensors")
+    weights_b = load_file(resumed / "checkpoints" / "final" / "model.safetensors")
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
