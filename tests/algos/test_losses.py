@@ -188,6 +188,10 @@ def test_value_loss_by_hand():
     assert out.metrics["value_clip"].tolist() == [[1.0, 0.0]]
     out.per_token_loss.sum().backward()
     assert torch.allclose(values.grad, torch.tensor([[0.0, 0.4]]), atol=1e-6)
+    # V = .1 inside the range of V_old = .25: V_clip = .25 + (.1 − .25) is .1 up to float32 rounding (an ulp
+    # off), so with R = .1 the clipped error is ~1e-17 > 0 — not a clip: the metric counts none
+    out = value_loss(torch.tensor([[0.1]]), torch.tensor([[0.25]]), torch.tensor([[0.1]]), clip=0.2)
+    assert out.metrics["value_clip"].tolist() == [[0.0]]
 
 
 def test_kl_reward_penalty_by_hand():

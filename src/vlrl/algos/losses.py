@@ -316,14 +316,16 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         L_t = ½ · max((V − R_t)², (V_clip − R_t)²)
 
     ``old_values`` are the critic's values when the batch was prepared, ``returns`` R the GAE targets.
-    Metric ``value_clip``: tokens where the clipped error was the larger one (no gradient through V there
-    beyond the clip). Aggregate it with `aggregate` like a policy loss.
+    Metric ``value_clip``: tokens where V left the clip range (|V − V_old| > ε_v) and the clipped error was the
+    larger one (no gradient through V there). Inside the range V_clip = V, so the two errors are equal —
+    floating point may put them an ulp apart, which is not a clip. Aggregate it with `aggregate` like a policy loss.
     """
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped - returns) ** 2
     loss = 0.5 * torch.maximum(unclipped_error, clipped_error)  # (B, T)
-    return LossOutput(per_token_loss=loss, metrics={"value_clip": (clipped_error > unclipped_error).float().detach()})
+    active = ((values - old_values).abs() > clip) & (clipped_error > unclipped_error)
+    return LossOutput(per_token_loss=loss, metrics={"value_clip": active.float().detach()})
 
 
 def applies_behaviour_weight(fn) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vlrl.algos import AdvantageInputs, get_advantage, get_policy_loss, masked_mean
+from vlrl.algos import AdvantageInputs, get_advantage, get_policy_loss
 from vlrl.algos.advantages import advantage_needs
 from vlrl.algos.filters import mask_truncated
 from vlrl.algos.kl import kl_reward_penalty
@@ -101,12 +101,15 @@ class Algorithm:
 
 
 def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_weight: bool,
-                    reference: torch.nn.Module | None = None) -> Algorithm:
+                    reference: torch.nn.Module | None = None, critic_model: torch.nn.Module | None = None,
+                    ctx: Any = None) -> Algorithm:
     """Bind ``stage.algo`` (and ``stage.critic``) once. ``apply_behaviour_weight``: multiply the loss by
     w = min(π_prox / π_behave, cap) — the async recipe's decoupled objective — unless the loss does it itself
     (then it gets ``cap`` and ``behaviour_weight_mode`` from ``stage.staleness``).
     ``reference``: a frozen reference already built (e.g. FSDP2-sharded by `vlrl.train.runtime.make_runtime`);
-    unset, a frozen copy of the policy is made when ``algo.kl_coef > 0``."""
+    unset, a frozen copy of the policy is made when ``algo.kl_coef > 0``. ``critic_model``: the value model
+    already wrapped for the ranks (`make_runtime`), unset: built from the policy when the estimator needs
+    values; ``ctx`` (`DistContext`): the critic's ranks agree on a non-finite step."""
     algo, train, staleness = stage.algo, stage.train, stage.staleness
     estimator = get_advantage(algo.advantage)
     needs = advantage_needs(estimator)
@@ -140,7 +143,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         advantage_shaping=ShapingChain(algo.advantage_shaping, get_advantage_shaping, "advantages"),
         # kl_coef = 0: no reference at all
         reference=(reference if reference is not None else reference_model(policy)) if algo.kl_coef > 0 else None,
-        critic=Critic(policy, stage.critic) if "values" in needs else None,
+        critic=Critic(policy, stage.critic, module=critic_model, ctx=ctx) if "values" in needs else None,
         settings=settings,
         kl_in_reward=algo.kl_coef if algo.kl_mode == "reward" else 0.0,
         kl_estimator=algo.kl_estimator,
@@ -208,10 +211,12 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         context=context,
     ))
     token_rewards = place_rewards(rewards, tensors["loss_mask"], tensors["last_index"])  # (B, R)
+    token_sums: dict[str, list[float]] = {}
     if algorithm.kl_in_reward > 0:
         token_rewards, kl = kl_reward_penalty(token_rewards, old_logp, ref_logp, tensors["loss_mask"],
                                               coef=algorithm.kl_in_reward, kind=algorithm.kl_estimator)
-        metrics["policy/kl_ref"] = float(masked_mean(kl, tensors["loss_mask"]))
+        mask = tensors["loss_mask"]  # logged as a token mean over the whole batch (summed over ranks)
+        token_sums["policy/kl_ref"] = [float((kl * mask).sum()), float(mask.sum())]
     if "baseline_rewards" in algorithm.needs and baseline_rewards is None:
         raise ValueError("the advantage estimator needs baseline_rewards (greedy responses); the recipe gave none")
     # advantages
@@ -231,6 +236,7 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         group_index=tensors["group_index"], rewards=rewards, token_rewards=token_rewards,
         same_version=same_version if same_version is not None else torch.ones(B, dtype=torch.bool), metrics=metrics,
         old_values=values, returns=estimate.returns if values is not None else None, rollout_weights=rollout_weights,
+        token_sums=token_sums,
     )
 
 

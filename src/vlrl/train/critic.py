@@ -6,6 +6,13 @@ The backbone is a copy of the policy's transformer (its own weights from the pol
 language-model head is dropped), the head is zero-initialised (V ≡ 0 at the start, so the first advantages
 are the returns). It has its own AdamW optimizer and is trained with the clipped value loss
 (`vlrl.algos.losses.value_loss`) on the GAE returns, minibatch by minibatch alongside the policy.
+
+Under torchrun the value model is built before the actor is sharded and wrapped like it
+(`vlrl.train.runtime.make_runtime`, `vlrl.train.distributed.wrap_critic`: DDP, or FSDP2 with the actor's units);
+each rank computes the values of its own responses, the value loss is divided by the all-reduced normaliser ÷ W
+(the actor's) and the gradients are reduced in the last micro-batch's backward, so the ranks take the optimizer
+step of one big batch. Its checkpoint state is the full (gathered) state dict, keyed by parameter name: it
+loads on any number of ranks, DDP, FSDP2 or one process.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from vlrl.algos.losses import value_loss
 from vlrl.config import CriticConfig, OptimConfig
 from vlrl.models import Policy, collate
 from vlrl.train.common import make_optimizer, step_or_skip
+from vlrl.train.distributed import gradient_sync, unwrap
 
 
 class ValueModel(torch.nn.Module):
@@ -53,11 +61,14 @@ class ValueModel(torch.nn.Module):
 
 
 class Critic:
-    """A `ValueModel` with its optimizer; the update calls `accumulate` per minibatch, then `step`."""
+    """A `ValueModel` with its optimizer; the update calls `accumulate` per minibatch, then `step`.
+    ``module``: the value model already wrapped for several ranks (`vlrl.train.runtime.Runtime.critic`);
+    ``ctx`` (`DistContext`): the ranks agree on a non-finite step."""
 
-    def __init__(self, policy: Policy, cfg: CriticConfig) -> None:
-        self.model = ValueModel(policy)
-        self.cfg = cfg
+    def __init__(self, policy: Policy, cfg: CriticConfig, *, module: torch.nn.Module | None = None,
+                 ctx: Any = None) -> None:
+        self.model = module if module is not None else ValueModel(policy)
+        self.cfg, self.ctx = cfg, ctx
         self.optimizer, self.scheduler = make_optimizer(self.model, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay))
 
     @torch.no_grad()
@@ -70,22 +81,25 @@ class Critic:
 
     def accumulate(self, batch: Any, rows: Sequence[int], *, micro_batch_size: int, loss_agg: str,
                    normaliser: float) -> UpdateStats:
-        """Clipped value loss over ``rows`` in micro-batches, gradients accumulated (no step). Returns
-        ``critic/value_loss`` once (the sum over the micro-batches: the rows' share of the minibatch loss) and
-        the per-token ``critic/value_clip_frac`` and ``critic/values_mean`` pooled over the rows' tokens."""
+        """Clipped value loss over ``rows`` in micro-batches, gradients accumulated (no step; under DDP/FSDP2
+        reduced over the ranks in the last micro-batch's backward). ``normaliser``: the actor's (all-reduced ÷ W).
+        Returns ``critic/value_loss`` once (the sum over the micro-batches: the rows' share of the minibatch
+        loss) and the per-token ``critic/value_clip_frac`` and ``critic/values_mean`` pooled over the rows' tokens."""
         from vlrl.train.update import UpdateStats
 
         self.model.train()
         stats, total = UpdateStats(), 0.0
-        for start in range(0, len(rows), micro_batch_size):
+        starts = range(0, len(rows), micro_batch_size)
+        for start in starts:
             micro = list(rows[start : start + micro_batch_size])
-            values = self.model([batch.trajectories[i] for i in micro])  # (b, R)
-            R = values.shape[1]
-            mask = batch.loss_mask[micro, :R].to(values.device)
-            out = value_loss(values, batch.old_values[micro, :R].to(values.device),
-                             batch.returns[micro, :R].to(values.device), clip=self.cfg.value_clip)
-            loss = aggregate(out.per_token_loss, mask, loss_agg, normaliser=normaliser)
-            loss.backward()
+            with gradient_sync(self.model, start == starts[-1]):
+                values = self.model([batch.trajectories[i] for i in micro])  # (b, R)
+                R = values.shape[1]
+                mask = batch.loss_mask[micro, :R].to(values.device)
+                out = value_loss(values, batch.old_values[micro, :R].to(values.device),
+                                 batch.returns[micro, :R].to(values.device), clip=self.cfg.value_clip)
+                loss = aggregate(out.per_token_loss, mask, loss_agg, normaliser=normaliser)
+                loss.backward()
             total += float(loss.detach())
             stats.add_tokens("critic/value_clip_frac", out.metrics["value_clip"], mask)
             stats.add_tokens("critic/values_mean", values, mask)
@@ -95,16 +109,37 @@ class Critic:
     def step(self, *, on_nonfinite: str = "stop", where: str = "critic") -> float | None:
         """The critic's optimizer step (`vlrl.train.common.step_or_skip`: None when a non-finite one is skipped)."""
         return step_or_skip(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip, on_nonfinite=on_nonfinite,
-                            where=where)
+                            where=where, ctx=self.ctx)
 
     def state_dict(self) -> dict[str, Any]:
-        """Weights, optimizer and scheduler: what a resumable checkpoint keeps of the critic."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
+        """Weights, optimizer and scheduler: what a resumable checkpoint keeps of the critic — the full tensors
+        keyed by parameter name (gathered from the FSDP2 shards; a collective: every rank calls it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True))
+        return {"model": _detached(model), "optimizer": _detached(optimizer), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore `state_dict`'s record (sharded again under FSDP2; every rank calls it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
         if state is None:
             raise ValueError("the checkpoint holds no critic state: resume with the same algo.advantage")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        missing = sorted(set(unwrap(self.model).state_dict()) - set(state["model"]))
+        if missing:
+            raise ValueError(f"the checkpoint's critic lacks {len(missing)} weight(s) of this one, e.g. {missing[:3]}: "
+                             "it was written for a different model")
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _detached(value: Any) -> Any:
+    """A state dict's tensors as plain CPU copies (nothing shared with the live parameters)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_detached(v) for v in value)
+    return value

@@ -170,6 +170,31 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, cfg: DistConfig) -> tor
     return model
 
 
+def wrap_critic(value_model: torch.nn.Module, ctx: DistContext, cfg: DistConfig) -> torch.nn.Module:
+    """The critic's value model wrapped like the actor: DDP (same parameters, gradients all-reduced), or FSDP2
+    with the same units inside its backbone (decoder layers, vision blocks, vision tower) and the value model —
+    backbone + head — as the root, so the head is sharded too and its forward is the one that gathers."""
+    if not ctx.enabled:
+        return value_model
+    if cfg.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(value_model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                                       find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": init_device_mesh(ctx.device.type, (ctx.world_size,))}
+    if cfg.mixed_precision != "none":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
+    backbone = value_model.backbone
+    for unit in fsdp_units(backbone):
+        fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    fully_shard(value_model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    _keep_output_capturing(value_model)
+    return value_model
+
+
 def _keep_output_capturing(model: torch.nn.Module) -> None:
     """transformers 5 records a model's intermediate outputs (the hidden states LLaVA-OneVision's and InternVL's
     ``vision_feature_layer`` selects) through a registry keyed by the module's class name; `fully_shard` gives
@@ -232,14 +257,6 @@ def check_scalable(cfg, world_size: int) -> None:
     if synth is not None and synth.enabled and scaled:
         raise ValueError("synth.enabled: Syn-GRPO rewrites the dataset as it trains; it runs in one process without "
                          "resumable checkpoints (no torchrun / checkpoint.every / --resume)")
-    algo = getattr(cfg, "algo", None)
-    if algo is not None and world_size > 1:
-        from vlrl.algos import advantage_needs, get_advantage
-
-        if "values" in advantage_needs(get_advantage(algo.advantage)):
-            raise ValueError(f"algo.advantage={algo.advantage}: the critic trains in one process (it is not yet "
-                             "sharded like the actor); run value-based estimators without torchrun (or pick a "
-                             "critic-free estimator such as grpo)")
 
 
 # ----------------------------------------------------------------------------------------------- RL over ranks

@@ -67,7 +67,8 @@ def train_grpo(
     stack = ExitStack()
     try:
         cursor = PromptCursor(synthesis.dataset if synthesis is not None else samples, seed)
-        algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False, reference=rt.reference)  # π_behave = π_old
+        algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False, reference=rt.reference,  # π_behave = π_old
+                                    critic_model=rt.critic, ctx=rt.ctx)
         algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, rt.ctx)  # over all ranks' responses
         sampler = GroupSampler(engine, cursor, sampling_params(rollout), prompts_per_step=train.prompts_per_step,
                                dynamic=stage.algo.dynamic_sampling, greedy_baseline="baseline_rewards" in algorithm.needs,

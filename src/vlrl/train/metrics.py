@@ -37,6 +37,7 @@ def step_metrics(batch: UpdateBatch, stats: UpdateStats, groups: Sequence[Group]
     ``groups`` are this rank's share: every rank's responses and statistics are gathered, so that rank 0 logs
     what one process training the whole batch would."""
     trajectories = list(batch.trajectories)
+    stats = UpdateStats.merge([stats, UpdateStats(token_sums=batch.token_sums)])  # + the batch's per-token metrics
     seq_adv = (batch.advantages.abs() * batch.loss_mask).sum(-1)  # (B,) |Â| of each response
     group_index, shaping = batch.group_index, dict(batch.metrics)
     failures = sum(len(g.reward_failures) for g in groups)

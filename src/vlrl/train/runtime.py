@@ -18,7 +18,7 @@ import torch
 from vlrl.config import DistConfig
 from vlrl.train.checkpoint import Checkpointer
 from vlrl.train.common import PromptCursor, frozen_copy, seed_everything
-from vlrl.train.distributed import MIXED_DTYPES, DistContext, gradient_sync, wrap_model
+from vlrl.train.distributed import MIXED_DTYPES, DistContext, gradient_sync, wrap_critic, wrap_model
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Runtime:
     cfg: DistConfig = field(default_factory=DistConfig)
     checkpointer: Checkpointer | None = None
     reference: torch.nn.Module | None = None  # RL with a KL term: the frozen reference, sharded like the actor
+    critic: torch.nn.Module | None = None  # RL with a value-based estimator: the value model, wrapped like the actor
 
     @property
     def resume_from(self) -> Path | None:
@@ -95,9 +96,21 @@ def make_runtime(cfg, ctx: DistContext, policy, run_dir, resume_from=None) -> Ru
         # (LoRA: the reference is the actor with its adapters disabled, `vlrl.train.batch.reference_model`)
         reference = wrap_model(frozen_copy(policy.model), ctx, cfg.dist.model_copy(update={"strategy": "fsdp"})) \
             if cfg.dist.strategy == "fsdp" else frozen_copy(policy.model)
+    critic = None
+    if algo is not None and needs_critic(algo.advantage):  # built before the actor is sharded in place
+        from vlrl.train.critic import ValueModel
+
+        critic = wrap_critic(ValueModel(policy), ctx, cfg.dist)
     module = wrap_model(policy.model, ctx, cfg.dist)
     if ctx.enabled:
         seed_everything(cfg.seed + ctx.rank)
     checkpointer = Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, ctx, policy=policy,
                                 metrics_path=Path(run_dir) / "metrics.jsonl", resume_from=resume_from)
-    return Runtime(ctx, module, cfg.dist, checkpointer, reference)
+    return Runtime(ctx, module, cfg.dist, checkpointer, reference, critic)
+
+
+def needs_critic(advantage: str) -> bool:
+    """The estimator ``algo.advantage`` uses critic values (gae)."""
+    from vlrl.algos import advantage_needs, get_advantage
+
+    return "values" in advantage_needs(get_advantage(advantage))

@@ -56,6 +56,8 @@ class UpdateBatch:
     old_values: torch.Tensor | None = None  # (B, R) critic values when the batch was prepared (gae)
     returns: torch.Tensor | None = None  # (B, R) the critic's regression targets
     rollout_weights: torch.Tensor | None = None  # (B, R) TIS weights min(π_old / π_sampler, C), no grad; None: off
+    token_sums: dict[str, list[float]] = field(default_factory=dict)  # per-token metrics of the batch (the KL
+    # reward penalty's): name -> [Σ value·mask, Σ mask], logged as token means over every rank's tokens
 
 
 @dataclass
@@ -158,8 +160,8 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
 
     Under torchrun (``runtime``, `vlrl.train.runtime`) ``batch`` is this rank's shard: every rank splits its
     rows into the same number of minibatches, the normaliser is all-reduced, and gradients are reduced once per
-    minibatch, so N ranks take the optimizer steps of one big batch. (The critic is single-process:
-    `check_scalable` refuses value-based estimators under several ranks.)"""
+    minibatch, so N ranks take the optimizer steps of one big batch — the critic's too (wrapped like the actor,
+    `vlrl.train.critic`, with the same normaliser)."""
     rt = runtime or Runtime.single(policy.model)
     model = rt.module
     model.train()
