@@ -17,11 +17,10 @@ import sys
 import httpx
 import pytest
 
-from vlrl.models import load_policy
-from vlrl.rollout.weights import weight_checksum
-
 from rollout.conftest import API_KEY, vlrl_serve  # tests/ is on sys.path (the test packages' root)
 from vlrl.data import generate, write_samples
+from vlrl.models import load_policy
+from vlrl.rollout.weights import weight_checksum
 
 from .dist_helpers import REPO, quiet_env, torchrun
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from vlrl.config import CriticConfig, OptimConfig
 from vlrl.models import Policy, collate
 from vlrl.train.common import make_optimizer, step_or_skip
 from vlrl.train.distributed import gradient_sync, unwrap
+
+if TYPE_CHECKING:  # update.py imports this module
+    from vlrl.train.update import UpdateStats
 
 
 class ValueModel(torch.nn.Module):
