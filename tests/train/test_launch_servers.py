@@ -40,7 +40,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.e2e
+def _ranks_gone(text: str) -> bool:
+    """Every rank actor whose output Ray streamed (``(RankActor pid=N)``) has exited."""
+    pids = {int(p) for p in re.findall(r"\(RankActor pid=(\d+)", text)}
+    assert pids, text[-4000:]
+    return all(_gone(pid) for pid in pids)
+
+
 def test_launch_starts_a_rollout_server_for_two_ranks_and_stops_it(tiny_vlm_dir, tmp_path):
     out = tmp_path / "run"
     cmd = _cmd(tiny_vlm_dir, out, "rollout.weight_sync=distributed")
@@ -58,10 +64,9 @@ def test_launch_starts_a_rollout_server_for_two_ranks_and_stops_it(tiny_vlm_dir,
     assert final[2] == weight_checksum(load_policy(str(out / "checkpoints" / "final")).model)
     assert not (out / "rollout_weights").exists()
     pid = int(SERVER.search(text)[2])
-    assert _gone(pid)  # stopped when the run ended
+    assert _gone(pid) and _ranks_gone(text)  # stopped when the run ended
 
 
-@pytest.mark.e2e
 def test_a_server_killed_mid_run_stops_the_launch(tiny_vlm_dir, tmp_path):
     out = tmp_path / "run"
     cmd = _cmd(tiny_vlm_dir, out, "train.steps=200")  # far longer than the test waits
@@ -92,6 +97,8 @@ def test_a_server_killed_mid_run_stops_the_launch(tiny_vlm_dir, tmp_path):
     assert len(errors) == 1, text[-6000:]
     steps = len((out / "metrics.jsonl").read_text().splitlines())
     assert 0 < steps < 200  # it did train, and did not go on without its server
+    assert _ranks_gone(text)
+    print(errors[0])
 
 
 def test_a_server_that_cannot_start_ends_the_launch_before_the_ranks(tmp_path):

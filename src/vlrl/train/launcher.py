@@ -329,9 +329,10 @@ class RolloutServers:
             if self._readers:
                 self._readers[server.index].join(timeout=2)  # its last words
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            last = next((line.strip() for line in reversed(server.tail) if line.strip()), "no output")
             what = "could not start" if starting else "stopped during the run; all ranks stopped"
-            raise LaunchError(f"{server.name()} {how}: {what} (its last line: {last})")
+            last = next((line.strip() for line in reversed(server.tail) if line.strip()), "no output")
+            said = f" (its last line: {last})" if starting or code > 0 else ""  # a killed server said nothing
+            raise LaunchError(f"{server.name()} {how}: {what}{said}")
 
     def report_weights(self) -> None:
         """Print each server's final weight version and checksum (they equal the trainer's after its last update)."""
