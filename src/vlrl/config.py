@@ -721,8 +721,8 @@ class LaunchConfig(Section):
     )
     server_threads: int = Field(1, ge=1, description="`vlrl launch`: torch CPU threads of each rollout server (`--threads`).")
     server_args: list[str] = Field(
-        default_factory=list, description="`vlrl launch`: extra `vlrl serve` flags for every server, e.g. "
-        "[--device, cuda:7, --dtype, bfloat16]."
+        default_factory=list, description="`vlrl launch`: extra `vlrl serve` flags for every server; {i} in a flag "
+        "is the server's index, e.g. [--device, 'cuda:{i}', --dtype, bfloat16]."
     )
     server_timeout: float = Field(
         300.0, gt=0, description="`vlrl launch`: seconds each rollout server may take to load and answer /health."

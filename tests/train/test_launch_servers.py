@@ -49,7 +49,7 @@ def _ranks_gone(text: str) -> bool:
 
 def test_launch_starts_a_rollout_server_for_two_ranks_and_stops_it(tiny_vlm_dir, tmp_path):
     out = tmp_path / "run"
-    cmd = _cmd(tiny_vlm_dir, out, "rollout.weight_sync=distributed")
+    cmd = _cmd(tiny_vlm_dir, out, "rollout.weight_sync=distributed", "launch.server_args=[--batch-window-ms, '1{i}']")
     proc = subprocess.run(cmd, env=quiet_env(), capture_output=True, text=True, timeout=900, cwd=REPO)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{text[-8000:]}"
@@ -63,6 +63,7 @@ def test_launch_starts_a_rollout_server_for_two_ranks_and_stops_it(tiny_vlm_dir,
     assert final[1] == str(STEPS)
     assert final[2] == weight_checksum(load_policy(str(out / "checkpoints" / "final")).model)
     assert not (out / "rollout_weights").exists()
+    assert "serve --model" in text and "--threads 1 --batch-window-ms 10\n" in text  # {i}: the server's index
     pid = int(SERVER.search(text)[2])
     assert _gone(pid) and _ranks_gone(text)  # stopped when the run ended
 
@@ -110,3 +111,16 @@ def test_a_server_that_cannot_start_ends_the_launch_before_the_ranks(tmp_path):
     assert len(error) == 1 and "exited with code 2: could not start" in error[0] and "no-such-model" in error[0], text
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no rank trained
     assert _gone(int(re.search(r"rollout server 0 \(not listening yet, pid (\d+)\)", error[0])[1]))
+
+
+@pytest.mark.parametrize(("config", "extra", "code", "message"), [
+    ("shapes_sft.yaml", ["launch.rollout_servers=1"], 1, "launch.rollout_servers=1: rollout servers serve RL runs"),
+    ("shapes_grpo.yaml", ["launch.rollout_servers=1", "rollout.servers=[http://127.0.0.1:30000]"], 2,
+     "rollout.servers is set too"),
+    ("shapes_grpo.yaml", ["launch.rollout_servers=1", "--ray", "auto"], 1, "which the ranks of a cluster cannot reach"),
+])
+def test_settings_the_servers_cannot_honour_are_refused_before_anything_starts(tmp_path, config, extra, code, message):
+    cmd = [sys.executable, "-m", "vlrl.cli", "launch", str(REPO / "configs" / config), f"out={tmp_path}", *extra]
+    proc = subprocess.run(cmd, env=quiet_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == code and message in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "starting" not in proc.stdout  # no server was started

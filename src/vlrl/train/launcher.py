@@ -246,14 +246,16 @@ def server_plan(cfg, recipe: str, address: str) -> ServerPlan | None:
                       timeout=launch_cfg.server_timeout, api_key_env=cfg.rollout.api_key_env)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """Linux: the server gets SIGKILL when the launcher dies, however it dies (no orphaned servers)."""
+def _death_signal():
+    """Linux: a ``preexec_fn`` giving the server SIGKILL when the launcher dies, however it dies (no orphaned
+    servers); None elsewhere. libc is looked up here, in the parent: the forked child only makes the call."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -276,18 +278,20 @@ class RolloutServers:
         self._readers: list[threading.Thread] = []
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "vlrl.cli", "serve", "--model", self.plan.model, "--host", "127.0.0.1",
-               "--port", "0", "--threads", str(self.plan.threads), *self.plan.args]
+        base = [sys.executable, "-m", "vlrl.cli", "serve", "--model", self.plan.model, "--host", "127.0.0.1",
+                "--port", "0", "--threads", str(self.plan.threads)]
         env = {**os.environ, "VLRL_API_KEY": self.api_key}  # `vlrl serve --api-key`'s variable
+        on_fork = _death_signal()
         for i in range(self.plan.count):
+            cmd = [*base, *(arg.replace("{i}", str(i)) for arg in self.plan.args)]
+            print(f"vlrl launch: starting rollout server {i}: {' '.join(cmd)}", flush=True)
             process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, text=True, bufsize=1, preexec_fn=_die_with_parent)
+                                       env=env, text=True, bufsize=1, preexec_fn=on_fork)
             self.servers.append(_Server(i, process, tail=collections.deque(maxlen=20)))
         for server in self.servers:
             reader = threading.Thread(target=self._read, args=(server,), daemon=True, name=f"vlrl-serve-{server.index}")
             reader.start()
             self._readers.append(reader)
-        print(f"vlrl launch: starting {self.plan.count} rollout server(s): {' '.join(cmd)}", flush=True)
 
     def _read(self, server: _Server) -> None:
         for line in server.process.stdout:
