@@ -390,10 +390,13 @@ def launch(
     cfg = _load(RECIPES[kind], config, [*given, *([placeholder] if placeholder else [])], [])  # before Ray starts
     spec = RankSpec(kind, str(config), tuple(given))
     try:
-        check_scalable(cfg, cfg.launch.nproc)
-        servers = server_plan(cfg, kind, ray_address)
-        run_launch(spec, cfg.launch, address=ray_address, servers=servers)
-    except (LaunchError, ValueError) as err:
+        check_scalable(cfg, cfg.launch.nproc)  # what every rank would refuse, refused before anything starts
+    except ValueError as err:
+        typer.secho(f"vlrl launch: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    try:
+        run_launch(spec, cfg.launch, address=ray_address, servers=server_plan(cfg, kind, ray_address))
+    except LaunchError as err:
         typer.secho(f"vlrl launch: {err}", fg="red", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -263,7 +263,7 @@ class _Server:
     index: int
     process: subprocess.Popen
     url: str | None = None
-    tail: collections.deque = None  # the last lines it printed (for error messages)
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))  # its last lines printed
 
     def name(self) -> str:
         return f"rollout server {self.index} ({self.url or 'not listening yet'}, pid {self.process.pid})"
@@ -287,7 +287,7 @@ class RolloutServers:
             print(f"vlrl launch: starting rollout server {i}: {' '.join(cmd)}", flush=True)
             process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env=env, text=True, bufsize=1, preexec_fn=on_fork)
-            self.servers.append(_Server(i, process, tail=collections.deque(maxlen=20)))
+            self.servers.append(_Server(i, process))
         for server in self.servers:
             reader = threading.Thread(target=self._read, args=(server,), daemon=True, name=f"vlrl-serve-{server.index}")
             reader.start()
