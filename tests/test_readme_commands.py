@@ -50,6 +50,9 @@ NOT_RUN = {
     "torchrun --standalone --nproc_per_node 8": "8 GPUs and a hub download",
     "torchrun --nnodes 2": "two machines with 8 GPUs each",
     "vlrl launch --ray auto": "a Ray cluster with 16 GPUs",
+    "vlrl serve --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda": "a GPU and a hub download (`vlrl serve` of a "
+    "preset beside torchrun ranks: tests/train/test_servers_ranks.py)",
+    "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 torchrun": "6 GPUs beside the two servers above",
     "vlrl plan configs/shapes_grpo.yaml --gpus 8 --gpu-mem 80 model.path=Qwen/Qwen2.5-VL-7B-Instruct": "reads "
     "Qwen2.5-VL-7B's config from the hub (`vlrl plan` on the tiny presets: tests/train/test_planner.py)",
     "vlrl synth serve --backend diffusers": "an inpainting model directory (/models/sd-inpaint) and a GPU",

@@ -371,7 +371,8 @@ def launch(
     resume: str | None = RESUME,
 ) -> None:
     """Run `vlrl sft|rl` on launch.nproc Ray actors in a placement group (torch.distributed rendezvous wired)."""
-    from vlrl.train.launcher import LaunchError, RankSpec, detect
+    from vlrl.train.distributed import check_scalable
+    from vlrl.train.launcher import LaunchError, RankSpec, detect, server_plan, starts_servers
     from vlrl.train.launcher import launch as run_launch
 
     kind = detect(config, recipe)
@@ -379,15 +380,27 @@ def launch(
         typer.secho(f"vlrl launch: launches sft and rl runs (got recipe {kind!r}; pass --recipe)", fg="red", err=True)
         raise typer.Exit(2)
     extra = [*([f"launch.nproc={nproc}"] if nproc else []), *([f"checkpoint.resume={resume}"] if resume else [])]
-    cfg = _load(RECIPES[kind], config, [*(overrides or []), *extra], [])  # fail here, before Ray starts
-    spec = RankSpec(kind, str(config), tuple([*(overrides or []), *extra]))
+    given = [*(overrides or []), *extra]
+    # servers the launch starts stand in for rollout.servers while the config is checked (their URLs come later)
     try:
-        run_launch(spec, cfg.launch, address=ray_address)
+        placeholder = starts_servers(config, given) if kind == "rl" else None
+    except LaunchError as err:
+        typer.secho(f"vlrl launch: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    cfg = _load(RECIPES[kind], config, [*given, *([placeholder] if placeholder else [])], [])  # before Ray starts
+    spec = RankSpec(kind, str(config), tuple(given))
+    try:
+        check_scalable(cfg, cfg.launch.nproc)  # what every rank would refuse, refused before anything starts
+    except ValueError as err:
+        typer.secho(f"vlrl launch: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    try:
+        run_launch(spec, cfg.launch, address=ray_address, servers=server_plan(cfg, kind, ray_address))
     except LaunchError as err:
         typer.secho(f"vlrl launch: {err}", fg="red", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        typer.secho("vlrl launch: interrupted; every rank was stopped", fg="red", err=True)
+        typer.secho("vlrl launch: interrupted; every rank and rollout server was stopped", fg="red", err=True)
         raise typer.Exit(130) from None
 
 

@@ -711,6 +711,22 @@ class LaunchConfig(Section):
     env: dict[str, str] = Field(
         default_factory=dict, description="`vlrl launch`: extra environment variables for every rank (e.g. NCCL settings)."
     )
+    rollout_servers: int = Field(
+        0, ge=0, description="`vlrl launch` (rl, --ray local): start this many `vlrl serve` processes on loopback beside the "
+        "ranks, wait for their /health, pass their URLs as rollout.servers and a generated key in rollout.api_key_env, "
+        "stop them when the run ends; a server that dies stops the ranks. 0: none (rollout.servers as configured)."
+    )
+    server_model: str | None = Field(
+        None, description="`vlrl launch`: the model the rollout servers load (`vlrl serve --model`). Unset: model.path."
+    )
+    server_threads: int = Field(1, ge=1, description="`vlrl launch`: torch CPU threads of each rollout server (`--threads`).")
+    server_args: list[str] = Field(
+        default_factory=list, description="`vlrl launch`: extra `vlrl serve` flags for every server; {i} in a flag "
+        "is the server's index, e.g. [--device, 'cuda:{i}', --dtype, bfloat16]."
+    )
+    server_timeout: float = Field(
+        300.0, gt=0, description="`vlrl launch`: seconds each rollout server may take to load and answer /health."
+    )
 
 
 # ----------------------------------------------------------------------------------------------- whole runs
