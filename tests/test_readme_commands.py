@@ -53,6 +53,9 @@ NOT_RUN = {
     "vlrl serve --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda": "a GPU and a hub download (`vlrl serve` of a "
     "preset beside torchrun ranks: tests/train/test_servers_ranks.py)",
     "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 torchrun": "6 GPUs beside the two servers above",
+    "vlrl plan configs/shapes_lora_grpo.yaml --gpus 1 --gpu-mem 80 model.path=Qwen/Qwen2.5-VL-7B-Instruct": "reads "
+    "the model's config.json from the Hugging Face hub (no network here); the README's table under it was computed "
+    "from a local copy of that config.json, and tests/train/test_planner.py covers LoRA + checkpointing",
     "vlrl plan configs/shapes_grpo.yaml --gpus 8 --gpu-mem 80 model.path=Qwen/Qwen2.5-VL-7B-Instruct": "reads "
     "Qwen2.5-VL-7B's config from the hub (`vlrl plan` on the tiny presets: tests/train/test_planner.py)",
     "vlrl synth serve --backend diffusers": "an inpainting model directory (/models/sd-inpaint) and a GPU",

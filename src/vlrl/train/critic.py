@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -29,9 +29,7 @@ from vlrl.config import CriticConfig, OptimConfig
 from vlrl.models import Policy, collate
 from vlrl.train.common import make_optimizer, step_or_skip
 from vlrl.train.distributed import gradient_sync, unwrap
-
-if TYPE_CHECKING:  # update.py imports this module
-    from vlrl.train.update import UpdateStats
+from vlrl.train.update_stats import UpdateStats
 
 
 class ValueModel(torch.nn.Module):
@@ -88,7 +86,6 @@ class Critic:
         reduced over the ranks in the last micro-batch's backward). ``normaliser``: the actor's (all-reduced ÷ W).
         Returns ``critic/value_loss`` once (the sum over the micro-batches: the rows' share of the minibatch
         loss) and the per-token ``critic/value_clip_frac`` and ``critic/values_mean`` pooled over the rows' tokens."""
-        from vlrl.train.update import UpdateStats
 
         self.model.train()
         stats, total = UpdateStats(), 0.0
