@@ -205,6 +205,25 @@ class OptimConfig(Section):
 
 
 # ----------------------------------------------------------------------------------------------- SFT stage
+def _gradient_checkpointing_field():
+    """`train.gradient_checkpointing`, the same field in the SFT and the RL train sections."""
+    return Field(
+        "auto", description="Recompute each decoder and vision block's activations in backward instead of keeping them "
+        "(transformers' activation checkpointing, non-reentrant): activation memory of about one block per layer for "
+        "one more forward. auto: on for models of 100M parameters or more, off for the tiny presets.",
+    )
+
+
+def _trainable_field():
+    """`train.trainable`, the same field in the SFT and the RL train sections."""
+    return Field(
+        default_factory=lambda: ["all"], description="Parameters trained in this stage: 'all', or module groups of the "
+        "model family (Qwen2-VL: projector, vision, llm) and/or parameter-name prefixes; the rest is frozen (no "
+        "gradient, no AdamW moments, bit-identical after training). E.g. [llm] freezes the vision tower and projector; "
+        "LLaVA-OV-1.5 stage 1 (align): [projector].",
+    )
+
+
 class SFTTrainConfig(Section):
     steps: int = Field(500, ge=0, description="Optimizer steps (the run may stop earlier at `max_seconds`).")
     batch_size: int = Field(32, ge=1, description="Samples per optimizer step.")
@@ -221,16 +240,8 @@ class SFTTrainConfig(Section):
         False, description="Without a packing plan: pack each micro-batch's samples into rows at run time (no padding "
         "between samples, per-sample position ids). With data.packing_plan this is always on.",
     )
-    gradient_checkpointing: bool | Literal["auto"] = Field(
-        "auto", description="Recompute each decoder and vision block's activations in backward instead of keeping them "
-        "(transformers' activation checkpointing, non-reentrant): activation memory of about one block per layer for "
-        "one more forward. auto: on for models of 100M parameters or more, off for the tiny presets.",
-    )
-    trainable: list[str] = Field(
-        default_factory=lambda: ["all"], description="Parameters trained in this stage: 'all', or module groups of the "
-        "model family (Qwen2-VL: projector, vision, llm) and/or parameter-name prefixes; the rest is frozen. "
-        "LLaVA-OV-1.5 stage 1 (align): [projector].",
-    )
+    gradient_checkpointing: bool | Literal["auto"] = _gradient_checkpointing_field()
+    trainable: list[str] = _trainable_field()
 
 
 class SFTStage(Section):
@@ -545,16 +556,8 @@ class RLTrainConfig(Section):
         "process, no KL loss term): their loss is 0, the normaliser still counts them, so the gradient is the same "
         "and the step cheaper. policy/entropy and the clip metrics then cover the trained sequences only.",
     )
-    gradient_checkpointing: bool | Literal["auto"] = Field(
-        "auto", description="Recompute each decoder and vision block's activations in backward instead of keeping them "
-        "(transformers' activation checkpointing, non-reentrant): activation memory of about one block per layer for "
-        "one more forward. auto: on for models of 100M parameters or more, off for the tiny presets.",
-    )
-    trainable: list[str] = Field(
-        default_factory=lambda: ["all"], description="Parameters trained in this stage: 'all', or module groups of the "
-        "model family (Qwen2-VL: projector, vision, llm) and/or parameter-name prefixes; the rest is frozen (no "
-        "gradient, no AdamW moments, bit-identical after training). E.g. [llm] freezes the vision tower and projector.",
-    )
+    gradient_checkpointing: bool | Literal["auto"] = _gradient_checkpointing_field()
+    trainable: list[str] = _trainable_field()
 
 
 class SelectConfig(Section):
