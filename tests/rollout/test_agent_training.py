@@ -16,13 +16,16 @@ from vlrl.rollout.env import BaseEnv, Observation, observation_message
 
 
 class ImageOnTurnThree(BaseEnv):
-    """Turn 1 sees the prompt image; after turn 1 a text observation; after turn 2 a crop (seen in turn 3)."""
+    """Turn 1 sees the prompt image; after turn 1 a text observation; after turn 2 a crop (seen in turn 3; a text
+    observation for a prompt without images). Also tests/rollout/test_decode.py's episode."""
 
     def step(self, response_text):
         self.steps = getattr(self, "steps", 0) + 1
         if self.steps == 1:
             return Observation(text="Not yet."), False, {}
         if self.steps == 2:
+            if not self.sample.images:
+                return Observation(text="Look again."), False, {}
             crop = load_image(self.sample.images[0]).crop((0, 0, 56, 56)).resize((84, 84))
             return Observation(text="Zoomed:", images=[crop]), False, {}
         return None, True, {}

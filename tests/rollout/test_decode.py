@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from vlrl.data import generate
-from vlrl.data.sample import load_image
 from vlrl.models import collate, load_policy, response_logprobs
 from vlrl.models.presets import PRESETS
 from vlrl.rollout import HFEngine, SamplingParams, decode
 from vlrl.rollout.agent import AgentSettings, multi_turn
-from vlrl.rollout.env import BaseEnv, Observation
+
+from .test_agent_training import ImageOnTurnThree  # the 3-turn episode with an image in turn 3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-4
@@ -126,21 +126,6 @@ def test_rows_that_finish_early_leave_the_batch_and_the_others_stay_exact(name):
         assert _drift(policy, episodes, 0.7) < TOL
     finally:
         handle.remove()
-
-
-class ImageOnTurnThree(BaseEnv):
-    """A text observation after turn 1; after turn 2 a crop of the prompt image (text only for a text model)."""
-
-    def step(self, response_text):
-        self.steps = getattr(self, "steps", 0) + 1
-        if self.steps == 1:
-            return Observation(text="Not yet."), False, {}
-        if self.steps == 2:
-            if not self.sample.images:
-                return Observation(text="Look again."), False, {}
-            crop = load_image(self.sample.images[0]).crop((0, 0, 56, 56)).resize((84, 84))
-            return Observation(text="Zoomed:", images=[crop]), False, {}
-        return None, True, {}
 
 
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
