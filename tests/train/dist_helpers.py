@@ -2,9 +2,11 @@
 path, so it holds no relative imports): child-process plumbing and the fixed SFT batch both sides use."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,12 +33,29 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
 
-def run_checked(cmd: list[str], *, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+# A rank killed by SIGABRT from native code in torch/gloo, not from anything the test checks. Seen on the shared
+# 2-core machines and in CI (2026-11-24), about once in six 2-rank jobs: glibc's heap check ("malloc(): unaligned
+# fastbin chunk detected") and std::terminate ("terminate called without an active exception"); 30 runs of
+# dist_dynamic_worker.py in a row did not reproduce it alone.
+NATIVE_ABORT = re.compile(r"unaligned (fastbin|tcache) chunk|malloc\(\)|free\(\): |double free|corrupted (size|double-linked)"
+                          r"|terminate called without an active exception")
+
+
+def run_checked(cmd: list[str], *, timeout: float = 300, retry_native_abort: bool = False,
+                **kwargs) -> subprocess.CompletedProcess:
+    """Run ``cmd`` quietly; AssertionError with its output tails when it fails. ``retry_native_abort``: a job
+    whose outputs start from nothing (a fresh directory) runs again once when a rank died in a `NATIVE_ABORT`,
+    said in the warnings summary; a second abort, or any other failure, fails."""
     proc = subprocess.run(cmd, env=quiet_env(), capture_output=True, text=True, timeout=timeout, **kwargs)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                             f"--- stderr\n{proc.stderr[-6000:]}")
-    return proc
+    if proc.returncode == 0:
+        return proc
+    message = (f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+               f"--- stderr\n{proc.stderr[-6000:]}")
+    aborted = "SIGABRT" in proc.stderr and NATIVE_ABORT.search(proc.stderr)
+    if not (retry_native_abort and aborted):
+        raise AssertionError(message)
+    warnings.warn(f"a rank aborted in native code; ran the job again once:\n{message[-2000:]}", stacklevel=2)
+    return run_checked(cmd, timeout=timeout, **kwargs)
 
 
 def kill_process_tree(pid: int) -> None:

@@ -16,7 +16,8 @@ import dist_dynamic_worker as worker  # noqa: E402
 
 def test_dynamic_sampling_on_2_ranks_equals_1_rank(tiny_vlm_dir, tmp_path):
     out = tmp_path / "two_ranks.pt"
-    run_checked(torchrun(2, str(REPO / "tests/train/dist_dynamic_worker.py"), str(tiny_vlm_dir), str(out)), timeout=600)
+    run_checked(torchrun(2, str(REPO / "tests/train/dist_dynamic_worker.py"), str(tiny_vlm_dir), str(out)), timeout=600,
+                retry_native_abort=True)
     two = torch.load(out, weights_only=False)
     records, state, _ = worker.run(str(tiny_vlm_dir), lambda policy: Runtime.single(policy.model))
     assert [r["step"] for r in two["records"]] == [r["step"] for r in records] == [1, 2, 3]
