@@ -35,7 +35,7 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 
 # A rank killed by SIGABRT from native code in torch/gloo, not from anything the test checks. Seen on the shared
 # 2-core machines and in CI (2026-11-24), about once in six 2-rank jobs: glibc's heap check ("malloc(): unaligned
-# fastbin chunk detected") and std::terminate ("terminate called without an active exception"); 30 runs of
+# fastbin chunk detected") and std::terminate ("terminate called without an active exception"); 16 runs of
 # dist_dynamic_worker.py in a row did not reproduce it alone.
 NATIVE_ABORT = re.compile(r"unaligned (fastbin|tcache) chunk|malloc\(\)|free\(\): |double free|corrupted (size|double-linked)"
                           r"|terminate called without an active exception")
