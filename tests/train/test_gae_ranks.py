@@ -103,3 +103,25 @@ def test_shapes_ppo_under_torchrun_checkpoints_and_resumes_the_critic(tiny_vlm_d
     weights_a = load_file(reference / "checkpoints" / "final" / "model.safetensors")
     weights_b = load_file(resumed / "checkpoints" / "final" / "model.safetensors")
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+@pytest.mark.e2e  # one 1-process run and one 2-rank launch: ~40 s on 2 shared cores
+def test_a_one_process_ppo_checkpoint_resumes_on_2_ranks(tiny_vlm_dir, tmp_path):
+    """configs/shapes_ppo.yaml, 1 step in one process, then `--resume auto` under torchrun on 2 FSDP2 ranks to step
+    3: rank 1, which the checkpoint never had, restores the critic (and shapers) from rank 0's copy. Before, it
+    started a fresh critic while rank 0 loaded the saved one and the run hung in their mismatched collectives
+    (measured: killed by a 600 s timeout after the resume warning)."""
+    import json
+
+    from .dist_helpers import COMMON_ARGS, write_rl_data
+
+    data = write_rl_data(tmp_path / "data" / "train.jsonl")
+    args = ["rl", "--config", str(REPO / "configs/shapes_ppo.yaml"), f"model.path={tiny_vlm_dir}", f"data.train={data}",
+            f"data.test={data}", "train.steps=3", "train.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=6",
+            "train.micro_batch_size=4", *COMMON_ARGS, f"out={tmp_path / 'run'}"]
+    run_checked([sys.executable, "-m", "vlrl.cli", *args, "train.steps=1"], timeout=300)
+    proc = run_checked(torchrun(2, "-m", "vlrl.cli", *args, "dist.strategy=fsdp", "--resume", "auto"), timeout=300)
+    assert "written by 1 rank(s), resumed on 2" in proc.stdout + proc.stderr
+    records = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+               if r["stage"] == "rl"]
+    assert [r["step"] for r in records] == [1, 2, 3]

@@ -471,7 +471,12 @@ class Checkpointer:
                         "is not the uninterrupted run's", path, state["world_size"], self.ctx.world_size)
         if self.ctx.rank < len(rngs):
             set_rng_state(rngs[self.ctx.rank])
-        state["carry_over"] = read_checkpoint_carry_over(path, self.ctx.rank)
+        # Every rank writes the same loop state (the recipes hold the whole round on every rank: `SyncState`'s
+        # shapers, critic and dynamic sampling's carried groups are identical copies), so a rank the checkpoint did
+        # not have (resumed on more ranks) reads rank 0's — without it that rank would start its critic and shapers
+        # afresh while rank 0 restored them, and their collectives would no longer match (a hang).
+        written = self.ctx.rank if self.ctx.rank < state["world_size"] else 0
+        state["carry_over"] = read_checkpoint_carry_over(path, written)
         self._cut_metrics(state)
         return state
 
