@@ -41,9 +41,9 @@ def _write_data(path):
     return write_samples(samples, path)
 
 
-def _run(cmd, out, url, data):
+def _run(cmd, out, url, data, *extra):
     args = [*cmd, "rl", f"model.path={data['model']}", f"data.train={data['file']}", f"data.test={data['file']}",
-            *ARGS, f"rollout.servers=[{url}]", f"out={out}"]
+            *ARGS, f"rollout.servers=[{url}]", f"out={out}", *extra]
     proc = subprocess.run(args, env=quiet_env(VLRL_API_KEY=API_KEY), capture_output=True, text=True, timeout=900,
                           cwd=REPO)
     assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -82,3 +82,20 @@ def test_two_ranks_share_a_rollout_server_and_equal_the_one_rank_run(tiny_vlm_di
     distance = sum(float(((one_state[k] - moved[k]) ** 2).sum()) for k in one_state) ** 0.5
     assert distance > 1e-2 and gap < 1e-3 * distance, (gap, distance)  # the same weights, up to float rounding
     assert os.path.exists(tmp_path / "two" / "summary.json")
+
+
+@pytest.mark.e2e
+def test_two_ddp_ranks_update_a_server_through_disk(tiny_vlm_dir, tmp_path):
+    """The other corner of the same run: DDP ranks (every rank holds the whole model) and the disk fallback
+    (`rollout.weight_sync=disk`): rank 0 alone writes each step's weights under OUT/rollout_weights and asks the
+    server to load them; the server ends with the exported final weights' checksum at version STEPS."""
+    data = {"model": str(tiny_vlm_dir), "file": _write_data(tmp_path / "rl.jsonl")}
+    out = tmp_path / "ddp"
+    with vlrl_serve(str(tiny_vlm_dir), tmp_path) as (url,):
+        records = _run(torchrun(2, "-m", "vlrl.cli"), out, url, data, "dist.strategy=ddp",
+                       "rollout.weight_sync=disk")
+        info = _server_info(url)
+    final = load_policy(str(out / "checkpoints" / "final"))
+    assert info["weight_version"] == str(STEPS) and info["weight_checksum"] == weight_checksum(final.model)
+    assert any((out / "rollout_weights").iterdir())
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and records[0]["policy/grad_norm"] > 0.1
