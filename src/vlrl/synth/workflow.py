@@ -220,6 +220,7 @@ class SynGRPO:
         self._tickets = 0
         self._digests: dict[str, str] = {}  # synthetic sample id → sha256 of its image
         self._gallery_rows = 0
+        self._gallery_cut = False  # synth_gallery.jsonl cut back to `_gallery_rows` (at the first step)
         self._retired: list[str] = []
         self._local: list = []  # (server thread, service) of a server started here
         self.synth = synthesizer if self.is_client else None
@@ -236,6 +237,8 @@ class SynGRPO:
         waiting (unless ``mode=sync``); every finished result is swapped into the dataset. Returns the
         ``diversity/…`` and ``synth/…`` metrics of the step. Under torchrun ``trajectories`` are this rank's
         share and every rank calls this (a collective); the metrics are those of the whole batch."""
+        if not self._gallery_cut:
+            self._cut_gallery()
         rows = self._gather_rows(trajectories)
         if diversity_reward is None and shaping is not None:
             diversity_reward = _shaped_diversity(shaping, len(rows))
@@ -393,13 +396,14 @@ class SynGRPO:
         self.counts = collections.Counter(state.counts)
         self.version, self._tickets = state.version, state.tickets
         self._gallery_rows = state.gallery_rows
-        self._cut_gallery()
         if self.synth is not None:
             self.synth.restore(SynthSnapshot([_request(r) for r in state.requests],
                                              [_outcome(o) for o in state.outcomes], state.client_counts))
 
     def _cut_gallery(self) -> None:
-        """synth_gallery.jsonl back to the rows the checkpoint saw (a killed run may have written more)."""
+        """synth_gallery.jsonl back to the rows the checkpoint saw (a killed run may have written more; a fresh run
+        in the same directory starts it anew)."""
+        self._gallery_cut = True
         if self.run_dir is None or not (self.run_dir / GALLERY_FILE).exists():
             return
         path = self.run_dir / GALLERY_FILE
