@@ -134,3 +134,31 @@ def test_two_ranks_share_one_synthesis_client_and_equal_one_rank(syn_model, tmp_
                 assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
     carry = json.loads((two / "checkpoints" / f"step_{STEPS:08d}" / "carry_over" / "rank_00001.json").read_text())
     assert carry["value"]["fields"]["synth"]["fields"]["holder"] is False  # rank 0 alone stores the pool
+
+
+def test_reward_shaping_on_two_ranks_sees_the_whole_batch(tmp_path):
+    """syn_diversity's V_k^batch_avg and its EMA depend on the batch: on 2 ranks the chain runs on the gathered
+    batch (`GlobalRewardShaping`), so each rank's shaped rewards, the metrics and the state (the same on both
+    ranks) equal one process's on the whole batch — where each half alone would give other numbers."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import dist_shaping_worker as worker
+
+    out = tmp_path / "shaping.pt"
+    run_checked(torchrun(2, str(Path(__file__).resolve().parent / "dist_shaping_worker.py"), str(out)), timeout=300)
+    two = torch.load(out, weights_only=False)
+    whole, half = worker.chain(), worker.chain()
+    for step in range(2):
+        values, metrics = whole.apply(worker.shaping_inputs(worker.shaping_batch(step), step=step))
+        assert torch.allclose(two["values"][step], values, atol=1e-6), step
+        assert two["metrics"][step] == pytest.approx(metrics), step
+        assert two["states"][step][0] == two["states"][step][1] == whole.states  # one EMA, on both ranks
+        alone, _ = half.apply(worker.shaping_inputs(worker.shaping_batch(step)[:4], step=step))
+    # rank 0's half shaped alone (prompts 0-1) would be wrong from step 1: its EMA V_global = 0.7·½ + 0.3·1 = 0.65
+    # (V_batch ½ then 1) against the whole batch's 0.7·¼ + 0.3·¾ = 0.4, so its prompts' Ṽ = V·0.65/1 = 0.65, not
+    # V·0.4/0.75 ≈ 0.533
+    assert whole.states[0].global_avg == pytest.approx(0.4) and half.states[0].global_avg == pytest.approx(0.65)
+    assert not torch.allclose(alone, values[:4], atol=1e-3)
