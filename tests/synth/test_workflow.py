@@ -150,3 +150,57 @@ def test_a_dead_server_leaves_the_dataset_alone_counts_failures_and_never_waits(
     _one_step(syn, dataset, step=3)  # nothing is stuck "in flight": the originals are submitted again
     assert syn.counts["skipped_in_flight"] == 0
     syn.close()
+
+
+def test_a_checkpoint_carries_the_pool_and_the_jobs_in_flight_and_a_restore_continues_them(tmp_path):
+    """`SynGRPO.state` → the checkpoint's carry-over files → `restore` in a new process's objects: the swapped
+    pool (append mode: grown by one), the generation count, and a job still on the server at the checkpoint,
+    which the restored client posts again (same seed: the same image) and swaps in at the next step."""
+    from vlrl.train.carry import read_carry_over, write_carry_over
+    from vlrl.train.common import PromptCursor
+
+    from . import fakes
+
+    cfg = SynthConfig(enabled=True, replacement="append", poll_interval=0.02)
+    fakes.GATE.set()
+    with synth_server(backend=f"{fakes.__name__}:make_gated") as (url, _):
+        dataset = _locate(3)
+        cursor = PromptCursor(dataset, seed=0)
+        cursor.next(3)  # epoch 0 drawn: its order covers the 3 originals
+        syn = SynGRPO(cfg, dataset, synthesizer=AsyncSynthesizer(SynthClient(url, api_key=API_KEY), poll_interval=0.02))
+        _one_step(syn, dataset[:1], step=1)
+        syn.synth.wait_idle(10)
+        assert syn.after_step([], step=2)["synth/swapped"] == 1 and len(dataset) == 4  # sample 0's child appended
+        cursor.next(1)  # epoch 1 began with 4 samples
+        fakes.GATE.clear()  # sample 1's job stays on the server
+        _one_step(syn, dataset[1:2], step=3)
+        for _ in range(200):
+            if syn.synth.snapshot().requests and syn.synth.counts["submitted"] == 2:
+                break
+            time.sleep(0.02)
+        state, position = syn.state(), cursor.state()
+        assert len(state.requests) == 1 and state.busy == [dataset[1].id] and state.version == 1
+        assert state.client_counts["submitted"] == 1  # the job in flight is posted (and counted) again
+        assert position == {"epoch": 1, "position": 1, "size": 4}  # a grown dataset: the epoch's own size
+        write_carry_over(state, tmp_path / "synth.json", tmp_path / "synth.safetensors")
+        syn.close()
+        fakes.GATE.set()
+
+        fresh = _locate(3)
+        resumed_cursor = PromptCursor(fresh, seed=0)
+        resumed_cursor.load_state(position)
+        restored = SynGRPO(cfg, fresh, synthesizer=AsyncSynthesizer(SynthClient(url, api_key=API_KEY), poll_interval=0.02))
+        restored.restore(read_carry_over(tmp_path / "synth.json", tmp_path / "synth.safetensors"))
+        assert [s.id for s in fresh] == [s.id for s in dataset]
+        assert np.array_equal(np.asarray(fresh[3].images[0]), np.asarray(dataset[3].images[0]))  # PNG: lossless
+        restored.synth.wait_idle(10)
+        metrics = restored.after_step([], step=4)
+        assert metrics["synth/swapped"] == 2 and metrics["synth/submitted"] == 2 and metrics["synth/dataset_version"] == 2
+        assert fresh[4].id == f"{fresh[1].id}~syn1" and restored._busy == set()
+        # epoch 1 goes on over its 4 samples as the uninterrupted cursor does (sample 1's child, the 5th, joins at
+        # epoch 2), though the restored dataset already holds 5
+        assert [s.id for s in resumed_cursor.next(3)] == [s.id for s in cursor.next(3)]
+        assert resumed_cursor.epoch == 1 and len(resumed_cursor.next(1)) == 1 and resumed_cursor.epoch == 2
+        with pytest.raises(ValueError, match="other samples"):  # a checkpoint of other data is refused
+            SynGRPO(cfg, _locate(2), synthesizer=None).restore(state)
+        restored.close()

@@ -170,8 +170,9 @@ def test_features_that_run_in_one_process_are_refused_under_several_ranks_naming
 
     cfg = load_config(RLConfig, None, ["synth.enabled=true"])
     check_scalable(cfg, 1)  # one process: fine
-    with pytest.raises(ValueError, match="synth.enabled"):
-        check_scalable(cfg, 2)
+    check_scalable(cfg, 2)  # Syn-GRPO: rank 0's synthesis client, swaps broadcast (tests/train/test_syn_grpo_ranks.py)
+    with pytest.raises(ValueError, match="rollout.mode=async"):  # Syn-GRPO: no step boundary the async ranks share
+        check_scalable(load_config(RLConfig, None, ["synth.enabled=true", "rollout.mode=async"]), 2)
     check_scalable(load_config(RLConfig, None, ["algo.advantage=gae", "checkpoint.every=2"]), 2)  # the critic is wrapped
     check_scalable(load_config(RLConfig, None, ["algo.dynamic_sampling.enabled=true", "checkpoint.every=2"]), 1)
     check_scalable(load_config(RLConfig, None, ["algo.dynamic_sampling.enabled=true"]), 2)  # gathered filter
@@ -179,8 +180,8 @@ def test_features_that_run_in_one_process_are_refused_under_several_ranks_naming
     check_scalable(load_config(RLConfig, None, servers), 2)  # every rank generates on them, rank 0 updates them
     with pytest.raises(ValueError, match="rollout.mode=async"):  # the asynchronous recipe: one process still
         check_scalable(load_config(RLConfig, None, [*servers, "rollout.mode=async"]), 2)
-    with pytest.raises(ValueError, match="synth.enabled"):  # Syn-GRPO rewrites the dataset: no resumable checkpoints
-        check_scalable(load_config(RLConfig, None, ["synth.enabled=true", "checkpoint.every=2"]), 1)
+    check_scalable(load_config(RLConfig, None, ["synth.enabled=true", "checkpoint.every=2"]), 1)  # SynthState resumes
+    check_scalable(load_config(RLConfig, None, ["synth.enabled=true", "rollout.mode=async", "checkpoint.every=2"]), 1)
     lora = load_config(RLConfig, None, ["model.lora.r=4"])  # dist.strategy=fsdp by default
     check_scalable(lora, 1)
     with pytest.raises(ValueError, match="model.lora under torchrun needs dist.strategy=ddp"):

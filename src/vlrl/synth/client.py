@@ -178,6 +178,15 @@ class SynthOutcome:
         return self.error is None
 
 
+@dataclasses.dataclass
+class SynthSnapshot:
+    """An `AsyncSynthesizer` at one instant (`AsyncSynthesizer.snapshot`): what a checkpoint holds of it."""
+
+    requests: list[SynthRequest]  # not answered yet: on the server, being posted, queued
+    outcomes: list[SynthOutcome]  # answered, not drained yet
+    counts: dict[str, int]
+
+
 class AsyncSynthesizer:
     """A non-blocking front of a `SynthClient` (module docstring). ``submit`` and ``drain`` take a lock for a
     few microseconds and never touch the network; all HTTP runs on one background thread."""
@@ -191,7 +200,7 @@ class AsyncSynthesizer:
         self.cpu_seconds = 0.0  # CPU time of the background thread (what synthesis costs the trainer's process)
         self._pending: collections.deque[tuple[SynthRequest, float]] = collections.deque()
         self._in_flight: dict[str, tuple[SynthRequest, float]] = {}
-        self._sending = 0
+        self._sending: list[SynthRequest] = []  # taken from the queue, being posted
         self._outcomes: list[SynthOutcome] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -224,12 +233,37 @@ class AsyncSynthesizer:
     def outstanding(self) -> int:
         """Requests not yet answered: waiting, being posted, or on the server."""
         with self._lock:
-            return len(self._pending) + self._sending + len(self._in_flight)
+            return len(self._pending) + len(self._sending) + len(self._in_flight)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until nothing is pending or in flight (synchronous mode); False on timeout."""
         self._wake.set()
         return self._idle.wait(timeout)
+
+    def snapshot(self) -> SynthSnapshot:
+        """What a checkpoint keeps of the client, taken at once under its lock: every request not yet answered
+        (queued, being posted or on the server — `restore` queues them again), the outcomes not yet drained, and
+        the counters without the in-flight posts (they are posted, and counted, again after a restore)."""
+        with self._lock:
+            requests = [r for r, _ in self._in_flight.values()] + list(self._sending) + [r for r, _ in self._pending]
+            counts = collections.Counter(self.counts)
+            counts["submitted"] -= len(self._in_flight)
+            return SynthSnapshot(requests, list(self._outcomes), dict(counts))
+
+    def restore(self, snapshot: SynthSnapshot) -> None:
+        """Continue from a `snapshot` (a fresh client, nothing submitted yet): its counters, its undrained
+        outcomes, and its unanswered requests queued again in their order (the server's results depend only on
+        the request and its seed, so a request posted again gives the same image)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._pending or self._sending or self._in_flight or self._outcomes:
+                raise RuntimeError("AsyncSynthesizer.restore: the client has already been used")
+            self.counts = collections.Counter(snapshot.counts)
+            self._outcomes = list(snapshot.outcomes)
+            self._pending.extend((request, now) for request in snapshot.requests)
+            if snapshot.requests:
+                self._idle.clear()
+        self._wake.set()
 
     def close(self) -> None:
         self._stop = True
@@ -260,15 +294,15 @@ class AsyncSynthesizer:
                 if not self._pending or len(self._in_flight) >= self.max_in_flight:
                     return
                 request, since = self._pending.popleft()
-                self._sending += 1
+                self._sending.append(request)
             try:
                 job_id = self.client.submit(request.image, description=request.description, boxes=request.boxes,
                                             seed=request.seed)
             except SynthError as err:
-                self._file(SynthOutcome(request, None, err.kind, err.message, time.monotonic() - since), sent=True)
+                self._file(SynthOutcome(request, None, err.kind, err.message, time.monotonic() - since), sent=request)
                 continue
             with self._lock:
-                self._sending -= 1
+                self._sending = [r for r in self._sending if r is not request]
                 self._in_flight[job_id] = (request, since)
                 self.counts["submitted"] += 1
 
@@ -312,9 +346,10 @@ class AsyncSynthesizer:
             self._in_flight.pop(job_id, None)
         self._file(outcome)
 
-    def _file(self, outcome: SynthOutcome, *, sent: bool = False) -> None:
+    def _file(self, outcome: SynthOutcome, *, sent: SynthRequest | None = None) -> None:
         with self._lock:
-            self._sending -= int(sent)
+            if sent is not None:
+                self._sending = [r for r in self._sending if r is not sent]
             if outcome.ok:
                 self.counts["completed"] += 1
             else:

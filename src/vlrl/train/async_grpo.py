@@ -39,7 +39,7 @@ from vlrl.data import Sample
 from vlrl.models import Policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout.http_engine import AsyncEngine
-from vlrl.synth.workflow import start_synthesis
+from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.async_rollout import AsyncRollout, GroupBuffer
 from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.common import PromptCursor, make_optimizer
@@ -97,7 +97,7 @@ def train_async_grpo(
                            prompts_per_step=P, eta=eta, max_concurrent=max_concurrent,
                            greedy_baseline="baseline_rewards" in algorithm.needs)
     # a resumed run: weights, optimizer, cursor, shapers, critic, the buffer's groups and the drawn tickets
-    step, ledger = _restore(rt, stage_name, optimizer, scheduler, rollout, algorithm)
+    step, ledger = _restore(rt, stage_name, optimizer, scheduler, rollout, algorithm, synthesis)
     engine.update_weights(version=step, state_dict=model.state_dict())  # the rollout starts from the trainer's weights
     rollout.set_version(step)
     rollout.start()
@@ -156,7 +156,7 @@ def train_async_grpo(
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "staleness/mean", "perf/step_seconds"))
             if rt.checkpoint_due(step):
-                _save_checkpoint(rt, step, stage_name, optimizer, scheduler, rollout, algorithm, ledger)
+                _save_checkpoint(rt, step, stage_name, optimizer, scheduler, rollout, algorithm, ledger, synthesis)
         if syncing is not None:
             syncing.result()  # the servers hold the final weights (or the error is raised)
     finally:
@@ -198,7 +198,8 @@ def _publish(engine: AsyncEngine, rollout: AsyncRollout, version: int,
     return done
 
 
-def _restore(rt: Runtime, stage_name: str, optimizer, scheduler, rollout: AsyncRollout, algorithm) -> tuple[int, Ledger]:
+def _restore(rt: Runtime, stage_name: str, optimizer, scheduler, rollout: AsyncRollout, algorithm,
+             synthesis=None) -> tuple[int, Ledger]:
     """Load the checkpoint ``rt`` resumes from, if any, into the optimizer, scheduler, the rollout's cursor and
     state (not started yet), the shapers and the critic. Returns (step, the ticket ledger); (0, an empty
     ledger) for a fresh start."""
@@ -208,18 +209,20 @@ def _restore(rt: Runtime, stage_name: str, optimizer, scheduler, rollout: AsyncR
         return step, Ledger()
     state.algorithm.restore(algorithm)
     rollout.load_state(state.rollout)
+    restore_synthesis(synthesis, state.synth, rt.resume_from)  # Syn-GRPO's rewritten dataset and client
     return step, state.ledger.copy()
 
 
 def _save_checkpoint(rt: Runtime, step: int, stage_name: str, optimizer, scheduler, rollout: AsyncRollout, algorithm,
-                     ledger: Ledger) -> None:
+                     ledger: Ledger, synthesis=None) -> None:
     """Checkpoint ``step``: weights, optimizer, RNG and the cursor (`Runtime.after_step`) plus the loop's
     `AsyncState` — shaper states, critic, the ticket ledger and the rollout's cut (`AsyncRollout.checkpoint_state`:
     undrained groups with their versions, re-queued and in-flight draws, counters). The rollout is not paused:
     the cut holds its lock, and generating on meanwhile changes nothing the checkpoint holds."""
     cursor, cut = rollout.checkpoint_state()
     rt.after_step(step, stage_name, optimizer, scheduler, cursor,
-                  carry_over=AsyncState(AlgorithmState.of(algorithm), ledger.copy(), cut))
+                  carry_over=AsyncState(AlgorithmState.of(algorithm), ledger.copy(), cut,
+                                        synthesis.state() if synthesis is not None else None))
 
 
 def _drop_uninformative(groups: list[Group], buffer: GroupBuffer, rollout: AsyncRollout, stage: RLStage, *, step: int,

@@ -254,9 +254,11 @@ def check_scalable(cfg, world_size: int) -> None:
                          "do work): its rollout driver, buffer and admission state are not yet moved to rank 0 with "
                          "each batch broadcast to the ranks; use rollout.mode=sync under torchrun")
     synth = getattr(cfg, "synth", None)
-    if synth is not None and synth.enabled and scaled:
-        raise ValueError("synth.enabled: Syn-GRPO rewrites the dataset as it trains; it runs in one process without "
-                         "resumable checkpoints (no torchrun / checkpoint.every / --resume)")
+    if synth is not None and synth.enabled and rollout.mode == "async" and world_size > 1:
+        raise ValueError("synth.enabled with rollout.mode=async: under torchrun Syn-GRPO runs with the synchronous "
+                         "recipe (rank 0's synthesis client, swaps broadcast at step boundaries); the asynchronous "
+                         "recipe's background rollout draws from the dataset while it is rewritten, so its swaps have "
+                         "no step boundary all ranks share — use rollout.mode=sync, or one process")
 
 
 # ----------------------------------------------------------------------------------------------- RL over ranks
@@ -296,6 +298,49 @@ class GlobalAdvantage:
         start = sum(b for b, _ in sizes[: self.ctx.rank])
         return dataclasses.replace(out, **{f.name: _rows(getattr(out, f.name), start, B, R)
                                            for f in dataclasses.fields(out)})
+
+
+class GlobalRewardShaping:
+    """A reward-shaping chain (`vlrl.train.batch.ShapingChain`) applied to the *global* batch, like
+    `GlobalAdvantage`: every rank gathers the shapers' inputs (scalars per response and the responses without
+    prompt tokens, vision inputs or images), runs the chain on the whole batch and keeps its own rows. A shaper
+    whose output depends on the batch — syn_diversity's V_k^batch_avg and its EMA — then sees what one process
+    sees, and its state is the same on every rank. Names, states and length are the chain's."""
+
+    def __init__(self, chain, ctx: DistContext) -> None:
+        self.__dict__.update(chain=chain, ctx=ctx)
+
+    @classmethod
+    def over(cls, chain, ctx: DistContext):
+        """``chain`` itself in one process or without shapers, else the global chain."""
+        return cls(chain, ctx) if ctx.enabled and len(chain) else chain
+
+    def __len__(self) -> int:
+        return len(self.chain)
+
+    def __getattr__(self, name: str):
+        return getattr(self.chain, name)
+
+    def __setattr__(self, name: str, value) -> None:  # `ShaperStates.restore` sets the chain's states
+        setattr(self.chain, name, value)
+
+    def apply(self, inputs):
+        B = len(inputs.rewards)
+        tensors = ("rewards", "group_index", "response_length", "truncated")
+        light = [dataclasses.replace(t, prompt_ids=t.prompt_ids[:0], vision=None, images=[None] * len(t.images),
+                                     sample=dataclasses.replace(t.sample, images=[None] * len(t.sample.images)))
+                 for t in inputs.trajectories]
+        parts = self.ctx.gather_objects({**{name: getattr(inputs, name) for name in tensors}, "trajectories": light})
+        merged: dict[str, Any] = {name: torch.cat([p[name] for p in parts]) for name in tensors if name != "group_index"}
+        shifted, offset = [], 0
+        for p in parts:  # prompt ids are per rank: make them distinct
+            shifted.append(p["group_index"] + offset)
+            offset += int(p["group_index"].max()) + 1 if len(p["group_index"]) else 0
+        merged["group_index"] = torch.cat(shifted)
+        merged["trajectories"] = [t for p in parts for t in p["trajectories"]]
+        values, metrics = self.chain.apply(dataclasses.replace(inputs, **merged))
+        start = sum(len(p["rewards"]) for p in parts[: self.ctx.rank])
+        return values[start : start + B], metrics
 
 
 def _rows(value, start: int, count: int, width: int):

@@ -28,10 +28,10 @@ from vlrl.data import Sample
 from vlrl.models import Policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import Engine
-from vlrl.synth.workflow import start_synthesis
+from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.common import PromptCursor, make_optimizer
-from vlrl.train.distributed import GlobalAdvantage
+from vlrl.train.distributed import GlobalAdvantage, GlobalRewardShaping
 from vlrl.train.metrics import step_metrics
 from vlrl.train.modules import stage_modules
 from vlrl.train.runtime import Runtime
@@ -63,13 +63,14 @@ def train_grpo(
     budget = max_seconds if max_seconds is not None else train.max_seconds
     if train.max_samples is not None:
         samples = samples[: train.max_samples]
-    synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
+    synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger, ctx=rt.ctx)  # Syn-GRPO, or None
     stack = ExitStack()
     try:
         cursor = PromptCursor(synthesis.dataset if synthesis is not None else samples, seed)
         algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False, reference=rt.reference,  # π_behave = π_old
                                     critic_model=rt.critic, ctx=rt.ctx)
         algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, rt.ctx)  # over all ranks' responses
+        algorithm.reward_shaping = GlobalRewardShaping.over(algorithm.reward_shaping, rt.ctx)  # (e.g. syn_diversity's EMA)
         sampler = GroupSampler(engine, cursor, sampling_params(rollout), prompts_per_step=train.prompts_per_step,
                                dynamic=stage.algo.dynamic_sampling, greedy_baseline="baseline_rewards" in algorithm.needs,
                                shard=lambda draws: rt.ctx.shard(draws, what="train.prompts_per_step"),
@@ -81,6 +82,7 @@ def train_grpo(
         if state is not None:  # shapers, critic, dynamic sampling's surplus groups and the draw counter resume too
             state.algorithm.restore(algorithm)
             sampler.carry, sampler.drawn = [g.restore() for g in state.carry], state.drawn
+            restore_synthesis(synthesis, state.synth, rt.resume_from)  # the rewritten dataset, the client's jobs
         if step:
             engine.update_weights(version=step)
         run_dir = logger.path.parent if logger.path is not None and rt.ctx.is_main else None  # shapers' analysis files
@@ -117,7 +119,8 @@ def train_grpo(
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds"))
             if rt.checkpoint_due(step):
                 rt.after_step(step, stage_name, optimizer, scheduler, cursor, carry_over=SyncState(
-                    AlgorithmState.of(algorithm), sampler.drawn, [GroupRecord.of(g) for g in sampler.carry]))
+                    AlgorithmState.of(algorithm), sampler.drawn, [GroupRecord.of(g) for g in sampler.carry],
+                    synthesis.state() if synthesis is not None else None))
     finally:
         stack.close()
         if synthesis is not None:

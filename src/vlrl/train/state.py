@@ -2,7 +2,8 @@
 record per recipe, made of plain data (tensors, numbers, strings, `Sample` records, `Turn` records) so that a
 checkpoint can hold it in any format.
 
-    SyncState     the synchronous recipe: shaper states, the critic, dynamic sampling's carried-over groups
+    SyncState     the synchronous recipe: shaper states, the critic, dynamic sampling's carried-over groups,
+                  Syn-GRPO's dataset and client (`vlrl.synth.workflow.SynthState`)
     AsyncState    the asynchronous recipe: shaper states, the critic, the ticket ledger and the rollout's cut
                   (undrained groups with their weight versions, re-queued and in-flight draws, counters)
 
@@ -156,6 +157,7 @@ class SyncState:
     algorithm: AlgorithmState
     drawn: int  # draw tickets issued so far
     carry: list[GroupRecord]  # dynamic sampling's informative groups left over for the next step
+    synth: Any = None  # Syn-GRPO's `vlrl.synth.workflow.SynthState` (synth.enabled), else None
 
 
 @dataclass
@@ -189,6 +191,7 @@ class AsyncState:
     algorithm: AlgorithmState
     ledger: Ledger
     rollout: RolloutCut
+    synth: Any = None  # Syn-GRPO's `vlrl.synth.workflow.SynthState` (synth.enabled), else None
 
 
 def expect_state(carry: Any, kind: type, resume_from: Path | None) -> Any:
