@@ -370,32 +370,23 @@ def launch(
     recipe: str = typer.Option("auto", "--recipe", help="auto (from the file's sections), sft or rl."),
     resume: str | None = RESUME,
 ) -> None:
-    """Run `vlrl sft|rl` on launch.nproc Ray actors in a placement group (torch.distributed rendezvous wired)."""
-    from vlrl.train.distributed import check_scalable
-    from vlrl.train.launcher import LaunchError, RankSpec, detect, server_plan, starts_servers
+    """Run `vlrl sft|rl` on launch.nproc Ray actors in a placement group (torch.distributed rendezvous wired), with
+    launch.rollout_servers `vlrl serve` actors beside them."""
+    from vlrl.train.launcher import LaunchError, LaunchRefused, detect, prepare
     from vlrl.train.launcher import launch as run_launch
 
-    kind = detect(config, recipe)
-    if kind not in ("sft", "rl"):
-        typer.secho(f"vlrl launch: launches sft and rl runs (got recipe {kind!r}; pass --recipe)", fg="red", err=True)
-        raise typer.Exit(2)
     extra = [*([f"launch.nproc={nproc}"] if nproc else []), *([f"checkpoint.resume={resume}"] if resume else [])]
-    given = [*(overrides or []), *extra]
-    # servers the launch starts stand in for rollout.servers while the config is checked (their URLs come later)
     try:
-        placeholder = starts_servers(config, given) if kind == "rl" else None
-    except LaunchError as err:
-        typer.secho(f"vlrl launch: {err}", fg="red", err=True)
+        # servers the launch starts stand in for rollout.servers while the config is checked (their URLs come later)
+        ready = prepare(detect(config, recipe), config, [*(overrides or []), *extra])  # before Ray starts
+    except ConfigError as err:
+        typer.secho(str(err), fg="red", err=True)
         raise typer.Exit(2) from None
-    cfg = _load(RECIPES[kind], config, [*given, *([placeholder] if placeholder else [])], [])  # before Ray starts
-    spec = RankSpec(kind, str(config), tuple(given))
-    try:
-        check_scalable(cfg, cfg.launch.nproc)  # what every rank would refuse, refused before anything starts
-    except ValueError as err:
+    except LaunchRefused as err:
         typer.secho(f"vlrl launch: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
     try:
-        run_launch(spec, cfg.launch, address=ray_address, servers=server_plan(cfg, kind, ray_address))
+        run_launch(ready.spec, ready.cfg.launch, address=ray_address, servers=ready.servers)
     except LaunchError as err:
         typer.secho(f"vlrl launch: {err}", fg="red", err=True)
         raise typer.Exit(1) from None
