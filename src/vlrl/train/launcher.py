@@ -247,6 +247,11 @@ def prepare(kind: str, config: Path | None, overrides: list[str]) -> Prepared:
         check_scalable(cfg, cfg.launch.nproc)  # what every rank would refuse, refused before anything starts
     except ValueError as err:
         raise LaunchRefused(str(err)) from None
+    batch, size = ("train.batch_size", cfg.train.batch_size) if kind == "sft" else \
+        ("train.prompts_per_step", cfg.train.prompts_per_step)
+    if size % cfg.launch.nproc:  # the ranks' first step would stop on it (`DistContext.shard`)
+        raise LaunchRefused(f"{batch}: {size} does not split evenly over launch.nproc={cfg.launch.nproc} ranks; use "
+                            f"a multiple of {cfg.launch.nproc}")
     return Prepared(cfg, RankSpec(kind, str(config) if config is not None else None, tuple(overrides)),
                     server_plan(cfg, kind))
 
