@@ -72,7 +72,12 @@ def test_launch_starts_a_rollout_server_for_two_ranks_and_stops_it(tiny_vlm_dir,
     assert _gone(pid) and _actors_gone(text)  # stopped when the run ended
 
 
-def test_a_server_killed_mid_run_stops_the_launch(tiny_vlm_dir, tmp_path):
+@pytest.mark.parametrize(("victim", "said"), [
+    ("server", " was killed by SIGKILL: stopped during the run; all ranks stopped"),
+    # the actor hosting the server: the server dies with it (PR_SET_PDEATHSIG), the launch names the server
+    ("actor", ": its Ray actor is gone (ActorDiedError): stopped during the run; all ranks stopped"),
+])
+def test_a_server_killed_mid_run_stops_the_launch(tiny_vlm_dir, tmp_path, victim, said):
     out = tmp_path / "run"
     cmd = _cmd(tiny_vlm_dir, out, "train.steps=200")  # far longer than the test waits
     lines: list[str] = []
@@ -89,7 +94,8 @@ def test_a_server_killed_mid_run_stops_the_launch(tiny_vlm_dir, tmp_path):
                 break
             assert time.time() < deadline, "".join(lines[-50:])
         assert pid, "".join(lines[-50:])
-        os.kill(pid, signal.SIGKILL)
+        actor = int(re.search(r"\(vlrl serve 0 pid=(\d+)\)", "".join(lines))[1])
+        os.kill(pid if victim == "server" else actor, signal.SIGKILL)
         lines.extend(launcher.stdout)
         code = launcher.wait(120)
     finally:
@@ -97,12 +103,11 @@ def test_a_server_killed_mid_run_stops_the_launch(tiny_vlm_dir, tmp_path):
             launcher.kill()
     text = "".join(lines)
     assert code == 1, text[-6000:]
-    errors = [line for line in lines if line.startswith("vlrl launch: rollout server 0")
-              and "killed by SIGKILL: stopped during the run; all ranks stopped" in line]
+    errors = [line for line in lines if line.startswith("vlrl launch: rollout server 0") and said in line]
     assert len(errors) == 1, text[-6000:]
     steps = len((out / "metrics.jsonl").read_text().splitlines())
     assert 0 < steps < 200  # it did train, and did not go on without its server
-    assert _actors_gone(text)
+    assert _actors_gone(text) and _gone(pid)
     print(errors[0])
 
 

@@ -88,7 +88,7 @@ def test_an_async_run_plans_async_launches():
     text = _plan("--gpus", "2", "rollout.mode=async", "train.prompts_per_step=12")
     ranked = _ranked(text)
     assert ranked, text
-    for m, argv in ranked:  # the plan assumes generation overlaps training: the launch runs the async recipe
+    for _, argv in ranked:  # the plan assumes generation overlaps training: the launch runs the async recipe
         assert "rollout.mode=async" in argv and prepare("rl", CONFIG, argv[5:]).cfg.rollout.mode == "async"
     refused = [line for line in text.splitlines() if "but vlrl launch refuses it" in line]
     assert len(ranked) + len(refused) == 3, text  # each of the 3 placements: ranked, or refused with the reason
