@@ -1,6 +1,7 @@
 """`vlrl launch --ray ADDRESS|local CONFIG [overrides]`: the trainer ranks as Ray actors.
 
-    1. ray.init(ADDRESS)            ``local``: a single-node Ray started here (CPUs: launch.nproc × cpus_per_rank)
+    1. ray.init(ADDRESS)            ``local``: a single-node Ray started here (CPUs: launch.nproc × cpus_per_rank
+                                    + launch.rollout_servers × server_cpus)
     2. placement group              launch.nproc bundles {CPU: cpus_per_rank, GPU: gpus_per_rank} (+ one per
                                     rollout server, below), strategy launch.placement
     3. one `RankActor` per bundle   bundle k hosts rank k
