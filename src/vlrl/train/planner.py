@@ -9,7 +9,11 @@ only with a KL term), critic (trained, only for ``gae``), rollout (generation) �
 - ``separate``: rollout servers on G devices (one full replica each, data parallel), the trainer FSDP2 over
   the other N − G, weights shipped to the servers after every step (OpenRLHF-style; `rollout.servers`).
 
-and prints the feasible placements ranked by estimated step time, with the formula beside every number.
+and prints the feasible placements ranked by estimated step time, with the formula beside every number. Each
+ranked placement comes with the `vlrl launch` command that starts exactly it (`Placement.overrides`), checked by
+the launcher's own pre-start checks (`vlrl.train.launcher.prepare`): one that fits but that the launch would
+refuse is listed with the launch's reason instead of a rank, so the planner recommends only what the runtime
+starts; ``vlrl plan --apply OUT.yaml`` writes #1's (``--pick N``: #N's) settings into a config (`applied_config`).
 
 **Memory** (bytes per device; Ψ parameters, b_w bytes of ``model.dtype``, b_c bytes of the compute dtype —
 2 under ``dist.mixed_precision``, else b_w; d the FSDP size, 1 under DDP):
