@@ -370,32 +370,23 @@ def launch(
     recipe: str = typer.Option("auto", "--recipe", help="auto (from the file's sections), sft or rl."),
     resume: str | None = RESUME,
 ) -> None:
-    """Run `vlrl sft|rl` on launch.nproc Ray actors in a placement group (torch.distributed rendezvous wired)."""
-    from vlrl.train.distributed import check_scalable
-    from vlrl.train.launcher import LaunchError, RankSpec, detect, server_plan, starts_servers
+    """Run `vlrl sft|rl` on launch.nproc Ray actors in a placement group (torch.distributed rendezvous wired), with
+    launch.rollout_servers `vlrl serve` actors beside them."""
+    from vlrl.train.launcher import LaunchError, LaunchRefused, detect, prepare
     from vlrl.train.launcher import launch as run_launch
 
-    kind = detect(config, recipe)
-    if kind not in ("sft", "rl"):
-        typer.secho(f"vlrl launch: launches sft and rl runs (got recipe {kind!r}; pass --recipe)", fg="red", err=True)
-        raise typer.Exit(2)
     extra = [*([f"launch.nproc={nproc}"] if nproc else []), *([f"checkpoint.resume={resume}"] if resume else [])]
-    given = [*(overrides or []), *extra]
-    # servers the launch starts stand in for rollout.servers while the config is checked (their URLs come later)
     try:
-        placeholder = starts_servers(config, given) if kind == "rl" else None
-    except LaunchError as err:
-        typer.secho(f"vlrl launch: {err}", fg="red", err=True)
+        # servers the launch starts stand in for rollout.servers while the config is checked (their URLs come later)
+        ready = prepare(detect(config, recipe), config, [*(overrides or []), *extra])  # before Ray starts
+    except ConfigError as err:
+        typer.secho(str(err), fg="red", err=True)
         raise typer.Exit(2) from None
-    cfg = _load(RECIPES[kind], config, [*given, *([placeholder] if placeholder else [])], [])  # before Ray starts
-    spec = RankSpec(kind, str(config), tuple(given))
-    try:
-        check_scalable(cfg, cfg.launch.nproc)  # what every rank would refuse, refused before anything starts
-    except ValueError as err:
+    except LaunchRefused as err:
         typer.secho(f"vlrl launch: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
     try:
-        run_launch(spec, cfg.launch, address=ray_address, servers=server_plan(cfg, kind, ray_address))
+        run_launch(ready.spec, ready.cfg.launch, address=ray_address, servers=ready.servers)
     except LaunchError as err:
         typer.secho(f"vlrl launch: {err}", fg="red", err=True)
         raise typer.Exit(1) from None
@@ -417,8 +408,12 @@ def plan(
     recipe: str = typer.Option("auto", "--recipe", help="auto (from the file's sections), sft or rl."),
     measure: bool = typer.Option(False, "--measure", help="Also run one training step on this machine's CPU and "
                                  "print its measured peak memory beside the estimate (for small models)."),
+    apply: Path | None = typer.Option(None, "--apply", help="Write the config with the chosen placement's launch "
+                                      "settings in it to this YAML file (`vlrl launch --ray … FILE` starts it)."),
+    pick: int | None = typer.Option(None, "--pick", min=1, help="With --apply: the placement ranked #N (default: #1)."),
 ) -> None:
-    """Estimate per-device memory and step time of every placement (colocated/separate, FSDP/DDP); rank the feasible ones."""
+    """Estimate per-device memory and step time of every placement (colocated/separate, FSDP/DDP); rank the feasible
+    ones, each with the `vlrl launch` command that starts it."""
     import yaml
 
     from vlrl.check import detect_recipe, model_path_problem
@@ -441,12 +436,46 @@ def plan(
         raise typer.Exit(2) from None
     shape, work = planner.model_shape(model), planner.workload(cfg, adapter, model=model)
     device = planner.Device(gpus, gpu_mem, tflops=tflops, bandwidth_gbs=bandwidth, link_gbs=link, mfu=mfu)
-    typer.echo(planner.format_plans(planner.plan_placements(shape, work, device), device, work, shape))
+    plans = planner.plan_placements(shape, work, device)
+    launches = {p.name: planner.launch_settings(p, cfg, recipe, config, list(overrides or []))
+                for p in planner.ranked(plans, device)}
+    feasible = planner.ranked(plans, device, launches)  # what `#N` numbers: fits, and vlrl launch accepts it
+    typer.echo(planner.format_plans(plans, device, work, shape, launches))
+    if apply is not None:
+        _apply_plan(apply, pick, feasible, launches, recipe, config, list(overrides or []))
     if measure:
         from vlrl.models import load_policy
 
         policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.model.init_seed)
         typer.echo("\n" + planner.format_measurement(planner.measure_train_step(cfg, policy, work), shape, work))
+
+
+def _apply_plan(out: Path, pick: int | None, feasible: list, launches: dict, recipe: str, config: Path,
+                overrides: list[str]) -> None:
+    """`vlrl plan --apply OUT`: the run's config with placement #pick's (or the best launchable one's) settings."""
+    from vlrl.train import planner
+    from vlrl.train.launcher import LaunchRefused, prepare
+
+    if not feasible:
+        typer.secho("vlrl plan: --apply: no placement that fits can be launched (see ✗ above)", fg="red", err=True)
+        raise typer.Exit(1)
+    if pick is not None and pick > len(feasible):
+        typer.secho(f"vlrl plan: --pick {pick}: {len(feasible)} placement(s) are ranked", fg="red", err=True)
+        raise typer.Exit(2)
+    rank = pick or 1
+    plan, settings = feasible[rank - 1], launches[feasible[rank - 1].name]
+    header = (f"vlrl plan --apply: placement #{rank} {plan.name} (~{planner.human_seconds(plan.step_seconds)}/step)\n"
+              f"from {config}{' with ' + ' '.join(overrides) if overrides else ''}\n"
+              f"start it: vlrl launch --ray local|ADDRESS {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(planner.applied_config(RECIPES[recipe], config, [*overrides, *settings.overrides], header))
+    try:
+        prepare(recipe, out, [])  # what was written is what the launch accepts
+    except (ConfigError, LaunchRefused) as err:
+        typer.secho(f"vlrl plan: --apply: {out} is not accepted by vlrl launch: {err}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"vlrl plan: wrote {out} (placement #{rank} {plan.name}: {' '.join(settings.overrides)}); "
+               f"start it with: vlrl launch --ray local {out}")
 
 
 @data_app.command("gen")

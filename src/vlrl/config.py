@@ -715,17 +715,32 @@ class LaunchConfig(Section):
         default_factory=dict, description="`vlrl launch`: extra environment variables for every rank (e.g. NCCL settings)."
     )
     rollout_servers: int = Field(
-        0, ge=0, description="`vlrl launch` (rl, --ray local): start this many `vlrl serve` processes on loopback beside the "
-        "ranks, wait for their /health, pass their URLs as rollout.servers and a generated key in rollout.api_key_env, "
-        "stop them when the run ends; a server that dies stops the ranks. 0: none (rollout.servers as configured)."
+        0, ge=0, description="`vlrl launch` (rl): start this many `vlrl serve` processes, each in a Ray actor of its own "
+        "placement-group bundle ({CPU: server_cpus, GPU: gpus_per_server}) bound to its node's IP on a free port; wait "
+        "for their /health, pass their URLs as rollout.servers and a generated key in rollout.api_key_env, stop them "
+        "when the run ends; a server that dies stops the ranks. 0: none (rollout.servers as configured). "
+        "`vlrl plan --apply` writes it."
+    )
+    server_cpus: float = Field(1.0, ge=0, description="`vlrl launch`: CPUs reserved in each rollout server's bundle.")
+    gpus_per_server: float = Field(
+        0.0, ge=0, description="`vlrl launch`: GPUs reserved in each rollout server's bundle (1 on GPU machines: one "
+        "full replica per device, as `vlrl plan`'s separate placements assume); Ray sets the server's CUDA_VISIBLE_DEVICES."
+    )
+    server_device: str | None = Field(
+        None, description="`vlrl launch`: the rollout servers' torch device (`vlrl serve --device`). Unset: model.device."
+    )
+    server_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="`vlrl launch`: the rollout servers' weight dtype (`vlrl serve --dtype`). Unset: the trainer's "
+        "compute dtype — dist.mixed_precision's (bf16 → bfloat16, fp16 → float16) or else model.dtype, what `vlrl plan` "
+        "counts for a server."
     )
     server_model: str | None = Field(
         None, description="`vlrl launch`: the model the rollout servers load (`vlrl serve --model`). Unset: model.path."
     )
     server_threads: int = Field(1, ge=1, description="`vlrl launch`: torch CPU threads of each rollout server (`--threads`).")
     server_args: list[str] = Field(
-        default_factory=list, description="`vlrl launch`: extra `vlrl serve` flags for every server; {i} in a flag "
-        "is the server's index, e.g. [--device, 'cuda:{i}', --dtype, bfloat16]."
+        default_factory=list, description="`vlrl launch`: extra `vlrl serve` flags for every server (after the launch's own, so "
+        "they win); {i} in a flag is the server's index, e.g. [--batch-window-ms, '5']."
     )
     server_timeout: float = Field(
         300.0, gt=0, description="`vlrl launch`: seconds each rollout server may take to load and answer /health."

@@ -16,14 +16,14 @@ from vlrl.rollout.weights import weight_checksum
 
 from .dist_helpers import REPO, quiet_env
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 
 STEPS = 3
 ARGS = [f"train.steps={STEPS}", "train.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=6",
         "train.micro_batch_size=4", "train.log_every=1", "data.n_train=16", "data.n_test=2", "report.html=false",
         "check.enabled=false", "eval.samples=1", "eval.max_new_tokens=2", "launch.nproc=2",
         "launch.rollout_servers=1"]
-SERVER = re.compile(r"rollout server 0 \((http://127\.0\.0\.1:\d+), pid (\d+)\)")
+SERVER = re.compile(r"rollout server 0 \((http://[\d.]+:\d+), pid (\d+)\)")
 
 
 def _cmd(model, out, *extra):
@@ -40,11 +40,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _ranks_gone(text: str) -> bool:
-    """Every rank actor whose output Ray streamed (``(RankActor pid=N)``) has exited."""
-    pids = {int(p) for p in re.findall(r"\(RankActor pid=(\d+)", text)}
-    assert pids, text[-4000:]
-    return all(_gone(pid) for pid in pids)
+def _actors_gone(text: str) -> bool:
+    """Every rank actor and server actor whose output Ray streamed (``(RankActor pid=N)``, ``(vlrl serve 0
+    pid=N)``) has exited."""
+    ranks = {int(p) for p in re.findall(r"\(RankActor pid=(\d+)", text)}
+    servers = {int(p) for p in re.findall(r"\(vlrl serve \d+ pid=(\d+)", text)}
+    assert ranks and servers, text[-4000:]
+    return all(_gone(pid) for pid in ranks | servers)
 
 
 def test_launch_starts_a_rollout_server_for_two_ranks_and_stops_it(tiny_vlm_dir, tmp_path):
@@ -63,12 +65,19 @@ def test_launch_starts_a_rollout_server_for_two_ranks_and_stops_it(tiny_vlm_dir,
     assert final[1] == str(STEPS)
     assert final[2] == weight_checksum(load_policy(str(out / "checkpoints" / "final")).model)
     assert not (out / "rollout_weights").exists()
-    assert "serve --model" in text and "--threads 1 --batch-window-ms 10\n" in text  # {i}: the server's index
+    # {i}: the server's index; bound to the node's IP, not loopback, and reached there by the ranks
+    assert "serve --model" in text and "--batch-window-ms 10 --host " in text
+    assert SERVER.search(text)[1].startswith(f"http://{ray.util.get_node_ip_address()}:")
     pid = int(SERVER.search(text)[2])
-    assert _gone(pid) and _ranks_gone(text)  # stopped when the run ended
+    assert _gone(pid) and _actors_gone(text)  # stopped when the run ended
 
 
-def test_a_server_killed_mid_run_stops_the_launch(tiny_vlm_dir, tmp_path):
+@pytest.mark.parametrize(("victim", "said"), [
+    ("server", " was killed by SIGKILL: stopped during the run; all ranks stopped"),
+    # the actor hosting the server: the server dies with it (PR_SET_PDEATHSIG), the launch names the server
+    ("actor", ": its Ray actor is gone (ActorDiedError): stopped during the run; all ranks stopped"),
+])
+def test_a_server_killed_mid_run_stops_the_launch(tiny_vlm_dir, tmp_path, victim, said):
     out = tmp_path / "run"
     cmd = _cmd(tiny_vlm_dir, out, "train.steps=200")  # far longer than the test waits
     lines: list[str] = []
@@ -85,7 +94,8 @@ def test_a_server_killed_mid_run_stops_the_launch(tiny_vlm_dir, tmp_path):
                 break
             assert time.time() < deadline, "".join(lines[-50:])
         assert pid, "".join(lines[-50:])
-        os.kill(pid, signal.SIGKILL)
+        actor = int(re.search(r"\(vlrl serve 0 pid=(\d+)\)", "".join(lines))[1])
+        os.kill(pid if victim == "server" else actor, signal.SIGKILL)
         lines.extend(launcher.stdout)
         code = launcher.wait(120)
     finally:
@@ -93,12 +103,11 @@ def test_a_server_killed_mid_run_stops_the_launch(tiny_vlm_dir, tmp_path):
             launcher.kill()
     text = "".join(lines)
     assert code == 1, text[-6000:]
-    errors = [line for line in lines if line.startswith("vlrl launch: rollout server 0")
-              and "killed by SIGKILL: stopped during the run; all ranks stopped" in line]
+    errors = [line for line in lines if line.startswith("vlrl launch: rollout server 0") and said in line]
     assert len(errors) == 1, text[-6000:]
     steps = len((out / "metrics.jsonl").read_text().splitlines())
     assert 0 < steps < 200  # it did train, and did not go on without its server
-    assert _ranks_gone(text)
+    assert _actors_gone(text) and _gone(pid)
     print(errors[0])
 
 
@@ -114,10 +123,9 @@ def test_a_server_that_cannot_start_ends_the_launch_before_the_ranks(tmp_path):
 
 
 @pytest.mark.parametrize(("config", "extra", "code", "message"), [
-    ("shapes_sft.yaml", ["launch.rollout_servers=1"], 1, "launch.rollout_servers=1: rollout servers serve RL runs"),
+    ("shapes_sft.yaml", ["launch.rollout_servers=1"], 2, "launch.rollout_servers=1: rollout servers serve RL runs"),
     ("shapes_grpo.yaml", ["launch.rollout_servers=1", "rollout.servers=[http://127.0.0.1:30000]"], 2,
      "rollout.servers is set too"),
-    ("shapes_grpo.yaml", ["launch.rollout_servers=1", "--ray", "auto"], 1, "which the ranks of a cluster cannot reach"),
     ("shapes_grpo.yaml", ["launch.rollout_servers=1", "rollout.mode=async"], 2,  # 2 ranks: still one process only
      "rollout.mode=async: the asynchronous recipe runs in one process"),
 ])

@@ -5,8 +5,17 @@ import json
 
 import pytest
 
-from vlrl.config import LaunchConfig
-from vlrl.train.launcher import LaunchError, RankSpec, launch, rendezvous_env
+from vlrl.config import LaunchConfig, RLConfig, load_config
+from vlrl.train.launcher import (
+    LaunchError,
+    RankSpec,
+    ServerPlan,
+    _Server,
+    _server_overrides,
+    launch,
+    rendezvous_env,
+    server_plan,
+)
 
 from .dist_helpers import COMPARED, run_args
 
@@ -49,3 +58,36 @@ def test_a_failing_rank_stops_the_launch(local_ray, tmp_path):
     spec = RankSpec("sft", None, (f"data.train={tmp_path / 'missing.jsonl'}", f"out={tmp_path}", "check.enabled=false"))
     with pytest.raises(LaunchError, match=r"rank \d failed, all ranks stopped: DataError: .*missing.jsonl: no such file"):
         launch(spec, LaunchConfig(nproc=2))
+
+
+class _Pool:
+    """`RolloutServers` as `_server_overrides` sees it: healthy servers on the given node IPs."""
+
+    def __init__(self, ips, wire):
+        self.plan = ServerPlan(len(ips), "m", wire_sync_address=wire)
+        self.servers = [_Server(i, None, ip=ip) for i, ip in enumerate(ips)]
+
+    def wait_ready(self):
+        return [f"http://{s.ip}:3000{s.index}" for s in self.servers]
+
+
+def test_server_urls_are_wired_and_the_sync_address_only_across_nodes():
+    assert _server_overrides(_Pool(["10.0.0.1"], wire=True), "10.0.0.1") == ["rollout.servers=[http://10.0.0.1:30000]"]
+    # a server on another node joins the trainer's broadcast group at rank 0's IP, not at loopback
+    assert _server_overrides(_Pool(["10.0.0.1", "10.0.0.2"], wire=True), "10.0.0.1") == [
+        "rollout.servers=[http://10.0.0.1:30000,http://10.0.0.2:30001]", "rollout.weight_sync_address=10.0.0.1"]
+    # weight_sync=disk, or an address the user set: left alone
+    assert _server_overrides(_Pool(["10.0.0.2"], wire=False), "10.0.0.1") == ["rollout.servers=[http://10.0.0.2:30000]"]
+
+
+def test_server_plan_defaults_to_the_trainers_device_and_compute_dtype():
+    base = ["launch.rollout_servers=2", "launch.gpus_per_server=1", "model.device=cuda"]
+    plan = server_plan(load_config(RLConfig, None, [*base, "dist.mixed_precision=bf16"]), "rl")
+    assert (plan.count, plan.gpus, plan.device, plan.dtype) == (2, 1, "cuda", "bfloat16")
+    assert plan.command(1)[-4:] == ["--device", "cuda", "--dtype", "bfloat16"]
+    plan = server_plan(load_config(RLConfig, None, [*base, "model.dtype=float16", "launch.server_dtype=float32",
+                                                     "launch.server_args=[--batch-window-ms, '{i}']"]), "rl")
+    assert plan.dtype == "float32" and plan.command(1)[-2:] == ["--batch-window-ms", "1"]
+    cfg = load_config(RLConfig, None, [*base, "model.dtype=float16", "rollout.servers=[http://h:1]",
+                                       "rollout.weight_sync=distributed"])
+    assert server_plan(cfg, "rl").dtype == "float16" and server_plan(cfg, "rl").wire_sync_address

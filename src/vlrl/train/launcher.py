@@ -1,7 +1,9 @@
 """`vlrl launch --ray ADDRESS|local CONFIG [overrides]`: the trainer ranks as Ray actors.
 
-    1. ray.init(ADDRESS)            ``local``: a single-node Ray started here (CPUs: launch.nproc × cpus_per_rank)
-    2. placement group              launch.nproc bundles {CPU: cpus_per_rank, GPU: gpus_per_rank}, launch.placement
+    1. ray.init(ADDRESS)            ``local``: a single-node Ray started here (CPUs: launch.nproc × cpus_per_rank
+                                    + launch.rollout_servers × server_cpus)
+    2. placement group              launch.nproc bundles {CPU: cpus_per_rank, GPU: gpus_per_rank} (+ one per
+                                    rollout server, below), strategy launch.placement
     3. one `RankActor` per bundle   bundle k hosts rank k
     4. rendezvous                   rank 0's node IP and a free port; every actor gets torchrun's contract —
                                     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
@@ -15,22 +17,24 @@
 The recipes are the ones torchrun runs: Ray only places the processes and wires the rendezvous, which is how
 verl's single controller starts its FSDP workers.
 
-Rollout servers (``launch.rollout_servers: K``, `RolloutServers`): before the ranks start, K `vlrl serve`
-processes are started as children of the launcher on loopback (port 0; each prints the port it bound) with a
-generated bearer key in their environment; once every one answers /health, the ranks get
-``rollout.servers=[URLs]`` and the key in ``rollout.api_key_env``. While the ranks run, a server that exits stops
-them (the error names the server); when the ranks end, ok or not, the servers are stopped (SIGTERM, then SIGKILL;
-they also get SIGKILL if the launcher itself dies). Local children, not Ray actors: with ``--ray local`` this
-node is the whole cluster, so a bundle would add nothing but a process between the launcher and the server. On a
-multi-node cluster the servers belong on devices of their own in the placement group, as verl's resource pools and
-AReaL's launcher place them; that is not built, so there ``launch.rollout_servers`` is refused (start `vlrl serve`
-on the nodes and set ``rollout.servers``).
+Rollout servers (``launch.rollout_servers: K``, `RolloutServers`): the placement group gets K more bundles
+{CPU: launch.server_cpus, GPU: launch.gpus_per_server}, one server actor each (verl's resource pools, AReaL's
+launcher). Each actor starts `vlrl serve` on its node, bound to the node's IP (not loopback: the ranks may run on
+other nodes) on a free port, with a generated bearer key in its environment, and reports the URL the server
+prints; once every server answers /health (asked by its actor, on its node), the ranks get
+``rollout.servers=[URLs]`` and the key in ``rollout.api_key_env`` (and, for rollout.weight_sync=distributed left at
+its loopback default while a server runs on another node, rank 0's IP as ``rollout.weight_sync_address``). While
+the ranks run, a server that exits — or whose actor dies — stops them (the error names the server); when the ranks
+end, ok or not, the servers are stopped (SIGTERM, then SIGKILL; a server also gets SIGKILL when its actor dies).
+``--ray local`` takes the same path: one code path, the one a cluster runs, is the one the CPU tests cover; the
+actor costs one process per server.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import secrets
 import signal
@@ -39,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,38 +94,34 @@ def _rank_actor_class():
 def launch(spec: RankSpec, launch_cfg, *, address: str = "local", poll_seconds: float = 0.5,
            servers: ServerPlan | None = None) -> list[Any]:
     """Run ``spec`` on ``launch_cfg.nproc`` Ray actors; returns every rank's result (rank 0's summary first).
-    With ``servers``, its `vlrl serve` processes are started first and wired into the ranks (module docstring).
+    With ``servers``, its `vlrl serve` actors are started first and wired into the ranks (module docstring).
     Raises `LaunchError` when a rank or a server fails (after stopping all of them)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     n = launch_cfg.nproc
     pool = RolloutServers(servers) if servers is not None else None
     started_here = not ray.is_initialized()
     group, actors = None, []
     try:
-        if pool is not None:
-            pool.start()  # they load their weights while Ray starts
         if started_here:
             if address == "local":
-                ray.init(num_cpus=max(1, int(round(n * launch_cfg.cpus_per_rank))), include_dashboard=False,
-                         log_to_driver=True)
+                cpus = n * launch_cfg.cpus_per_rank + (servers.count * servers.cpus if servers is not None else 0)
+                ray.init(num_cpus=max(1, math.ceil(cpus)), include_dashboard=False, log_to_driver=True)
             else:
                 ray.init(address=address, log_to_driver=True)
-        bundle = {"CPU": launch_cfg.cpus_per_rank, **({"GPU": launch_cfg.gpus_per_rank} if launch_cfg.gpus_per_rank else {})}
-        group = placement_group([dict(bundle) for _ in range(n)], strategy=launch_cfg.placement)
+        bundles = [_bundle(launch_cfg.cpus_per_rank, launch_cfg.gpus_per_rank) for _ in range(n)]
+        if servers is not None:
+            bundles += [_bundle(servers.cpus, servers.gpus) for _ in range(servers.count)]
+        group = placement_group(bundles, strategy=launch_cfg.placement)
         ray.get(group.ready(), timeout=600)
-        actor_cls = _rank_actor_class()
-        actors = [actor_cls.options(
-            num_cpus=launch_cfg.cpus_per_rank, num_gpus=launch_cfg.gpus_per_rank, name=f"vlrl-rank-{rank}",
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank),
-        ).remote() for rank in range(n)]
+        if pool is not None:
+            pool.start(group, first_bundle=n)  # they load their weights while the ranks are placed
+        actors = _rank_actors(group, launch_cfg)
         where = ray.get([a.node.remote() for a in actors])
         extra_env = dict(launch_cfg.env)
         if pool is not None:
-            urls = pool.wait_ready()
-            spec = replace(spec, overrides=(*spec.overrides, f"rollout.servers=[{','.join(urls)}]"))
+            spec = replace(spec, overrides=(*spec.overrides, *_server_overrides(pool, where[0][0])))
             extra_env[servers.api_key_env] = pool.api_key
         envs = rendezvous_env(where, launch_cfg.master_port or where[0][1], extra=extra_env)
         log.info("vlrl launch: %d rank(s) on %s; rendezvous %s:%s", n, sorted({ip for ip, _ in where}),
@@ -134,12 +134,38 @@ def launch(spec: RankSpec, launch_cfg, *, address: str = "local", poll_seconds: 
     finally:
         for actor in actors:  # finished ranks exit quietly; a failure or Ctrl-C stops the rest here
             ray.kill(actor, no_restart=True)
+        if pool is not None and ray.is_initialized():
+            pool.stop()
         if group is not None:
             remove_placement_group(group)
         if started_here and ray.is_initialized():
             ray.shutdown()
-        if pool is not None:
-            pool.stop()
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+
+def _rank_actors(group, launch_cfg) -> list[Any]:
+    """Rank k's actor in bundle k."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    actor_cls = _rank_actor_class()
+    return [actor_cls.options(
+        num_cpus=launch_cfg.cpus_per_rank, num_gpus=launch_cfg.gpus_per_rank, name=f"vlrl-rank-{rank}",
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank),
+    ).remote() for rank in range(launch_cfg.nproc)]
+
+
+def _server_overrides(pool: RolloutServers, rank0_ip: str) -> list[str]:
+    """The healthy servers' URLs as rollout.servers; with distributed weight sync at its loopback default and a
+    server on another node than rank 0, rank 0's IP as rollout.weight_sync_address (where the servers join the
+    trainer's broadcast group)."""
+    urls = pool.wait_ready()
+    overrides = [f"rollout.servers=[{','.join(urls)}]"]
+    if pool.plan.wire_sync_address and any(s.ip != rank0_ip for s in pool.servers):
+        overrides.append(f"rollout.weight_sync_address={rank0_ip}")
+    return overrides
 
 
 def rendezvous_env(where: list[tuple[str, int]], port: int, *, extra: dict[str, str] | None = None) -> list[dict[str, str]]:
@@ -192,6 +218,45 @@ def detect(config: Path | None, recipe: str) -> str:
     return detect_recipe(raw if isinstance(raw, dict) else {}, config)
 
 
+# ----------------------------------------------------------------------------------------------- before anything starts
+class LaunchRefused(ValueError):
+    """A launch that cannot be honoured, refused before anything starts (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `vlrl launch` starts: the loaded config (rollout servers' URLs stood in for), the ranks' spec and the
+    servers."""
+
+    cfg: Any
+    spec: RankSpec
+    servers: ServerPlan | None
+
+
+def prepare(kind: str, config: Path | None, overrides: list[str]) -> Prepared:
+    """Every check `vlrl launch` makes before it starts Ray — also what `vlrl plan` runs on each placement it prints,
+    so the planner never shows a placement the runtime refuses. Raises `vlrl.config.ConfigError` (the config does
+    not load) or `LaunchRefused`."""
+    from vlrl.config import RLConfig, SFTConfig, load_config
+    from vlrl.train.distributed import check_scalable
+
+    if kind not in ("sft", "rl"):
+        raise LaunchRefused(f"launches sft and rl runs (got recipe {kind!r}; pass --recipe)")
+    placeholder = starts_servers(config, overrides) if kind == "rl" else None
+    cfg = load_config(SFTConfig if kind == "sft" else RLConfig, config, [*overrides, *([placeholder] if placeholder else [])])
+    try:
+        check_scalable(cfg, cfg.launch.nproc)  # what every rank would refuse, refused before anything starts
+    except ValueError as err:
+        raise LaunchRefused(str(err)) from None
+    batch, size = ("train.batch_size", cfg.train.batch_size) if kind == "sft" else \
+        ("train.prompts_per_step", cfg.train.prompts_per_step)
+    if size % cfg.launch.nproc:  # the ranks' first step would stop on it (`DistContext.shard`)
+        raise LaunchRefused(f"{batch}: {size} does not split evenly over launch.nproc={cfg.launch.nproc} ranks; use "
+                            f"a multiple of {cfg.launch.nproc}")
+    return Prepared(cfg, RankSpec(kind, str(config) if config is not None else None, tuple(overrides)),
+                    server_plan(cfg, kind))
+
+
 # ----------------------------------------------------------------------------------------------- rollout servers
 @dataclass(frozen=True)
 class ServerPlan:
@@ -203,12 +268,22 @@ class ServerPlan:
     args: tuple[str, ...] = ()
     timeout: float = 300.0
     api_key_env: str = "VLRL_API_KEY"  # where the ranks' HTTP engines read the key (rollout.api_key_env)
+    cpus: float = 1.0  # each server's bundle
+    gpus: float = 0.0
+    device: str = "cpu"
+    dtype: str = "float32"
+    wire_sync_address: bool = False  # rollout.weight_sync=distributed at its loopback default: set rank 0's IP
+
+    def command(self, index: int) -> list[str]:
+        """`vlrl serve` without --host / --port (the actor adds its node's IP and port 0)."""
+        return [sys.executable, "-m", "vlrl.cli", "serve", "--model", self.model, "--threads", str(self.threads),
+                "--device", self.device, "--dtype", self.dtype, *(arg.replace("{i}", str(index)) for arg in self.args)]
 
 
 def starts_servers(config: Path | None, overrides: list[str]) -> str | None:
     """``rollout.servers=[…]``, a stand-in for the URLs of the servers ``launch.rollout_servers`` will start, so
     the config validates (rollout.weight_sync=distributed needs servers); None when the launch starts none.
-    `LaunchError` when rollout.servers is set as well (one or the other)."""
+    `LaunchRefused` when rollout.servers is set as well (one or the other)."""
     import yaml
 
     from vlrl.config import apply_overrides
@@ -222,33 +297,36 @@ def starts_servers(config: Path | None, overrides: list[str]) -> str | None:
     if not isinstance(count, int) or count <= 0:
         return None
     if servers:
-        raise LaunchError(f"launch.rollout_servers={count} starts the rollout servers and passes their URLs; "
-                          f"rollout.servers is set too ({servers}): set one or the other")
+        raise LaunchRefused(f"launch.rollout_servers={count} starts the rollout servers and passes their URLs; "
+                            f"rollout.servers is set too ({servers}): set one or the other")
     return "rollout.servers=[http://127.0.0.1:1]"
 
 
-def server_plan(cfg, recipe: str, address: str) -> ServerPlan | None:
-    """``launch.rollout_servers`` as a `ServerPlan` (None for 0); a setting it cannot honour raises `LaunchError`
-    naming the field."""
+COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def server_plan(cfg, recipe: str) -> ServerPlan | None:
+    """``launch.rollout_servers`` as a `ServerPlan` (None for 0); `LaunchRefused` naming the field for a setting it
+    cannot honour."""
     launch_cfg = cfg.launch
     if not launch_cfg.rollout_servers:
         return None
     if recipe != "rl":
-        raise LaunchError(f"launch.rollout_servers={launch_cfg.rollout_servers}: rollout servers serve RL runs "
-                          f"(this is a {recipe} run); set launch.rollout_servers=0")
-    if address != "local":
-        raise LaunchError(f"launch.rollout_servers={launch_cfg.rollout_servers} with --ray {address}: servers are "
-                          "started on this machine's loopback, which the ranks of a cluster cannot reach; start "
-                          "`vlrl serve` on the nodes and set rollout.servers (servers in the placement group are "
-                          "not built yet)")
-    return ServerPlan(launch_cfg.rollout_servers, launch_cfg.server_model or cfg.model.path,
-                      threads=launch_cfg.server_threads, args=tuple(launch_cfg.server_args),
-                      timeout=launch_cfg.server_timeout, api_key_env=cfg.rollout.api_key_env)
+        raise LaunchRefused(f"launch.rollout_servers={launch_cfg.rollout_servers}: rollout servers serve RL runs "
+                            f"(this is a {recipe} run); set launch.rollout_servers=0")
+    rollout = cfg.rollout
+    return ServerPlan(
+        launch_cfg.rollout_servers, launch_cfg.server_model or cfg.model.path, threads=launch_cfg.server_threads,
+        args=tuple(launch_cfg.server_args), timeout=launch_cfg.server_timeout, api_key_env=rollout.api_key_env,
+        cpus=launch_cfg.server_cpus, gpus=launch_cfg.gpus_per_server, device=launch_cfg.server_device or cfg.model.device,
+        dtype=launch_cfg.server_dtype or COMPUTE_DTYPES.get(cfg.dist.mixed_precision, cfg.model.dtype),
+        wire_sync_address=rollout.weight_sync == "distributed" and rollout.weight_sync_address == "127.0.0.1")
 
 
 def _death_signal():
-    """Linux: a ``preexec_fn`` giving the server SIGKILL when the launcher dies, however it dies (no orphaned
-    servers); None elsewhere. libc is looked up here, in the parent: the forked child only makes the call."""
+    """Linux: a ``preexec_fn`` giving the server SIGKILL when the process that started it dies, however it dies
+    (no orphaned servers); None elsewhere. libc is looked up here, in the parent: the forked child only makes the
+    call. (The signal follows the *thread* that forked: Ray runs an actor's methods on its main thread.)"""
     try:
         import ctypes
 
@@ -258,110 +336,191 @@ def _death_signal():
     return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
+class ServerStatus:
+    """What a server actor reports: its URL once it listens, its exit code once it exited, its last line."""
+
+    url: str | None
+    code: int | None
+    last_line: str
+
+
+class ServerProcess:
+    """One `vlrl serve` process on this node, bound to the node's IP on a free port; its output is printed here
+    (under Ray, streamed to the launcher's terminal prefixed ``(vlrl serve i pid=…)``). The body of the server
+    actor (`_server_actor_class`)."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.process, self.url = index, None, None
+        self.tail: collections.deque = collections.deque(maxlen=20)  # its last lines
+        self.reader: threading.Thread | None = None
+
+    def __repr__(self) -> str:  # Ray's prefix of this actor's lines
+        return f"vlrl serve {getattr(self, 'index', '?')}"
+
+    def start(self, command: list[str], api_key: str) -> tuple[str, int]:
+        """Start ``command --host NODE_IP --port 0`` with the key in VLRL_API_KEY (`vlrl serve --api-key`'s
+        variable); (node IP, pid)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()  # reachable from the other nodes; loopback would not be
+        env = {**os.environ, "VLRL_API_KEY": api_key}
+        self.process = subprocess.Popen([*command, "--host", host, "--port", "0"], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True,
+                                        bufsize=1, preexec_fn=_death_signal())
+        self.reader = threading.Thread(target=self._read, daemon=True, name=f"vlrl-serve-{self.index}")
+        self.reader.start()
+        return host, self.process.pid
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            line = line.rstrip("\n")
+            self.tail.append(line)
+            if self.url is None and "listening on " in line:
+                self.url = line.split("listening on ")[1].split()[0]
+            print(line, flush=True)
+
+    def status(self) -> ServerStatus:
+        code = self.process.poll()
+        if code is not None and self.reader is not None:
+            self.reader.join(timeout=2)  # its last words
+        last = next((line.strip() for line in reversed(self.tail) if line.strip()), "no output")
+        return ServerStatus(self.url, code, last)
+
+    def healthy(self) -> bool:
+        import httpx
+
+        try:
+            return self.url is not None and httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def model_info(self, api_key: str) -> dict | str:
+        """/get_model_info (weight version and checksum), or why it failed."""
+        import httpx
+
+        try:
+            return httpx.get(f"{self.url}/get_model_info", timeout=30,
+                             headers={"Authorization": f"Bearer {api_key}"}).json()
+        except (httpx.HTTPError, ValueError) as err:
+            return str(err)
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM (the server drains), SIGKILL after ``grace`` seconds."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.reader is not None:
+            self.reader.join(timeout=2)
+
+
+def _server_actor_class():
+    import ray
+
+    return ray.remote(ServerProcess)
+
+
 @dataclass
 class _Server:
     index: int
-    process: subprocess.Popen
+    actor: Any
+    ip: str = ""
+    pid: int = 0
     url: str | None = None
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))  # its last lines printed
 
     def name(self) -> str:
-        return f"rollout server {self.index} ({self.url or 'not listening yet'}, pid {self.process.pid})"
+        return f"rollout server {self.index} ({self.url or 'not listening yet'}, pid {self.pid})"
 
 
 class RolloutServers:
-    """``plan.count`` `vlrl serve` processes on loopback, children of the launcher; their output is streamed
-    here, prefixed ``(vlrl serve i)``."""
+    """``plan.count`` server actors, each in its own bundle of the run's placement group, each running `vlrl serve`
+    on its node (`ServerProcess`). The launcher checks their health, liveness and final weights through the actors
+    (the servers' ports need only be reachable inside the cluster)."""
 
     def __init__(self, plan: ServerPlan) -> None:
         self.plan, self.api_key, self.servers = plan, secrets.token_urlsafe(24), []
-        self._readers: list[threading.Thread] = []
 
-    def start(self) -> None:
-        base = [sys.executable, "-m", "vlrl.cli", "serve", "--model", self.plan.model, "--host", "127.0.0.1",
-                "--port", "0", "--threads", str(self.plan.threads)]
-        env = {**os.environ, "VLRL_API_KEY": self.api_key}  # `vlrl serve --api-key`'s variable
-        on_fork = _death_signal()
+    def start(self, group, first_bundle: int) -> None:
+        """One actor per server in bundles ``first_bundle …``; each starts its server on its node's IP."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_cls = _server_actor_class()
         for i in range(self.plan.count):
-            cmd = [*base, *(arg.replace("{i}", str(i)) for arg in self.plan.args)]
-            print(f"vlrl launch: starting rollout server {i}: {' '.join(cmd)}", flush=True)
-            process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, text=True, bufsize=1, preexec_fn=on_fork)
-            self.servers.append(_Server(i, process))
-        for server in self.servers:
-            reader = threading.Thread(target=self._read, args=(server,), daemon=True, name=f"vlrl-serve-{server.index}")
-            reader.start()
-            self._readers.append(reader)
-
-    def _read(self, server: _Server) -> None:
-        for line in server.process.stdout:
-            line = line.rstrip("\n")
-            server.tail.append(line)
-            if server.url is None and "listening on " in line:
-                server.url = line.split("listening on ")[1].split()[0]
-            print(f"(vlrl serve {server.index}) {line}", flush=True)
+            actor = actor_cls.options(
+                num_cpus=self.plan.cpus, num_gpus=self.plan.gpus, name=f"vlrl-serve-{i}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
+                                                                     placement_group_bundle_index=first_bundle + i),
+            ).remote(i)
+            self.servers.append(_Server(i, actor))
+        started = ray.get([s.actor.start.remote(self.plan.command(s.index), self.api_key) for s in self.servers])
+        for server, (ip, pid) in zip(self.servers, started, strict=True):
+            server.ip, server.pid = ip, pid
+            print(f"vlrl launch: starting rollout server {server.index} on {ip} (pid {pid}): "
+                  f"{' '.join([*self.plan.command(server.index), '--host', ip, '--port', '0'])}", flush=True)
 
     def wait_ready(self) -> list[str]:
         """Every server's URL once it answers /health; `LaunchError` if one exits or takes longer than the timeout."""
-        import httpx
+        import ray
 
         deadline = time.monotonic() + self.plan.timeout
         for server in self.servers:
             while True:
                 self.check(starting=True)
-                if server.url is not None:
-                    try:
-                        if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
+                if server.url is not None and ray.get(server.actor.healthy.remote(), timeout=30):
+                    break
                 if time.monotonic() > deadline:
                     raise LaunchError(f"{server.name()} did not answer /health within launch.server_timeout="
                                       f"{self.plan.timeout:g} s; everything was stopped")
                 time.sleep(0.2)
-        urls = [s.url for s in self.servers]
         for server in self.servers:
             print(f"vlrl launch: {server.name()} is healthy", flush=True)
-        return urls
+        return [s.url for s in self.servers]
 
     def check(self, starting: bool = False) -> None:
-        """`LaunchError` naming the first server that has exited."""
+        """`LaunchError` naming the first server that has exited (or whose actor died)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        what = "could not start" if starting else "stopped during the run; all ranks stopped"
         for server in self.servers:
-            code = server.process.poll()
-            if code is None:
+            try:
+                status = ray.get(server.actor.status.remote(), timeout=60)
+            except (RayActorError, GetTimeoutError) as err:
+                raise LaunchError(f"{server.name()}: its Ray actor is gone ({type(err).__name__}): {what}") from None
+            server.url = server.url or status.url
+            if status.code is None:
                 continue
-            if self._readers:
-                self._readers[server.index].join(timeout=2)  # its last words
+            code = status.code
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            what = "could not start" if starting else "stopped during the run; all ranks stopped"
-            last = next((line.strip() for line in reversed(server.tail) if line.strip()), "no output")
-            said = f" (its last line: {last})" if starting or code > 0 else ""  # a killed server said nothing
+            said = f" (its last line: {status.last_line})" if starting or code > 0 else ""  # a killed server said nothing
             raise LaunchError(f"{server.name()} {how}: {what}{said}")
 
     def report_weights(self) -> None:
         """Print each server's final weight version and checksum (they equal the trainer's after its last update)."""
-        import httpx
+        import ray
 
         for server in self.servers:
-            try:
-                info = httpx.get(f"{server.url}/get_model_info", timeout=30,
-                                 headers={"Authorization": f"Bearer {self.api_key}"}).json()
+            info = ray.get(server.actor.model_info.remote(self.api_key), timeout=60)
+            if isinstance(info, dict):
                 print(f"vlrl launch: {server.name()} ends with weight_version {info.get('weight_version')} "
                       f"weight_checksum {info.get('weight_checksum')}", flush=True)
-            except (httpx.HTTPError, ValueError) as err:
-                print(f"vlrl launch: {server.name()}: /get_model_info failed ({err})", flush=True)
+            else:
+                print(f"vlrl launch: {server.name()}: /get_model_info failed ({info})", flush=True)
 
     def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM every server (they drain), SIGKILL what is left after ``grace`` seconds."""
+        """SIGTERM every server (they drain), SIGKILL what is left after ``grace`` seconds, then end the actors."""
+        import ray
+
+        try:
+            ray.get([s.actor.stop.remote(grace) for s in self.servers], timeout=grace + 30)
+        except Exception as err:  # noqa: BLE001 - an actor already gone: killing it below ends its server too
+            log.debug("stopping the rollout servers: %s", err)
         for server in self.servers:
-            if server.process.poll() is None:
-                server.process.terminate()
-        deadline = time.monotonic() + grace
-        for server in self.servers:
-            try:
-                server.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                server.process.kill()
-                server.process.wait()
-        for reader in self._readers:
-            reader.join(timeout=2)
+            ray.kill(server.actor, no_restart=True)  # its server dies with it (PR_SET_PDEATHSIG)

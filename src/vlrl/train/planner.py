@@ -9,7 +9,11 @@ only with a KL term), critic (trained, only for ``gae``), rollout (generation) �
 - ``separate``: rollout servers on G devices (one full replica each, data parallel), the trainer FSDP2 over
   the other N − G, weights shipped to the servers after every step (OpenRLHF-style; `rollout.servers`).
 
-and prints the feasible placements ranked by estimated step time, with the formula beside every number.
+and prints the feasible placements ranked by estimated step time, with the formula beside every number. Each
+ranked placement comes with the `vlrl launch` command that starts exactly it (`Placement.overrides`), checked by
+the launcher's own pre-start checks (`vlrl.train.launcher.prepare`): one that fits but that the launch would
+refuse is listed with the launch's reason instead of a rank, so the planner recommends only what the runtime
+starts; ``vlrl plan --apply OUT.yaml`` writes #1's (``--pick N``: #N's) settings into a config (`applied_config`).
 
 **Memory** (bytes per device; Ψ parameters, b_w bytes of ``model.dtype``, b_c bytes of the compute dtype —
 2 under ``dist.mixed_precision``, else b_w; d the FSDP size, 1 under DDP):
@@ -167,6 +171,31 @@ def human_seconds(t: float) -> str:
     return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} µs"
 
 
+@dataclass(frozen=True)
+class Placement:
+    """What `vlrl launch` starts for a plan: ``trainer_ranks`` ranks (one device each) with ``strategy``, and
+    ``servers`` rollout servers (one device each, a full replica)."""
+
+    strategy: str  # fsdp | ddp
+    trainer_ranks: int
+    servers: int = 0
+    asynchronous: bool = False  # the plan overlaps generation and training (rollout.mode=async)
+
+    def overrides(self, *, gpu: bool, replace_servers: bool = False) -> list[str]:
+        """The `vlrl launch` settings that start exactly this placement. ``gpu``: a device is a GPU (one per bundle);
+        otherwise a CPU bundle of launch.cpus_per_rank / launch.server_cpus. ``replace_servers``: the config names
+        rollout.servers of its own, which this placement replaces (none colocated, the launch's own when separate)."""
+        out = [f"launch.nproc={self.trainer_ranks}", f"dist.strategy={self.strategy}",
+               f"launch.gpus_per_rank={int(gpu)}", f"launch.rollout_servers={self.servers}"]
+        if self.servers:
+            out.append(f"launch.gpus_per_server={int(gpu)}")
+        if replace_servers:
+            out.append("rollout.servers=[]")
+        if self.asynchronous:
+            out.append("rollout.mode=async")
+        return out
+
+
 @dataclass
 class Plan:
     name: str
@@ -174,6 +203,7 @@ class Plan:
     time: list[Term]
     step_seconds: float
     notes: list[str] = field(default_factory=list)
+    placement: Placement | None = None
 
     def peak(self, group: str) -> float:
         return sum(t.value for t in self.memory[group])
@@ -521,7 +551,7 @@ def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
         phase, terms = max(phases.items(), key=lambda kv: sum(t.value for t in kv[1]))
         notes = [f"peak phase: {phase} (the other phases reuse the same memory)"] if len(phases) > 1 else []
         plans.append(Plan(f"colocated {strategy}×{N}", {"all devices": memory + terms}, time,
-                          sum(t.value for t in time), notes))
+                          sum(t.value for t in time), notes, Placement(strategy, N, asynchronous=w.asynchronous)))
     if w.recipe == "rl" and N > 1:
         for g in range(1, N):
             d = N - g
@@ -539,12 +569,25 @@ def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
             step = (max(g_sec, t_sec) if w.asynchronous else g_sec + t_sec) + sync.value
             notes = ["rollout.mode=async: generation overlaps training"] if w.asynchronous else []
             plans.append(Plan(f"separate: trainer fsdp×{d} + {g} rollout server(s)",
-                              {f"trainer ({d})": trainer, f"rollout ({g})": server}, gen + train + [sync], step, notes))
+                              {f"trainer ({d})": trainer, f"rollout ({g})": server}, gen + train + [sync], step, notes,
+                              Placement("fsdp", d, g, asynchronous=w.asynchronous)))
     return plans
 
 
-def format_plans(plans: list[Plan], dev: Device, w: Workload, s: ModelShape) -> str:
-    feasible = sorted((p for p in plans if p.feasible(dev)), key=lambda p: p.step_seconds)
+def ranked(plans: list[Plan], dev: Device, launches: dict[str, LaunchSettings] | None = None) -> list[Plan]:
+    """``#1``, ``#2``, … of `format_plans` (``vlrl plan --pick N``): the plans that fit, fastest first — with
+    ``launches``, only those `vlrl launch` accepts."""
+    fits = sorted((p for p in plans if p.feasible(dev)), key=lambda p: p.step_seconds)
+    return [p for p in fits if launches is None or launches[p.name].problem is None]
+
+
+def format_plans(plans: list[Plan], dev: Device, w: Workload, s: ModelShape,
+                 launches: dict[str, LaunchSettings] | None = None) -> str:
+    """The report: the ranked plans, then those that fit but `vlrl launch` refuses, then those that do not fit.
+    With ``launches`` (`launch_settings` of every plan that fits, by name), each ranked plan shows the `vlrl launch`
+    command that starts it, and a refused one why."""
+    feasible = ranked(plans, dev, launches)
+    refused = [p for p in ranked(plans, dev) if p not in feasible]
     infeasible = [p for p in plans if not p.feasible(dev)]
     lines = [
         f"model: Ψ = {_mb(s.params)} parameters (vision Ψ_v = {_mb(s.params_vision)}), {s.layers} layers, h = {s.hidden}, "
@@ -556,18 +599,26 @@ def format_plans(plans: list[Plan], dev: Device, w: Workload, s: ModelShape) -> 
         + (f", LoRA Ψ_lora = {_mb(w.adapter_params)} (base frozen)" if w.adapter_params else "")
         + (f", trained Ψ_t = {_mb(w.trained_params)}" if w.trained_params and not w.adapter_params else ""),
         f"devices: {dev.count} × {dev.memory_gb:g} GiB, F = {dev.tflops:g} TFLOP/s, η = {dev.mfu:g}, "
-        f"W = {dev.bandwidth_gbs:g} GB/s, Λ = {dev.link_gbs:g} GB/s",
+        f"W = {dev.bandwidth_gbs:g} GB/s, Λ = {dev.link_gbs:g} GB/s"
+        + ("; each launch line starts its placement (--ray ADDRESS instead of local on a cluster)" if launches else ""),
         "",
     ]
     for rank, plan in enumerate(feasible, 1):
         lines.append(f"#{rank} {plan.name}: ~{human_seconds(plan.step_seconds)}/step" + "".join(f" ({n})" for n in plan.notes))
+        if launches is not None:
+            lines.append(f"  launch: {launches[plan.name].command}")
+        lines += _plan_lines(plan, dev)
+    for plan in refused:
+        lines.append(f"✗ {plan.name}: fits (~{human_seconds(plan.step_seconds)}/step), but vlrl launch refuses it: "
+                     f"{launches[plan.name].problem}")
         lines += _plan_lines(plan, dev)
     for plan in infeasible:
         over = ", ".join(f"{g} {human_bytes(plan.peak(g))}" for g in plan.memory if plan.peak(g) > dev.memory_gb * GB)
         lines.append(f"✗ {plan.name}: does not fit ({over} > {dev.memory_gb:g} GiB)")
         lines += _plan_lines(plan, dev)
     if not feasible:
-        lines.append("no placement fits: more devices, bf16 (model.dtype / dist.mixed_precision) or smaller micro-batches")
+        lines.append("no placement fits: more devices, bf16 (model.dtype / dist.mixed_precision) or smaller micro-batches"
+                     if not refused else "no placement that fits can be launched with these settings (✗ above: why)")
     return "\n".join(lines)
 
 
@@ -580,6 +631,53 @@ def _plan_lines(plan: Plan, dev: Device) -> list[str]:
     lines += [t.line("seconds") for t in plan.time]
     lines.append("")
     return lines
+
+
+# ----------------------------------------------------------------------------------------------- launching a plan
+@dataclass(frozen=True)
+class LaunchSettings:
+    """A placement as `vlrl launch` settings: the command, and why `vlrl launch` refuses it (None: it accepts;
+    `vlrl.train.launcher.prepare` decided, the same checks the launch makes before it starts anything)."""
+
+    command: str
+    overrides: tuple[str, ...]  # the placement's own (after the run's overrides in the command)
+    problem: str | None = None
+
+
+def launch_settings(plan: Plan, cfg, recipe: str, config: Path | None, overrides: list[str]) -> LaunchSettings:
+    """``plan``'s placement as `vlrl launch` settings for the run ``config`` + ``overrides`` (``cfg`` loaded from
+    them), checked by the launcher's own `prepare`."""
+    import shlex
+
+    from vlrl.config import ConfigError
+    from vlrl.train.launcher import LaunchRefused, prepare
+
+    rollout = getattr(cfg, "rollout", None)
+    own = tuple(plan.placement.overrides(gpu=cfg.model.device.startswith("cuda"),
+                                         replace_servers=bool(rollout is not None and rollout.servers)))
+    given = [*overrides, *own]
+    command = shlex.join(["vlrl", "launch", "--ray", "local", *([str(config)] if config else []), *given])
+    try:
+        prepare(recipe, config, given)
+    except (ConfigError, LaunchRefused) as err:
+        return LaunchSettings(command, own, " ".join(str(err).split()))
+    return LaunchSettings(command, own)
+
+
+def applied_config(cfg_cls, config: Path | None, overrides: list[str], header: str) -> str:
+    """The run's YAML with ``overrides`` (the run's and a placement's) written in: a config `vlrl launch` takes as
+    it is. Input paths are made absolute (the file may be written anywhere); everything else stays as written."""
+    import yaml
+
+    from vlrl.config import apply_overrides, resolve_paths
+
+    raw: dict[str, Any] = {}
+    if config is not None:
+        raw = yaml.safe_load(config.read_text()) or {}
+        resolve_paths(cfg_cls, raw, config.resolve().parent)
+    apply_overrides(raw, list(overrides), cls=cfg_cls, base=Path.cwd())
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    return comment + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
 
 
 # ----------------------------------------------------------------------------------------------- measurement
