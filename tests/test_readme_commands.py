@@ -49,7 +49,7 @@ NOT_RUN = {
     "python -m sglang.launch_server": "a real SGLang server on a GPU",
     "torchrun --standalone --nproc_per_node 8": "8 GPUs and a hub download",
     "torchrun --nnodes 2": "two machines with 8 GPUs each",
-    "vlrl launch --ray auto": "a Ray cluster with 16 GPUs",
+    "vlrl launch --ray auto": "a Ray cluster with GPUs (6 + 2 or 16 in the examples)",
     "vlrl serve --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda": "a GPU and a hub download (`vlrl serve` of a "
     "preset beside torchrun ranks: tests/train/test_servers_ranks.py)",
     "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 torchrun": "6 GPUs beside the two servers above",
