@@ -2,17 +2,19 @@
 configs/shapes_lora_grpo.yaml`` on the tiny preset, asserted from the run's ``metrics.jsonl``.
 
 The start is the README's order at the size of the shipped-configs suite's warm start (``shapes_sft`` there): 100
-SFT steps teach the answer format (``<answer>2</answer>``) but not perception — the SFT model samples 1-4 about
-uniformly whatever the image. RL then runs the shipped LoRA preset, narrowed to one easier task the rise can show
-within 40 steps: ``count`` on images of at most 2 shapes (``data.suite_options.max_shapes=2``), where "3" and "4" are
-always wrong; at 8 prompts × 8 samples a step. On the preset's own task (count and color, 1-4 shapes) 40-60 steps
-leave the reward flat at ~0.23 (measured, first vs last 10 steps: −0.004 … −0.034 in 5 runs at lr 5e-4 and 2e-3).
+SFT steps teach the answer format (``<answer>2</answer>``) but hardly perception: on the images below its sampled
+answers are right 0.21-0.23 of the time (first 10 steps; a uniform pick of 1-4 would be 0.25). RL then runs the
+shipped LoRA preset, narrowed to one easier task the rise can show within 40 steps: ``count`` on images of at most 2
+shapes (``data.suite_options.max_shapes=2``), where "3" and "4" are always wrong; at 8 prompts × 8 samples a step.
+On the preset's own task (count and color, 1-4 shapes) 40-60 steps leave the reward flat at ~0.23 (measured, first
+vs last 10 steps: −0.004 … −0.034 in 5 runs at lr 5e-4 and 2e-3).
 
-Measured (one thread; 2 shared cores) at training seeds 0 / 1 / 2, mean ``reward/mean`` of the first vs the last 10
-of 40 steps: 0.214 → 0.367 / 0.230 → 0.434 / 0.208 → 0.397 (rises +0.153 / +0.205 / +0.189 against 3σ thresholds
-0.093 / 0.101 / 0.069, below); held-out sampled accuracy (32 prompts × 4) 0.24 → 0.38 / 0.23 → 0.36 / 0.30 → 0.41.
-The largest ``policy/kl_ref`` of a step was 0.097 / 0.187 / 0.175. With the preset's former lr 2e-3 the KL to the
-base jumped past 1 in 3 of 5 runs (to 10.4 in one, entropy 0.36 → 3.0): see the comment in the config.
+Measured (one thread, 2 shared cores; this test took 54 s at load 2-3, 145 s at load 7-9) at training seeds 0 / 1 /
+2, mean ``reward/mean`` of the first vs the last 10 of 40 steps: 0.214 → 0.367 / 0.230 → 0.434 / 0.208 → 0.397
+(rises +0.153 / +0.205 / +0.189 against 3σ thresholds 0.093 / 0.101 / 0.069, below); held-out sampled accuracy
+(32 prompts × 4) 0.24 → 0.38 / 0.23 → 0.36 / 0.30 → 0.41. The largest ``policy/kl_ref`` of a step was
+0.097 / 0.187 / 0.175. With the preset's former lr 2e-3 the KL to the base jumped past 1 in 3 of 5 runs (to 10.4
+in one, entropy 0.36 → 3.0): see the comment in the config.
 """
 
 import json
