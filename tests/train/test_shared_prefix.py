@@ -30,7 +30,6 @@ from vlrl.train.batch import build_algorithm, prepare_batch, teacher_logprobs
 from vlrl.train.shared_prefix import SHARED_METRIC, prompt_groups, shared_prefix_refusal
 from vlrl.train.update import UpdateSettings, accumulate
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 LOGP_TOL = 1e-5
 GRAD_TOL = 1e-6
@@ -215,14 +214,16 @@ def test_a_cache_that_cannot_expand_falls_back_to_the_plain_pass(monkeypatch, pr
     def broken(self, index):
         raise NotImplementedError("no reorder here")
 
-    monkeypatch.setattr(DynamicCache, "reorder_cache", broken)
-    monkeypatch.setattr(decode, "_NOT_EXPANDABLE", set())
     policy = _policy("tiny-qwen2-vl")
     trajectories = _rollout(policy, 3, max_new_tokens=4)
+    monkeypatch.setattr(DynamicCache, "reorder_cache", broken)
+    monkeypatch.setattr(decode, "_NOT_EXPANDABLE", set())
     prefills.clear()
     plain, shared, (shared_rows, rows) = _plain_and_shared(policy, trajectories)
     assert prefills == [2] and (shared_rows, rows) == (0, 6)  # tried once, then the plain pass
     assert torch.equal(plain, shared)
+    _, again, (shared_rows, _) = _plain_and_shared(policy, trajectories)
+    assert prefills == [2] and shared_rows == 0 and torch.equal(plain, again)  # known now: not tried again
 
 
 def test_refusals_name_what_stops_the_gradient_path():

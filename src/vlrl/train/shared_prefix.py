@@ -52,10 +52,14 @@ def prompt_groups(prompts: Sequence[Sequence[int] | torch.Tensor], visions: Sequ
                   ) -> tuple[list[int], list[int]]:
     """The rows holding each distinct prompt's first occurrence, and per row the index of its prompt among them.
     Two rows share a prompt when their token ids and vision inputs are equal (the same object, or equal tensors)."""
-    requests = [Request(sample=None, prompt_ids=[int(t) for t in p], vision=v) for p, v in zip(prompts, visions, strict=True)]
+    requests = [Request(sample=None, prompt_ids=_ids(p), vision=v) for p, v in zip(prompts, visions, strict=True)]
     unique, index = decode.distinct_prompts(requests)
     first = {id(r): k for k, r in reversed(list(enumerate(requests)))}
     return [first[id(r)] for r in unique], index
+
+
+def _ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
+    return prompt.tolist() if isinstance(prompt, torch.Tensor) else [int(t) for t in prompt]
 
 
 def shared_prefix_refusal(model: torch.nn.Module) -> str | None:
@@ -106,7 +110,9 @@ def shared_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter,
                       "it runs every row's prompt", family, refusal)
             return None
     device = next(model.parameters()).device
-    groups = [Request(sample=None, prompt_ids=[int(t) for t in prompts[k]], vision=visions[k]) for k in first]
+    if family in decode._NOT_EXPANDABLE:  # found (and logged) before: not one more prefill to find it again
+        return None
+    groups = [Request(sample=None, prompt_ids=_ids(prompts[k]), vision=visions[k]) for k in first]
     logits, cache, prompt_mask, last_position, type_keys = decode.prefill(model, adapter, groups, pad_token_id)
     rows = torch.tensor(index, dtype=torch.long, device=device)  # (B,) row → prompt
     if not decode.expand_cache(cache, rows, family):
