@@ -256,3 +256,41 @@ def test_vlrl_rl_logs_the_shared_prefix_fraction(tmp_path, tiny_vlm_dir, setting
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in records if r["stage"] == "rl"]
     assert rl and rl[0][SHARED_METRIC] == fraction
+
+
+def test_a_shuffled_minibatch_keeps_a_groups_rows_together():
+    """ppo_update shuffles rows into minibatches; with the shared prefix their micro-batches are cut after the
+    rows are ordered by prompt (stable: a prompt's rows keep their order)."""
+    policy = _policy("tiny-qwen2-vl")
+    trajectories = _rollout(policy, 3, max_new_tokens=2)  # rows 0-2: prompt 0, rows 3-5: prompt 1
+    assert shared_prefix.rows_by_prompt(trajectories, [4, 0, 5, 2, 3, 1]) == [4, 5, 3, 0, 2, 1]
+
+
+def test_ppo_update_with_shuffled_minibatches_equals_the_plain_one():
+    """Two shuffled minibatches of 4 rows, micro-batches of 2, learning rate 1e-30 (the weights stay, so every
+    minibatch is compared on the same weights): each minibatch's loss and gradient norm equal the plain pass's,
+    and some micro-batches did share (a minibatch of 4 rows holds ≥ 2 rows of one of the 2 prompts)."""
+    from vlrl.config import OptimConfig
+    from vlrl.train.common import make_optimizer
+    from vlrl.train.update import ppo_update
+
+    policy = _policy("tiny-qwen2-vl")
+    trajectories = _rollout(policy, 4)
+    stage = RLStage.model_validate({"rollout": {"n": 4}, "train": {"prompts_per_step": 2}})
+    batch = prepare_batch(build_algorithm(stage, policy, apply_behaviour_weight=False), policy, trajectories, step=0,
+                          max_new_tokens=8)
+    settings = UpdateSettings(loss_fn=get_policy_loss("ppo_clip"), loss_agg="token_mean", kl_coef=0.0,
+                              kl_estimator="k3", temperature=1.0, micro_batch_size=2, minibatches=2, ppo_epochs=1,
+                              grad_clip=1e9)
+    runs = {}
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    for shared in (False, True):
+        optimizer, scheduler = make_optimizer(policy.model, OptimConfig(lr=1e-30))  # moves a weight by ≤ ~1e-30
+        runs[shared] = ppo_update(policy, batch, dataclasses.replace(settings, shared_prefix=shared), optimizer,
+                                  scheduler, seed=0, step=0)
+    assert all(float((v - before[k]).abs().max()) < 1e-20 for k, v in policy.model.state_dict().items())
+    plain, shared = runs[False], runs[True]
+    assert len(plain.values["policy/loss"]) == 2
+    for key in ("policy/loss", "policy/grad_norm"):
+        assert torch.allclose(torch.tensor(shared.values[key]), torch.tensor(plain.values[key]), rtol=1e-5, atol=GRAD_TOL)
+    assert plain.token_sums[SHARED_METRIC] == [0.0, 8.0] and shared.token_sums[SHARED_METRIC][0] >= 4

@@ -58,6 +58,16 @@ def prompt_groups(prompts: Sequence[Sequence[int] | torch.Tensor], visions: Sequ
     return [first[id(r)] for r in unique], index
 
 
+def rows_by_prompt(trajectories: Sequence, rows: Sequence[int]) -> list[int]:
+    """``rows`` reordered so that rows sharing a prompt sit side by side (prompts in order of first appearance,
+    rows of a prompt in their order): a minibatch shuffled by the update, then split into micro-batches, keeps a
+    group's rows in as few micro-batches as possible. The gradient is a sum over rows: the order does not change
+    it (beyond float summation order)."""
+    rows = list(rows)
+    _, index = prompt_groups([trajectories[r].prompt_ids for r in rows], [trajectories[r].vision for r in rows])
+    return [row for _, row in sorted(zip(index, rows, strict=True), key=lambda pair: pair[0])]
+
+
 def _ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
     return prompt.tolist() if isinstance(prompt, torch.Tensor) else [int(t) for t in prompt]
 

@@ -35,7 +35,7 @@ from vlrl.models import Policy
 from vlrl.train.common import step_or_skip
 from vlrl.train.distributed import DistContext
 from vlrl.train.runtime import Runtime
-from vlrl.train.shared_prefix import teacher_forced
+from vlrl.train.shared_prefix import rows_by_prompt, teacher_forced
 from vlrl.train.update_stats import UpdateStats
 
 
@@ -111,6 +111,8 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
                                                              max_length=settings.loss_agg_max_length))  # all rows
             selection = minibatch_cov_selection(batch, rows, settings, generator=selection_generator, runtime=rt)
             trained = [r for r in rows if not skippable[r]] or rows[:1]  # ≥ 1 row: AdamW steps on a real gradient
+            if settings.shared_prefix and settings.micro_batch_size < len(trained):  # a group's rows side by side:
+                trained = rows_by_prompt(batch.trajectories, trained)  # its micro-batches then share their prompt
             stats.add("policy/skipped_rows_frac", 1 - len(trained) / max(len(rows), 1))
             part = accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt,
                               cov_selection=selection)
