@@ -551,6 +551,14 @@ class RLTrainConfig(Section):
         False, description="Teacher-forced passes (update, π_old, π_ref) pack each micro-batch's sequences into rows "
         "with per-sequence position ids instead of padding them (same values, fewer tokens; vlrl.models.packed).",
     )
+    shared_prefix: bool = Field(
+        True, description="Teacher-forced passes (π_old, π_ref, the update's forward) run each distinct prompt of a "
+        "micro-batch once, vision tower included, and score its group's n responses against its keys/values copied "
+        "to their rows (same log-probs, loss and gradients; vlrl.train.shared_prefix; logged as "
+        "perf/shared_prefix_frac). Wherever that is exact; elsewhere the plain pass, said once in the log (a "
+        "response holding images, a cache that cannot be expanded; for the update also DDP/FSDP2, gradient "
+        "checkpointing, recurrent layers, dropout). false: always the plain pass.",
+    )
     skip_zero_advantage: bool = Field(
         False, description="Leave sequences whose advantages are all 0 out of the update's forward/backward (one "
         "process, no KL loss term): their loss is 0, the normaliser still counts them, so the gradient is the same "

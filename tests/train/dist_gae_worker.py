@@ -35,9 +35,12 @@ SPECS = [("a", ["a", "bb", "abc", "a"], "a"), ("a", ["b", "aaaa"], "b"), ("a", [
 def config(strategy: str = "fsdp") -> RLConfig:
     """configs/shapes_ppo.yaml's algorithm (GAE γ = 1, λ = 0.95 whitened, clipped PPO, k1 KL in the reward,
     clipped value loss) at test size; 2 PPO epochs, so the second reuses π_old and the critic's old values.
-    Text-only prompts: the vision tower gets no gradient (DDP must be told)."""
+    Text-only prompts: the vision tower gets no gradient (DDP must be told). The plain teacher-forced pass on 1
+    rank too (train.shared_prefix off): a DDP / FSDP2 update cannot share a prompt, and after 4 Adam steps the
+    float-order difference of the shared pass (losses equal to 2e-7) moves a near-zero-gradient weight by ~4e-5."""
     return RLConfig.model_validate({
-        "train": {"steps": 2, "prompts_per_step": 4, "micro_batch_size": 3, "ppo_epochs": 2, "log_every": 1},
+        "train": {"steps": 2, "prompts_per_step": 4, "micro_batch_size": 3, "ppo_epochs": 2, "log_every": 1,
+                  "shared_prefix": False},
         "rollout": {"n": 4, "max_new_tokens": 4}, "optim": {"lr": 1e-3},
         "algo": {"advantage": "gae", "advantage_options": {"gamma": 1.0, "lam": 0.95}, "policy_loss": "ppo_clip",
                  "kl_coef": 0.01, "kl_mode": "reward", "kl_estimator": "k1"},

@@ -37,11 +37,11 @@ from vlrl.algos.shaping import (
 )
 from vlrl.config import RLStage, RolloutCorrectionConfig, ShapingSpec
 from vlrl.models import Policy
-from vlrl.models.packed import sequence_logprobs
 from vlrl.rollout import Status, Trajectory
 from vlrl.train.common import evaluating, frozen_copy
 from vlrl.train.critic import Critic
 from vlrl.train.options import bound_loss, check_zero_at_zero_advantage
+from vlrl.train.shared_prefix import teacher_forced
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
@@ -129,6 +129,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         behaviour_weight_cap=staleness.behaviour_weight_cap, behaviour_weight_mode=staleness.behaviour_weight_mode,
         apply_behaviour_weight=apply_behaviour_weight and not applies_behaviour_weight(loss),
         padding_free=train.padding_free,
+        shared_prefix=train.shared_prefix,
         skip_zero_advantage=train.skip_zero_advantage,
         on_nonfinite=train.on_nonfinite,
         loss_agg_max_length=loss_agg_max_length(stage),
@@ -188,9 +189,9 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
     correction = algorithm.rollout_correction
     need_old = (n_updates > 1 or (algorithm.kl_in_reward > 0 and algorithm.reference is not None)
                 or settings.cov_selection is not None or correction.enabled)
-    free = settings.padding_free
-    old_logp = teacher_logprobs(policy.model, policy, trajectories, settings.temperature, padding_free=free) \
-        if need_old else None
+    token_sums: dict[str, list[float]] = {}  # per-token metrics (and perf/shared_prefix_frac's rows), over ranks
+    layout = {"padding_free": settings.padding_free, "shared_prefix": settings.shared_prefix, "sums": token_sums}
+    old_logp = teacher_logprobs(policy.model, policy, trajectories, settings.temperature, **layout) if need_old else None
     rollout_weights, corrected = None, {}
     if correction.enabled:  # TIS weights on the loss, MIS-rejected tokens out of the loss and its normaliser
         corr = rollout_correction(old_logp, tensors["behaviour_logp"], loss_mask, tis_cap=correction.tis_cap,
@@ -199,7 +200,7 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         loss_mask = corr.loss_mask
         rollout_weights = corr.weights if correction.tis_cap is not None else None
         corrected = {f"policy/{name}": value for name, value in corr.metrics.items()}
-    ref_logp = (teacher_logprobs(algorithm.reference, policy, trajectories, settings.temperature, padding_free=free)
+    ref_logp = (teacher_logprobs(algorithm.reference, policy, trajectories, settings.temperature, **layout)
                 if algorithm.reference is not None else None)
     values = algorithm.critic.values(trajectories) if algorithm.critic is not None else None  # (B, R)
     context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step,
@@ -211,7 +212,6 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         context=context,
     ))
     token_rewards = place_rewards(rewards, tensors["loss_mask"], tensors["last_index"])  # (B, R)
-    token_sums: dict[str, list[float]] = {}
     if algorithm.kl_in_reward > 0:
         token_rewards, kl = kl_reward_penalty(token_rewards, old_logp, ref_logp, tensors["loss_mask"],
                                               coef=algorithm.kl_in_reward, kind=algorithm.kl_estimator)
@@ -272,15 +272,17 @@ def place_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, last_index: to
 
 
 def teacher_logprobs(model: torch.nn.Module, policy: Policy, trajectories: Sequence[Trajectory], temperature: float, *,
-                     padding_free: bool = False, prompts: Sequence[Any] | None = None,
-                     visions: Sequence[Any] | None = None) -> torch.Tensor:
+                     padding_free: bool = False, shared_prefix: bool = False, prompts: Sequence[Any] | None = None,
+                     visions: Sequence[Any] | None = None, sums: dict[str, list[float]] | None = None) -> torch.Tensor:
     """(B, R) log-probs of the trajectories' responses under ``model`` (no gradient, eval mode), after their own
     prompts or the given ``prompts`` / ``visions`` (a teacher's context): the one teacher-forced function,
-    `vlrl.models.packed.sequence_logprobs`, padded or packed (the same values)."""
+    `vlrl.models.packed.sequence_logprobs`, padded or packed (the same values) — or, with ``shared_prefix``, each
+    distinct prompt prefilled once and its keys/values expanded to its rows (`vlrl.train.shared_prefix`; the same
+    values, the plain pass where that does not apply; ``sums``: where its rows are counted, `tally`)."""
     prompts = [t.prompt_ids for t in trajectories] if prompts is None else prompts
     visions = [t.vision for t in trajectories] if visions is None else visions
     with evaluating(model):
-        logp, _, _ = sequence_logprobs(model, policy.adapter, prompts, [t.response_ids for t in trajectories], visions,
-                                       pad_token_id=policy.pad_token_id, temperature=temperature,
-                                       padding_free=padding_free)
+        logp, _ = teacher_forced(model, policy.adapter, prompts, [t.response_ids for t in trajectories], visions,
+                                 pad_token_id=policy.pad_token_id, temperature=temperature, padding_free=padding_free,
+                                 shared_prefix=shared_prefix, sums=sums)
     return logp

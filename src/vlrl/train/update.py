@@ -5,7 +5,8 @@
             N = normaliser of the whole minibatch (tokens or sequences)         ← same gradient for any split
             I = Clip-Cov / KL-Cov tokens, chosen once over the minibatch        (those losses only; seeded)
             for micro in minibatch.split(micro_batch_size):                    ← `accumulate`
-                logp, entropy = πθ(response)                                   teacher-forced, with grad
+                logp, entropy = πθ(response)                                   teacher-forced, with grad (one
+                                                                                 prefill per prompt: train.shared_prefix)
                 L_t = policy_loss(logp, π_old, Â, π_behave, entropy, I)         per token (B, T)
                 L_t ← w_t · L_t   (async: w = min(π_prox / π_behave, cap))     when enabled
                 L_t ← ρ̃_t · L_t   (TIS: ρ̃ = min(π_old / π_sampler, C))         algo.rollout_correction.tis_cap
@@ -31,10 +32,10 @@ from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, normaliser_for
 from vlrl.algos.losses import behaviour_weight
 from vlrl.algos.staleness import logp_drift
 from vlrl.models import Policy
-from vlrl.models.packed import sequence_logprobs
 from vlrl.train.common import step_or_skip
 from vlrl.train.distributed import DistContext
 from vlrl.train.runtime import Runtime
+from vlrl.train.shared_prefix import rows_by_prompt, teacher_forced
 from vlrl.train.update_stats import UpdateStats
 
 
@@ -79,6 +80,7 @@ class UpdateSettings:
     loss_agg_max_length: int | None = None  # the constant L of seq_mean_token_sum_norm
     cov_selection: Callable | None = None  # Clip-Cov / KL-Cov: select(old_logp, Â, mask, *, generator) over a minibatch
     padding_free: bool = False  # pack each micro-batch into rows, no padding between sequences (vlrl.models.packed)
+    shared_prefix: bool = False  # one prefill per distinct prompt, its KV expanded to its rows (vlrl.train.shared_prefix)
     skip_zero_advantage: bool = False  # leave rows with Â = 0 everywhere out of the forward/backward (loss 0 there)
     on_nonfinite: str = "stop"  # train.on_nonfinite: a NaN/Inf loss or grad norm stops the run, or its update is skipped
 
@@ -109,6 +111,8 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
                                                              max_length=settings.loss_agg_max_length))  # all rows
             selection = minibatch_cov_selection(batch, rows, settings, generator=selection_generator, runtime=rt)
             trained = [r for r in rows if not skippable[r]] or rows[:1]  # ≥ 1 row: AdamW steps on a real gradient
+            if settings.shared_prefix and settings.micro_batch_size < len(trained):  # a group's rows side by side:
+                trained = rows_by_prompt(batch.trajectories, trained)  # its micro-batches then share their prompt
             stats.add("policy/skipped_rows_frac", 1 - len(trained) / max(len(rows), 1))
             part = accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt,
                               cov_selection=selection)
@@ -186,10 +190,11 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
         trajectories = [batch.trajectories[i] for i in micro]
         with rt.gradient_sync(last=start == starts[-1]):  # DDP/FSDP2 reduce gradients in the last backward only
             with rt.autocast():
-                logp, entropy, _ = sequence_logprobs(
+                logp, entropy = teacher_forced(
                     model, policy.adapter, [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
                     [t.vision for t in trajectories], pad_token_id=policy.pad_token_id, temperature=settings.temperature,
-                    with_entropy=True, padding_free=settings.padding_free)  # (b, R) each, 0 at padding
+                    with_entropy=True, padding_free=settings.padding_free,
+                    shared_prefix=settings.shared_prefix, sums=stats.token_sums)  # (b, R) each, 0 at padding
             R = logp.shape[1]
             mask = batch.loss_mask[micro, :R]
             behaviour = batch.behaviour_logp[micro, :R]

@@ -1,0 +1,184 @@
+"""The shared-prefix teacher-forced pass: a group's n responses scored against one prefill of their prompt.
+
+The plain pass (`vlrl.models.packed.sequence_logprobs`) runs prompt + response for every row, so a GRPO group's
+n rows repeat the same P prompt tokens n times (the vision tower already runs once per group:
+`VisionInputs.concat_shared`). Here, as in the engine's group prefill (`vlrl.rollout.decode`):
+
+    prefill     the distinct prompts (vision tower included), once each        (G, P) → KV cache, last logits
+    expand      the cache's rows to the rows of the micro-batch                 (G, ...) → (B, ...)  index_select
+    responses   every row's response tokens but the last, against that cache    (B, R − 1), positions after the prompt
+    scores      logits that predict response token k: the prompt's last (k = 0), the response's k − 1 (k ≥ 1)
+
+so the language model runs over G·P + B·(R − 1) positions instead of B·(P + R). The result is the plain pass's
+(B, R) log-probs (and entropy), equal up to float summation order (tests/train/test_shared_prefix.py: < 1e-5).
+With gradients, autograd through the expansion (``index_select``) sums each prompt's gradient over its rows —
+the gradient of the plain pass, whose n prompt copies each receive their row's share.
+
+It applies when it can be exact and saves work, else it returns None and the caller runs the plain pass:
+
+- no two rows share a prompt (equal token ids and equal vision inputs): nothing to share (silent);
+- a response holds vision tokens (a multi-turn observation with an image: its features would have to be fed
+  to the response part): logged once;
+- the family's cache cannot be expanded (`vlrl.rollout.decode.expand_cache`, logged once per family);
+- with gradients: a DDP / FSDP2 wrapper (two forwards before one backward), gradient checkpointing (transformers
+  then returns no cache), recurrent layers (Qwen3.5's Gated DeltaNet writes its cached conv / recurrent state in
+  place, which autograd cannot differentiate through) or active dropout (the n rows would share one dropout mask
+  over the prompt): logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from vlrl.models.adapters import TextAdapter, VisionInputs
+from vlrl.rollout import decode
+from vlrl.rollout.types import Request
+
+log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()  # fallback reasons already logged
+
+
+def _log_once(key: str, message: str, *args) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.warning(message, *args)
+
+
+def prompt_groups(prompts: Sequence[Sequence[int] | torch.Tensor], visions: Sequence[VisionInputs | None]
+                  ) -> tuple[list[int], list[int]]:
+    """The rows holding each distinct prompt's first occurrence, and per row the index of its prompt among them.
+    Two rows share a prompt when their token ids and vision inputs are equal (the same object, or equal tensors)."""
+    requests = [Request(sample=None, prompt_ids=_ids(p), vision=v) for p, v in zip(prompts, visions, strict=True)]
+    unique, index = decode.distinct_prompts(requests)
+    first = {id(r): k for k, r in reversed(list(enumerate(requests)))}
+    return [first[id(r)] for r in unique], index
+
+
+def rows_by_prompt(trajectories: Sequence, rows: Sequence[int]) -> list[int]:
+    """``rows`` reordered so that rows sharing a prompt sit side by side (prompts in order of first appearance,
+    rows of a prompt in their order): a minibatch shuffled by the update, then split into micro-batches, keeps a
+    group's rows in as few micro-batches as possible. The gradient is a sum over rows: the order does not change
+    it (beyond float summation order)."""
+    rows = list(rows)
+    _, index = prompt_groups([trajectories[r].prompt_ids for r in rows], [trajectories[r].vision for r in rows])
+    return [row for _, row in sorted(zip(index, rows, strict=True), key=lambda pair: pair[0])]
+
+
+def _ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
+    return prompt.tolist() if isinstance(prompt, torch.Tensor) else [int(t) for t in prompt]
+
+
+def shared_prefix_refusal(model: torch.nn.Module) -> str | None:
+    """Why a pass with gradients through ``model`` cannot share its prompts' work exactly (None: it can)."""
+    from vlrl.models.adapters import _ATTENTION_LAYERS, _wrapped
+
+    if _wrapped(model):
+        return "a DDP / FSDP2 module runs one forward per backward"
+    base = getattr(model, "module", model)
+    checkpointing = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"  # transformers ≥ 5.24 renamed it
+    if getattr(base, checkpointing, False):
+        return "gradient checkpointing is on (transformers returns no cache then)"
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    recurrent = set(getattr(text, "layer_types", None) or []) - _ATTENTION_LAYERS
+    if recurrent:
+        return f"layers {sorted(recurrent)} update their cached state in place (no gradient through it)"
+    dropout = [name for name, m in base.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if dropout or float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
+        return "dropout is active (the n rows would share one dropout mask over the prompt)"
+    return None
+
+
+def shared_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter,
+                           prompts: Sequence[Sequence[int] | torch.Tensor], responses: Sequence[Sequence[int] | torch.Tensor],
+                           visions: Sequence[VisionInputs | None], *, pad_token_id: int, temperature: float = 1.0,
+                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(B, R) response log-probs (and entropy), right-padded with 0, as `response_logprobs` lays them out —
+    computed with one prefill per distinct prompt; None when that does not apply (see the module docstring).
+    Gradients flow when grad is enabled."""
+    first, index = prompt_groups(prompts, visions)
+    B = len(prompts)
+    if len(first) == B:
+        return None  # every prompt differs: the plain pass does the same work
+    family = adapter.family
+    responses = [torch.as_tensor(r, dtype=torch.long) for r in responses]
+    token_types = getattr(adapter, "token_types", None)  # a vision adapter's: text 0, image 1, video 2
+    if token_types is not None:
+        if any(len(r) and bool(token_types(r.unsqueeze(0)).any()) for r in responses):
+            _log_once(f"{family}/vision", "%s: a response holds vision tokens (a multi-turn observation with an "
+                      "image); the teacher-forced pass runs every row's prompt (no shared prefix)", family)
+            return None
+    if torch.is_grad_enabled():
+        refusal = shared_prefix_refusal(model)
+        if refusal is not None:
+            _log_once(f"{family}/grad/{refusal}", "%s: the update's forward does not share a group's prompt (%s); "
+                      "it runs every row's prompt", family, refusal)
+            return None
+    device = next(model.parameters()).device
+    if family in decode._NOT_EXPANDABLE:  # found (and logged) before: not one more prefill to find it again
+        return None
+    groups = [Request(sample=None, prompt_ids=_ids(prompts[k]), vision=visions[k]) for k in first]
+    logits, cache, prompt_mask, last_position, type_keys = decode.prefill(model, adapter, groups, pad_token_id)
+    rows = torch.tensor(index, dtype=torch.long, device=device)  # (B,) row → prompt
+    if not decode.expand_cache(cache, rows, family):
+        return None
+    R = max(1, max(len(r) for r in responses))
+    response_ids = torch.full((B, R), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((B, R), dtype=torch.long)
+    for i, r in enumerate(responses):
+        response_ids[i, : len(r)] = r
+        response_mask[i, : len(r)] = 1
+    response_ids, response_mask = response_ids.to(device), response_mask.to(device)
+    scores = [logits[rows].unsqueeze(1)]  # (B, 1, V): the prompt's last logits predict response token 0
+    if R > 1:
+        inputs = response_ids[:, : R - 1]  # (B, R − 1): the last response token is never an input
+        kwargs = {"input_ids": inputs,
+                  "attention_mask": torch.cat([prompt_mask[rows], response_mask[:, : R - 1]], dim=-1),  # (B, P + R − 1)
+                  "position_ids": last_position[..., rows, :] + 1 + torch.arange(R - 1, device=device)}
+        kwargs.update({k: torch.zeros_like(inputs, dtype=torch.int32) for k in type_keys})  # response tokens: text
+        out = model(**kwargs, use_cache=True, **{decode._cache_key(model): cache})
+        scores.append(out.logits)  # (B, R − 1, V)
+    log_probs = F.log_softmax(torch.cat(scores, dim=1).float() / max(temperature, 1e-6), dim=-1)  # (B, R, V)
+    mask = response_mask.to(log_probs.dtype)
+    logp = log_probs.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) * mask  # (B, R)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) * mask if with_entropy else None
+    return logp, entropy
+
+
+SHARED_METRIC = "perf/shared_prefix_frac"  # of a step's teacher-forced rows (π_old, π_ref, update): shared prefill
+
+
+def tally(sums: dict[str, list[float]] | None, *, shared: bool, rows: int) -> None:
+    """Count ``rows`` teacher-forced rows, shared or not, into ``sums`` (name → [Σ shared rows, Σ rows]: the
+    per-token metric layout of `UpdateStats.token_sums`, pooled over passes and ranks)."""
+    if sums is not None:
+        total = sums.setdefault(SHARED_METRIC, [0.0, 0.0])
+        total[0] += rows if shared else 0
+        total[1] += rows
+
+
+def teacher_forced(model: torch.nn.Module, adapter: TextAdapter, prompts: Sequence[Sequence[int] | torch.Tensor],
+                   responses: Sequence[Sequence[int] | torch.Tensor], visions: Sequence[VisionInputs | None], *,
+                   pad_token_id: int, temperature: float = 1.0, with_entropy: bool = False, padding_free: bool = False,
+                   shared_prefix: bool = True, sums: dict[str, list[float]] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, R) response log-probs (and entropy) of a micro-batch: the shared-prefix pass when ``shared_prefix``
+    and it applies, else the plain one (`vlrl.models.packed.sequence_logprobs`, padded or ``padding_free``).
+    ``sums``: where to count the rows under ``perf/shared_prefix_frac`` (`tally`)."""
+    from vlrl.models.packed import sequence_logprobs
+
+    if shared_prefix:
+        out = shared_prefix_logprobs(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
+                                     temperature=temperature, with_entropy=with_entropy)
+        if out is not None:
+            tally(sums, shared=True, rows=len(prompts))
+            return out
+    tally(sums, shared=False, rows=len(prompts))
+    logp, entropy, _ = sequence_logprobs(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
+                                         temperature=temperature, with_entropy=with_entropy, padding_free=padding_free)
+    return logp, entropy
