@@ -40,14 +40,15 @@ from vlrl.models import Policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout.http_engine import AsyncEngine
 from vlrl.synth.workflow import start_synthesis
-from vlrl.train.async_rollout import AsyncRollout, GroupBuffer
+from vlrl.train.async_rollout import AsyncRollout, GroupBuffer, hand_out
 from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.common import PromptCursor, make_optimizer
+from vlrl.train.distributed import DistContext, GlobalAdvantage
 from vlrl.train.metrics import step_metrics
 from vlrl.train.modules import stage_modules
 from vlrl.train.runtime import Runtime
 from vlrl.train.sampling import Group, flatten, is_informative, sampling_params, starved_warning
-from vlrl.train.state import AlgorithmState, AsyncState, GroupRecord, Ledger, expect_state
+from vlrl.train.state import AlgorithmState, AsyncState, GroupRecord, Ledger, RolloutCut, expect_state
 from vlrl.train.update import ppo_update
 
 
@@ -65,43 +66,59 @@ def train_async_grpo(
     runtime: Runtime | None = None,
 ) -> dict[str, float]:
     """Run the asynchronous loop; returns the last step's metrics plus ``steps`` and ``seconds``. If
-    ``state_out`` is given it receives the final state: data cursor, re-queued draws, undrained buffer (as
-    `GroupRecord`s), and the draw tickets of every bucket (``trained``, ``discarded``, ``filtered``,
-    ``buffered``, ``pending``).
+    ``state_out`` is given it receives the final state (rank 0's under torchrun): data cursor, re-queued draws,
+    undrained buffer (as `GroupRecord`s), and the draw tickets of every bucket (``trained``, ``discarded``,
+    ``filtered``, ``buffered``, ``pending``).
 
-    ``runtime`` (`vlrl.train.runtime`; one process only) brings checkpoints: a due checkpoint keeps, beside
-    weights, optimizer and RNG, the undrained groups, the re-queued and in-flight draws, the ticket ledger and
-    the data cursor (`AsyncState`), so a resumed run loses no drawn prompt and trains no group older than η. It
-    is not bitwise the uninterrupted run: what is in flight when depends on timing."""
+    ``runtime`` (`vlrl.train.runtime`) brings checkpoints and the ranks. A due checkpoint keeps, beside weights,
+    optimizer and RNG, the undrained groups, the re-queued and in-flight draws, the ticket ledger and the data
+    cursor (`AsyncState`), so a resumed run loses no drawn prompt and trains no group older than η. It is not
+    bitwise the uninterrupted run: what is in flight when depends on timing.
+
+    Under torchrun (N ranks) rank 0 is the rollout driver: its `AsyncRollout` keeps the prompts in flight, its
+    buffer holds the scored groups and their admission state; each step rank 0 takes the batch (stale groups
+    discarded, DAPO's filter applied) and hands every rank an equal share of whole groups (`hand_out`). The ranks
+    train their shares as one batch (advantages over the gathered batch, all-reduced normalisers, reduced
+    gradients), log the whole batch's metrics (`step_metrics`), then update the rollout's weights together
+    (`_update_over_ranks`: pause → update → set version → resume on rank 0). Rank 0's checkpoint carries the
+    buffer, draws and ledger; every rank its own shaper states."""
     if not isinstance(engine, AsyncEngine):
         raise TypeError(f"rollout.mode=async needs an engine with `agenerate` (ThreadedEngine or HTTPEngine), "
                         f"got {type(engine).__name__}")
     rt = runtime or Runtime.single(policy.model)
-    if rt.ctx.enabled:
-        raise ValueError("rollout.mode=async: the asynchronous recipe runs in one process; use rollout.mode=sync "
-                         "under torchrun")
+    ctx = rt.ctx
     train, eta, P = stage.train, stage.staleness.eta, stage.train.prompts_per_step
+    if ctx.enabled:
+        if stage.synth.enabled:
+            raise ValueError("synth.enabled: Syn-GRPO with rollout.mode=async runs in one process (its dataset swaps "
+                             "are not broadcast to the ranks); use one process, or rollout.mode=sync under torchrun")
+        ctx.shard(range(P), what="train.prompts_per_step")  # every rank trains an equal share of whole groups
     budget = max_seconds if max_seconds is not None else train.max_seconds
     samples = samples[: train.max_samples] if train.max_samples is not None else samples
     # the decoupled objective: L_t = w_t · L_clip(π_θ / π_prox)_t, w_t = min(π_prox / π_behave, cap)  (when enabled)
-    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=stage.staleness.apply_behaviour_weight)
+    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=stage.staleness.apply_behaviour_weight,
+                                reference=rt.reference, critic_model=rt.critic, ctx=ctx)
+    algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, ctx)  # over all ranks' responses
     model = policy.model
     stack = ExitStack()  # train.trainable and gradient checkpointing, undone when the loop ends
     modules = stack.enter_context(stage_modules(policy, train))
     optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)
     max_concurrent = stage.rollout.max_concurrent_rollouts or 2 * P
-    buffer = GroupBuffer(capacity=(eta + 1) * P + max_concurrent)
     synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
     samples = synthesis.dataset if synthesis is not None else samples
-    rollout = AsyncRollout(engine, PromptCursor(samples, seed), sampling_params(stage.rollout), buffer,
-                           prompts_per_step=P, eta=eta, max_concurrent=max_concurrent,
-                           greedy_baseline="baseline_rewards" in algorithm.needs)
+    cursor = PromptCursor(samples, seed)
+    buffer = rollout = None  # the rollout driver: rank 0 only
+    if ctx.is_main:
+        buffer = GroupBuffer(capacity=(eta + 1) * P + max_concurrent)
+        rollout = AsyncRollout(engine, cursor, sampling_params(stage.rollout), buffer, prompts_per_step=P, eta=eta,
+                               max_concurrent=max_concurrent, greedy_baseline="baseline_rewards" in algorithm.needs)
     # a resumed run: weights, optimizer, cursor, shapers, critic, the buffer's groups and the drawn tickets
-    step, ledger = _restore(rt, stage_name, optimizer, scheduler, rollout, algorithm)
-    engine.update_weights(version=step, state_dict=model.state_dict())  # the rollout starts from the trainer's weights
-    rollout.set_version(step)
-    rollout.start()
-    run_dir = logger.path.parent if logger.path is not None else None  # shapers' analysis files
+    step, ledger = _restore(rt, stage_name, optimizer, scheduler, cursor, rollout, algorithm)
+    if ctx.enabled:
+        _update_over_ranks(engine, policy, step, ctx)  # the rollout starts from the trainer's weights
+    else:
+        engine.update_weights(version=step, state_dict=model.state_dict())
+    run_dir = logger.path.parent if logger.path is not None and ctx.is_main else None  # shapers' analysis files
     start, last = time.time(), {}
     syncing: concurrent.futures.Future | None = None  # the last weight update, until every server confirmed it
 
@@ -110,42 +127,57 @@ def train_async_grpo(
         if syncing is not None and syncing.done():
             syncing.result()
 
+    if rollout is not None:
+        rollout.set_version(step)
+        rollout.start()
     try:
-        while step < train.steps and not (budget is not None and time.time() - start >= budget):
+        while step < train.steps and not rt.out_of_time(time.time() - start, budget):
             t0 = time.time()
-            # 1. dequeue a batch of scored groups; groups older than η are dropped (and their quota returned)
-            groups, stale = buffer.prepare_batch(P, version=step, eta=eta, check=check,
-                                                 on_stale=lambda found: rollout.release(len(found)))
-            ledger.discarded.extend(g.draw.ticket for g in stale)
-            dynamic = {}
-            if stage.algo.dynamic_sampling.enabled:  # DAPO: drop all-equal groups, wait for replacements
-                groups, dynamic = _drop_uninformative(groups, buffer, rollout, stage, step=step, ledger=ledger,
-                                                      check=check)
-                if dynamic["sampling/starved"]:
-                    logger.warn(starved_warning(step + 1, dynamic, prompts_per_step=P))
+            # 1. dequeue a batch of scored groups; groups older than η are dropped (and their quota returned);
+            #    under torchrun rank 0 takes it and every rank receives its share
+            picked: list[Group] | BaseException | None = None
+            info: dict[str, Any] = {}
+            if rollout is not None:
+                try:
+                    picked, info = _take_batch(buffer, rollout, stage, step=step, ledger=ledger, check=check,
+                                               world_size=ctx.world_size)
+                except Exception as err:  # every rank stops with it (`hand_out`)
+                    picked = err
+                if not isinstance(picked, BaseException) and info.get("sampling/starved"):
+                    logger.warn(starved_warning(step + 1, info, prompts_per_step=P))
+            groups, info = hand_out(ctx, picked, info)
             trajectories, baselines = flatten(groups)
             versions = torch.tensor([t.weight_version for t in trajectories])
             assert_fresh(versions, step, eta=eta)  # no sample older than η reaches the loss below
             t_wait = time.time() - t0
             # 2-3. π_prox = the current weights (one teacher-forced pass, only when the weights move within the
             #      step; otherwise the update's own forward pass), shaped rewards → advantages
-            s = staleness(versions, step)  # (B,)
+            s = staleness(versions, step)  # (B,) this rank's share
             batch = prepare_batch(algorithm, policy, trajectories, step=step, max_new_tokens=stage.rollout.max_new_tokens,
                                   same_version=s == 0, baseline_rewards=baselines, run_dir=run_dir)
             # 4. decoupled PPO update (and the critic's, when the estimator uses values)
             stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
                                critic=algorithm.critic, runtime=rt)
-            ledger.trained.extend(g.draw.ticket for g in groups)
             # 5-8. pause → update weights → set version → resume
-            #      (the servers load in the background while the trainer goes on: see `_publish`)
+            #      (one process with servers: they load in the background while the trainer goes on, `_publish`)
             t_sync = time.time()
-            rollout.pause()
-            syncing = _publish(engine, rollout, step + 1, model.state_dict())
+            if ctx.enabled:
+                if rollout is not None:
+                    rollout.pause()
+                _update_over_ranks(engine, policy, step + 1, ctx)
+                if rollout is not None:
+                    rollout.set_version(step + 1)
+                    rollout.resume()
+            else:
+                rollout.pause()
+                syncing = _publish(engine, rollout, step + 1, model.state_dict())
             t_sync = time.time() - t_sync
             step += 1
-            last = step_metrics(batch, stats, groups)
-            last.update(_staleness_metrics(s, eta, len(stale), len(ledger.discarded), rollout, buffer))
-            last.update(dynamic)
+            last = step_metrics(batch, stats, groups, ctx=ctx)
+            if rollout is not None:  # the driver's counters as they are now (after the update's aborts)
+                info.update({"rollout/requeued_total": rollout.requeued, "rollout/buffered": len(buffer)})
+            last.update(_staleness_metrics(s, step - 1, eta, info, groups, ctx))
+            last.update({k: v for k, v in info.items() if k.startswith("sampling/")})
             if synthesis is not None:  # Syn-GRPO: send the chosen descriptions, swap finished images in (never waits)
                 last.update(synthesis.after_step(trajectories, step, shaping=algorithm.reward_shaping))
                 rollout.forget(synthesis.retired())
@@ -156,21 +188,75 @@ def train_async_grpo(
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "staleness/mean", "perf/step_seconds"))
             if rt.checkpoint_due(step):
-                _save_checkpoint(rt, step, stage_name, optimizer, scheduler, rollout, algorithm, ledger)
+                _save_checkpoint(rt, step, stage_name, optimizer, scheduler, cursor, rollout, algorithm, ledger)
         if syncing is not None:
             syncing.result()  # the servers hold the final weights (or the error is raised)
     finally:
         stack.close()
-        rollout.stop()
+        if rollout is not None:
+            rollout.stop()
         if synthesis is not None:
             synthesis.close()
-    if state_out is not None:
+    if state_out is not None and rollout is not None:
         held = rollout.accounting()
         state_out.update({**rollout.state_dict(), "buffer": [GroupRecord.of(g) for g in buffer.groups()],
                           "trained": ledger.trained, "discarded": ledger.discarded, "filtered": ledger.filtered,
                           "buffered": buffer.tickets(), "pending": held["pending"] + held["in_flight"],
                           "drawn": rollout.drawn, "requeued": rollout.requeued})
     return {**last, "steps": step, "seconds": time.time() - start}
+
+
+def _take_batch(buffer: GroupBuffer, rollout: AsyncRollout, stage: RLStage, *, step: int, ledger: Ledger,
+                check: Callable[[], None], world_size: int) -> tuple[list[Group], dict[str, Any]]:
+    """Rank 0 (or the one process): the step's groups from the buffer — stale ones discarded (their quota
+    returned), DAPO's filter applied — and what the step logs about the rollout. Under several ranks a short
+    batch (dynamic sampling at its cap) is trimmed to a multiple of the ranks, the rest put back in the buffer:
+    every rank trains the same number of groups. The trained groups enter the ledger."""
+    P, eta = stage.train.prompts_per_step, stage.staleness.eta
+    groups, stale = buffer.prepare_batch(P, version=step, eta=eta, check=check,
+                                         on_stale=lambda found: rollout.release(len(found)))
+    ledger.discarded.extend(g.draw.ticket for g in stale)
+    info: dict[str, Any] = {}
+    if stage.algo.dynamic_sampling.enabled:  # DAPO: drop all-equal groups, wait for replacements
+        groups, dynamic = _drop_uninformative(groups, buffer, rollout, stage, step=step, ledger=ledger, check=check)
+        info.update(dynamic)
+    usable = len(groups) - len(groups) % world_size
+    if usable < len(groups):
+        buffer.put_back(groups[usable:])
+        groups = groups[:usable]
+        info["sampling/prompts_used"] = len(groups)
+    ledger.trained.extend(g.draw.ticket for g in groups)
+    info.update({"staleness/discarded": len(stale), "staleness/discarded_total": len(ledger.discarded),
+                 "rollout/requeued_total": rollout.requeued, "rollout/buffered": len(buffer),
+                 "tickets": [g.draw.ticket for g in groups]})
+    return groups, info
+
+
+def _update_over_ranks(engine: AsyncEngine, policy: Policy, version: int, ctx: DistContext) -> None:
+    """Steps 6-8's weight update under several ranks, called by every rank. Rollout servers (`HTTPEngine` after
+    `join_trainer_ranks`): a collective update — rank 0 talks to the servers, every rank joins the FSDP2
+    gathers, and every rank returns once the servers confirmed (or raises rank 0's error). The in-process engine
+    (rank 0's private copy): the full weights gathered onto rank 0 (FSDP2; DDP ranks hold them whole), which
+    loads them."""
+    if _joined_servers(engine):
+        engine.update_weights(version=version)
+        return
+    state = policy.model.state_dict()
+    if any(hasattr(t, "full_tensor") for t in state.values()):  # FSDP2 shards: gathered onto rank 0 only
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        engine.update_weights(version=version, state_dict=state)
+
+
+def _joined_servers(engine: Any) -> bool:
+    """``engine`` (or an engine it wraps) is an `HTTPEngine` shared by several trainer ranks."""
+    while engine is not None:
+        if hasattr(type(engine), "join_trainer_ranks"):
+            return getattr(engine, "world_size", 1) > 1
+        engine = getattr(engine, "engine", None)  # WatchedEngine → RolloutEngine → HTTPEngine
+    return False
 
 
 def _publish(engine: AsyncEngine, rollout: AsyncRollout, version: int,
@@ -198,26 +284,33 @@ def _publish(engine: AsyncEngine, rollout: AsyncRollout, version: int,
     return done
 
 
-def _restore(rt: Runtime, stage_name: str, optimizer, scheduler, rollout: AsyncRollout, algorithm) -> tuple[int, Ledger]:
-    """Load the checkpoint ``rt`` resumes from, if any, into the optimizer, scheduler, the rollout's cursor and
-    state (not started yet), the shapers and the critic. Returns (step, the ticket ledger); (0, an empty
-    ledger) for a fresh start."""
-    step, carry = rt.restore(stage_name, optimizer, scheduler, rollout.cursor)
+def _restore(rt: Runtime, stage_name: str, optimizer, scheduler, cursor: PromptCursor, rollout: AsyncRollout | None,
+             algorithm) -> tuple[int, Ledger]:
+    """Load the checkpoint ``rt`` resumes from, if any, into the optimizer, scheduler, the data cursor, the
+    rollout's state (not started yet; rank 0's under torchrun), the shapers and the critic. Returns (step, the
+    ticket ledger); (0, an empty ledger) for a fresh start."""
+    step, carry = rt.restore(stage_name, optimizer, scheduler, cursor)
     state = expect_state(carry, AsyncState, rt.resume_from)
     if state is None:
         return step, Ledger()
     state.algorithm.restore(algorithm)
-    rollout.load_state(state.rollout)
+    if rollout is not None:
+        rollout.load_state(state.rollout)
     return step, state.ledger.copy()
 
 
-def _save_checkpoint(rt: Runtime, step: int, stage_name: str, optimizer, scheduler, rollout: AsyncRollout, algorithm,
-                     ledger: Ledger) -> None:
+def _save_checkpoint(rt: Runtime, step: int, stage_name: str, optimizer, scheduler, cursor: PromptCursor,
+                     rollout: AsyncRollout | None, algorithm, ledger: Ledger) -> None:
     """Checkpoint ``step``: weights, optimizer, RNG and the cursor (`Runtime.after_step`) plus the loop's
     `AsyncState` — shaper states, critic, the ticket ledger and the rollout's cut (`AsyncRollout.checkpoint_state`:
     undrained groups with their versions, re-queued and in-flight draws, counters). The rollout is not paused:
-    the cut holds its lock, and generating on meanwhile changes nothing the checkpoint holds."""
-    cursor, cut = rollout.checkpoint_state()
+    the cut holds its lock, and generating on meanwhile changes nothing the checkpoint holds. Under torchrun
+    rank 0's carry-over holds the rollout driver's cut and ledger (and the cursor is rank 0's); the other ranks
+    keep their shaper states with an empty cut."""
+    if rollout is not None:
+        cursor, cut = rollout.checkpoint_state()
+    else:
+        cut, ledger = RolloutCut(drawn=0, requeued=0, started=0, requeue=[], in_flight=[], buffer=[]), Ledger()
     rt.after_step(step, stage_name, optimizer, scheduler, cursor,
                   carry_over=AsyncState(AlgorithmState.of(algorithm), ledger.copy(), cut))
 
@@ -248,11 +341,24 @@ def _drop_uninformative(groups: list[Group], buffer: GroupBuffer, rollout: Async
     return kept, {"sampling/groups_dropped": dropped, "sampling/prompts_used": len(kept), "sampling/starved": float(starved)}
 
 
-def _staleness_metrics(s: torch.Tensor, eta: int, n_stale: int, n_discarded: int, rollout: AsyncRollout,
-                       buffer: GroupBuffer) -> dict[str, float]:
+def _staleness_metrics(s: torch.Tensor, version: int, eta: int, info: dict[str, Any], groups: list[Group],
+                       ctx: DistContext) -> dict[str, float]:
+    """``staleness/…`` of the samples that entered the step's loss (every rank's share under torchrun: ``s``
+    gathered), rank 0's rollout counters (``info``), and under several ranks ``dist/…``: how many ranks trained
+    this step, and ``dist/lockstep`` = 1 when every rank trained at the same weight version and the shares are
+    exactly rank 0's batch, each group on one rank."""
+    metrics: dict[str, float] = {}
+    if ctx.enabled:
+        parts = ctx.gather_objects({"version": version, "staleness": s, "tickets": [g.draw.ticket for g in groups]})
+        s = torch.cat([p["staleness"] for p in parts])
+        tickets = [t for p in parts for t in p["tickets"]]
+        metrics.update({"dist/ranks": len(parts), "dist/groups_per_rank": min(len(p["tickets"]) for p in parts),
+                        "dist/lockstep": float(all(p["version"] == version for p in parts)
+                                               and len({len(p["tickets"]) for p in parts}) == 1
+                                               and tickets == info.get("tickets"))})
     hist = staleness_histogram(s, eta=eta).float() / len(s)
-    metrics = {"staleness/mean": float(s.float().mean()), "staleness/max": float(s.max()),
-               "staleness/discarded": n_stale, "staleness/discarded_total": n_discarded,
-               "rollout/requeued_total": rollout.requeued, "rollout/buffered": len(buffer)}
+    metrics.update({"staleness/mean": float(s.float().mean()), "staleness/max": float(s.max())})
+    metrics.update({k: info[k] for k in ("staleness/discarded", "staleness/discarded_total", "rollout/requeued_total",
+                                         "rollout/buffered")})
     metrics.update({f"staleness/frac_{k}": float(hist[k]) for k in range(eta + 1)})
     return metrics
