@@ -114,6 +114,10 @@ def train_async_grpo(
                                max_concurrent=max_concurrent, greedy_baseline="baseline_rewards" in algorithm.needs)
     # a resumed run: weights, optimizer, cursor, shapers, critic, the buffer's groups and the drawn tickets
     step, ledger = _restore(rt, stage_name, optimizer, scheduler, cursor, rollout, algorithm)
+    if rt.resume_from is not None and rollout is not None:
+        logger.info(f"async rollout restored at step {step}: {len(buffer)} buffered groups, "
+                    f"{len(rollout.accounting()['pending'])} draws to generate again, {rollout.drawn} drawn, "
+                    f"cursor {cursor.state()}")
     if ctx.enabled:
         _update_over_ranks(engine, policy, step, ctx)  # the rollout starts from the trainer's weights
     else:
