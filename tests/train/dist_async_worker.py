@@ -1,10 +1,12 @@
 """The asynchronous recipe on 2 ranks (and on 1): `train_async_grpo` at η = 0 with a scripted asynchronous engine
 (responses fixed per prompt) and the tiny policy, FSDP2 over gloo. Run by tests/train/test_async_ranks.py:
 
-    torchrun --standalone --nproc_per_node 2 tests/train/dist_async_worker.py MODEL_DIR OUT_FILE
+    torchrun --standalone --nproc_per_node 2 tests/train/dist_async_worker.py MODEL_DIR OUT_FILE [fail]
 
 Rank 0 writes OUT_FILE: {"records": the logged metrics per step, "state": the final full weights, "initial": the
 weights before training, "accounted": every drawn ticket accounted for in rank 0's final state}.
+With ``fail`` the engine fails once the trainer published version 1: every rank writes the error it stopped with to
+OUT_FILE.rank<r>.
 """
 
 import asyncio
@@ -49,6 +51,15 @@ class AsyncTokenEngine(TokenEngine):
         pass
 
 
+class FailingEngine(AsyncTokenEngine):
+    """Generates for version 0, then every request fails (every rollout server gone)."""
+
+    async def agenerate(self, requests, sampling):
+        if self.weight_version >= 1:
+            raise RuntimeError("every rollout server was dropped (scripted)")
+        return await super().agenerate(requests, sampling)
+
+
 def stage() -> RLStage:
     return RLStage.model_validate({
         "train": {"steps": STEPS, "prompts_per_step": 4, "micro_batch_size": 3, "log_every": 1},
@@ -60,14 +71,14 @@ def full(module: torch.nn.Module) -> dict:
             for k, v in unwrap(module).state_dict().items()}
 
 
-def run(model_dir: str, ctx) -> dict:
+def run(model_dir: str, ctx, engine=None) -> dict:
     """One process when ``ctx`` is None; else the ranks of ``ctx`` (FSDP2)."""
     policy = load_policy(model_dir)
     initial = full(policy.model)
     cfg = DistConfig(strategy="fsdp")
     rt = Runtime(ctx, wrap_model(policy.model, ctx, cfg), cfg) if ctx is not None else None
     logger, state = MetricsLogger(None, quiet=True), {}
-    train_async_grpo(policy, AsyncTokenEngine(), scripted_samples(SPECS), stage(), logger=logger, seed=0,
+    train_async_grpo(policy, engine or AsyncTokenEngine(), scripted_samples(SPECS), stage(), logger=logger, seed=0,
                      state_out=state, runtime=rt)
     tickets = state.get("trained", []) + state.get("discarded", []) + state.get("buffered", []) + state.get("pending", [])
     accounted = bool(state) and sorted(tickets) == list(range(state["drawn"]))
@@ -75,13 +86,22 @@ def run(model_dir: str, ctx) -> dict:
             "accounted": accounted}
 
 
-def main(model_dir: str, out_file: str) -> None:
+def main(model_dir: str, out_file: str, mode: str = "") -> None:
     ctx = init_distributed(DistConfig(strategy="fsdp"))
-    result = run(model_dir, ctx)
-    if ctx.rank == 0:
-        torch.save(result, out_file)
+    if mode == "fail":
+        try:
+            run(model_dir, ctx, FailingEngine())
+            error = "no error"
+        except Exception as err:  # noqa: BLE001 — what each rank stopped with is the test's subject
+            error = f"{type(err).__name__}: {err}"
+        Path(f"{out_file}.rank{ctx.rank}").write_text(error)
+        ctx.barrier()  # both ranks got here: neither waits for a batch that never comes
+    else:
+        result = run(model_dir, ctx)
+        if ctx.rank == 0:
+            torch.save(result, out_file)
     shutdown_distributed(ctx)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

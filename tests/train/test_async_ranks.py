@@ -196,3 +196,69 @@ def test_async_two_ranks_log_what_one_process_logs(tiny_vlm_dir, tmp_path):
     moved = sum(float(((one["state"][k] - one["initial"][k]) ** 2).sum()) for k in one["state"]) ** 0.5
     assert moved > 1e-2 and gap < 1e-3 * moved, (gap, moved)
     assert one["accounted"] and two["accounted"]
+
+
+class _Quota:
+    """The rollout side `_take_batch` talks to: counts the admission quota given back."""
+
+    requeued = 0
+
+    def __init__(self):
+        self.released = 0
+
+    def release(self, count):
+        self.released += count
+
+    def check(self):
+        pass
+
+
+def test_a_short_dynamic_batch_is_trimmed_to_split_evenly_and_the_rest_put_back():
+    """DAPO at its cap under 2 ranks: 3 informative groups kept when 4 uninformative ones were dropped
+    (max_extra_rounds = 0: the cap is 1 × P = 4 drops). 3 groups do not split over 2 ranks: rank 0 trains the first 2
+    and puts the third back at the front of the buffer (not filtered, not lost: the next step takes it first)."""
+    from vlrl.config import RLStage
+    from vlrl.train.async_grpo import _take_batch
+    from vlrl.train.async_rollout import GroupBuffer, hand_out
+    from vlrl.train.distributed import DistContext
+    from vlrl.train.sampling import Draw, Group
+    from vlrl.train.state import Ledger
+
+    from .fakes import fake_trajectories
+
+    def group(ticket, rewards):
+        trajectories = fake_trajectories(rewards, [0] * len(rewards), [2] * len(rewards))
+        return Group(trajectories, Draw(ticket, trajectories[0].sample, 0))
+
+    # tickets 0-2 informative (rewards differ), 3-6 all-equal
+    groups = [group(0, [1, 0]), group(1, [0, 1]), group(2, [1, 0]), *(group(t, [1, 1]) for t in range(3, 7))]
+    buffer, rollout, ledger = GroupBuffer(capacity=16), _Quota(), Ledger()
+    for g in groups:
+        buffer.put(g)
+    stage = RLStage.model_validate({"train": {"prompts_per_step": 4}, "rollout": {"n": 2}, "staleness": {"eta": 1},
+                                    "algo": {"dynamic_sampling": {"enabled": True, "max_extra_rounds": 0}}})
+    taken, info = _take_batch(buffer, rollout, stage, step=0, ledger=ledger, check=lambda: None, world_size=2)
+    assert [g.draw.ticket for g in taken] == [0, 1] and info["tickets"] == [0, 1]
+    assert info["sampling/prompts_used"] == 2 and info["sampling/groups_dropped"] == 4
+    assert ledger.trained == [0, 1] and ledger.filtered == [3, 4, 5, 6] and rollout.released == 4
+    assert buffer.tickets() == [2]  # back at the front, for the next step
+    # one process: the same cap keeps all 3 (nothing to split)
+    buffer, ledger = GroupBuffer(capacity=16), Ledger()
+    for g in groups:
+        buffer.put(g)
+    taken, info = _take_batch(buffer, _Quota(), stage, step=0, ledger=ledger, check=lambda: None, world_size=1)
+    assert [g.draw.ticket for g in taken] == [0, 1, 2] and buffer.tickets() == []
+    assert hand_out(DistContext(), taken, info) == (taken, info)  # one process: the batch itself
+    with pytest.raises(RuntimeError, match="every server gone"):
+        hand_out(DistContext(), RuntimeError("every server gone"))
+
+
+def test_a_failed_rollout_on_rank_0_stops_every_rank_naming_it(tiny_vlm_dir, tmp_path):
+    """Rank 0's rollout fails at step 2 (every request fails once version 1 is published): rank 0 raises it, and
+    rank 1 — waiting for its share of the batch — raises rank 0's error instead of waiting forever."""
+    out = tmp_path / "fail"
+    run_checked(torchrun(2, str(REPO / "tests/train/dist_async_worker.py"), str(tiny_vlm_dir), str(out), "fail"),
+                timeout=300)
+    rank0, rank1 = (out.with_name(f"fail.rank{r}").read_text() for r in (0, 1))
+    assert rank0 == "RuntimeError: rollout failed: RuntimeError: every rollout server was dropped (scripted)", rank0
+    assert rank1 == f"RuntimeError: rank 0's rollout failed: {rank0}", rank1
