@@ -250,15 +250,18 @@ def test_in_flight_prompts_at_a_checkpoint_are_generated_again_after_resume():
     assert resumed.drawn == 2 and resumed.cursor.state() == {"epoch": 0, "position": 2}  # nothing new drawn
 
 
-def test_check_scalable_allows_async_checkpoints_and_refuses_async_under_torchrun():
+def test_check_scalable_allows_async_checkpoints_and_several_ranks():
     for override in ("checkpoint.every=2", "checkpoint.resume=auto"):
         cfg = load_config(RLConfig, None, ["rollout.mode=async", override])
         check_scalable(cfg, 1)  # resumable in one process
-        with pytest.raises(ValueError, match="rollout.mode=async: the asynchronous recipe runs in one process"):
-            check_scalable(cfg, 2)
-    many_ranks = Runtime(DistContext(world_size=2), torch.nn.Linear(1, 1))
-    with pytest.raises(ValueError, match="rollout.mode=async: the asynchronous recipe runs in one process"):
-        train_async_grpo(None, GatedEngine(), [], _stage(), logger=None, seed=0, runtime=many_ranks)
+        check_scalable(cfg, 2)  # and under torchrun: rank 0 drives the rollout (tests/train/test_async_ranks.py)
+    many_ranks = Runtime(DistContext(world_size=2), torch.nn.Linear(1, 1))  # refused before any collective:
+    with pytest.raises(ValueError, match="train.prompts_per_step: 3 does not split evenly over 2 ranks"):
+        train_async_grpo(None, GatedEngine(), [], _stage(train={"prompts_per_step": 3}), logger=None, seed=0,
+                         runtime=many_ranks)
+    with pytest.raises(ValueError, match="synth.enabled: Syn-GRPO with rollout.mode=async runs in one process"):
+        train_async_grpo(None, GatedEngine(), [], _stage(synth={"enabled": True}), logger=None, seed=0,
+                         runtime=many_ranks)
 
 
 def test_vlrl_rl_async_with_checkpoints_resumes_through_the_recipe(tmp_path):

@@ -126,8 +126,6 @@ def test_a_server_that_cannot_start_ends_the_launch_before_the_ranks(tmp_path):
     ("shapes_sft.yaml", ["launch.rollout_servers=1"], 2, "launch.rollout_servers=1: rollout servers serve RL runs"),
     ("shapes_grpo.yaml", ["launch.rollout_servers=1", "rollout.servers=[http://127.0.0.1:30000]"], 2,
      "rollout.servers is set too"),
-    ("shapes_grpo.yaml", ["launch.rollout_servers=1", "rollout.mode=async"], 2,  # 2 ranks: still one process only
-     "rollout.mode=async: the asynchronous recipe runs in one process"),
 ])
 def test_settings_the_servers_cannot_honour_are_refused_before_anything_starts(tmp_path, config, extra, code, message):
     cmd = [sys.executable, "-m", "vlrl.cli", "launch", str(REPO / "configs" / config), f"out={tmp_path}", *extra]

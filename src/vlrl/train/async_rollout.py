@@ -11,6 +11,10 @@ batches from the buffer; groups older than η are discarded there and their admi
 Every drawn prompt is accounted for: trained, discarded as stale, waiting in the buffer, or re-queued (aborted
 by a weight update, or in flight when the run ended); see `AsyncRollout.accounting`. Checkpoints carry all of it
 over a restart (`AsyncRollout.checkpoint_state`, a typed `vlrl.train.state.RolloutCut`).
+
+Under torchrun the rollout, its buffer and its admission state live on rank 0 alone (the rollout driver): each step
+rank 0 takes the batch and `hand_out` gives every rank an equal share of its groups (a group's n responses stay
+on one rank), so the ranks train the batch one process would.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from vlrl.algos.staleness import fresh_mask
 from vlrl.rollout import Request, SamplingParams, Status
 from vlrl.rollout.http_engine import AsyncEngine
 from vlrl.train.common import PromptCursor
+from vlrl.train.distributed import DistContext
 from vlrl.train.sampling import Draw, Group, PromptEncoder, greedy, score_groups
 from vlrl.train.state import DrawRecord, GroupRecord, RolloutCut
 
@@ -80,6 +86,13 @@ class GroupBuffer:
                 if not self._groups:
                     self._cond.wait(0.05)
 
+    def put_back(self, groups: list[Group]) -> None:
+        """Return groups taken but not trained (a short batch trimmed to split evenly over the ranks) to the
+        front of the buffer, oldest first: the next step takes them first, or discards them once older than η."""
+        with self._cond:
+            self._groups.extendleft(reversed(groups))
+            self._cond.notify_all()
+
     def tickets(self) -> list[int]:
         with self._cond:
             return [g.draw.ticket for g in self._groups]
@@ -100,6 +113,39 @@ class GroupBuffer:
             self._groups.extendleft(reversed(groups))
             self._cond.notify_all()
 
+
+
+def hand_out(ctx: DistContext, batch: list[Group] | BaseException | None, info: dict[str, Any] | None = None
+             ) -> tuple[list[Group], dict[str, Any]]:
+    """Rank 0's step batch in ``ctx.world_size`` equal contiguous shares of whole groups, one per rank, each with
+    rank 0's ``info`` (what the step logs about the rollout). Called by every rank (a gloo/NCCL scatter of
+    pickled objects); ``batch`` matters on rank 0 only. When rank 0 could not take a batch (``batch`` is its
+    exception: the rollout failed) every rank raises, naming rank 0's error, instead of waiting for a batch that
+    never comes. One process: (``batch``, ``info``) as given."""
+    info = info or {}
+    if not ctx.enabled:
+        if isinstance(batch, BaseException):
+            raise batch
+        return list(batch or []), info
+    payload = None
+    if ctx.is_main:
+        if isinstance(batch, BaseException):
+            payload = [{"error": f"{type(batch).__name__}: {batch}"}] * ctx.world_size
+        else:
+            shares = ctx.world_size
+            if len(batch) % shares:
+                raise ValueError(f"train.prompts_per_step: a batch of {len(batch)} groups does not split evenly over "
+                                 f"{shares} ranks")
+            size = len(batch) // shares
+            payload = [{"groups": batch[r * size : (r + 1) * size], "info": info} for r in range(shares)]
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, payload, src=0)
+    mine = box[0]
+    if "error" in mine:
+        if isinstance(batch, BaseException):
+            raise batch
+        raise RuntimeError(f"rank 0's rollout failed: {mine['error']}")
+    return mine["groups"], mine["info"]
 
 
 class AsyncRollout:

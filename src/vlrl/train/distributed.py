@@ -249,10 +249,6 @@ def check_scalable(cfg, world_size: int) -> None:
     rollout = getattr(cfg, "rollout", None)
     if rollout is None:
         return
-    if rollout.mode == "async" and world_size > 1:
-        raise ValueError("rollout.mode=async: the asynchronous recipe runs in one process (checkpoints and --resume "
-                         "do work): its rollout driver, buffer and admission state are not yet moved to rank 0 with "
-                         "each batch broadcast to the ranks; use rollout.mode=sync under torchrun")
     synth = getattr(cfg, "synth", None)
     if synth is not None and synth.enabled and rollout.mode == "async" and world_size > 1:
         raise ValueError("synth.enabled with rollout.mode=async: under torchrun Syn-GRPO runs with the synchronous "
