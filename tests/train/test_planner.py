@@ -147,3 +147,21 @@ def test_lora_reference_is_the_base_with_adapters_off_not_a_second_copy():
     same = {p.name: p.step_seconds for p in plan_placements(SHAPE, dataclasses.replace(lora, reference=False),
                                                             Device(2, 80.0))}
     assert all(p.step_seconds > same[p.name] for p in plan_placements(SHAPE, lora, Device(2, 80.0)))
+
+
+def test_a_shared_prefix_counts_a_groups_prompt_once_in_the_teacher_forced_passes():
+    from vlrl.train.planner import train_seconds
+
+    dev = Device(1, 80.0, tflops=1.0, mfu=0.5)
+    base = dict(prompt_tokens=100, response_tokens=10, patches=0, sequences=32, micro_batch=8, prompts=4,
+                reference=True)
+    plain = {t.name: t.value for t in train_seconds(SHAPE, Workload("rl", **base), dev, 1)}
+    shared = {t.name: t.value for t in train_seconds(SHAPE, Workload("rl", **base, shared_prefix=True), dev, 1)}
+    # π_ref: 2Ψ·T/(F·η) with T = rows·L = 32·110 = 3520 tokens plain, prompts·P + rows·R = 400 + 320 = 720 shared
+    assert shared["scoring passes"] == pytest.approx(plain["scoring passes"] * 720 / 3520)
+    assert shared["train"] == pytest.approx(plain["train"] * 720 / 3520)  # no vision, so every term scales with T
+    # on 2 ranks (DDP/FSDP2 wrap the model) the update's forward runs the plain pass; π_ref still shares
+    two = {t.name: t.value for t in train_seconds(SHAPE, Workload("rl", **base, shared_prefix=True), dev, 2)}
+    two_plain = {t.name: t.value for t in train_seconds(SHAPE, Workload("rl", **base), dev, 2)}
+    assert two["train"] == pytest.approx(two_plain["train"])
+    assert two["scoring passes"] == pytest.approx(two_plain["scoring passes"] * 720 / 3520)

@@ -59,6 +59,9 @@ activations.
                c = 2 forward + 2 input gradients + 2·(share of the text weights trained) + 2 with checkpointing
                (the recomputed forward); c_v the same for the vision tower, 2 when it trains nothing
     extra passes (π_old when several optimizer steps, π_ref with a KL term) 2Ψ·T / (n_train·F·η) each
+               ``train.shared_prefix``: a group's prompt runs once in the π_old / π_ref passes, and in the update's
+               forward on one rank without checkpointing (`vlrl.train.shared_prefix`): there T = prompts·P +
+               rows·R and T_v = prompts·N_p instead of rows·L and rows·N_p (the critic's pass does not share)
     generate   prefill 2Ψ·P·prompts / (n_gen·F·η) + R · ⌈rows/(n_gen·B)⌉ · (Ψ·b_c + KV/2)/W   (each prompt is
                prefilled once for its n samples, `vlrl.rollout.decode` — rows = prompts · n; decode is
                memory-bound; the cache is half full on average)
@@ -130,6 +133,7 @@ class Workload:
     trained_params: int | None = None  # Ψ_t of the base weights (None: all of Ψ; 0 under LoRA)
     trained_vision: int | None = None  # of which in the vision tower (None: all of Ψ_v)
     adapter_params: int = 0  # Ψ_lora: fp32 adapter parameters (model.lora)
+    shared_prefix: bool = False  # train.shared_prefix: teacher-forced passes run a group's prompt once
 
     @property
     def length(self) -> int:  # L
@@ -375,7 +379,8 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
             prompts=cfg.train.prompts_per_step, epochs=cfg.train.ppo_epochs, minibatches=cfg.train.minibatches,
             old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1,
             reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.max_batch_size,
-            asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute)
+            asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute,
+            shared_prefix=cfg.train.shared_prefix)
     return Workload("sft", prompt, response, patches, cfg.train.batch_size,
                     min(cfg.train.micro_batch_size, cfg.train.batch_size), weight_bytes=weight, compute_bytes=compute)
 
@@ -461,17 +466,24 @@ def frozen(s: ModelShape, w: Workload, d: int, role: str) -> list[Term]:
 # ----------------------------------------------------------------------------------------------- placements
 def train_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]:
     T = w.sequences * w.length
-    Tv = w.sequences * w.patches
+    shares = w.shared_prefix and 0 < w.prompts < w.sequences  # a group's prompt once (`vlrl.train.shared_prefix`)
+    T_shared = w.prompts * w.prompt_tokens + w.sequences * w.response_tokens if shares else T
+    # the update's forward shares on one unwrapped rank without checkpointing; π_old / π_ref wherever it is on
+    T_train = T_shared if n == 1 and not w.checkpointing else T
+    Tv = (w.prompts if T_train != T else w.sequences) * w.patches
     rate = n * dev.tflops * 1e12 * dev.mfu
     c, c_v = train_flop_factors(s, w)
-    flops = (c * s.params_text * T + c_v * s.params_vision * Tv + 12 * s.layers * s.hidden * w.length * T) * w.epochs
+    flops = (c * s.params_text * T_train + c_v * s.params_vision * Tv
+             + 12 * s.layers * s.hidden * w.length * T_train) * w.epochs
     terms = [Term("train", flops / rate, "(c·Ψ_t·T + c_v·Ψ_v·T_v + 12·n_layers·h·L·T)·epochs/(n·F·η)",
-                  f"({c:g}·{_mb(s.params_text)}·{T} + {c_v:g}·{_mb(s.params_vision)}·{Tv} + 12·{s.layers}·{s.hidden}·"
-                  f"{w.length}·{T})·{w.epochs}/({n}·{dev.tflops:g}T·{dev.mfu:g})")]
-    passes = int(w.old_pass) + int(w.reference) + int(w.critic)
-    if passes:
-        terms.append(Term("scoring passes", passes * 2 * s.params * T / rate, "passes·2Ψ·T/(n·F·η)",
-                          f"{passes}·2·{_mb(s.params)}·{T}/({n}·{dev.tflops:g}T·{dev.mfu:g})"))
+                  f"({c:g}·{_mb(s.params_text)}·{T_train} + {c_v:g}·{_mb(s.params_vision)}·{Tv} + 12·{s.layers}·"
+                  f"{s.hidden}·{w.length}·{T_train})·{w.epochs}/({n}·{dev.tflops:g}T·{dev.mfu:g})")]
+    shared_passes, critic = int(w.old_pass) + int(w.reference), int(w.critic)
+    tokens = shared_passes * T_shared + critic * T
+    if tokens:
+        terms.append(Term("scoring passes", 2 * s.params * tokens / rate, "2Ψ·(passes·T + critic·rows·L)/(n·F·η)",
+                          f"2·{_mb(s.params)}·({shared_passes}·{T_shared} + {critic}·{T})/({n}·{dev.tflops:g}T·"
+                          f"{dev.mfu:g})"))
     return terms
 
 
