@@ -53,3 +53,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def prefills(monkeypatch):
+    """The number of prompts each `vlrl.rollout.decode.prefill` call ran, in order (the engine's group prefill
+    and the shared-prefix teacher-forced pass both call it)."""
+    from vlrl.rollout import decode
+
+    calls: list[int] = []
+    real = decode.prefill
+
+    def spy(model, adapter, prompts, pad_token_id):
+        calls.append(len(prompts))
+        return real(model, adapter, prompts, pad_token_id)
+
+    monkeypatch.setattr(decode, "prefill", spy)
+    return calls

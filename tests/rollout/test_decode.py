@@ -50,20 +50,6 @@ def _drift(policy, trajectories, temperature: float) -> float:
     return worst
 
 
-@pytest.fixture
-def prefills(monkeypatch):
-    """The number of sequences each `decode.prefill` call ran, in order."""
-    calls: list[int] = []
-    real = decode.prefill
-
-    def spy(model, adapter, prompts, pad_token_id):
-        calls.append(len(prompts))
-        return real(model, adapter, prompts, pad_token_id)
-
-    monkeypatch.setattr(decode, "prefill", spy)
-    return calls
-
-
 @pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
 def test_group_prefill_is_exact(name, n, prefills):

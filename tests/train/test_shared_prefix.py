@@ -15,16 +15,17 @@ import logging
 import pytest
 import torch
 
+from rollout.test_agent_training import (
+    ImageOnTurnThree,  # tests/ is on sys.path; the 3-turn episode, an image in turn 3
+)
 from vlrl.algos import get_policy_loss, normaliser_for
 from vlrl.config import RLStage
 from vlrl.data import generate
-from vlrl.data.sample import load_image
 from vlrl.models import load_policy
 from vlrl.models.presets import PRESETS
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import HFEngine, SamplingParams, decode
 from vlrl.rollout.agent import AgentSettings, multi_turn
-from vlrl.rollout.env import BaseEnv, Observation
 from vlrl.train import shared_prefix
 from vlrl.train.batch import build_algorithm, prepare_batch, teacher_logprobs
 from vlrl.train.shared_prefix import SHARED_METRIC, prompt_groups, shared_prefix_refusal
@@ -35,22 +36,6 @@ LOGP_TOL = 1e-5
 GRAD_TOL = 1e-6
 FAMILY_PRESETS = list({spec.family: name for name, spec in reversed(list(PRESETS.items()))}.values())[::-1]
 _POLICIES: dict[str, object] = {}
-
-
-class ImageOnTurnThree(BaseEnv):
-    """After turn 1 a text observation; after turn 2 a crop of the prompt image (seen in turn 3; text for a
-    prompt without images) — tests/rollout/test_agent_training.py's episode."""
-
-    def step(self, response_text):
-        self.steps = getattr(self, "steps", 0) + 1
-        if self.steps == 1:
-            return Observation(text="Not yet."), False, {}
-        if self.steps == 2:
-            if not self.sample.images:
-                return Observation(text="Look again."), False, {}
-            crop = load_image(self.sample.images[0]).crop((0, 0, 56, 56)).resize((84, 84))
-            return Observation(text="Zoomed:", images=[crop]), False, {}
-        return None, True, {}
 
 
 def _policy(name):
@@ -75,20 +60,6 @@ def _rollout(policy, n: int, *, max_new_tokens: int = 8):
         t.response_ids, t.loss_mask, t.behaviour_logp = t.response_ids[:m], t.loss_mask[:m], t.behaviour_logp[:m]
         t.reward = 0.1 * k
     return trajectories
-
-
-@pytest.fixture
-def prefills(monkeypatch):
-    """The number of prompts each `decode.prefill` call ran, in order."""
-    calls: list[int] = []
-    real = decode.prefill
-
-    def spy(model, adapter, prompts, pad_token_id):
-        calls.append(len(prompts))
-        return real(model, adapter, prompts, pad_token_id)
-
-    monkeypatch.setattr(decode, "prefill", spy)
-    return calls
 
 
 @pytest.fixture
