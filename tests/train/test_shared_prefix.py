@@ -15,14 +15,11 @@ import logging
 import pytest
 import torch
 
-from rollout.test_agent_training import (
-    ImageOnTurnThree,  # tests/ is on sys.path; the 3-turn episode, an image in turn 3
-)
+# tests/ is on sys.path: the 3-turn episode with an image in turn 3; one preset per family, loaded once per session
+from rollout.test_agent_training import ImageOnTurnThree
+from rollout.test_decode import FAMILY_PRESETS, _policy, _samples
 from vlrl.algos import get_policy_loss, normaliser_for
 from vlrl.config import RLStage
-from vlrl.data import generate
-from vlrl.models import load_policy
-from vlrl.models.presets import PRESETS
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import HFEngine, SamplingParams, decode
 from vlrl.rollout.agent import AgentSettings, multi_turn
@@ -34,19 +31,6 @@ from vlrl.train.update import UpdateSettings, accumulate
 pytestmark = pytest.mark.usefixtures("one_thread")
 LOGP_TOL = 1e-5
 GRAD_TOL = 1e-6
-FAMILY_PRESETS = list({spec.family: name for name, spec in reversed(list(PRESETS.items()))}.values())[::-1]
-_POLICIES: dict[str, object] = {}
-
-
-def _policy(name):
-    if name not in _POLICIES:
-        torch.manual_seed(0)
-        _POLICIES[name] = load_policy(name)
-    return _POLICIES[name]
-
-
-def _samples(policy, k: int):
-    return generate("shapes", k, tasks=["count", "locate"]) if policy.is_vision else generate("arith", k)
 
 
 def _rollout(policy, n: int, *, max_new_tokens: int = 8):
