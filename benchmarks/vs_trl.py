@@ -90,9 +90,9 @@ class VlrlArm:
         import vlrl.train.update as update
         from vlrl.report import MetricsLogger
 
-        phases, saved = self.phases, (update.sequence_logprobs, update.clip_and_step, grpo.ppo_update)
-        update.sequence_logprobs = phases.timed("forward", saved[0])
-        update.clip_and_step = phases.timed("optimizer", saved[1])
+        phases, saved = self.phases, (update.teacher_forced, update.step_or_skip, grpo.ppo_update)
+        update.teacher_forced = phases.timed("forward", saved[0])
+        update.step_or_skip = phases.timed("optimizer", saved[1])
         grpo.ppo_update = phases.timed("update", saved[2])
         before = copy.copy(self.engine.total_stats)
         logger = MetricsLogger(None, quiet=True)
@@ -101,7 +101,7 @@ class VlrlArm:
             grpo.train_grpo(self.policy, self.engine, self.samples, self.stage, logger=logger, seed=len(phases.steps))
             total = time.perf_counter() - start
         finally:
-            update.sequence_logprobs, update.clip_and_step, grpo.ppo_update = saved
+            update.teacher_forced, update.step_or_skip, grpo.ppo_update = saved
         stats = self.engine.total_stats
         phases.current["prefill"] = stats.prefill_seconds - before.prefill_seconds
         phases.current["decode"] = stats.decode_seconds - before.decode_seconds
@@ -126,6 +126,8 @@ def trl_processor(policy):
     (without a video processor, which needs torchvision)."""
     processor = getattr(policy.adapter, "processor", None)
     if processor is not None:
+        if getattr(processor, "chat_template", None) is None:  # the presets keep the template on the tokenizer
+            processor.chat_template = policy.tokenizer.chat_template
         return processor
     from transformers import Qwen2VLProcessor
 
