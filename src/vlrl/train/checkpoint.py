@@ -472,9 +472,10 @@ class Checkpointer:
         if self.ctx.rank < len(rngs):
             set_rng_state(rngs[self.ctx.rank])
         # Every rank writes the same loop state (the recipes hold the whole round on every rank: `SyncState`'s
-        # shapers, critic and dynamic sampling's carried groups are identical copies), so a rank the checkpoint did
-        # not have (resumed on more ranks) reads rank 0's — without it that rank would start its critic and shapers
-        # afresh while rank 0 restored them, and their collectives would no longer match (a hang).
+        # shapers, critic and dynamic sampling's carried groups are identical copies; `AsyncState`'s rollout cut
+        # is rank 0's, and only the rank-0 driver reads it), so a rank the checkpoint did not have (resumed on more
+        # ranks) reads rank 0's — without it that rank would start its critic and shapers afresh while rank 0
+        # restored them, and their collectives would no longer match (a hang).
         written = self.ctx.rank if self.ctx.rank < state["world_size"] else 0
         state["carry_over"] = read_checkpoint_carry_over(path, written)
         self._cut_metrics(state)
