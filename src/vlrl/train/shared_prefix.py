@@ -54,8 +54,7 @@ def prompt_groups(prompts: Sequence[Sequence[int] | torch.Tensor], visions: Sequ
     Two rows share a prompt when their token ids and vision inputs are equal (the same object, or equal tensors)."""
     requests = [Request(sample=None, prompt_ids=_ids(p), vision=v) for p, v in zip(prompts, visions, strict=True)]
     unique, index = decode.distinct_prompts(requests)
-    first = {id(r): k for k, r in reversed(list(enumerate(requests)))}
-    return [first[id(r)] for r in unique], index
+    return [index.index(g) for g in range(len(unique))], index
 
 
 def rows_by_prompt(trajectories: Sequence, rows: Sequence[int]) -> list[int]:
