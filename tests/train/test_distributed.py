@@ -181,10 +181,7 @@ def test_features_that_run_in_one_process_are_refused_under_several_ranks_naming
     check_scalable(load_config(RLConfig, None, [*servers, "rollout.mode=async"]), 2)  # rank 0 drives the rollout
     check_scalable(load_config(RLConfig, None, ["synth.enabled=true", "checkpoint.every=2"]), 1)  # SynthState resumes
     check_scalable(load_config(RLConfig, None, ["synth.enabled=true", "rollout.mode=async", "checkpoint.every=2"]), 1)
-    lora = load_config(RLConfig, None, ["model.lora.r=4"])  # dist.strategy=fsdp by default
-    check_scalable(lora, 1)
-    with pytest.raises(ValueError, match="model.lora under torchrun needs dist.strategy=ddp"):
-        check_scalable(lora, 2)
+    check_scalable(load_config(RLConfig, None, ["model.lora.r=4"]), 2)  # FSDP2 (tests/train/test_lora_fsdp.py)
     check_scalable(load_config(RLConfig, None, ["model.lora.r=4", "dist.strategy=ddp"]), 2)
 
 

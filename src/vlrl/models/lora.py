@@ -13,14 +13,24 @@ wrapper is kept beside it as ``policy.lora`` for what only it does:
 - `save_adapter`: the adapter directory (adapter_config.json + adapter_model.safetensors) peft and TRL load.
 
 Resumable checkpoints (`vlrl.train.checkpoint`) hold the module's whole state — the adapters with it — so a
-resumed LoRA run continues exactly. Under torchrun LoRA trains with ``dist.strategy=ddp`` (every rank holds the
-whole model, DDP averages the adapters' gradients; `vlrl.train.distributed.check_scalable` refuses FSDP2): the
-reference, the merged export and the adapter directory are then each rank's own, identical, and rank 0 writes.
+resumed LoRA run continues exactly.
+
+**Under torchrun.** DDP: every rank holds the whole model and DDP averages the adapters' gradients; the reference,
+the merged weights and the adapter directory are each rank's own, identical, and rank 0 writes. FSDP2: the peft
+model is sharded like any model (`vlrl.train.distributed.wrap_model`: the frozen base and the adapters of a decoder
+layer are shards of that layer's unit; only the adapters have gradients, reduce-scattered, and AdamW state). The
+reference disables the adapters of the sharded layers, whose forward all-gathers as usual. The merge runs on the
+shards: peft's ``get_delta_weight`` computes (α/r)·B·A on DTensors (B's rows stay sharded, the small r × in A is
+gathered) and adds it to the base weight's own shard, so `merged_state_dict` holds DTensor shards of the merged
+weights; `full_merged_state_dict` / `full_adapter_state_dict` then gather them onto rank 0's CPU one tensor at a
+time (``DTensor.full_tensor``, the all-gather DCP's ``full_state_dict`` + ``cpu_offload`` does) — never a second
+copy of the whole model on a rank other than rank 0's export.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,35 +101,84 @@ class AdaptersOff(torch.nn.Module):
 
 
 @torch.no_grad()
-def merged_state_dict(policy) -> dict[str, torch.Tensor]:
-    """The weights of base + adapters under the plain transformers names: W + ΔW for every adapted layer
-    (peft's ``get_delta_weight``: (α/r)·B·A, transposed for fan-in-fan-out layers), the trained copy of every
-    ``modules_to_save`` module, every other tensor as it is. No live weight is changed."""
+def merged_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, weight) of base + adapters, one tensor at a time in state-dict order: W + ΔW for every
+    adapted layer (peft's ``get_delta_weight``: (α/r)·B·A, transposed for fan-in-fan-out layers), the trained copy
+    of every ``modules_to_save`` module, every other tensor as it is. No live weight is changed. On an
+    FSDP2-sharded model each is a DTensor shard (the delta's matmul is a collective: every rank iterates)."""
     peft_model = policy.lora
     adapter = peft_model.active_adapter
     from peft.tuners.lora import LoraLayer
 
-    deltas = {}
-    for name, module in policy.model.named_modules():
-        if isinstance(module, LoraLayer) and adapter in module.lora_A:
-            deltas[f"{name}.weight"] = module.get_delta_weight(adapter)
-    merged = {}
+    layers = {f"{name}.weight": module for name, module in policy.model.named_modules()
+              if isinstance(module, LoraLayer) and adapter in module.lora_A}
     for key, value in policy.model.state_dict().items():
         if ".lora_" in key or ".original_module." in key:
             continue
         key = key.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
-        merged[key] = value + deltas[key].to(value.dtype) if key in deltas else value
-    return merged
+        yield key, (value + layers[key].get_delta_weight(adapter).to(value.dtype) if key in layers else value)
 
 
-def save_merged(policy, out_dir: Path) -> None:
-    """Write the merged weights in the transformers layout (config, generation config, safetensors)."""
-    policy.model.save_pretrained(out_dir, state_dict=merged_state_dict(policy))
+def merged_state_dict(policy) -> dict[str, torch.Tensor]:
+    """`merged_tensors` as a state dict (DTensor shards on an FSDP2-sharded model: see `full_merged_state_dict`)."""
+    return dict(merged_tensors(policy))
 
 
-def save_adapter(policy, out_dir: str | Path) -> Path:
+def adapter_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """(peft name, tensor) of the adapters and ``modules_to_save`` copies — the entries of ``policy.lora``'s
+    state dict that `save_adapter` writes."""
+    for key, value in policy.lora.state_dict().items():
+        if ".lora_" in key or ".modules_to_save." in key:
+            yield key, value
+
+
+def full_merged_state_dict(policy) -> dict[str, torch.Tensor]:
+    """`merged_state_dict` as full tensors on rank 0's CPU: FSDP2 shards merged on the shards and gathered one
+    tensor at a time (a collective: every rank calls it; the other ranks get ``{}``). A model that is not
+    sharded gives its merged tensors as they are."""
+    return gather_on_rank0(merged_tensors(policy))
+
+
+def full_adapter_state_dict(policy) -> dict[str, torch.Tensor]:
+    """The adapter tensors (`adapter_tensors`) gathered like `full_merged_state_dict`."""
+    return gather_on_rank0(adapter_tensors(policy))
+
+
+def gather_on_rank0(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """{name: full tensor} on rank 0's CPU from (name, tensor) pairs, ``{}`` on the other ranks: a DTensor shard
+    is all-gathered as it comes (every rank iterates the same pairs), so one full tensor at a time exists beside
+    what rank 0 keeps; a plain tensor (one process, DDP) is kept as it is."""
+    import torch.distributed as dist
+
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    out = {}
+    for name, tensor in tensors:
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        if main:
+            out[name] = tensor.cpu()
+    return out
+
+
+def merged_weights(policy, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """What a rollout server loads: ``state_dict`` itself when it is already merged (no adapter tensor in it —
+    e.g. gathered by `full_merged_state_dict` from FSDP2 shards), else base + adapters merged from the live module
+    (``state_dict`` None, or the peft model's own state dict)."""
+    if state_dict is not None and not any(".lora_" in key for key in state_dict):
+        return state_dict
+    return merged_state_dict(policy)
+
+
+def save_merged(policy, out_dir: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the merged weights in the transformers layout (config, generation config, safetensors);
+    ``state_dict``: the merged weights already gathered (`full_merged_state_dict`)."""
+    policy.model.save_pretrained(out_dir, state_dict=state_dict if state_dict is not None else merged_state_dict(policy))
+
+
+def save_adapter(policy, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """The adapter directory (adapter_config.json + adapter_model.safetensors), loadable with
-    ``PeftModel.from_pretrained(base, out_dir)``."""
+    ``PeftModel.from_pretrained(base, out_dir)``; ``state_dict``: the adapter tensors already gathered
+    (`full_adapter_state_dict`)."""
     out_dir = Path(out_dir)
-    policy.lora.save_pretrained(out_dir)
+    policy.lora.save_pretrained(out_dir, **({"state_dict": state_dict} if state_dict is not None else {}))
     return out_dir

@@ -62,18 +62,20 @@ class Policy:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def save(self, out_dir: str | Path) -> Path:
+    def save(self, out_dir: str | Path, *, state_dict: dict | None = None, adapter_state_dict: dict | None = None) -> Path:
         """Write model (safetensors), tokenizer and image processor in the transformers layout. With LoRA: the
-        merged weights (base + adapters, which plain transformers loads) and the adapters alone in ``adapter/``."""
+        merged weights (base + adapters, which plain transformers loads) and the adapters alone in ``adapter/``.
+        ``state_dict`` / ``adapter_state_dict``: the full weights (LoRA: merged) and adapters already gathered from
+        sharded ranks (`vlrl.train.checkpoint.export_hf`); unset: taken from the model."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         if self.lora is not None:
             from vlrl.models.lora import ADAPTER_DIR, save_adapter, save_merged
 
-            save_merged(self, out_dir)
-            save_adapter(self, out_dir / ADAPTER_DIR)
+            save_merged(self, out_dir, state_dict)
+            save_adapter(self, out_dir / ADAPTER_DIR, adapter_state_dict)
         else:
-            self.model.save_pretrained(out_dir)
+            self.model.save_pretrained(out_dir, **({"state_dict": state_dict} if state_dict is not None else {}))
         self.tokenizer.save_pretrained(out_dir)
         if self.image_processor is not None:
             self.image_processor.save_pretrained(out_dir)

@@ -489,8 +489,13 @@ class HTTPEngine:
             if any(hasattr(t, "full_tensor") for t in state.values()):  # FSDP2: gathered onto rank 0 only
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-                full = get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True,
-                                                                                        cpu_offload=True))
+                if getattr(self.policy, "lora", None) is not None:  # LoRA: merged on the shards, then gathered
+                    from vlrl.models.lora import full_merged_state_dict
+
+                    full = full_merged_state_dict(self.policy)
+                else:
+                    full = get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True,
+                                                                                            cpu_offload=True))
             if main:
                 try:
                     self.publish(version=version, state_dict=full).result() if self.weight_sync == "disk" else \
@@ -527,9 +532,9 @@ class HTTPEngine:
         path = self.weights_dir / f"v{version:06d}"
         model = self.policy.model
         if getattr(self.policy, "lora", None) is not None:  # LoRA: servers load base + adapters merged, plain names
-            from vlrl.models.lora import merged_state_dict
+            from vlrl.models.lora import merged_weights
 
-            state_dict = merged_state_dict(self.policy)
+            state_dict = merged_weights(self.policy, state_dict)
         with quiet_transformers():
             model.save_pretrained(path, state_dict=state_dict)
         weights = state_dict if state_dict is not None else model

@@ -302,25 +302,24 @@ def _unb64(text: str) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- export
 def export_hf(policy, module: torch.nn.Module, out_dir: str | Path, ctx: DistContext) -> Path:
-    """Write the full weights in the transformers layout (safetensors) + tokenizer + image processor.
-    Collective under DDP/FSDP2: every rank takes part in gathering the full state dict; rank 0 writes."""
+    """Write the full weights in the transformers layout (safetensors) + tokenizer + image processor; with LoRA
+    the merged weights and ``adapter/`` (`vlrl.models.policy.Policy.save`). Collective under DDP/FSDP2: every rank
+    takes part in gathering the full state dict (LoRA: merged on the FSDP2 shards, `vlrl.models.lora`) onto rank 0's
+    CPU; rank 0 writes."""
     out_dir = Path(out_dir)
     if not ctx.enabled:
         return policy.save(out_dir)
-    if policy.lora is not None:  # DDP (check_scalable): every rank holds the same whole model; merged + adapter/
-        if ctx.is_main:
-            policy.save(out_dir)
-        ctx.barrier()
-        return out_dir
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    adapter = None
+    if policy.lora is not None:
+        from vlrl.models.lora import full_adapter_state_dict, full_merged_state_dict
 
-    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # rank 0 only
+        full, adapter = full_merged_state_dict(policy), full_adapter_state_dict(policy)  # rank 0 only
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # rank 0 only
     if ctx.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        unwrap(module).save_pretrained(out_dir, state_dict=full)
-        policy.tokenizer.save_pretrained(out_dir)
-        if policy.image_processor is not None:
-            policy.image_processor.save_pretrained(out_dir)
+        policy.save(out_dir, state_dict=full, adapter_state_dict=adapter)
     ctx.barrier()
     return out_dir
 

@@ -21,6 +21,10 @@ and TRL. Callers pass ``normaliser / world_size`` (`DistContext.local_normaliser
 decoder's forward, so FSDP2's root is fixed by one tiny forward right after wrapping, and the model is marked
 ``_is_fsdp_managed_module`` so that ``generate()`` keeps every rank stepping until all ranks finish
 (``synced_gpus``): ranks whose responses end early still join the other ranks' all-gathers.
+
+**LoRA** (``model.lora``) is wrapped the same way: peft's layers sit inside the decoder-layer units, so each unit
+shards its frozen base weights and its adapters together; only the adapters get gradients (reduce-scattered) and
+AdamW state. The reference and the merged export work on the shards (`vlrl.models.lora`).
 """
 
 from __future__ import annotations
@@ -238,10 +242,6 @@ def gradient_sync(module: torch.nn.Module, enabled: bool) -> Iterator[None]:
 def check_scalable(cfg, world_size: int) -> None:
     """What runs under several ranks and with resumable checkpoints; the error names the field."""
     scaled = world_size > 1 or cfg.checkpoint.every or cfg.checkpoint.resume
-    if cfg.model.lora is not None and world_size > 1 and cfg.dist.strategy != "ddp":
-        raise ValueError(f"model.lora under torchrun needs dist.strategy=ddp (got {cfg.dist.strategy}): the "
-                         "adapters' merged export and the disabled-adapter reference are not built on FSDP2 shards "
-                         "yet; a 7B base in bf16 fits one GPU beside its adapters (README \"Memory\")")
     if getattr(cfg, "stages", None) and scaled:
         raise ValueError("stages: a staged run goes through its stages in one process without resumable checkpoints; "
                          "for torchrun / checkpoint.every / --resume run each stage as a run of its own (model.path = "

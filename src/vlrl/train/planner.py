@@ -49,7 +49,8 @@ convolution states) — budget Qwen3.5 activations at 2× the printed value.
 **Memory options.** ``train.gradient_checkpointing``: each block keeps only its input, n_layers·m·L·h·b_c
 (vision: depth·m·N_p·h_v·b_c), plus one block's full activations while it is recomputed in backward.
 ``model.lora``: the base is frozen (no gradients, no moments); the Ψ_lora = Σ r·(in + out) adapter parameters
-of the targeted projections are fp32 with fp32 gradients and moments. ``train.trainable``: only the Ψ_t
+of the targeted projections are fp32 with fp32 gradients and moments — under FSDP2 all of them sharded d ways
+(the base and the adapters of a layer are shards of its unit), under DDP whole on every device. ``train.trainable``: only the Ψ_t
 parameters of the chosen groups get gradients and moments; a vision tower that trains nothing keeps no
 activations.
 
@@ -67,6 +68,8 @@ activations.
                memory-bound; the cache is half full on average)
                + colocated fsdp: R · ⌈…⌉ · Ψ·b_c·(d−1)/d / Λ   (the all-gather of every decode step)
     gradients  DDP: steps·2Ψ·b_w·(n−1)/n / Λ; FSDP2: steps·(2·micro-batches + 1)·Ψ·b_c·(n−1)/n / Λ
+               (LoRA: DDP steps·2Ψ_lora·4·(n−1)/n / Λ; FSDP2 steps·(2·micro-batches·Ψ·b_c + Ψ_lora·4)·(n−1)/n / Λ:
+               the frozen base is gathered, only the adapters' gradients are reduced)
     weight sync (separate) Ψ·b_c / Λ;  step = generate + train (+ sync), or max(generate, train) + sync when
                ``rollout.mode=async`` on separate devices.
 
@@ -503,20 +506,30 @@ def train_flop_factors(s: ModelShape, w: Workload) -> tuple[float, float]:
 def sync_seconds(s: ModelShape, w: Workload, dev: Device, n: int, strategy: str) -> list[Term]:
     """Gradient communication per step on n ranks: DDP all-reduces the gradients once per optimizer step
     (ring: 2·(n−1)/n of them); FSDP2 all-gathers the weights for every micro-batch's forward and backward and
-    reduce-scatters the gradients once per optimizer step."""
+    reduce-scatters the gradients once per optimizer step. Under LoRA only the Ψ_lora fp32 adapters have gradients:
+    DDP all-reduces those, FSDP2 still all-gathers the whole (sharded, frozen) base but reduce-scatters only them."""
     if n == 1:
         return []
     steps = w.epochs * w.minibatches  # optimizer steps per step
     rows = math.ceil(w.sequences / (n * w.minibatches))  # a rank's rows per minibatch
     micro = math.ceil(rows / max(1, min(w.micro_batch, rows)))
     frac = (n - 1) / n
+    link = f"{n - 1}/{n}/{dev.link_gbs:g}G"
+    a = w.adapter_params
     if strategy == "ddp":
+        if a:
+            return [Term("gradient all-reduce", steps * 2 * a * 4 * frac / (dev.link_gbs * 1e9),
+                         "steps·2Ψ_lora·4·(n−1)/n/Λ", f"{steps}·2·{_mb(a)}·4·{link}")]
         volume = steps * 2 * s.params * w.weight_bytes * frac
         return [Term("gradient all-reduce", volume / (dev.link_gbs * 1e9), "steps·2Ψ·b_w·(n−1)/n/Λ",
-                     f"{steps}·2·{_mb(s.params)}·{w.weight_bytes}·{n - 1}/{n}/{dev.link_gbs:g}G")]
+                     f"{steps}·2·{_mb(s.params)}·{w.weight_bytes}·{link}")]
+    if a:
+        volume = steps * (2 * micro * s.params * w.compute_bytes + a * 4) * frac
+        return [Term("FSDP gathers + reduce", volume / (dev.link_gbs * 1e9), "steps·(2·micro·Ψ·b_c + Ψ_lora·4)·(n−1)/n/Λ",
+                     f"{steps}·(2·{micro}·{_mb(s.params)}·{w.compute_bytes} + {_mb(a)}·4)·{link}")]
     volume = steps * (2 * micro + 1) * s.params * w.compute_bytes * frac
     return [Term("FSDP gathers + reduce", volume / (dev.link_gbs * 1e9), "steps·(2·micro+1)·Ψ·b_c·(n−1)/n/Λ",
-                 f"{steps}·(2·{micro}+1)·{_mb(s.params)}·{w.compute_bytes}·{n - 1}/{n}/{dev.link_gbs:g}G")]
+                 f"{steps}·(2·{micro}+1)·{_mb(s.params)}·{w.compute_bytes}·{link}")]
 
 
 def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, shard: int = 1) -> list[Term]:
