@@ -165,3 +165,27 @@ def test_a_shared_prefix_counts_a_groups_prompt_once_in_the_teacher_forced_passe
     two_plain = {t.name: t.value for t in train_seconds(SHAPE, Workload("rl", **base), dev, 2)}
     assert two["train"] == pytest.approx(two_plain["train"])
     assert two["scoring passes"] == pytest.approx(two_plain["scoring passes"] * 720 / 3520)
+
+
+def test_lora_under_fsdp2_shards_the_base_and_the_adapters_and_reduces_only_the_adapters():
+    """model.lora on 2 devices: FSDP2 shards the frozen base and the fp32 adapters, their gradients and moments 2
+    ways, a DDP rank holds them whole; only the adapters' gradients are communicated."""
+    from vlrl.train.planner import sync_seconds
+
+    lora = Workload("rl", prompt_tokens=6, response_tokens=4, patches=0, sequences=8, micro_batch=4,
+                    trained_params=0, adapter_params=40)
+    state = {p.name: {t.name: t.value for t in p.memory[next(iter(p.memory))] if t.name.startswith("actor ")
+                and t.name != "actor activations"}
+             for p in plan_placements(SHAPE, lora, Device(2, 80.0))}
+    # (Ψ·b_w + Ψ_lora·4)/d = (1000·4 + 40·4)/2 = 2080; gradients Ψ_lora·4/d = 80; moments 2·40·4/2 = 160
+    assert state["colocated fsdp×2"] == {"actor parameters": 2080, "actor gradients": 80, "actor AdamW moments": 160}
+    assert state["colocated ddp×2"] == {"actor parameters": 4160, "actor gradients": 160, "actor AdamW moments": 320}
+    dev = Device(2, 80.0, link_gbs=1e-9)  # Λ = 1 byte/s: the terms are bytes moved
+    # DDP: steps·2Ψ_lora·4·(n−1)/n = 1·2·160·1/2 = 160; FSDP2: a rank's 4 rows are one micro-batch, the base gathered
+    # for forward and backward and the adapters' gradients reduced: (2·1·1000·4 + 160)·1/2 = 4080
+    assert [t.value for t in sync_seconds(SHAPE, lora, dev, 2, "ddp")] == [pytest.approx(160)]
+    assert [t.value for t in sync_seconds(SHAPE, lora, dev, 2, "fsdp")] == [pytest.approx(4080)]
+    full = dataclasses.replace(lora, trained_params=None, adapter_params=0)
+    # a full fine-tune, unchanged: DDP 2·1000·4·1/2 = 4000; FSDP2 (2·1 + 1)·1000·4·1/2 = 6000
+    assert [t.value for t in sync_seconds(SHAPE, full, dev, 2, "ddp")] == [pytest.approx(4000)]
+    assert [t.value for t in sync_seconds(SHAPE, full, dev, 2, "fsdp")] == [pytest.approx(6000)]

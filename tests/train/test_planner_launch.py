@@ -71,6 +71,22 @@ def test_every_ranked_placement_is_a_launch_the_launcher_accepts(gpus, device, p
             assert (ready.servers.count, ready.servers.gpus, ready.servers.device) == (servers, gpu, device)
 
 
+def test_lora_placements_are_ranked_under_fsdp2_and_ddp_and_launch():
+    """model.lora (configs/shapes_lora_grpo.yaml) on 4 devices: every placement is ranked — colocated FSDP2 and the
+    FSDP2 trainers beside servers too (until issue 24 `vlrl launch` refused LoRA under FSDP2) — and its launch
+    command passes the launcher's checks with the placement's strategy."""
+    config = REPO / "configs" / "shapes_lora_grpo.yaml"
+    result = runner.invoke(app, ["plan", str(config), "--gpu-mem", "1", "--gpus", "4", "train.prompts_per_step=12"])
+    assert result.exit_code == 0, result.output
+    ranked = _ranked(result.output)
+    assert "refuses" not in result.output and len(ranked) == 5, result.output
+    assert {_expected(m) for m, _ in ranked} == {("fsdp", 4, 0), ("ddp", 4, 0), ("fsdp", 3, 1), ("fsdp", 2, 2),
+                                                 ("fsdp", 1, 3)}
+    for m, argv in ranked:
+        ready = prepare("rl", config, argv[5:])
+        assert ready.cfg.model.lora is not None and (ready.cfg.dist.strategy, ready.cfg.launch.nproc) == _expected(m)[:2]
+
+
 def test_a_placement_the_launch_refuses_is_not_ranked_and_says_why(tmp_path):
     # 3 devices, 16 prompts: 3 trainer ranks cannot split them (the ranks would stop at step 1), 2 + 1 and 1 + 2 can
     text = _plan("--gpus", "3")
