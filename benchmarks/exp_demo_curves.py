@@ -87,7 +87,7 @@ def main() -> None:
             return
         rng, before = torch.get_rng_state(), meter.flops.total
         t0 = time.time()
-        result = evaluate(engine, test, cfg.eval)
+        result = evaluate(engine, test, cfg.eval).to_dict(examples=False)
         torch.set_rng_state(rng)
         excluded[0] += meter.flops.total - before
         row = {"kind": args.kind, "tag": args.tag, "step": step, "sampled": result["accuracy"]["mean"],

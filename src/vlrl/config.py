@@ -196,7 +196,13 @@ class OptimConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then constant learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then the `schedule`.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning rate after the warm-up: constant, or decayed over the stage's remaining "
+        "`train.steps` to `min_lr_ratio` × lr, linearly or along a half cosine (TRL's / verl's lr_scheduler_type).",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Where a linear or cosine schedule ends, as a fraction of `lr` (verl's min_lr_ratio).")
     module_lr: dict[str, float] = Field(
         default_factory=dict, description="Per-module learning rates: module group of the model family (Qwen2-VL: "
         "projector, vision, llm) or parameter-name prefix → lr; parameters not matched use `lr`. The most specific "
@@ -859,6 +865,10 @@ class DemoConfig(RunConfig):
         if self.rl.rollout.mode != "sync" or self.rl.rollout.servers:
             raise ValueError("rl.rollout.mode / rl.rollout.servers: the demo runs the synchronous in-process recipe; "
                              "use `vlrl rl` for asynchronous training or rollout servers")
+        if self.control and self.control_budget == "wall" and self.sft.optim.schedule != "constant":
+            raise ValueError(f"sft.optim.schedule={self.sft.optim.schedule} with control_budget=wall: the control's "
+                             "step count is known only when its time runs out, so its learning rate has nothing to "
+                             "decay over — use control_budget=flops or sft.optim.schedule=constant")
         return self
 
 

@@ -77,3 +77,15 @@ def test_control_steps_and_budget_arithmetic():
     assert (wall["control_steps"], wall["max_seconds"]) == (None, 30.0)
     with pytest.raises(ValueError, match="sft.train.steps"):
         control_budget("flops", rl_flops=rl, rl_seconds=1, sft_flops=Flops(), sft_steps=0, sft_seconds=0)
+
+
+def test_a_wall_time_control_refuses_a_decaying_sft_schedule():
+    """The wall-time control learns its step count only when its time runs out: nothing to decay over."""
+    from pathlib import Path
+
+    from vlrl.config import ConfigError, DemoConfig, load_config
+
+    demo = Path(__file__).resolve().parents[2] / "src" / "vlrl" / "configs" / "demo.yaml"
+    assert load_config(DemoConfig, demo, ["sft.optim.schedule=cosine"]).sft.optim.schedule == "cosine"  # flops: fine
+    with pytest.raises(ConfigError, match="sft.optim.schedule=cosine with control_budget=wall"):
+        load_config(DemoConfig, demo, ["sft.optim.schedule=cosine", "control_budget=wall"])

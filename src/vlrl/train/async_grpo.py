@@ -107,7 +107,8 @@ def train_async_grpo(
     model = policy.model
     stack = ExitStack()  # train.trainable and gradient checkpointing, undone when the loop ends
     modules = stack.enter_context(stage_modules(policy, train))
-    optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)
+    optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups,
+                                          total_steps=stage.train.steps)
     max_concurrent = stage.rollout.max_concurrent_rollouts or 2 * P
     synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
     samples = synthesis.dataset if synthesis is not None else samples
@@ -191,7 +192,7 @@ def train_async_grpo(
                 last.update(synthesis.after_step(trajectories, step, shaping=algorithm.reward_shaping))
                 rollout.forget(synthesis.retired())
             last.update({"perf/step_seconds": time.time() - t0, "perf/wait_seconds": t_wait, "perf/sync_seconds": t_sync,
-                         "policy/trainable_params": modules.trainable_params,
+                         "policy/trainable_params": modules.trainable_params, "policy/lr": scheduler.get_last_lr()[0],
                          "perf/gradient_checkpointing": float(modules.gradient_checkpointing),
                          "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9)})
             if step % train.log_every == 0 or step == train.steps:

@@ -10,6 +10,7 @@ import math
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,10 @@ def seed_everything(seed: int) -> None:
 
 
 def make_optimizer(
-    model: torch.nn.Module, cfg: OptimConfig, module_groups: dict[str, tuple[str, ...]] | None = None
+    model: torch.nn.Module, cfg: OptimConfig, module_groups: dict[str, tuple[str, ...]] | None = None, *,
+    total_steps: int | None = None,
 ) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW over trainable parameters, with linear warm-up to a constant learning rate.
+    """AdamW over trainable parameters, with linear warm-up, then ``cfg.schedule`` over ``total_steps``.
 
     ``cfg.module_lr`` gives modules their own learning rate; its names are the family's ``module_groups``
     (the policy adapter's) or parameter-name prefixes (`vlrl.train.modules`).
@@ -39,9 +41,24 @@ def make_optimizer(
 
     params = param_groups(model, cfg.lr, cfg.module_lr, module_groups or {})
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    warmup = cfg.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg, total_steps=total_steps))
     return optimizer, scheduler
+
+
+def lr_factor(step: int, *, cfg: OptimConfig, total_steps: int | None) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of the peak: ``(step + 1) / warmup``
+    during the warm-up, then 1 (constant) or a decay that reaches ``min_lr_ratio`` at the last of ``total_steps``."""
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return 1.0
+    if total_steps is None:
+        raise ValueError(f"optim.schedule={cfg.schedule} decays over the stage's train.steps, which this stage has not set")
+    span = max(1, total_steps - warmup - 1)
+    progress = min(1.0, (step - warmup) / span)
+    shape = 1.0 - progress if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
 class NonFiniteError(FloatingPointError):

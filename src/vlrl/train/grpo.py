@@ -76,7 +76,8 @@ def train_grpo(
                                shard=lambda draws: rt.ctx.shard(draws, what="train.prompts_per_step"),
                                gather=rt.ctx.gather_objects, world_size=rt.ctx.world_size)
         modules = stack.enter_context(stage_modules(policy, train))  # train.trainable, gradient checkpointing
-        optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)
+        optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups,
+                                              total_steps=stage.train.steps)
         step, carry = rt.restore(stage_name, optimizer, scheduler, cursor)
         state = expect_state(carry, SyncState, rt.resume_from)
         if state is not None:  # shapers, critic, dynamic sampling's surplus groups and the draw counter resume too
@@ -110,7 +111,7 @@ def train_grpo(
                 last.update(synthesis.after_step(trajectories, step, shaping=algorithm.reward_shaping))
                 sampler.encode.forget(synthesis.retired())
             last.update({**sampled.metrics, "perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
-                         "policy/trainable_params": modules.trainable_params,
+                         "policy/trainable_params": modules.trainable_params, "policy/lr": scheduler.get_last_lr()[0],
                          "perf/gradient_checkpointing": float(modules.gradient_checkpointing),
                          "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9)})
             if rt.ctx.is_main:

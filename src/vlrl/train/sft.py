@@ -97,7 +97,8 @@ def train_sft(
     model = rt.module
     with stage_modules(policy, train) as modules:  # train.trainable (model.lora: the adapters), gradient checkpointing
         model.train()
-        optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)  # names unwrapped
+        optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups,  # names unwrapped
+                                              total_steps=stage.train.steps)
         step, _ = rt.restore(stage_name, optimizer, scheduler, cursor)
         start, last = time.time(), {}
         try:
