@@ -99,22 +99,51 @@ def read_weights(path: str | Path, names: Mapping[str, str]) -> dict[str, torch.
     return out
 
 
+class WeightWriter:
+    """Writes tensors into ``model``'s own tensors in place, in parts (a distributed update arrives bucket by bucket):
+    each part's names and shapes are checked before any of it is copied (`WeightLoadError` naming the tensor), and
+    `finish` checks that every tensor was written — a copy of a tied tensor counts as written with it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.state = model.state_dict()
+        self.written: set[int] = set()  # data pointers written (tied copies share one)
+
+    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+        unknown = sorted(set(weights) - set(self.state))
+        if unknown:
+            raise WeightLoadError(f"{len(unknown)} tensor(s) the model does not have, e.g. {unknown[:3]}")
+        for name, tensor in weights.items():
+            if tuple(tensor.shape) != tuple(self.state[name].shape):
+                raise WeightLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, the model's is "
+                                      f"{tuple(self.state[name].shape)}")
+
+    def write(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Check ``weights`` (state-dict names), then copy them in (casting to the model's dtypes)."""
+        self.check(weights)
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                self.state[name].copy_(tensor)
+                self.written.add(self.state[name].data_ptr())
+
+    def missing(self, given: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+        """The model's tensors neither written nor in ``given`` (nor tied to one that is)."""
+        done = self.written | {self.state[name].data_ptr() for name in given or {} if name in self.state}
+        return sorted(name for name, t in self.state.items() if name not in (given or {}) and t.data_ptr() not in done)
+
+    def finish(self) -> None:
+        missing = self.missing()
+        if missing:
+            raise WeightLoadError(f"{len(missing)} tensor(s) of the model are missing, e.g. {missing[:3]}")
+
+
 def copy_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     """Copy ``weights`` (state-dict names) into ``model``'s tensors in place (casting to their dtype).
 
     Every tensor of the state dict must be given, except copies of a tied tensor (one of them suffices);
     an unknown name or a shape mismatch raises `WeightLoadError` naming it, before anything is copied."""
-    state = model.state_dict()
-    unknown = sorted(set(weights) - set(state))
-    if unknown:
-        raise WeightLoadError(f"{len(unknown)} tensor(s) the model does not have, e.g. {unknown[:3]}")
-    given = {state[name].data_ptr() for name in weights}
-    missing = sorted(name for name, t in state.items() if name not in weights and t.data_ptr() not in given)
+    writer = WeightWriter(model)
+    writer.check(weights)
+    missing = writer.missing(weights)
     if missing:
         raise WeightLoadError(f"{len(missing)} tensor(s) of the model are missing, e.g. {missing[:3]}")
-    for name, tensor in weights.items():
-        if tuple(tensor.shape) != tuple(state[name].shape):
-            raise WeightLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, the model's is {tuple(state[name].shape)}")
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            state[name].copy_(tensor)
+    writer.write(weights)
