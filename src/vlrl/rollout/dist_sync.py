@@ -10,8 +10,8 @@ The protocol is SGLang's (``python/sglang/srt/managers/io_struct.py``; the train
     2. per update, per bucket of parameters:
          POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, flush_cache, weight_version,
          load_format, ...} to every server (in the background), then broadcast the bucket from rank 0, then wait for
-         every server's answer. The server allocates ``torch.empty(shape, dtype)`` per name, receives the broadcasts
-         and loads the tensors. With ``load_format="flattened_bucket"`` (what vlrl's trainer sends) the bucket is one
+         every server's answer. The server receives the broadcasts into tensors of the listed shapes and dtypes
+         and loads them. With ``load_format="flattened_bucket"`` (what vlrl's trainer sends) the bucket is one
          broadcast of the tensors' bytes concatenated in the listed order (SGLang's ``FlattenedTensorBucket``);
          without it, one broadcast per tensor.
 
@@ -23,6 +23,14 @@ server (NCCL on GPUs) can join it. vlrl's own server joins over gloo on CPU (`vl
 
 The trainer's tensors are gathered bucket by bucket (`full_tensors`): an FSDP2 shard is all-gathered when its
 bucket is sent, so no rank ever holds more than one bucket of full tensors beside its shards.
+
+What one bucket costs (`pack`, `broadcast`, `Receiver.receive`): the trainer casts and copies the tensors into one
+reused byte buffer, broadcasts it, and checksums those same bytes while the servers load them; a server receives
+into its own reused buffer and copies each tensor straight into its spare weights (`vlrl.rollout.server`) — one
+copy on each side, no allocation per bucket. Failure: a server that dies or refuses a bucket ends the trainer's
+wait for that broadcast at once (its HTTP answer fails), a stuck one after ``timeout``; the trainer then closes the
+group, which ends the broadcast on the survivors too (their connection to rank 0 drops), and loads that version
+by disk (`vlrl.rollout.http_engine`).
 """
 
 from __future__ import annotations
@@ -87,19 +95,22 @@ FLATTENED = "flattened_bucket"  # SGLang's load_format: a bucket's tensors go as
 
 
 class ByteBuffer:
-    """A flat byte buffer reused from bucket to bucket and update to update (grown to the largest bucket): a
-    bucket's broadcast is packed into (trainer) or received into (server) memory that is already mapped, instead of
-    a fresh allocation per bucket whose first touch costs a page fault per 4 KiB."""
+    """A flat byte buffer for a bucket's broadcast. On the CPU it is kept and reused from bucket to bucket and update
+    to update (grown to the largest bucket): the bytes are packed into (trainer) or received into (server) memory
+    already mapped, instead of a fresh allocation per bucket whose first touch costs a page fault per 4 KiB. On a
+    GPU every bucket gets a fresh tensor (the caching allocator reuses the memory; a kept buffer would hold it)."""
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
 
     def get(self, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        buffer = self.buffer
-        if buffer is None or buffer.numel() < nbytes or buffer.device != torch.device(device):
-            self.buffer = buffer = None  # (the old one is freed before the new one is allocated)
-            self.buffer = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buffer[:nbytes]
+        device = torch.device(device)
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            self.buffer = None  # (the old one is freed before the new one is allocated)
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer[:nbytes]
 
 
 def _as(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor | None:
@@ -112,15 +123,16 @@ def _as(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Te
 
 
 def receive(group: dist.ProcessGroup, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], *,
-            flattened: bool = False, buffer: ByteBuffer | None = None) -> list[torch.Tensor]:
-    """The server's side of one bucket: one tensor per (shape, dtype), filled by rank 0's broadcast. ``flattened``:
-    one broadcast of their bytes concatenated in order (SGLang's ``FlattenedTensorBucket``) into ``buffer``; the
-    tensors returned are views of it (valid until its next use). Otherwise one broadcast per tensor into a fresh
-    tensor (all posted at once, then waited for — SGLang's order)."""
+            flattened: bool = False, buffer: ByteBuffer | None = None,
+            device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """The server's side of one bucket: one tensor per (shape, dtype) on ``device``, filled by rank 0's broadcast.
+    ``flattened``: one broadcast of their bytes concatenated in order (SGLang's ``FlattenedTensorBucket``) into
+    ``buffer``; the tensors returned are views of it (valid until its next use). Otherwise one broadcast per tensor
+    into a fresh tensor (all posted at once, then waited for — SGLang's order)."""
     sizes = [math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in
              zip(shapes, dtypes, strict=True)]
     if flattened:
-        flat = (buffer or ByteBuffer()).get(sum(sizes))
+        flat = (buffer or ByteBuffer()).get(sum(sizes), device)
         dist.broadcast(flat, src=0, group=group)
         out, offset = [], 0
         for shape, dtype, size in zip(shapes, dtypes, sizes, strict=True):
@@ -129,7 +141,7 @@ def receive(group: dist.ProcessGroup, shapes: Sequence[Sequence[int]], dtypes: S
             out.append(view if view is not None else raw.clone().view(dtype).view(tuple(shape)))
             offset += size
         return out
-    tensors = [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+    tensors = [torch.empty(tuple(shape), dtype=dtype, device=device) for shape, dtype in zip(shapes, dtypes, strict=True)]
     works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
     for work in works:
         work.wait()
@@ -274,8 +286,9 @@ class Receiver:
     ``$VLRL_TEST_EXIT_AT_BUCKET=k`` the process exits (status 86) when the k-th bucket since it started is
     announced, before it joins that bucket's broadcast — a server dying in the middle of an update."""
 
-    def __init__(self, *, timeout: float = 300.0) -> None:
+    def __init__(self, *, timeout: float = 300.0, device: torch.device | str = "cpu") -> None:
         self.timeout = timeout
+        self.device = torch.device(device)
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.buffer = ByteBuffer()
         self._lock = threading.Lock()  # `groups` (a join runs beside a bucket's receive)
@@ -313,7 +326,8 @@ class Receiver:
         if self.buckets == self.exit_at_bucket:
             os._exit(86)
         try:
-            return receive(group, shapes, torch_dtypes, flattened=load_format == FLATTENED, buffer=self.buffer)
+            return receive(group, shapes, torch_dtypes, flattened=load_format == FLATTENED, buffer=self.buffer,
+                           device=self.device)
         except RuntimeError:  # a peer left or the trainer gave up on this group: it is unusable from now on
             self.leave(group_name)
             raise

@@ -24,8 +24,9 @@ With ``weight_sync="distributed"`` the weights travel over a process group inste
 has every live server join a group hosted by the trainer (rank 0); each update then sends the parameters bucket
 by bucket (``bucket_mb``), each bucket announced to every server by HTTP and broadcast from rank 0, the last
 bucket carrying the new ``weight_version``; checksums are compared as on disk. Nothing touches the disk. If the
-group breaks (a server died mid-broadcast), the update falls back to disk and the next one forms a new group
-with the servers left. vlrl's server stages the buckets and swaps them in at once; a real SGLang server loads
+group breaks — a server died mid-broadcast or could not join, or nothing came back within ``sync_timeout``
+(``rollout.weight_sync_timeout``) — the trainer closes the group (ending the survivors' broadcast too), that update
+falls back to disk and the next one forms a new group with the servers left. vlrl's server stages the buckets and swaps them in at once; a real SGLang server loads
 each bucket as it arrives (its requests in flight may see a half-updated model unless ``abort_on_update``).
 
 Batching: the prompts of one `generate` call (or of the `agenerate` calls made together) are sent as one

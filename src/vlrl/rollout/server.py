@@ -20,9 +20,11 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
 - ``POST /init_weights_update_group`` (``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
   ``group_name``, ``backend``) and ``POST /update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``,
   ``group_name``, ``weight_version``, ...): SGLang's distributed weight sync (`vlrl.rollout.dist_sync`). The
-  server joins the trainer's group over gloo (on CPU) in a thread off the event loop, receives each bucket's
-  broadcasts and stages them; the bucket carrying ``weight_version`` completes the update, which is then copied
-  in place like a disk load and answered with its ``weight_checksum``.
+  server joins the trainer's group over gloo (on CPU) in a thread off the event loop (not holding the update lock,
+  so a join that never completes cannot hold up a disk load), receives each bucket's broadcast into a reused
+  buffer and copies it straight into its spare weights; the bucket carrying ``weight_version`` completes the
+  update, which is swapped in like a disk load and answered with its ``weight_checksum``. A disk load or a new
+  group drops an update left half-way.
 - ``GET /health``, ``GET /get_model_info``, ``GET /get_weight_version``.
 
 Batching: one worker thread decodes; requests that arrive while a batch decodes join the next batch
@@ -1011,10 +1013,10 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
         out = await in_prep(answers)
         return SafeJSON(out if is_batched(body) or sampling.n > 1 else out[0])  # a batch: prompt-major, n per prompt
 
-    receiver = dist_sync.Receiver(timeout=limits.request_timeout)
+    device = next(batcher.policy.model.parameters()).device
+    receiver = dist_sync.Receiver(timeout=limits.request_timeout, device=device)
     incoming = _IncomingUpdate(batcher, names)
     on_close(app, receiver.close)
-    device = next(batcher.policy.model.parameters()).device
 
     async def update_weights(request: HTTPRequest):
         body = await read(request, UpdateWeightsBody)
