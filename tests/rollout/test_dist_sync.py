@@ -247,3 +247,55 @@ def test_a_flattened_bucket_mixing_dtypes_arrives_intact():
         assert flat.numel() == 4 and torch.equal(flat.view(torch.bfloat16), torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
     finally:
         close_group(group)
+
+
+def test_a_bucket_is_received_straight_into_the_weights_once_they_are_views_of_its_storage(tiny_vlm):
+    """`FlatBuckets`: the first time a bucket layout comes, a fresh flat tensor receives it (here: filled by `pack`,
+    as a broadcast would) and the model's tensors become views of it; the next time the same layout comes, that
+    very storage is handed out again — received into, it *is* the weights (no copy). Layouts that cannot be taken
+    in place get None: another dtype (the copy must cast), a name the model lacks."""
+    from vlrl.rollout.dist_sync import ByteBuffer, pack
+    from vlrl.rollout.server import private_copy
+    from vlrl.rollout.weights import FlatBuckets, WeightWriter
+
+    model = private_copy(tiny_vlm).model
+    state = model.state_dict()
+    names = list(state)[:5]
+    shapes = [list(state[n].shape) for n in names]
+    dtypes = [state[n].dtype for n in names]
+    new = [state[n] + 1 for n in names]
+    flats = FlatBuckets(model)
+    flat, fresh = flats.storage(names, dtypes, shapes)
+    assert fresh and flat.numel() == sum(t.numel() * 4 for t in new)
+    flat.copy_(pack(new, dtypes, ByteBuffer())[0])  # what the broadcast writes
+    flats.adopt(names, dtypes, shapes, flat)
+    writer = WeightWriter(model)
+    writer.written_in_place(names)
+    after = model.state_dict()
+    for name, expected in zip(names, new, strict=True):
+        assert torch.equal(after[name], expected)
+        assert after[name].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert writer.missing() == sorted(set(state) - set(names))  # the 5 count as written, nothing else does
+    again, fresh = flats.storage(names, dtypes, shapes)
+    assert not fresh and again is flat
+    again.copy_(pack([t + 1 for t in new], dtypes, ByteBuffer())[0])  # the next update's broadcast ...
+    assert torch.equal(model.state_dict()[names[0]], new[0] + 1)  # ... is the weights, with no copy
+    assert flats.storage(names, [torch.bfloat16] * 5, shapes) is None
+    assert flats.storage(["no.such.tensor"], [torch.float32], [[1]]) is None
+
+
+def test_tied_tensors_are_not_split_by_receiving_in_place():
+    """Two entries sharing storage through different tensor objects cannot be moved one at a time (the tie would
+    break): that layout is refused. A tie through one shared parameter (how transformers ties) moves as one."""
+    from vlrl.rollout.weights import FlatBuckets
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight  # one Parameter object under two names
+    flats = FlatBuckets(model)
+    placed = flats.storage(["0.weight"], [torch.float32], [[5, 3]])
+    assert placed is not None
+    flats.adopt(["0.weight"], [torch.float32], [[5, 3]], placed[0])
+    assert model[1].weight is model[0].weight and model[1].weight.data_ptr() == placed[0].data_ptr()
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
+    other[1].weight = torch.nn.Parameter(other[0].weight.data)  # same storage, two objects
+    assert FlatBuckets(other).storage(["0.weight"], [torch.float32], [[3, 3]]) is None

@@ -41,7 +41,7 @@ import math
 import os
 import threading
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -123,16 +123,19 @@ def _as(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Te
 
 
 def receive(group: dist.ProcessGroup, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], *,
-            flattened: bool = False, buffer: ByteBuffer | None = None,
+            flattened: bool = False, buffer: ByteBuffer | None = None, into: torch.Tensor | None = None,
             device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """The server's side of one bucket: one tensor per (shape, dtype) on ``device``, filled by rank 0's broadcast.
     ``flattened``: one broadcast of their bytes concatenated in order (SGLang's ``FlattenedTensorBucket``) into
-    ``buffer``; the tensors returned are views of it (valid until its next use). Otherwise one broadcast per tensor
-    into a fresh tensor (all posted at once, then waited for — SGLang's order)."""
+    ``into`` (a flat uint8 tensor of the right size) or ``buffer``; the tensors returned are views of it (valid
+    until its next use). Otherwise one broadcast per tensor into a fresh tensor (all posted at once, then waited
+    for — SGLang's order)."""
     sizes = [math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in
              zip(shapes, dtypes, strict=True)]
     if flattened:
-        flat = (buffer or ByteBuffer()).get(sum(sizes), device)
+        flat = into if into is not None else (buffer or ByteBuffer()).get(sum(sizes), device)
+        if flat.numel() != sum(sizes) or flat.dtype != torch.uint8:
+            raise ValueError(f"a bucket of {sum(sizes)} bytes cannot be received into {flat.numel()} {flat.dtype}")
         dist.broadcast(flat, src=0, group=group)
         out, offset = [], 0
         for shape, dtype, size in zip(shapes, dtypes, sizes, strict=True):
@@ -307,9 +310,11 @@ class Receiver:
         close_group(old)
 
     def receive(self, group_name: str, names: Sequence[str], dtypes: Sequence[str],
-                shapes: Sequence[Sequence[int]], *, load_format: str | None = None) -> list[torch.Tensor]:
-        """Receive one bucket's broadcasts: its tensors, in ``names`` order (views of `buffer` when flattened:
-        valid until the next bucket). A malformed request is refused before joining the broadcast."""
+                shapes: Sequence[Sequence[int]], *, load_format: str | None = None,
+                place: Callable[[list[torch.dtype]], torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """Receive one bucket's broadcasts: its tensors, in ``names`` order. Flattened, they are views of the flat
+        tensor ``place(dtypes)`` returns (the caller's storage), or of `buffer` (valid until the next bucket) when
+        it returns None. A malformed request is refused before joining the broadcast."""
         with self._lock:
             group = self.groups.get(group_name)
         if group is None:
@@ -325,8 +330,10 @@ class Receiver:
         self.buckets += 1
         if self.buckets == self.exit_at_bucket:
             os._exit(86)
+        flattened = load_format == FLATTENED
+        into = place(torch_dtypes) if flattened and place is not None else None
         try:
-            return receive(group, shapes, torch_dtypes, flattened=load_format == FLATTENED, buffer=self.buffer,
+            return receive(group, shapes, torch_dtypes, flattened=flattened, buffer=self.buffer, into=into,
                            device=self.device)
         except RuntimeError:  # a peer left or the trainer gave up on this group: it is unusable from now on
             self.leave(group_name)

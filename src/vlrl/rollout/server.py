@@ -62,6 +62,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -74,7 +75,14 @@ from vlrl.models.policy import DTYPES, Policy
 from vlrl.rollout import dist_sync
 from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
-from vlrl.rollout.weights import WeightWriter, checkpoint_names, copy_weights, read_weights, weight_checksum
+from vlrl.rollout.weights import (
+    FlatBuckets,
+    WeightWriter,
+    checkpoint_names,
+    copy_weights,
+    read_weights,
+    weight_checksum,
+)
 from vlrl.serving import (
     API_KEY_ENV,
     BodyError,
@@ -1056,10 +1064,9 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
                          f"{body.world_size}"})
 
     def receive_bucket(body: UpdateDistributedBody, version: int | None) -> str | None:
-        """One bucket, in one worker thread: received (into the receiver's buffer), copied into the spare weights;
-        the last bucket (``version`` set) installs them. Returns the checksum then, else None."""
-        received = receiver.receive(body.group_name, body.names, body.dtypes, body.shapes, load_format=body.load_format)
-        incoming.write(dict(zip(body.names, received, strict=True)), abort=body.abort_all_requests)
+        """One bucket, in one worker thread, received into the spare weights (`_IncomingUpdate`); the last bucket
+        (``version`` set) installs them. Returns the checksum then, else None."""
+        incoming.receive(receiver, body)
         return incoming.finish(version) if version is not None else None
 
     async def update_distributed(request: HTTPRequest):
@@ -1130,19 +1137,21 @@ def _update_from_disk(batcher: ContinuousBatcher, path: str, *, version: int, ab
 
 
 class _IncomingUpdate:
-    """The distributed update a server is receiving: each bucket is copied, as it arrives, into the spare weights
-    (`ContinuousBatcher.take_spare`, taken at the first bucket) under state-dict names; the last bucket checks every
-    tensor came and installs them as its version — no batch sees half an update, nothing is staged twice. Used
-    under the server's update lock."""
+    """The distributed update a server is receiving, into its spare weights (`ContinuousBatcher.take_spare`, taken at
+    the first bucket): a flattened bucket whose layout the spare can hold in place (`FlatBuckets`: same names,
+    shapes and dtypes as its tensors) is received straight into the spare's own storage, any other into the
+    receiver's buffer and copied in (cast). The last bucket checks every tensor came and installs them as its version — no
+    batch sees half an update, nothing is staged. Used under the server's update lock."""
 
     def __init__(self, batcher: ContinuousBatcher, names: dict[str, Any]) -> None:
         self.batcher, self.names = batcher, names
         self.spare: Policy | None = None
         self.writer: WeightWriter | None = None
         self.abort = False
+        self.in_place: weakref.WeakKeyDictionary[torch.nn.Module, FlatBuckets] = weakref.WeakKeyDictionary()
 
-    def write(self, received: Mapping[str, torch.Tensor], *, abort: bool) -> None:
-        """Copy tensors received under checkpoint names (or state-dict names) into the spare weights."""
+    def receive(self, receiver: dist_sync.Receiver, body: UpdateDistributedBody) -> None:
+        """Receive one bucket (checkpoint names, or state-dict names) into the spare weights."""
         if "names" not in self.names:
             self.names["names"] = checkpoint_names(self.batcher.policy.model)
         renames = self.names["names"]
@@ -1152,8 +1161,25 @@ class _IncomingUpdate:
         if self.spare is None:
             self.spare = self.batcher.take_spare()
             self.writer = WeightWriter(self.spare.model)
-        self.writer.write({renames.get(k, k): t for k, t in received.items()})
-        self.abort = self.abort or abort
+        names = [renames.get(k, k) for k in body.names]
+        flats = self.in_place.setdefault(self.spare.model, FlatBuckets(self.spare.model))
+        placed: list = []
+
+        def place(dtypes: list[torch.dtype]) -> torch.Tensor | None:
+            placed.append(flats.storage(names, dtypes, body.shapes) if len(names) == len(dtypes) else None)
+            placed.append(dtypes)
+            return placed[0][0] if placed[0] is not None else None
+
+        received = receiver.receive(body.group_name, body.names, body.dtypes, body.shapes,
+                                    load_format=body.load_format, place=place)
+        if placed and placed[0] is not None:  # already in the spare's storage
+            flat, fresh = placed[0]
+            if fresh:
+                flats.adopt(names, placed[1], body.shapes, flat)
+            self.writer.written_in_place(names)
+        else:
+            self.writer.write(dict(zip(names, received, strict=True)))
+        self.abort = self.abort or body.abort_all_requests
 
     def finish(self, version: int) -> str:
         """Install the update as ``version`` (every tensor must have come); returns its checksum."""
