@@ -26,8 +26,9 @@ by bucket (``bucket_mb``), each bucket announced to every server by HTTP and bro
 bucket carrying the new ``weight_version``; checksums are compared as on disk. Nothing touches the disk. If the
 group breaks — a server died mid-broadcast or could not join, or nothing came back within ``sync_timeout``
 (``rollout.weight_sync_timeout``) — the trainer closes the group (ending the survivors' broadcast too), that update
-falls back to disk and the next one forms a new group with the servers left. vlrl's server stages the buckets and swaps them in at once; a real SGLang server loads
-each bucket as it arrives (its requests in flight may see a half-updated model unless ``abort_on_update``).
+falls back to disk and the next one forms a new group with the servers left. vlrl's server receives the buckets
+into its spare weights and swaps them in at once; a real SGLang server loads each bucket as it arrives (its
+requests in flight may see a half-updated model unless ``abort_on_update``).
 
 Batching: the prompts of one `generate` call (or of the `agenerate` calls made together) are sent as one
 batched ``/generate`` per server (SGLang's list form of ``input_ids``), split evenly over the live servers.
