@@ -21,10 +21,10 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
   ``group_name``, ``backend``) and ``POST /update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``,
   ``group_name``, ``weight_version``, ...): SGLang's distributed weight sync (`vlrl.rollout.dist_sync`). The
   server joins the trainer's group over gloo (on CPU) in a thread off the event loop (not holding the update lock,
-  so a join that never completes cannot hold up a disk load), receives each bucket's broadcast into a reused
-  buffer and copies it straight into its spare weights; the bucket carrying ``weight_version`` completes the
-  update, which is swapped in like a disk load and answered with its ``weight_checksum``. A disk load or a new
-  group drops an update left half-way.
+  so a join that never completes cannot hold up a disk load), receives each bucket's broadcast straight into its
+  spare weights (their tensors become views of the bucket's storage; a bucket in another dtype is received into a
+  buffer and cast in); the bucket carrying ``weight_version`` completes the update, which is swapped in like a
+  disk load and answered with its ``weight_checksum``. A disk load or a new group drops an update left half-way.
 - ``GET /health``, ``GET /get_model_info``, ``GET /get_weight_version``.
 
 Batching: one worker thread decodes; requests that arrive while a batch decodes join the next batch
