@@ -5,11 +5,16 @@ processes, for the 1M and 20M presets, run side by side on the same servers.
     PYTHONPATH=src python benchmarks/weight_sync.py [--updates 5] [--presets tiny-qwen2-vl,tiny-qwen2-vl-20m]
 
 Each update nudges every parameter (so each is a real new version), then times `HTTPEngine.update_weights` from
-the call to every server's checksum-verified confirmation; the table shows the median over ``--updates`` after
-one warm-up update per method (the first distributed update also forms the group; it is timed separately).
+the call to every server's checksum-verified confirmation; the two methods' updates alternate on the same
+servers; the table shows the median over ``--updates`` after one warm-up update per method (the first distributed
+update also forms the group; it is timed separately).
 "Bytes" is one copy of the weights as sent (disk: the safetensors file written; distributed: the broadcast
-payload). With gloo the trainer sends that payload to each server in turn (N copies on the wire); NCCL
-broadcasts on a ring/tree. One torch thread per process; servers share the machine's cores with the trainer.
+payload). One torch thread per process; servers share the machine's cores with the trainer.
+
+The floor: a bare ``torch.distributed.broadcast`` of the same number of bytes over gloo from rank 0 to 1 and to 2
+receiver processes (no HTTP, no packing, no checksum, no load; median of 5 after a warm-up). Gloo broadcasts on
+a binomial tree without pipelining: rank 0 sends the whole payload to ranks 1, 2, 4, ...; with 1 + 2 ranks that is
+two copies from rank 0, so to 2 receivers the floor is twice the floor to 1.
 """
 
 from __future__ import annotations
@@ -61,25 +66,60 @@ def nudge(model: torch.nn.Module) -> None:
             p.add_(1e-4)
 
 
-def measure(policy, urls: list[str], weights_dir: Path, method: str, updates: int, version: int) -> tuple[dict, int]:
-    engine = HTTPEngine(policy, urls, weights_dir=weights_dir, api_key=KEY, weight_sync=method, request_timeout=600)
+def measure(policy, urls: list[str], weights_dir: Path, updates: int) -> dict[str, dict]:
+    """Both methods on the same servers, their updates interleaved (disk, distributed, disk, ...) so a load change
+    on the shared machine hits both alike."""
+    engines = {method: HTTPEngine(policy, urls, weights_dir=weights_dir / method, api_key=KEY, weight_sync=method,
+                                  request_timeout=600) for method in ("disk", "distributed")}
+    times: dict[str, list[float]] = {method: [] for method in engines}
+    version = 0
     try:
-        first = None
-        times = []
-        for k in range(updates + 1):
-            nudge(policy.model)
-            version += 1
-            start = time.perf_counter()
-            engine.update_weights(version=version)
-            seconds = time.perf_counter() - start
-            assert engine.last_sync is not None and engine.last_sync.method == method, engine.last_sync
-            if k == 0:
-                first = seconds
-            else:
-                times.append(seconds)
-        return {"first": first, "median": statistics.median(times), "bytes": engine.last_sync.bytes}, version
+        for _ in range(updates + 1):
+            for method, engine in engines.items():
+                nudge(policy.model)
+                version += 1
+                start = time.perf_counter()
+                engine.update_weights(version=version)
+                times[method].append(time.perf_counter() - start)
+                assert engine.last_sync is not None and engine.last_sync.method == method, engine.last_sync
+        return {method: {"first": times[method][0], "median": statistics.median(times[method][1:]),
+                         "bytes": engine.last_sync.bytes} for method, engine in engines.items()}
     finally:
-        engine.close()
+        for engine in engines.values():
+            engine.close()
+
+
+def _raw_rank(rank: int, world: int, port: int, nbytes: int, repeats: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    payload = torch.full((nbytes,), 7, dtype=torch.uint8) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.broadcast(payload, src=0)
+        dist.barrier()  # every receiver has it
+        times.append(time.perf_counter() - start)
+    assert int(payload[-1]) == 7
+    if rank == 0:
+        out.put(statistics.median(times[1:]))
+    dist.destroy_process_group()
+
+
+def raw_broadcast(nbytes: int, receivers: int, repeats: int = 5) -> float:
+    """Median seconds of one gloo broadcast of ``nbytes`` from rank 0 to ``receivers`` processes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_raw_rank, args=(1 + receivers, port, nbytes, repeats, out), nprocs=1 + receivers)
+    return out.get()
 
 
 def main() -> None:
@@ -89,7 +129,7 @@ def main() -> None:
     parser.add_argument("--servers", default="1,2")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = []
+    rows, floors = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for preset in args.presets.split(","):
@@ -99,19 +139,25 @@ def main() -> None:
             for n in [int(x) for x in args.servers.split(",")]:
                 processes, urls = start_servers(str(model_dir), n, tmp)
                 try:
-                    version = 0
-                    for method in ("disk", "distributed"):
-                        result, version = measure(policy, urls, tmp / "weights", method, args.updates, version)
+                    for method, result in measure(policy, urls, tmp / "weights", args.updates).items():
                         rows.append((preset, n, method, result))
                         print(f"{preset} ×{n} {method}: {result}", flush=True)
                 finally:
                     for process in processes:
                         process.terminate()
                         process.wait(60)
+                floors[preset, n] = raw_broadcast(rows[-1][3]["bytes"], n)
+                print(f"{preset} ×{n} raw gloo broadcast: {floors[preset, n]:.3f} s", flush=True)
     print(f"\n| preset | servers | method | s/update (median of {args.updates}) | first update (s) | MB sent |")
     print("| --- | --- | --- | --- | --- | --- |")
     for preset, n, method, r in rows:
         print(f"| {preset} | {n} | {method} | {r['median']:.3f} | {r['first']:.3f} | {r['bytes'] / 1e6:.1f} |")
+    median = {(preset, n, method): r["median"] for preset, n, method, r in rows}
+    print("\n| preset | servers | disk (s) | distributed (s) | distributed / disk | bare gloo broadcast (s) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for preset, n in floors:
+        disk, distributed = median[preset, n, "disk"], median[preset, n, "distributed"]
+        print(f"| {preset} | {n} | {disk:.3f} | {distributed:.3f} | {distributed / disk:.2f} | {floors[preset, n]:.3f} |")
 
 
 if __name__ == "__main__":

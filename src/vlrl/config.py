@@ -342,6 +342,11 @@ class RolloutConfig(Section):
         256.0, gt=0, description="weight_sync=distributed: megabytes of parameters per broadcast bucket (one HTTP call "
         "per bucket; an FSDP2 trainer gathers one bucket of full tensors at a time)."
     )
+    weight_sync_timeout: float = Field(
+        120.0, gt=0, description="weight_sync=distributed: seconds the trainer waits for the servers to join a group, "
+        "for a bucket's broadcast and for its answers; past it (or as soon as a server's call fails) the group is "
+        "closed, that update goes by disk to the servers left and the next one forms a new group."
+    )
 
     @model_validator(mode="after")
     def _check_agent(self) -> RolloutConfig:

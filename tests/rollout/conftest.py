@@ -52,9 +52,9 @@ def http_engine_factory(tmp_path):
 
 @contextlib.contextmanager
 def vlrl_serve(model: str, log_dir, n: int = 1, *, api_key: str = API_KEY, timeout: float = 120,
-               keep_processes: bool = False):
+               keep_processes: bool = False, env: list[dict] | None = None):
     """``n`` `vlrl serve` processes of ``model`` on free loopback ports; yields their URLs (with
-    ``keep_processes``: (URLs, processes)), stops them after."""
+    ``keep_processes``: (URLs, processes)), stops them after. ``env[i]``: extra environment of server i."""
     import os
     import subprocess
     import sys
@@ -66,7 +66,8 @@ def vlrl_serve(model: str, log_dir, n: int = 1, *, api_key: str = API_KEY, timeo
             log = open(f"{log_dir}/serve{i}.log", "w+")
             process = subprocess.Popen(
                 [sys.executable, "-m", "vlrl.cli", "serve", "--model", model, "--port", "0", "--threads", "1"],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLRL_API_KEY": api_key, "OMP_NUM_THREADS": "1"})
+                stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "VLRL_API_KEY": api_key, "OMP_NUM_THREADS": "1", **(env[i] if env else {})})
             started.append((process, log))
         urls = []
         for process, log in started:

@@ -9,7 +9,7 @@ import torch
 from vlrl.data import generate
 from vlrl.models import load_policy
 from vlrl.rollout import SamplingParams
-from vlrl.rollout.dist_sync import Entry, StreamingChecksum, buckets, plan_entries
+from vlrl.rollout.dist_sync import Entry, StreamingChecksum, buckets, close_group, plan_entries
 from vlrl.rollout.http_engine import HTTPEngine
 from vlrl.rollout.weights import weight_checksum
 
@@ -152,3 +152,150 @@ def test_a_server_killed_between_updates_sends_that_update_by_disk_and_the_next_
             assert info["weight_version"] == "3" and info["weight_checksum"] == weight_checksum(policy.model)
         finally:
             engine.close()
+
+
+def test_a_server_dying_mid_broadcast_sends_that_update_by_disk_and_the_next_over_a_new_group(tiny_vlm_dir, tmp_path,
+                                                                                              caplog):
+    """Server 0 exits (status 86, `dist_sync.EXIT_AT_BUCKET_ENV`) when the 2nd bucket of the first update is
+    announced, before it joins that bucket's broadcast — while the trainer broadcasts it and server 1 receives it.
+    The trainer must notice (the dead server's connection drops), close the group so server 1's receive ends too,
+    and load that version by disk on server 1 — not wait out ``sync_timeout`` — then form a new group next time."""
+    import logging
+    import time
+
+    from vlrl.rollout.dist_sync import EXIT_AT_BUCKET_ENV
+
+    policy = load_policy(str(tiny_vlm_dir))
+    sync_timeout = 60.0
+    with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2, keep_processes=True,
+                    env=[{EXIT_AT_BUCKET_ENV: "2"}, {}]) as (urls, processes):
+        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "weights", api_key=API_KEY, weight_sync="distributed",
+                            bucket_mb=0.5, request_timeout=60, max_server_failures=1, sync_timeout=sync_timeout)
+        try:
+            _nudge(policy.model, 0.01)
+            started = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="vlrl.rollout.http_engine"):
+                engine.update_weights(version=1)
+            elapsed = time.monotonic() - started
+            assert processes[0].wait(30) == 86  # it died inside the update, where the hook put it
+            assert engine.last_sync.method == "disk" and [s.url for s in engine.live_servers()] == [urls[1]]
+            assert "distributed weight update 1 failed" in caplog.text
+            assert elapsed < sync_timeout  # the failure was detected, not waited out
+            info = _info(urls[1])
+            assert info["weight_version"] == "1" and info["weight_checksum"] == weight_checksum(policy.model)
+            _nudge(policy.model, 0.01)
+            engine.update_weights(version=2)  # a new group: the trainer and the survivor
+            sync = engine.last_sync
+            assert sync.method == "distributed" and sync.servers == 1 and sync.buckets >= 9
+            info = _info(urls[1])
+            assert info["weight_version"] == "2" and info["weight_checksum"] == weight_checksum(policy.model)
+        finally:
+            engine.close()
+
+
+def test_a_server_that_cannot_join_the_group_fails_its_formation_at_once(tiny_vlm_dir, tmp_path, caplog):
+    """A server that died before the group is formed: its /init_weights_update_group call fails, so the rendezvous
+    can never complete — the trainer gives up at once (the warning names that server's failed call, not a
+    rendezvous timeout), loads the version by disk on the survivor, and the next update forms a group with it."""
+    import logging
+    import signal
+
+    policy = load_policy(str(tiny_vlm_dir))
+    with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2, keep_processes=True) as (urls, processes):
+        # a short rendezvous timeout: the trainer's abandoned rendezvous ends soon after, and with it the survivor's
+        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "weights", api_key=API_KEY, weight_sync="distributed",
+                            request_timeout=60, max_server_failures=1, sync_timeout=5)
+        try:
+            processes[1].send_signal(signal.SIGKILL)
+            processes[1].wait(30)
+            with caplog.at_level(logging.WARNING, logger="vlrl.rollout.http_engine"):
+                engine.update_weights(version=1)
+            assert f"{urls[1]} could not join the weight-update group: ConnectError" in caplog.text
+            assert engine.last_sync.method == "disk" and [s.url for s in engine.live_servers()] == [urls[0]]
+            _nudge(policy.model, 0.01)
+            engine.update_weights(version=2)
+            assert engine.last_sync.method == "distributed" and engine.last_sync.servers == 1
+            info = _info(urls[0])
+            assert info["weight_version"] == "2" and info["weight_checksum"] == weight_checksum(policy.model)
+        finally:
+            engine.close()
+
+
+def test_a_flattened_bucket_mixing_dtypes_arrives_intact():
+    """`pack`, then `receive` from the same buffer over a one-rank gloo group (rank 0 broadcasts to itself: the bytes
+    stay; what is tested is the cutting back into tensors): a bool tensor of 3 bytes puts the float32 after it at an
+    offset that is not a multiple of 4 (it cannot be viewed in place: `receive` copies it out), the int64 after
+    that at offset 3 + 8 = 11; every tensor comes back equal, in order, with its dtype and shape."""
+    from vlrl.rollout.dist_sync import ByteBuffer, open_group, pack, receive
+    from vlrl.serving import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    group = open_group("127.0.0.1", port, rank=0, world_size=1, group_name="mixed", timeout=30)
+    try:
+        tensors = [torch.tensor([True, False, True]), torch.tensor([[1.5], [-2.25]]), torch.tensor([7], dtype=torch.int64)]
+        dtypes = [t.dtype for t in tensors]
+        buffer = ByteBuffer()
+        flat, slices = pack(tensors, dtypes, buffer)
+        assert flat.numel() == 3 + 8 + 8 and [s.numel() for s in slices] == [3, 8, 8]
+        out = receive(group, [t.shape for t in tensors], dtypes, flattened=True, buffer=buffer)  # (its own bytes)
+        for sent, got in zip(tensors, out, strict=True):
+            assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
+        # a float32 bucket cast to bfloat16 on the way: packed in one pass, 2 bytes each
+        flat, _ = pack([torch.tensor([1.0, 2.0])], [torch.bfloat16], buffer)
+        assert flat.numel() == 4 and torch.equal(flat.view(torch.bfloat16), torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+    finally:
+        close_group(group)
+
+
+def test_a_bucket_is_received_straight_into_the_weights_once_they_are_views_of_its_storage(tiny_vlm):
+    """`FlatBuckets`: the first time a bucket layout comes, a fresh flat tensor receives it (here: filled by `pack`,
+    as a broadcast would) and the model's tensors become views of it; the next time the same layout comes, that
+    very storage is handed out again — received into, it *is* the weights (no copy). Layouts that cannot be taken
+    in place get None: another dtype (the copy must cast), a name the model lacks."""
+    from vlrl.rollout.dist_sync import ByteBuffer, pack
+    from vlrl.rollout.server import private_copy
+    from vlrl.rollout.weights import FlatBuckets, WeightWriter
+
+    model = private_copy(tiny_vlm).model
+    state = model.state_dict()
+    names = list(state)[:5]
+    shapes = [list(state[n].shape) for n in names]
+    dtypes = [state[n].dtype for n in names]
+    new = [state[n] + 1 for n in names]
+    flats = FlatBuckets(model)
+    flat, fresh = flats.storage(names, dtypes, shapes)
+    assert fresh and flat.numel() == sum(t.numel() * 4 for t in new)
+    flat.copy_(pack(new, dtypes, ByteBuffer())[0])  # what the broadcast writes
+    flats.adopt(names, dtypes, shapes, flat)
+    writer = WeightWriter(model)
+    writer.written_in_place(names)
+    after = model.state_dict()
+    for name, expected in zip(names, new, strict=True):
+        assert torch.equal(after[name], expected)
+        assert after[name].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert writer.missing() == sorted(set(state) - set(names))  # the 5 count as written, nothing else does
+    again, fresh = flats.storage(names, dtypes, shapes)
+    assert not fresh and again is flat
+    again.copy_(pack([t + 1 for t in new], dtypes, ByteBuffer())[0])  # the next update's broadcast ...
+    assert torch.equal(model.state_dict()[names[0]], new[0] + 1)  # ... is the weights, with no copy
+    assert flats.storage(names, [torch.bfloat16] * 5, shapes) is None
+    assert flats.storage(["no.such.tensor"], [torch.float32], [[1]]) is None
+
+
+def test_tied_tensors_are_not_split_by_receiving_in_place():
+    """Two entries sharing storage through different tensor objects cannot be moved one at a time (the tie would
+    break): that layout is refused. A tie through one shared parameter (how transformers ties) moves as one."""
+    from vlrl.rollout.weights import FlatBuckets
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight  # one Parameter object under two names
+    flats = FlatBuckets(model)
+    placed = flats.storage(["0.weight"], [torch.float32], [[5, 3]])
+    assert placed is not None
+    flats.adopt(["0.weight"], [torch.float32], [[5, 3]], placed[0])
+    assert model[1].weight is model[0].weight and model[1].weight.data_ptr() == placed[0].data_ptr()
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
+    other[1].weight = torch.nn.Parameter(other[0].weight.data)  # same storage, two objects
+    assert FlatBuckets(other).storage(["0.weight"], [torch.float32], [[3, 3]]) is None

@@ -58,7 +58,8 @@ def _generation_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None, syn
                             api_key=os.environ.get(cfg.api_key_env), request_timeout=cfg.request_timeout,
                             max_retries=cfg.max_retries, max_server_failures=cfg.max_server_failures,
                             abort_on_update=abort, weight_sync=cfg.weight_sync, sync_address=cfg.weight_sync_address,
-                            sync_port=cfg.weight_sync_port, bucket_mb=cfg.weight_sync_bucket_mb)
+                            sync_port=cfg.weight_sync_port, bucket_mb=cfg.weight_sync_bucket_mb,
+                            sync_timeout=cfg.weight_sync_timeout)
         if sync_weights:
             engine.update_weights(version=0)
         return engine

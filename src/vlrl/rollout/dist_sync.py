@@ -10,8 +10,8 @@ The protocol is SGLang's (``python/sglang/srt/managers/io_struct.py``; the train
     2. per update, per bucket of parameters:
          POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, flush_cache, weight_version,
          load_format, ...} to every server (in the background), then broadcast the bucket from rank 0, then wait for
-         every server's answer. The server allocates ``torch.empty(shape, dtype)`` per name, receives the broadcasts
-         and loads the tensors. With ``load_format="flattened_bucket"`` (what vlrl's trainer sends) the bucket is one
+         every server's answer. The server receives the broadcasts into tensors of the listed shapes and dtypes
+         and loads them. With ``load_format="flattened_bucket"`` (what vlrl's trainer sends) the bucket is one
          broadcast of the tensors' bytes concatenated in the listed order (SGLang's ``FlattenedTensorBucket``);
          without it, one broadcast per tensor.
 
@@ -23,19 +23,31 @@ server (NCCL on GPUs) can join it. vlrl's own server joins over gloo on CPU (`vl
 
 The trainer's tensors are gathered bucket by bucket (`full_tensors`): an FSDP2 shard is all-gathered when its
 bucket is sent, so no rank ever holds more than one bucket of full tensors beside its shards.
+
+What one bucket costs (`pack`, `broadcast`, `Receiver.receive`): the trainer casts and copies the tensors into one
+reused byte buffer, broadcasts it, and checksums those same bytes while the servers load them; a server receives
+into its own reused buffer and copies each tensor straight into its spare weights (`vlrl.rollout.server`) — one
+copy on each side, no allocation per bucket. Failure: a server that dies or refuses a bucket ends the trainer's
+wait for that broadcast at once (its HTTP answer fails), a stuck one after ``timeout``; the trainer then closes the
+group, which ends the broadcast on the survivors too (their connection to rank 0 drops), and loads that version
+by disk (`vlrl.rollout.http_engine`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
+import os
+import threading
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+EXIT_AT_BUCKET_ENV = "VLRL_TEST_EXIT_AT_BUCKET"
 GROUP_NAME = "weight_update_group"  # SGLang's default
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
                "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
@@ -82,36 +94,99 @@ def close_group(group: dist.ProcessGroup | None) -> None:
 FLATTENED = "flattened_bucket"  # SGLang's load_format: a bucket's tensors go as one uint8 tensor, one broadcast
 
 
+class ByteBuffer:
+    """A flat byte buffer for a bucket's broadcast. On the CPU it is kept and reused from bucket to bucket and update
+    to update (grown to the largest bucket): the bytes are packed into (trainer) or received into (server) memory
+    already mapped, instead of a fresh allocation per bucket whose first touch costs a page fault per 4 KiB. On a
+    GPU every bucket gets a fresh tensor (the caching allocator reuses the memory; a kept buffer would hold it)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def get(self, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        device = torch.device(device)
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            self.buffer = None  # (the old one is freed before the new one is allocated)
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer[:nbytes]
+
+
+def _as(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor | None:
+    """``raw`` (uint8) seen as a tensor of ``dtype`` and ``shape`` without a copy; None when its offset in the
+    buffer is not a multiple of the dtype's size (a bucket mixing dtypes can misalign what follows a small one)."""
+    try:
+        return raw.view(dtype).view(tuple(shape))
+    except RuntimeError:
+        return None
+
+
 def receive(group: dist.ProcessGroup, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], *,
-            flattened: bool = False) -> list[torch.Tensor]:
-    """The server's side of one bucket: a fresh tensor per (shape, dtype), each filled by rank 0's broadcast (all
-    posted at once, then waited for — SGLang's order); ``flattened``: one broadcast of their bytes, concatenated
-    in order (SGLang's ``FlattenedTensorBucket``), cut back into the tensors."""
-    tensors = [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+            flattened: bool = False, buffer: ByteBuffer | None = None, into: torch.Tensor | None = None,
+            device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """The server's side of one bucket: one tensor per (shape, dtype) on ``device``, filled by rank 0's broadcast.
+    ``flattened``: one broadcast of their bytes concatenated in order (SGLang's ``FlattenedTensorBucket``) into
+    ``into`` (a flat uint8 tensor of the right size) or ``buffer``; the tensors returned are views of it (valid
+    until its next use). Otherwise one broadcast per tensor into a fresh tensor (all posted at once, then waited
+    for — SGLang's order)."""
+    sizes = [math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in
+             zip(shapes, dtypes, strict=True)]
     if flattened:
-        flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8)
+        flat = into if into is not None else (buffer or ByteBuffer()).get(sum(sizes), device)
+        if flat.numel() != sum(sizes) or flat.dtype != torch.uint8:
+            raise ValueError(f"a bucket of {sum(sizes)} bytes cannot be received into {flat.numel()} {flat.dtype}")
         dist.broadcast(flat, src=0, group=group)
-        offset = 0
-        for t in tensors:
-            size = t.numel() * t.element_size()
-            t.reshape(-1).view(torch.uint8).copy_(flat[offset : offset + size])
+        out, offset = [], 0
+        for shape, dtype, size in zip(shapes, dtypes, sizes, strict=True):
+            raw = flat[offset : offset + size]
+            view = _as(raw, dtype, shape)
+            out.append(view if view is not None else raw.clone().view(dtype).view(tuple(shape)))
             offset += size
-        return tensors
+        return out
+    tensors = [torch.empty(tuple(shape), dtype=dtype, device=device) for shape, dtype in zip(shapes, dtypes, strict=True)]
     works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
     for work in works:
         work.wait()
     return tensors
 
 
-def send(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], *, flattened: bool = False) -> None:
-    """The trainer's side of one bucket: broadcast each tensor from rank 0, in order (``flattened``: their bytes
-    concatenated, one broadcast)."""
-    if flattened:
-        dist.broadcast(torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]), src=0, group=group)
-        return
-    works = [dist.broadcast(t.contiguous(), src=0, group=group, async_op=True) for t in tensors]
-    for work in works:
-        work.wait()
+def pack(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], buffer: ByteBuffer) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The bytes of ``tensors`` cast to ``dtypes``, concatenated in order in ``buffer``, in one pass per tensor (the
+    cast writes straight into the buffer). Returns (the flat bytes, each tensor's slice of them)."""
+    sizes = [t.numel() * torch.empty(0, dtype=d).element_size() for t, d in zip(tensors, dtypes, strict=True)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    flat = buffer.get(sum(sizes), device)
+    slices, offset = [], 0
+    for tensor, dtype, size in zip(tensors, dtypes, sizes, strict=True):
+        raw = flat[offset : offset + size]
+        view = _as(raw, dtype, tensor.shape)
+        if view is not None:
+            view.copy_(tensor)
+        else:
+            raw.copy_(tensor.to(dtype).contiguous().reshape(-1).view(torch.uint8))
+        slices.append(raw)
+        offset += size
+    return flat, slices
+
+
+class Abandoned(RuntimeError):
+    """A broadcast the trainer stopped waiting for: a server refused or lost its bucket, or the timeout passed."""
+
+
+def broadcast(group: dist.ProcessGroup, flat: torch.Tensor, *, settled: threading.Event, timeout: float) -> None:
+    """Rank 0's broadcast of one bucket's bytes, waited for until it completes — or until ``settled`` is set by the
+    caller (a server answered that bucket with an error, or its connection dropped: it will never receive it) or
+    ``timeout`` seconds pass, which raise `Abandoned`. The caller then closes the group: the broadcast ends on every
+    side (the survivors' receives fail as the connection drops), so no one waits for a peer that is gone."""
+    work = dist.broadcast(flat, src=0, group=group, async_op=True)
+    done = work.get_future()
+    done.add_done_callback(lambda _: settled.set())
+    if not settled.wait(timeout):
+        raise Abandoned(f"the broadcast did not complete within {timeout:.0f} s (rollout.weight_sync_timeout)")
+    if not done.done():
+        raise Abandoned("a server failed while the bucket was broadcast")
+    work.wait()  # raises the broadcast's own error (a peer's connection dropped)
 
 
 # ----------------------------------------------------------------------------------------------- the trainer's tensors
@@ -176,19 +251,25 @@ def full_tensors(state: Mapping[str, torch.Tensor], bucket: Sequence[Entry]) -> 
 
 class StreamingChecksum:
     """`vlrl.rollout.weights.weight_checksum` of the full state dict, accumulated bucket by bucket (as the
-    tensors are gathered) for each server dtype at once: the same line per tensor, the same order (sorted by
-    name), the same digest — so a server's answer can be compared with it."""
+    tensors are sent) for each server dtype at once: the same line per tensor, the same order (sorted by name), the
+    same digest — so a server's answer can be compared with it. Each tensor's bytes go through CRC-32 once per
+    server dtype; for the dtype it was sent in, those are the bytes that were broadcast (no second cast)."""
 
     def __init__(self, dtypes: Sequence[torch.dtype | None]) -> None:
         self.lines: dict[torch.dtype | None, dict[str, str]] = {d: {} for d in dtypes}
 
-    def add(self, entry: Entry, tensor: torch.Tensor) -> None:
+    def add(self, entry: Entry, tensor: torch.Tensor, *, sent: torch.Tensor | None = None,
+            sent_dtype: torch.dtype | None = None) -> None:
+        """``tensor`` as the trainer holds it; ``sent``: its bytes as broadcast (uint8), in ``sent_dtype``."""
         for dtype, lines in self.lines.items():
-            t = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-            flat = t.contiguous().reshape(-1)
-            crc = zlib.crc32(memoryview(flat.view(torch.uint8).numpy()))
+            target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            if sent is not None and target == sent_dtype:
+                raw = sent
+            else:
+                raw = tensor.to(target).contiguous().reshape(-1).view(torch.uint8)
+            crc = zlib.crc32(memoryview(raw.cpu().numpy()))
             for name in (entry.name, *entry.aliases):
-                lines[name] = f"{name}|{flat.dtype}|{tuple(tensor.shape)}|{crc:08x}\n"
+                lines[name] = f"{name}|{target}|{tuple(tensor.shape)}|{crc:08x}\n"
 
     def digest(self, dtype: torch.dtype | None) -> str:
         digest = hashlib.sha256()
@@ -198,43 +279,44 @@ class StreamingChecksum:
         return digest.hexdigest()
 
 
-def iter_updates(model: torch.nn.Module, entries: Sequence[Entry], *, bucket_bytes: int,
-                 send_dtype: torch.dtype) -> Iterator[tuple[list[Entry], list[torch.Tensor]]]:
-    """(bucket, its full tensors), bucket after bucket — buckets of at most ``bucket_bytes`` once cast to
-    ``send_dtype``; one bucket of full tensors exists at a time. Every trainer rank iterates (FSDP2 gathers are
-    collectives)."""
-    state = model.state_dict()
-    element_size = torch.empty(0, dtype=send_dtype).element_size()
-    for bucket in buckets(entries, element_size=element_size, bucket_bytes=bucket_bytes):
-        tensors = full_tensors(state, bucket)
-        yield bucket, tensors
-
-
 # ----------------------------------------------------------------------------------------------- the server's side
 class Receiver:
-    """A server's side of the protocol (`vlrl serve`): the groups it joined, and the buckets of the update in
-    progress, staged until the bucket carrying ``weight_version`` completes it (then the server loads them all at
-    once, so no batch ever sees half an update). Thread-safe use is the caller's (the server's update lock)."""
+    """A server's side of the protocol (`vlrl serve`): the groups it joined, and the buffer each flattened bucket
+    is received into (the server copies it into its spare weights before the next bucket arrives).
 
-    def __init__(self, *, timeout: float = 300.0) -> None:
+    ``timeout`` bounds joining a group and every broadcast on it: a broadcast whose trainer gave up is also ended
+    sooner, when the trainer closes its side of the group (the connection drops). Test hook: with
+    ``$VLRL_TEST_EXIT_AT_BUCKET=k`` the process exits (status 86) when the k-th bucket since it started is
+    announced, before it joins that bucket's broadcast — a server dying in the middle of an update."""
+
+    def __init__(self, *, timeout: float = 300.0, device: torch.device | str = "cpu") -> None:
         self.timeout = timeout
+        self.device = torch.device(device)
         self.groups: dict[str, dist.ProcessGroup] = {}
-        self.staged: dict[str, torch.Tensor] = {}
-        self.abort = False
+        self.buffer = ByteBuffer()
+        self._lock = threading.Lock()  # `groups` (a join runs beside a bucket's receive)
+        self.buckets = 0  # buckets announced since the server started
+        fault = os.environ.get(EXIT_AT_BUCKET_ENV)
+        self.exit_at_bucket = int(fault) if fault else None
 
     def join(self, master_address: str, master_port: int, *, rank_offset: int, world_size: int, group_name: str,
              backend: str) -> None:
         """Join ``group_name`` as rank ``rank_offset`` (blocks until every rank joined); a group of the same name
-        joined before is left first (a trainer that restarted forms it again)."""
-        close_group(self.groups.pop(group_name, None))
-        self.staged.clear()
-        self.groups[group_name] = open_group(master_address, master_port, rank=rank_offset, world_size=world_size,
-                                             group_name=group_name, backend=backend, timeout=self.timeout)
+        joined before is left (a trainer that restarted forms it again)."""
+        group = open_group(master_address, master_port, rank=rank_offset, world_size=world_size,
+                           group_name=group_name, backend=backend, timeout=self.timeout)
+        with self._lock:
+            old, self.groups[group_name] = self.groups.get(group_name), group
+        close_group(old)
 
     def receive(self, group_name: str, names: Sequence[str], dtypes: Sequence[str],
-                shapes: Sequence[Sequence[int]], *, abort: bool, load_format: str | None = None) -> None:
-        """Receive one bucket's broadcasts and stage them under ``names``."""
-        group = self.groups.get(group_name)
+                shapes: Sequence[Sequence[int]], *, load_format: str | None = None,
+                place: Callable[[list[torch.dtype]], torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """Receive one bucket's broadcasts: its tensors, in ``names`` order. Flattened, they are views of the flat
+        tensor ``place(dtypes)`` returns (the caller's storage), or of `buffer` (valid until the next bucket) when
+        it returns None. A malformed request is refused before joining the broadcast."""
+        with self._lock:
+            group = self.groups.get(group_name)
         if group is None:
             raise ValueError(f"field 'group_name': {group_name!r} is not a group this server joined "
                              f"(joined: {sorted(self.groups) or 'none'}); call /init_weights_update_group first")
@@ -245,22 +327,25 @@ class Receiver:
             raise ValueError(f"field 'load_format': {load_format!r}; vlrl serve receives tensors one by one (null) or "
                              f"as a {FLATTENED!r}")
         torch_dtypes = [parse_dtype(d) for d in dtypes]
+        self.buckets += 1
+        if self.buckets == self.exit_at_bucket:
+            os._exit(86)
+        flattened = load_format == FLATTENED
+        into = place(torch_dtypes) if flattened and place is not None else None
         try:
-            received = receive(group, shapes, torch_dtypes, flattened=load_format == FLATTENED)
-        except RuntimeError:  # a peer left (the trainer gave up on this group): it is unusable from now on
-            close_group(self.groups.pop(group_name, None))
+            return receive(group, shapes, torch_dtypes, flattened=flattened, buffer=self.buffer, into=into,
+                           device=self.device)
+        except RuntimeError:  # a peer left or the trainer gave up on this group: it is unusable from now on
+            self.leave(group_name)
             raise
-        for name, tensor in zip(names, received, strict=True):
-            self.staged[name] = tensor
-        self.abort = self.abort or abort
 
-    def take(self) -> tuple[dict[str, torch.Tensor], bool]:
-        """The staged tensors of the update (and whether any bucket asked to abort requests); staging is reset."""
-        staged, abort = self.staged, self.abort
-        self.staged, self.abort = {}, False
-        return staged, abort
+    def leave(self, group_name: str) -> None:
+        with self._lock:
+            group = self.groups.pop(group_name, None)
+        close_group(group)
 
     def close(self) -> None:
-        for group in self.groups.values():
+        with self._lock:
+            groups, self.groups = list(self.groups.values()), {}
+        for group in groups:
             close_group(group)
-        self.groups.clear()

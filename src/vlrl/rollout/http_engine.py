@@ -24,9 +24,11 @@ With ``weight_sync="distributed"`` the weights travel over a process group inste
 has every live server join a group hosted by the trainer (rank 0); each update then sends the parameters bucket
 by bucket (``bucket_mb``), each bucket announced to every server by HTTP and broadcast from rank 0, the last
 bucket carrying the new ``weight_version``; checksums are compared as on disk. Nothing touches the disk. If the
-group breaks (a server died mid-broadcast), the update falls back to disk and the next one forms a new group
-with the servers left. vlrl's server stages the buckets and swaps them in at once; a real SGLang server loads
-each bucket as it arrives (its requests in flight may see a half-updated model unless ``abort_on_update``).
+group breaks — a server died mid-broadcast or could not join, or nothing came back within ``sync_timeout``
+(``rollout.weight_sync_timeout``) — the trainer closes the group (ending the survivors' broadcast too), that update
+falls back to disk and the next one forms a new group with the servers left. vlrl's server receives the buckets
+into its spare weights and swaps them in at once; a real SGLang server loads each bucket as it arrives (its
+requests in flight may see a half-updated model unless ``abort_on_update``).
 
 Batching: the prompts of one `generate` call (or of the `agenerate` calls made together) are sent as one
 batched ``/generate`` per server (SGLang's list form of ``input_ids``), split evenly over the live servers.
@@ -133,7 +135,7 @@ class HTTPEngine:
                  request_timeout: float = 300.0, connect_timeout: float = 10.0, max_retries: int = 3,
                  max_server_failures: int = 2, abort_on_update: bool = False, startup_timeout: float = 60.0,
                  keep_checkpoints: int = 2, weight_sync: str = "disk", sync_address: str = "127.0.0.1",
-                 sync_port: int = 0, bucket_mb: float = 256.0) -> None:
+                 sync_port: int = 0, bucket_mb: float = 256.0, sync_timeout: float = 120.0) -> None:
         import httpx
 
         if not servers:
@@ -143,6 +145,8 @@ class HTTPEngine:
         self.weight_sync = weight_sync
         self.sync_address, self.sync_port = sync_address, sync_port
         self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
+        self.sync_timeout = sync_timeout
+        self._send_buffer = dist_sync.ByteBuffer()  # each bucket is packed here (reused: no allocation per bucket)
         self.last_sync: SyncStats | None = None
         self._group: Any = None  # the weight-update process group (distributed sync), once formed
         self._group_name = ""
@@ -634,7 +638,10 @@ class HTTPEngine:
         return version
 
     def _form_group(self, live: list[ServerState]) -> None:
-        """Every live server joins a new group hosted here as rank 0 (their HTTP calls return once all joined)."""
+        """Every live server joins a new group hosted here as rank 0 (their HTTP calls return once all joined). The
+        rendezvous runs in a thread: if a server's call fails first (it died, or refused), it can never complete,
+        and this raises at once instead of waiting out ``sync_timeout`` (the thread ends with the rendezvous'
+        own timeout, closing the group if it ever formed)."""
         dist_sync.close_group(self._group)
         self._group = None
         port = self.sync_port or _free_port(self.sync_address)
@@ -644,17 +651,41 @@ class HTTPEngine:
         offsets = list(itertools.accumulate([1] + [s.ranks for s in live[:-1]]))
         bodies = [{"master_address": self.sync_address, "master_port": port, "rank_offset": offset,
                    "world_size": world_size, "group_name": name, "backend": backend} for offset in offsets]
-        answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/init_weights_update_group", bodies), self._loop)
-        try:
-            group = dist_sync.open_group(self.sync_address, port, rank=0, world_size=world_size, group_name=name,
-                                         backend=backend, timeout=self.request_timeout)
-        except BaseException:
+        settled, failures = threading.Event(), []
+
+        def failed(server: ServerState, why: str) -> None:
+            failures.append(f"{server.url} could not join the weight-update group: {why}")
+            settled.set()
+
+        answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/init_weights_update_group", bodies,
+                                                                   on_failure=failed), self._loop)
+        joined: concurrent.futures.Future = concurrent.futures.Future()
+
+        def join() -> None:
+            try:
+                joined.set_result(dist_sync.open_group(self.sync_address, port, rank=0, world_size=world_size,
+                                                       group_name=name, backend=backend, timeout=self.sync_timeout))
+            except BaseException as err:  # noqa: BLE001 — handed to the waiting thread
+                # without its traceback: the frames it holds keep the rendezvous store (and its port) open, and the
+                # servers still waiting on that store wait until it closes
+                joined.set_exception(err.with_traceback(None))
+            settled.set()
+
+        threading.Thread(target=join, name="vlrl-weight-group", daemon=True).start()
+        settled.wait()  # (the rendezvous itself times out after sync_timeout)
+        if not joined.done():
+            joined.add_done_callback(lambda f: f.exception() is None and dist_sync.close_group(f.result()))
             answers.cancel()
+            raise RuntimeError("; ".join(failures))
+        group = joined.result()
+        try:
+            answers.result(timeout=self.sync_timeout)
+        except BaseException:
+            dist_sync.close_group(group)
             raise
-        for server, answer in zip(live, answers.result(), strict=True):
-            if isinstance(answer, BaseException) or not answer.get("success", False):
-                dist_sync.close_group(group)
-                raise RuntimeError(f"{server.url} could not join the weight-update group: {answer}")
+        if failures:
+            dist_sync.close_group(group)
+            raise RuntimeError("; ".join(failures))
         self._group, self._group_name, self._group_servers = group, name, [s.url for s in live]
         log.info("weight-update group %s: trainer + %d server(s) over %s at %s:%d", name, len(live), backend,
                  self.sync_address, port)
@@ -698,22 +729,40 @@ class HTTPEngine:
     def _send_bucket(self, version: int, live: list[ServerState], bucket: list[dist_sync.Entry],
                      gathered: list[torch.Tensor], send_dtype: torch.dtype, checksum: dist_sync.StreamingChecksum,
                      *, last: bool) -> int:
-        """Announce one bucket to every server, broadcast its bytes, read the answers; returns the bytes sent."""
-        tensors = [t.to(send_dtype) if t.is_floating_point() else t for t in gathered]
-        body = {"names": [e.send_name for e in bucket], "dtypes": [dist_sync.dtype_name(t.dtype) for t in tensors],
+        """Announce one bucket to every server, pack its tensors (cast to ``send_dtype``) into the send buffer and
+        broadcast it, checksum the bytes sent while the servers load them, read the answers; returns the bytes
+        sent. A server whose answer fails ends the wait for the broadcast at once (`dist_sync.broadcast`); every
+        wait is bounded by ``sync_timeout``."""
+        dtypes = [send_dtype if t.is_floating_point() else t.dtype for t in gathered]
+        body = {"names": [e.send_name for e in bucket], "dtypes": [dist_sync.dtype_name(d) for d in dtypes],
                 "shapes": [list(e.shape) for e in bucket], "group_name": self._group_name, "flush_cache": last,
                 "abort_all_requests": self.abort_on_update, "load_format": dist_sync.FLATTENED,
                 "weight_version": str(version) if last else None}
+        settled, failures = threading.Event(), []
+
+        def failed(server: ServerState, why: str) -> None:
+            failures.append(f"{server.url}: {why}")
+            settled.set()
+
         answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/update_weights_from_distributed",
-                                                                   [body] * len(live)), self._loop)
+                                                                   [body] * len(live), on_failure=failed), self._loop)
         try:
-            dist_sync.send(self._group, tensors, flattened=True)
+            flat, sent = dist_sync.pack(gathered, dtypes, self._send_buffer)
+            dist_sync.broadcast(self._group, flat, settled=settled, timeout=self.sync_timeout)
+        except dist_sync.Abandoned as err:
+            answers.cancel()
+            raise dist_sync.Abandoned(f"{err}: {'; '.join(failures)}" if failures else str(err)) from None
         except BaseException:
             answers.cancel()
             raise
-        for entry, tensor in zip(bucket, gathered, strict=True):
-            checksum.add(entry, tensor)  # what the trainer holds, cast per server dtype as the disk path predicts
-        for server, answer in zip(live, answers.result(), strict=True):
+        for entry, tensor, raw, dtype in zip(bucket, gathered, sent, dtypes, strict=True):
+            checksum.add(entry, tensor, sent=raw, sent_dtype=dtype)  # per server dtype, as the disk path predicts
+        try:
+            results = answers.result(timeout=self.sync_timeout)
+        except concurrent.futures.TimeoutError:
+            answers.cancel()
+            raise dist_sync.Abandoned(f"no answer within {self.sync_timeout:.0f} s (rollout.weight_sync_timeout)") from None
+        for server, answer in zip(live, results, strict=True):
             if isinstance(answer, BaseException):
                 raise RuntimeError(f"{server.url}: {type(answer).__name__}: {answer}")
             if not answer.get("success", False):
@@ -722,7 +771,7 @@ class HTTPEngine:
             if last:
                 self._check_checksum(server, answer.get("weight_checksum"), version,
                                      checksum.digest(DTYPES.get(server.dtype or "")))
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return flat.numel()
 
     def _check_checksum(self, server: ServerState, loaded: str | None, version: int, expected: str) -> None:
         if loaded is None:
@@ -733,15 +782,24 @@ class HTTPEngine:
             raise WeightSyncError(f"{server.url} loaded weights with checksum {loaded[:12]} for version {version}, "
                                   f"the trainer's are {expected[:12]}: stopping")
 
-    async def _post_each(self, servers: list[ServerState], path: str, bodies: list[dict]) -> list[Any]:
+    async def _post_each(self, servers: list[ServerState], path: str, bodies: list[dict], *,
+                         on_failure: Any = None) -> list[Any]:
         """POST ``bodies[i]`` to ``servers[i]`` at once; each answer's JSON (with ``success: False`` and the status
-        for an error answer), or the exception of a transport failure."""
+        for an error answer), or the exception of a transport failure. ``on_failure(server, why)`` is called as soon
+        as one fails (before the others answered)."""
         async def post(server: ServerState, body: dict) -> dict:
-            response = await self._client.post(f"{server.url}{path}", json=body, headers=self._headers)
+            try:
+                response = await self._client.post(f"{server.url}{path}", json=body, headers=self._headers)
+            except Exception as err:
+                if on_failure is not None:
+                    on_failure(server, f"{type(err).__name__}: {err}")
+                raise
             answer = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
             if response.status_code >= 400:
-                return {"success": False, "message": f"HTTP {response.status_code}: "
-                                                     f"{answer.get('message') or answer.get('error') or response.text[:300]}"}
+                answer = {"success": False, "message": f"HTTP {response.status_code}: "
+                                                       f"{answer.get('message') or answer.get('error') or response.text[:300]}"}
+            if on_failure is not None and not answer.get("success", False):
+                on_failure(server, answer.get("message", answer))
             return answer
 
         return list(await asyncio.gather(*(post(s, b) for s, b in zip(servers, bodies, strict=True)),

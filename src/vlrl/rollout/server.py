@@ -20,9 +20,11 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
 - ``POST /init_weights_update_group`` (``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
   ``group_name``, ``backend``) and ``POST /update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``,
   ``group_name``, ``weight_version``, ...): SGLang's distributed weight sync (`vlrl.rollout.dist_sync`). The
-  server joins the trainer's group over gloo (on CPU) in a thread off the event loop, receives each bucket's
-  broadcasts and stages them; the bucket carrying ``weight_version`` completes the update, which is then copied
-  in place like a disk load and answered with its ``weight_checksum``.
+  server joins the trainer's group over gloo (on CPU) in a thread off the event loop (not holding the update lock,
+  so a join that never completes cannot hold up a disk load), receives each bucket's broadcast straight into its
+  spare weights (their tensors become views of the bucket's storage; a bucket in another dtype is received into a
+  buffer and cast in); the bucket carrying ``weight_version`` completes the update, which is swapped in like a
+  disk load and answered with its ``weight_checksum``. A disk load or a new group drops an update left half-way.
 - ``GET /health``, ``GET /get_model_info``, ``GET /get_weight_version``.
 
 Batching: one worker thread decodes; requests that arrive while a batch decodes join the next batch
@@ -60,6 +62,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -72,7 +75,14 @@ from vlrl.models.policy import DTYPES, Policy
 from vlrl.rollout import dist_sync
 from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
-from vlrl.rollout.weights import checkpoint_names, copy_weights, read_weights, weight_checksum
+from vlrl.rollout.weights import (
+    FlatBuckets,
+    WeightWriter,
+    checkpoint_names,
+    copy_weights,
+    read_weights,
+    weight_checksum,
+)
 from vlrl.serving import (
     API_KEY_ENV,
     BodyError,
@@ -296,24 +306,32 @@ class ContinuousBatcher:
 
     def load_in_place(self, weights: Mapping[str, torch.Tensor], *, version: int, abort: bool = False) -> str:
         """`load` without building a model: copy ``weights`` (state-dict names; see `copy_weights`) into the
-        spare copy — the weights the last swap retired, or the standby not yet swapped in (taken back first),
-        or on the first call a new copy of the active model — then install it as ``version``. No batch reads
-        the spare while it is written, so decoding goes on meanwhile. Returns the checksum of the result."""
+        spare copy (`take_spare`), then install it as ``version``. No batch reads the spare while it is written,
+        so decoding goes on meanwhile. Returns the checksum of the result."""
         with self._load_lock:
-            with self._cond:
-                if self._standby is not None:  # not swapped in yet: no batch uses it
-                    spare, self._standby = self._standby[0].policy, None
-                else:
-                    spare, self._spare = self._spare, None
-            if spare is None:
-                spare = private_copy(self.policy, tokenizer=self.policy.tokenizer)
+            spare = self.take_spare()
             try:
                 copy_weights(spare.model, weights)
             except BaseException:
-                with self._cond:
-                    self._spare = self._spare or spare
+                self.give_back(spare)
                 raise
             return self.load(spare, version=version, abort=abort)
+
+    def take_spare(self) -> Policy:
+        """Weights no batch uses, to be overwritten and then installed with `load` (or handed back with
+        `give_back`): the weights the last swap retired, or the standby not yet swapped in (taken back), or on the
+        first call a new copy of the active model."""
+        with self._cond:
+            if self._standby is not None:  # not swapped in yet: no batch uses it
+                spare, self._standby = self._standby[0].policy, None
+            else:
+                spare, self._spare = self._spare, None
+        return spare if spare is not None else private_copy(self.policy, tokenizer=self.policy.tokenizer)
+
+    def give_back(self, spare: Policy) -> None:
+        """A spare taken by `take_spare` and not installed (its load failed): kept for the next load."""
+        with self._cond:
+            self._spare = self._spare or spare
 
     def close(self) -> None:
         """Stop: queued jobs fail, the decoding batch stops at its next decode step (answered as aborted)."""
@@ -1003,6 +1021,11 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
         out = await in_prep(answers)
         return SafeJSON(out if is_batched(body) or sampling.n > 1 else out[0])  # a batch: prompt-major, n per prompt
 
+    device = next(batcher.policy.model.parameters()).device
+    receiver = dist_sync.Receiver(timeout=limits.request_timeout, device=device)
+    incoming = _IncomingUpdate(batcher, names)
+    on_close(app, receiver.close)
+
     async def update_weights(request: HTTPRequest):
         body = await read(request, UpdateWeightsBody)
         try:
@@ -1010,6 +1033,7 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
         except ValueError:
             raise BadRequest(f"field 'weight_version': vlrl versions are integers, got {body.weight_version!r}") from None
         async with update_lock:
+            incoming.cancel()  # a distributed update left half-way (its trainer fell back to disk): superseded
             try:
                 checksum = await asyncio.to_thread(_update_from_disk, batcher, body.model_path, version=version,
                                                    abort=body.abort_all_requests, names=names)
@@ -1017,10 +1041,6 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
                 return SafeJSON({"success": False, "message": f"cannot load {body.model_path}: {err}"}, 400)
         return SafeJSON({"success": True, "message": f"loaded {body.model_path} as version {version}",
                          "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum})
-
-    receiver = dist_sync.Receiver(timeout=limits.request_timeout)
-    on_close(app, receiver.close)
-    device = next(batcher.policy.model.parameters()).device
 
     async def init_group(request: HTTPRequest):
         body = await read(request, InitWeightsGroupBody)
@@ -1031,15 +1051,23 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
         if body.rank_offset >= body.world_size:
             raise BadRequest(f"field 'rank_offset': {body.rank_offset} is not a rank of a group of {body.world_size}")
         async with update_lock:
-            try:  # blocks until every rank joined: in a thread, so the event loop (generation, /health) goes on
-                await asyncio.to_thread(receiver.join, body.master_address, body.master_port,
-                                        rank_offset=body.rank_offset, world_size=body.world_size,
-                                        group_name=body.group_name, backend=body.backend)
-            except Exception as err:
-                return SafeJSON({"success": False, "message": f"cannot join {body.group_name} at "
-                                 f"{body.master_address}:{body.master_port}: {type(err).__name__}: {err}"}, 400)
+            incoming.cancel()  # the trainer forms a new group: an update left half-way on the old one never completes
+        try:  # blocks until every rank joined: in a thread, so the event loop (generation, /health) goes on; not under
+            # the update lock, so a join that never completes (a member died first) cannot hold up a disk update
+            await asyncio.to_thread(receiver.join, body.master_address, body.master_port,
+                                    rank_offset=body.rank_offset, world_size=body.world_size,
+                                    group_name=body.group_name, backend=body.backend)
+        except Exception as err:
+            return SafeJSON({"success": False, "message": f"cannot join {body.group_name} at "
+                             f"{body.master_address}:{body.master_port}: {type(err).__name__}: {err}"}, 400)
         return SafeJSON({"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset} of "
                          f"{body.world_size}"})
+
+    def receive_bucket(body: UpdateDistributedBody, version: int | None) -> str | None:
+        """One bucket, in one worker thread, received into the spare weights (`_IncomingUpdate`); the last bucket
+        (``version`` set) installs them. Returns the checksum then, else None."""
+        incoming.receive(receiver, body)
+        return incoming.finish(version) if version is not None else None
 
     async def update_distributed(request: HTTPRequest):
         body = await read(request, UpdateDistributedBody)
@@ -1049,16 +1077,12 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
             raise BadRequest(f"field 'weight_version': vlrl versions are integers, got {body.weight_version!r}") from None
         async with update_lock:
             try:
-                await asyncio.to_thread(receiver.receive, body.group_name, body.names, body.dtypes, body.shapes,
-                                        abort=body.abort_all_requests, load_format=body.load_format)
-                if version is None:  # a bucket of the update in progress: staged
-                    return SafeJSON({"success": True, "message": f"staged {len(body.names)} tensor(s)"})
-                staged, abort = receiver.take()
-                checksum = await asyncio.to_thread(_load_received, batcher, staged, version=version, abort=abort,
-                                                   names=names)
+                checksum = await asyncio.to_thread(receive_bucket, body, version)
             except (OSError, ValueError, RuntimeError) as err:
-                receiver.take()  # a failed update leaves nothing staged
+                incoming.cancel()  # a failed update leaves nothing half-written behind
                 return SafeJSON({"success": False, "message": f"distributed update failed: {err}"}, 400)
+        if checksum is None:  # a bucket of the update in progress
+            return SafeJSON({"success": True, "message": f"received {len(body.names)} tensor(s)"})
         return SafeJSON({"success": True, "message": f"loaded version {version} from {body.group_name}",
                          "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum})
 
@@ -1112,17 +1136,69 @@ def _update_from_disk(batcher: ContinuousBatcher, path: str, *, version: int, ab
     return batcher.load(_load_weights(batcher.policy, path), version=version, abort=abort)
 
 
-def _load_received(batcher: ContinuousBatcher, received: Mapping[str, torch.Tensor], *, version: int, abort: bool,
-                   names: dict[str, Any]) -> str:
-    """Copy tensors received under checkpoint names (or state-dict names) into the batcher's spare weights as
-    ``version`` (`ContinuousBatcher.load_in_place`); returns the checksum."""
-    if "names" not in names:
-        names["names"] = checkpoint_names(batcher.policy.model)
-    if names["names"] is None:
-        raise ValueError("this model's checkpoint layout is more than a renaming of its tensors; load its weights "
-                         "with /update_weights_from_disk (rollout.weight_sync=disk)")
-    return batcher.load_in_place({names["names"].get(k, k): t for k, t in received.items()}, version=version,
-                                 abort=abort)
+class _IncomingUpdate:
+    """The distributed update a server is receiving, into its spare weights (`ContinuousBatcher.take_spare`, taken at
+    the first bucket): a flattened bucket whose layout the spare can hold in place (`FlatBuckets`: same names,
+    shapes and dtypes as its tensors) is received straight into the spare's own storage, any other into the
+    receiver's buffer and copied in (cast). The last bucket checks every tensor came and installs them as its version — no
+    batch sees half an update, nothing is staged. Used under the server's update lock."""
+
+    def __init__(self, batcher: ContinuousBatcher, names: dict[str, Any]) -> None:
+        self.batcher, self.names = batcher, names
+        self.spare: Policy | None = None
+        self.writer: WeightWriter | None = None
+        self.abort = False
+        self.in_place: weakref.WeakKeyDictionary[torch.nn.Module, FlatBuckets] = weakref.WeakKeyDictionary()
+
+    def receive(self, receiver: dist_sync.Receiver, body: UpdateDistributedBody) -> None:
+        """Receive one bucket (checkpoint names, or state-dict names) into the spare weights."""
+        if "names" not in self.names:
+            self.names["names"] = checkpoint_names(self.batcher.policy.model)
+        renames = self.names["names"]
+        if renames is None:
+            raise ValueError("this model's checkpoint layout is more than a renaming of its tensors; load its weights "
+                             "with /update_weights_from_disk (rollout.weight_sync=disk)")
+        if self.spare is None:
+            self.spare = self.batcher.take_spare()
+            self.writer = WeightWriter(self.spare.model)
+        names = [renames.get(k, k) for k in body.names]
+        flats = self.in_place.setdefault(self.spare.model, FlatBuckets(self.spare.model))
+        placed: list = []
+
+        def place(dtypes: list[torch.dtype]) -> torch.Tensor | None:
+            placed.append(flats.storage(names, dtypes, body.shapes) if len(names) == len(dtypes) else None)
+            placed.append(dtypes)
+            return placed[0][0] if placed[0] is not None else None
+
+        received = receiver.receive(body.group_name, body.names, body.dtypes, body.shapes,
+                                    load_format=body.load_format, place=place)
+        if placed and placed[0] is not None:  # already in the spare's storage
+            flat, fresh = placed[0]
+            if fresh:
+                flats.adopt(names, placed[1], body.shapes, flat)
+            self.writer.written_in_place(names)
+        else:
+            self.writer.write(dict(zip(names, received, strict=True)))
+        self.abort = self.abort or body.abort_all_requests
+
+    def finish(self, version: int) -> str:
+        """Install the update as ``version`` (every tensor must have come); returns its checksum."""
+        spare, writer, abort = self.spare, self.writer, self.abort
+        if spare is None or writer is None:
+            raise ValueError("no tensors received for this update")
+        try:
+            writer.finish()
+        except BaseException:
+            self.cancel()
+            raise
+        self.spare, self.writer, self.abort = None, None, False
+        return self.batcher.load(spare, version=version, abort=abort)
+
+    def cancel(self) -> None:
+        """Drop the update in progress (if any); its spare weights go back to the batcher."""
+        if self.spare is not None:
+            self.batcher.give_back(self.spare)
+        self.spare, self.writer, self.abort = None, None, False
 
 
 def _load_weights(current: Policy, path: str) -> Policy:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -99,22 +99,127 @@ def read_weights(path: str | Path, names: Mapping[str, str]) -> dict[str, torch.
     return out
 
 
+class WeightWriter:
+    """Writes tensors into ``model``'s own tensors in place, in parts (a distributed update arrives bucket by bucket):
+    each part's names and shapes are checked before any of it is copied (`WeightLoadError` naming the tensor), and
+    `finish` checks that every tensor was written — a copy of a tied tensor counts as written with it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.state = model.state_dict()
+        self.written: set[str] = set()
+
+    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+        unknown = sorted(set(weights) - set(self.state))
+        if unknown:
+            raise WeightLoadError(f"{len(unknown)} tensor(s) the model does not have, e.g. {unknown[:3]}")
+        for name, tensor in weights.items():
+            if tuple(tensor.shape) != tuple(self.state[name].shape):
+                raise WeightLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, the model's is "
+                                      f"{tuple(self.state[name].shape)}")
+
+    def write(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Check ``weights`` (state-dict names), then copy them in (casting to the model's dtypes)."""
+        self.check(weights)
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                self.state[name].copy_(tensor)
+        self.written.update(weights)
+
+    def written_in_place(self, names: Sequence[str]) -> None:
+        """``names`` were filled another way (received straight into the model's storage: `FlatBuckets`)."""
+        self.state = self.model.state_dict()  # (their tensors may have moved to a new storage)
+        self.written.update(names)
+
+    def missing(self, given: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+        """The model's tensors neither written nor in ``given`` (nor tied to one that is)."""
+        done = self.written | set(given or {})
+        pointers = {self.state[name].data_ptr() for name in done if name in self.state}
+        return sorted(name for name, t in self.state.items() if name not in done and t.data_ptr() not in pointers)
+
+    def finish(self) -> None:
+        missing = self.missing()
+        if missing:
+            raise WeightLoadError(f"{len(missing)} tensor(s) of the model are missing, e.g. {missing[:3]}")
+
+
+class FlatBuckets:
+    """Receive-in-place storage for one model: for each bucket layout (names, dtypes, shapes) a server receives
+    update after update, one flat byte tensor whose views *are* the model's tensors — a flattened bucket's broadcast
+    then lands straight in the weights, with no copy. The first time a layout comes, `storage` gives a fresh flat
+    tensor and, once the bucket is in it, `adopt` makes the model's tensors views of it (their old storage is freed:
+    no extra memory). A layout that cannot be taken in place — a name the model lacks, another shape or dtype (the
+    copy casts), an offset not a multiple of the dtype's size, a tensor sharing storage with another entry — gets
+    None (the caller receives elsewhere and copies)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.flats: dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def key(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> tuple:
+        return tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes)
+
+    def storage(self, names: Sequence[str], dtypes: Sequence[torch.dtype],
+                shapes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, bool] | None:
+        """(the flat tensor to receive the bucket into, whether it is fresh — `adopt` it once filled), or None."""
+        key = self.key(names, dtypes, shapes)
+        if key in self.flats:
+            return self.flats[key], False
+        state = self.model.state_dict()
+        if len(set(names)) != len(names):
+            return None
+        offset = 0
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            tensor = state.get(name)
+            if tensor is None or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape) or not tensor.numel():
+                return None
+            if offset % tensor.element_size() or not self._sole_owner(state, name):
+                return None
+            offset += tensor.numel() * tensor.element_size()
+        device = state[names[0]].device if names else torch.device("cpu")
+        return torch.empty(offset, dtype=torch.uint8, device=device), True
+
+    def adopt(self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]],
+              flat: torch.Tensor) -> None:
+        """The model's tensors ``names`` become views of ``flat`` (which holds their new values, in order)."""
+        offset = 0
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            tensor = self._tensor(name)
+            size = tensor.numel() * tensor.element_size()
+            tensor.data = flat[offset : offset + size].view(dtype).view(tuple(shape))
+            offset += size
+        self.flats[self.key(names, dtypes, shapes)] = flat
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self.model.get_parameter(name)
+        except AttributeError:
+            return self.model.get_buffer(name)
+
+    def _sole_owner(self, state: Mapping[str, torch.Tensor], name: str) -> bool:
+        """No other state-dict entry shares ``name``'s storage — unless it is the same tensor object (a tied
+        parameter: moving it moves every name it has)."""
+        pointer, owner = state[name].data_ptr(), None
+        for other, tensor in state.items():
+            if other != name and tensor.data_ptr() == pointer:
+                try:
+                    owner = owner or self._tensor(name)
+                    if self._tensor(other) is not owner:
+                        return False
+                except AttributeError:
+                    return False
+        return True
+
+
 def copy_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     """Copy ``weights`` (state-dict names) into ``model``'s tensors in place (casting to their dtype).
 
     Every tensor of the state dict must be given, except copies of a tied tensor (one of them suffices);
     an unknown name or a shape mismatch raises `WeightLoadError` naming it, before anything is copied."""
-    state = model.state_dict()
-    unknown = sorted(set(weights) - set(state))
-    if unknown:
-        raise WeightLoadError(f"{len(unknown)} tensor(s) the model does not have, e.g. {unknown[:3]}")
-    given = {state[name].data_ptr() for name in weights}
-    missing = sorted(name for name, t in state.items() if name not in weights and t.data_ptr() not in given)
+    writer = WeightWriter(model)
+    writer.check(weights)
+    missing = writer.missing(weights)
     if missing:
         raise WeightLoadError(f"{len(missing)} tensor(s) of the model are missing, e.g. {missing[:3]}")
-    for name, tensor in weights.items():
-        if tuple(tensor.shape) != tuple(state[name].shape):
-            raise WeightLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, the model's is {tuple(state[name].shape)}")
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            state[name].copy_(tensor)
+    writer.write(weights)
