@@ -836,17 +836,6 @@ class RLConfig(RunConfig, RLStage):
                       "rollout, algo, optim, train, staleness and select")
         return self
 
-    @model_validator(mode="after")
-    def _check_lora_sync(self) -> RLConfig:
-        sections = [("rollout", self.rollout)] + [(f"stages.{k}.rollout", s.rollout) for k, s in enumerate(self.stages)]
-        for name, rollout in sections:
-            if self.model.lora is not None and rollout.weight_sync == "distributed":
-                raise ValueError(f"{name}.weight_sync=distributed with model.lora: the broadcast sends the trainer's "
-                                 "parameters as they are, and a LoRA policy's are the frozen base and the adapters "
-                                 "apart (peft's base_layer / lora_A / lora_B names), not the merged weights a server "
-                                 f"loads; use {name}.weight_sync=disk, which writes the merged weights")
-        return self
-
 
 class DemoConfig(RunConfig):
     """`vlrl demo`: SFT warm start → eval → RL → eval, plus an SFT control with the RL stage's budget."""

@@ -73,7 +73,7 @@ def test_the_server_refuses_malformed_distributed_requests_naming_the_field(tiny
 
 def test_buckets_and_the_streamed_checksum_match_the_whole_model_checksum(tiny_vlm):
     model = tiny_vlm.model
-    entries = plan_entries(model, None)
+    entries = plan_entries(model.state_dict(), None)
     assert [e.name for e in entries] == list(model.state_dict())  # no tied tensors in this preset: every one sent
     planned = buckets(entries, element_size=4, bucket_bytes=1 << 16)
     assert [e for b in planned for e in b] == entries
@@ -90,7 +90,7 @@ def test_buckets_and_the_streamed_checksum_match_the_whole_model_checksum(tiny_v
 def test_tied_tensors_are_sent_once_and_checksummed_under_every_name():
     model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
     model[1].weight = model[0].weight  # tied, as an LM head tied to the embeddings
-    entries = plan_entries(model, {"0.weight": "embed.weight"})
+    entries = plan_entries(model.state_dict(), {"0.weight": "embed.weight"})
     assert entries == [Entry("0.weight", "embed.weight", (5, 3), 15, ("1.weight",))]
     checksum = StreamingChecksum([None])
     checksum.add(entries[0], model.state_dict()["0.weight"])

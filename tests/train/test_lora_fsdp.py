@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlrl.config import ConfigError, RLConfig, load_config
+from vlrl.config import RLConfig, load_config
 from vlrl.models import load_policy
 from vlrl.models.lora import merged_state_dict
 from vlrl.rollout.weights import weight_checksum
@@ -110,13 +110,13 @@ def test_export_from_the_shards_is_the_merged_model_and_its_adapter(two_ranks_lo
         torch.testing.assert_close(value, unloaded[key], rtol=0, atol=1e-6, msg=key)
 
 
-def test_lora_runs_under_fsdp2_and_refuses_the_distributed_weight_sync():
+def test_lora_runs_under_fsdp2_with_either_weight_sync():
     check_scalable(load_config(RLConfig, None, ["model.lora.r=4"]), 2)  # dist.strategy=fsdp, the default
     check_scalable(load_config(RLConfig, None, ["model.lora.r=4", "dist.strategy=ddp"]), 2)
     servers = ["model.lora.r=4", "rollout.servers=[http://127.0.0.1:30000]"]
-    load_config(RLConfig, None, [*servers, "rollout.weight_sync=disk"])  # servers load the merged weights from disk
-    with pytest.raises(ConfigError, match="rollout.weight_sync=distributed with model.lora.*weight_sync=disk"):
-        load_config(RLConfig, None, [*servers, "rollout.weight_sync=distributed"])
+    for sync in ("disk", "distributed"):  # servers get the merged weights either way
+        cfg = load_config(RLConfig, None, [*servers, f"rollout.weight_sync={sync}"])
+        check_scalable(cfg, 2)
 
 
 # ----------------------------------------------------------------------------------------------- through the CLI
@@ -181,10 +181,12 @@ def test_lora_fsdp2_rl_through_the_cli_exports_merged_and_adapter_and_resumes_ex
 
 
 @pytest.mark.e2e
-def test_lora_fsdp2_ranks_update_a_rollout_server_through_disk(tiny_vlm_dir, tmp_path):
-    """2 FSDP2 ranks with `rollout.servers` and `rollout.weight_sync=disk`: each update merges the adapters on the
-    shards, gathers the merged weights onto rank 0, which writes them for the server; the server ends at the last
-    version with the checksum of the exported (merged) final weights."""
+@pytest.mark.parametrize("sync", ["disk", "distributed"])
+def test_lora_fsdp2_ranks_update_a_rollout_server(tiny_vlm_dir, tmp_path, sync):
+    """2 FSDP2 ranks with `rollout.servers`: each update merges the adapters on the shards; with
+    `rollout.weight_sync=disk` the merged weights are gathered onto rank 0, which writes them for the server, with
+    `distributed` they are gathered bucket by bucket and broadcast under the transformers names (nothing written).
+    Either way the server ends at the last version with the checksum of the exported (merged) final weights."""
     import httpx
 
     from rollout.conftest import API_KEY, vlrl_serve  # tests/ is on sys.path (the test packages' root)
@@ -192,11 +194,12 @@ def test_lora_fsdp2_ranks_update_a_rollout_server_through_disk(tiny_vlm_dir, tmp
     data = write_rl_data(tmp_path / "data" / "train.jsonl")
     out = tmp_path / "run"
     with vlrl_serve(str(tiny_vlm_dir), tmp_path) as (url,):
-        records = _rl(out, tiny_vlm_dir, data, "train.steps=2", f"rollout.servers=[{url}]", "rollout.weight_sync=disk",
+        records = _rl(out, tiny_vlm_dir, data, "train.steps=2", f"rollout.servers=[{url}]", f"rollout.weight_sync={sync}",
                       env=quiet_env(VLRL_API_KEY=API_KEY))
         info = httpx.get(f"{url}/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
     final = load_policy(str(out / "checkpoints" / "final"))
     assert sorted(records) == [1, 2] and records[2]["policy/grad_norm"] > 0
     assert info["weight_version"] == "2" and info["weight_checksum"] == weight_checksum(final.model)
     assert info["weight_checksum"] != weight_checksum(load_policy(str(tiny_vlm_dir)).model)  # the adapters moved it
-    assert any((out / "rollout_weights").iterdir())
+    written = (out / "rollout_weights").is_dir() and any((out / "rollout_weights").iterdir())
+    assert written == (sync == "disk")  # the broadcast writes nothing

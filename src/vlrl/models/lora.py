@@ -101,11 +101,13 @@ class AdaptersOff(torch.nn.Module):
 
 
 @torch.no_grad()
-def merged_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(policy, *, deltas: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(transformers name, weight) of base + adapters, one tensor at a time in state-dict order: W + ΔW for every
     adapted layer (peft's ``get_delta_weight``: (α/r)·B·A, transposed for fan-in-fan-out layers), the trained copy
     of every ``modules_to_save`` module, every other tensor as it is. No live weight is changed. On an
-    FSDP2-sharded model each is a DTensor shard (the delta's matmul is a collective: every rank iterates)."""
+    FSDP2-sharded model each is a DTensor shard (the delta's matmul is a collective: every rank iterates).
+    ``deltas=False``: the layout only — the same names, shapes and order with W for W + ΔW (nothing computed, no
+    collective), for planning what the merged weights will fill."""
     peft_model = policy.lora
     adapter = peft_model.active_adapter
     from peft.tuners.lora import LoraLayer
@@ -116,7 +118,8 @@ def merged_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
         if ".lora_" in key or ".original_module." in key:
             continue
         key = key.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
-        yield key, (value + layers[key].get_delta_weight(adapter).to(value.dtype) if key in layers else value)
+        merge = deltas and key in layers
+        yield key, (value + layers[key].get_delta_weight(adapter).to(value.dtype) if merge else value)
 
 
 def merged_state_dict(policy) -> dict[str, torch.Tensor]:

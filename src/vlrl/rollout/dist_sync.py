@@ -202,11 +202,11 @@ class Entry:
     aliases: tuple[str, ...] = ()
 
 
-def plan_entries(model: torch.nn.Module, send_names: Mapping[str, str] | None) -> list[Entry]:
-    """What a weight update sends, in state-dict order: every state-dict tensor once (a tied copy rides on its
-    first name). ``send_names``: {state-dict name → checkpoint name} (`checkpoint_names` inverted); None sends
-    state-dict names. Works on a plain model and on an FSDP2-sharded one (shapes are the full shapes)."""
-    state = model.state_dict()
+def plan_entries(state: Mapping[str, torch.Tensor], send_names: Mapping[str, str] | None) -> list[Entry]:
+    """What a weight update sends, in state-dict order: every tensor of ``state`` (a model's state dict, or a LoRA
+    policy's merged weights) once — a tied copy rides on its first name. ``send_names``: {state-dict name →
+    checkpoint name} (`checkpoint_names` inverted); None sends state-dict names. Works on a plain model and on an
+    FSDP2-sharded one (shapes are the full shapes)."""
     first: dict[tuple, str] = {}
     aliases: dict[str, list[str]] = {}
     order = []

@@ -475,9 +475,10 @@ class HTTPEngine:
         state = self.policy.model.state_dict()
         if self.weight_sync == "distributed":
             plan = share(self._bucket_plan(self.live_servers()) if main else None)
+            state = self._sent_state()  # (model.lora: merged on the shards — a collective, once per rank)
             if main:
                 try:
-                    self._sync_distributed(version, None, plan=plan, fallback=False)
+                    self._sync_distributed(version, state, plan=plan, fallback=False)
                     outcome = "done"
                 except _GroupBroken as err:
                     log.warning("distributed weight update %d failed (%s); loading it from disk instead, the next "
@@ -596,11 +597,15 @@ class HTTPEngine:
         the buckets (`_bucket_plan`) the other trainer ranks gather with this one. Returns ``version`` once every
         server confirmed a matching checksum."""
         started = time.monotonic()
+        if state_dict is not None and getattr(self.policy, "lora", None) is not None:
+            from vlrl.models.lora import merged_weights
+
+            state_dict = merged_weights(self.policy, state_dict)  # a peft state dict: the live weights merged
         live = self.live_servers()
         plan = plan or self._bucket_plan(live)
         if not live:
             if not fallback:  # the other ranks still gather every bucket with us
-                state = state_dict if state_dict is not None else self.policy.model.state_dict()
+                state = state_dict if state_dict is not None else self._sent_state()
                 for bucket in plan[1]:
                     dist_sync.full_tensors(state, bucket)
             raise NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
@@ -611,7 +616,7 @@ class HTTPEngine:
                     self._form_group(live)
                 except BaseException:
                     if not fallback:
-                        state = state_dict if state_dict is not None else self.policy.model.state_dict()
+                        state = state_dict if state_dict is not None else self._sent_state()
                         for bucket in plan[1]:
                             dist_sync.full_tensors(state, bucket)
                     raise
@@ -690,12 +695,23 @@ class HTTPEngine:
         log.info("weight-update group %s: trainer + %d server(s) over %s at %s:%d", name, len(live), backend,
                  self.sync_address, port)
 
+    def _sent_state(self, *, layout: bool = False) -> dict[str, torch.Tensor]:
+        """The tensors a distributed update sends: the model's state dict, or (model.lora) base + adapters merged
+        under the transformers names — on FSDP2 shards merged on the shards, a collective every rank calls.
+        ``layout``: the merged names and shapes only (`merged_tensors`' ``deltas=False``), for planning."""
+        if getattr(self.policy, "lora", None) is None:
+            return self.policy.model.state_dict()
+        from vlrl.models.lora import merged_tensors
+
+        return dict(merged_tensors(self.policy, deltas=not layout))
+
     def _bucket_plan(self, live: list[ServerState]) -> tuple[torch.dtype, list[list[dist_sync.Entry]]]:
         """(the dtype the servers receive, the update's buckets of entries) — what every trainer rank gathers."""
         model = self.policy.model
         if self._entries is None:
-            names = checkpoint_names(model)  # {checkpoint name → state-dict name}; servers receive checkpoint names
-            self._entries = dist_sync.plan_entries(model, {v: k for k, v in names.items()} if names else None)
+            layout = self._sent_state(layout=True)
+            names = checkpoint_names(model, layout)  # {checkpoint name → state-dict name}: what servers receive
+            self._entries = dist_sync.plan_entries(layout, {v: k for k, v in names.items()} if names else None)
         dtypes = {s.dtype for s in live}
         trainer_dtype = next(model.parameters()).dtype
         send_dtype = DTYPES.get(next(iter(dtypes)) or "", trainer_dtype) if len(dtypes) == 1 else trainer_dtype
@@ -707,8 +723,7 @@ class HTTPEngine:
         """Send every bucket of ``plan``; check the last answers' checksums. Returns (bytes of one copy sent,
         buckets). Every bucket is gathered even after a failure (other trainer ranks gather it with this one);
         the first failure is raised once all were."""
-        model = self.policy.model
-        state = state_dict if state_dict is not None else model.state_dict()
+        state = state_dict if state_dict is not None else self._sent_state()
         dtypes = {s.dtype for s in live}
         checksum = dist_sync.StreamingChecksum([DTYPES.get(d or "") for d in dtypes])
         send_dtype, planned = plan

@@ -54,10 +54,11 @@ def weight_checksum(weights: torch.nn.Module | Mapping[str, torch.Tensor], *, dt
     return digest.hexdigest()
 
 
-def checkpoint_names(model: torch.nn.Module) -> dict[str, str] | None:
+def checkpoint_names(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, str] | None:
     """{checkpoint name → state-dict name} for every tensor ``save_pretrained`` writes (tied copies are
-    written once), or None when the model's checkpoint conversion is more than a renaming."""
-    state = model.state_dict()
+    written once), or None when the model's checkpoint conversion is more than a renaming. ``state``: the tensors
+    to name, if not the model's own state dict (a LoRA policy's merged weights, under the transformers names)."""
+    state = model.state_dict() if state is None else state
     by_storage = {(t.data_ptr(), tuple(t.shape)): name for name, t in state.items()}
     try:
         from transformers.core_model_loading import revert_weight_conversion
