@@ -128,6 +128,18 @@ class SyncStats:
     servers: int
 
 
+class _Failures:
+    """The server calls that failed during one wait of a weight update (``on_failure`` of `_post_each`): their
+    messages, and an event set at the first, which ends the wait at once."""
+
+    def __init__(self, what: str = "") -> None:
+        self.what, self.messages, self.settled = what, [], threading.Event()
+
+    def __call__(self, server: ServerState, why: str) -> None:
+        self.messages.append(f"{server.url}{self.what}: {why}")
+        self.settled.set()
+
+
 class HTTPEngine:
     """Generate on SGLang-compatible servers; encode and decode locally with the trainer's `Policy`."""
 
@@ -597,15 +609,11 @@ class HTTPEngine:
         the buckets (`_bucket_plan`) the other trainer ranks gather with this one. Returns ``version`` once every
         server confirmed a matching checksum."""
         started = time.monotonic()
-        if state_dict is not None and getattr(self.policy, "lora", None) is not None:
-            from vlrl.models.lora import merged_weights
-
-            state_dict = merged_weights(self.policy, state_dict)  # a peft state dict: the live weights merged
+        state = self._sent_state(state_dict)
         live = self.live_servers()
         plan = plan or self._bucket_plan(live)
         if not live:
             if not fallback:  # the other ranks still gather every bucket with us
-                state = state_dict if state_dict is not None else self._sent_state()
                 for bucket in plan[1]:
                     dist_sync.full_tensors(state, bucket)
             raise NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
@@ -616,11 +624,10 @@ class HTTPEngine:
                     self._form_group(live)
                 except BaseException:
                     if not fallback:
-                        state = state_dict if state_dict is not None else self._sent_state()
                         for bucket in plan[1]:
                             dist_sync.full_tensors(state, bucket)
                     raise
-            sent, count = self._broadcast(version, state_dict, live, plan)
+            sent, count = self._broadcast(version, state, live, plan)
         except (WeightSyncError, NoServersLeft):
             raise
         except Exception as err:  # the group broke (a server died, a timeout): this update goes by disk
@@ -656,11 +663,8 @@ class HTTPEngine:
         offsets = list(itertools.accumulate([1] + [s.ranks for s in live[:-1]]))
         bodies = [{"master_address": self.sync_address, "master_port": port, "rank_offset": offset,
                    "world_size": world_size, "group_name": name, "backend": backend} for offset in offsets]
-        settled, failures = threading.Event(), []
-
-        def failed(server: ServerState, why: str) -> None:
-            failures.append(f"{server.url} could not join the weight-update group: {why}")
-            settled.set()
+        failed = _Failures(" could not join the weight-update group")
+        settled, failures = failed.settled, failed.messages
 
         answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/init_weights_update_group", bodies,
                                                                    on_failure=failed), self._loop)
@@ -695,14 +699,18 @@ class HTTPEngine:
         log.info("weight-update group %s: trainer + %d server(s) over %s at %s:%d", name, len(live), backend,
                  self.sync_address, port)
 
-    def _sent_state(self, *, layout: bool = False) -> dict[str, torch.Tensor]:
-        """The tensors a distributed update sends: the model's state dict, or (model.lora) base + adapters merged
-        under the transformers names — on FSDP2 shards merged on the shards, a collective every rank calls.
+    def _sent_state(self, state_dict: dict[str, torch.Tensor] | None = None, *,
+                    layout: bool = False) -> dict[str, torch.Tensor]:
+        """The tensors a distributed update sends: ``state_dict`` (the trainer's, handed in) or the model's own,
+        or with model.lora base + adapters merged under the transformers names — on FSDP2 shards merged on the
+        shards, a collective every rank calls; a peft state dict handed in is merged from the live module.
         ``layout``: the merged names and shapes only (`merged_tensors`' ``deltas=False``), for planning."""
         if getattr(self.policy, "lora", None) is None:
-            return self.policy.model.state_dict()
-        from vlrl.models.lora import merged_tensors
+            return state_dict if state_dict is not None else self.policy.model.state_dict()
+        from vlrl.models.lora import merged_tensors, merged_weights
 
+        if state_dict is not None:
+            return merged_weights(self.policy, state_dict)
         return dict(merged_tensors(self.policy, deltas=not layout))
 
     def _bucket_plan(self, live: list[ServerState]) -> tuple[torch.dtype, list[list[dist_sync.Entry]]]:
@@ -718,12 +726,11 @@ class HTTPEngine:
         size = torch.empty(0, dtype=send_dtype).element_size()
         return send_dtype, dist_sync.buckets(self._entries, element_size=size, bucket_bytes=self.bucket_bytes)
 
-    def _broadcast(self, version: int, state_dict: dict[str, torch.Tensor] | None, live: list[ServerState],
+    def _broadcast(self, version: int, state: dict[str, torch.Tensor], live: list[ServerState],
                    plan: tuple[torch.dtype, list[list[dist_sync.Entry]]]) -> tuple[int, int]:
         """Send every bucket of ``plan``; check the last answers' checksums. Returns (bytes of one copy sent,
         buckets). Every bucket is gathered even after a failure (other trainer ranks gather it with this one);
         the first failure is raised once all were."""
-        state = state_dict if state_dict is not None else self._sent_state()
         dtypes = {s.dtype for s in live}
         checksum = dist_sync.StreamingChecksum([DTYPES.get(d or "") for d in dtypes])
         send_dtype, planned = plan
@@ -753,11 +760,8 @@ class HTTPEngine:
                 "shapes": [list(e.shape) for e in bucket], "group_name": self._group_name, "flush_cache": last,
                 "abort_all_requests": self.abort_on_update, "load_format": dist_sync.FLATTENED,
                 "weight_version": str(version) if last else None}
-        settled, failures = threading.Event(), []
-
-        def failed(server: ServerState, why: str) -> None:
-            failures.append(f"{server.url}: {why}")
-            settled.set()
+        failed = _Failures()
+        settled, failures = failed.settled, failed.messages
 
         answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/update_weights_from_distributed",
                                                                    [body] * len(live), on_failure=failed), self._loop)
