@@ -484,10 +484,9 @@ class HTTPEngine:
             return box[0]
 
         main, outcome = self.rank == 0, "disk"
-        state = self.policy.model.state_dict()
+        state = self._sent_state()  # (model.lora: merged on the shards — a collective, once per rank and update)
         if self.weight_sync == "distributed":
             plan = share(self._bucket_plan(self.live_servers()) if main else None)
-            state = self._sent_state()  # (model.lora: merged on the shards — a collective, once per rank)
             if main:
                 try:
                     self._sync_distributed(version, state, plan=plan, fallback=False)
@@ -502,17 +501,18 @@ class HTTPEngine:
                     dist_sync.full_tensors(state, bucket)  # rank 0's gathers need ours
             outcome = share(outcome)
         if outcome == "disk":
-            full = None
-            if any(hasattr(t, "full_tensor") for t in state.values()):  # FSDP2: gathered onto rank 0 only
+            lora = getattr(self.policy, "lora", None) is not None
+            sharded = any(hasattr(t, "full_tensor") for t in state.values())
+            full = state if lora else None  # LoRA: the merged weights above (DDP: each rank's own, whole)
+            if sharded and lora:  # FSDP2: the merged shards gathered onto rank 0 only
+                from vlrl.models.lora import gather_on_rank0
+
+                full = gather_on_rank0(state.items())
+            elif sharded:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-                if getattr(self.policy, "lora", None) is not None:  # LoRA: merged on the shards, then gathered
-                    from vlrl.models.lora import full_merged_state_dict
-
-                    full = full_merged_state_dict(self.policy)
-                else:
-                    full = get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True,
-                                                                                            cpu_offload=True))
+                full = get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True,
+                                                                                        cpu_offload=True))
             if main:
                 try:
                     self.publish(version=version, state_dict=full).result() if self.weight_sync == "disk" else \
