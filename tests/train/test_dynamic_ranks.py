@@ -45,8 +45,16 @@ def test_dynamic_sampling_on_2_ranks_equals_1_rank(tiny_vlm_dir, tmp_path):
     moved = torch.sqrt(sum(((state[k] - initial[k]) ** 2).sum() for k in state))
     # 3 Adam steps moved the weights by ~1.7 (L2); the two runs differ by float rounding only (measured ~5e-6)
     assert moved > 0.1 and gap < 1e-4 * moved
-    bad = [k for k in state if not torch.allclose(two["state"][k], state[k], rtol=1e-3, atol=1e-5)]
-    assert not bad, f"weights differ: {bad[:5]}"
+    # element by element: Adam divides each gradient by its own running scale, so an element whose gradient is near
+    # zero turns a rounding difference into a visible one (seen on an AVX-512 CPU: 1 element of 1.06M, 0.00948 vs
+    # 0.00952). Such elements are rare and Adam moves none by more than ~lr per step; every other element agrees.
+    lr, steps = worker.stage().optim.lr, worker.stage().train.steps
+    differs = {k: ~torch.isclose(two["state"][k], state[k], rtol=1e-3, atol=1e-5) for k in state}
+    n_differ = sum(int(d.sum()) for d in differs.values())
+    assert n_differ <= 1e-5 * sum(v.numel() for v in state.values()), f"weights differ: {n_differ} elements"
+    for k, d in differs.items():
+        if d.any():
+            assert (two["state"][k][d] - state[k][d]).abs().max() <= 2 * lr * steps, k
 
 
 def _initial(model_dir):
