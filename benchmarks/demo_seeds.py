@@ -117,8 +117,12 @@ def environment_line(summaries: list[dict]) -> str:
         return "package versions differ between the runs: " + "; ".join(sorted(envs))
     env = json.loads(envs.pop())
     names = ("torch", "transformers", "tokenizers", "pillow", "numpy", "vlrl")
-    return (" · ".join(f"{n} {env.get(n)}" for n in names) + f" · Python {env.get('python')} · {env.get('platform')}"
+    line = (" · ".join(f"{n} {env.get(n)}" for n in names) + f" · Python {env.get('python')} · {env.get('platform')}"
             f" · {env.get('cpus')} CPUs")
+    if env.get("numerics"):  # runs before vlrl.numerics recorded none
+        line += (f" ({env.get('cpu')}) · numerics {env['numerics']}: {env.get('cpu_kernels')} kernels, MKL "
+                 f"{env.get('mkl_cbwr')}")
+    return line
 
 
 def commit() -> str:

@@ -236,6 +236,8 @@ def demo(run: Run) -> None:
     assert [r["step"] for r in rl] == [1, 2]
     assert all("policy/skipped_rows_frac" in r for r in rl)  # train.skip_zero_advantage
     assert {"base", "sft", "rl", "sft_control"} <= set(run.summary)
+    environment = run.summary["environment"]  # numerics: portable — the AVX2 kernels, whatever this CPU has
+    assert environment["numerics"] == "portable" and environment["cpu_kernels"] == "AVX2"
 
 
 def ppo(run: Run) -> None:

@@ -35,9 +35,12 @@ def _extra(data: str | None, resume: str | None, test: str | None = None) -> lis
 
 
 def _load(cls, config: Path | None, overrides: list[str] | None, extra: list[str]):
+    """The run's config, with its ``numerics`` pinned before anything computes (`vlrl.numerics`)."""
+    from vlrl.numerics import NumericsError, apply_numerics
+
     try:
-        return load_config(cls, config, [*extra, *(overrides or [])])
-    except ConfigError as err:
+        return load_config(cls, config, [*extra, *(overrides or [])], prepare=lambda cfg: apply_numerics(cfg.numerics))
+    except (ConfigError, NumericsError) as err:
         typer.secho(str(err), fg="red", err=True)
         raise typer.Exit(2) from None
 

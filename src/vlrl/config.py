@@ -10,11 +10,14 @@ their stage sections; `DemoConfig` holds both stages under ``sft`` and ``rl``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from vlrl.numerics import Numerics
 
 
 class ConfigError(ValueError):
@@ -774,6 +777,13 @@ class RunConfig(Section):
     out: str = Field("runs/latest", description="Run directory: config.yaml, metrics.jsonl, checkpoints/, summary.json.")
     seed: int = Field(0, ge=0, lt=SEED_MAX, description="Seed of sampling, shuffling and dropout (0 ≤ seed < 2**32: "
                       "numpy's range; with several ranks, rank r uses seed + r).")
+    numerics: Numerics = Field(
+        "native", description="CPU kernels. native: each library's fastest for this CPU (AVX-512 where present). "
+        "portable: ATen, MKL and oneDNN capped at AVX2 (MKL in strict reproducible mode), so the run gives the same "
+        "bits on any Intel CPU with AVX2 at a given torch thread count (not on AMD ones) — ~1.1-1.3x slower per step "
+        "where AVX-512 is present (`vlrl.numerics`; the demo uses it). Applied before the run's first tensor "
+        "operation; GPUs unaffected.",
+    )
     report: ReportConfig = Field(default_factory=ReportConfig, description="Metric sinks, progress and the HTML report.")
     check: CheckConfig = Field(default_factory=CheckConfig, description="The preflight check run before loading weights.")
     dist: DistConfig = Field(default_factory=DistConfig, description="Data-parallel training under torchrun / `vlrl launch`.")
@@ -907,8 +917,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[Base
     return raw
 
 
-def load_config(cls: type[Section], path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
-    """Read YAML (optional), apply dotted overrides, validate into ``cls``.
+def load_config(cls: type[Section], path: str | Path | None = None, overrides: list[str] | None = None, *,
+                prepare: Callable[[Any], None] | None = None) -> Any:
+    """Read YAML (optional), apply dotted overrides, validate into ``cls``; ``prepare(cfg)`` runs between the
+    validation and the plug-in checks, which run tensor operations (the CLI pins ``numerics`` there).
 
     Input paths (the fields marked ``json_schema_extra={"path": ...}``: data files, packing plans, model
     directories) are made absolute: a relative one written in the YAML file is taken from the file's own
@@ -932,6 +944,8 @@ def load_config(cls: type[Section], path: str | Path | None = None, overrides: l
         cfg = cls.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_explain(err, path)) from None
+    if prepare is not None:
+        prepare(cfg)
     problems = plugin_option_problems(cfg)
     if problems:
         where = f"{path}: " if path else ""

@@ -1,9 +1,10 @@
 """What a run's numbers depend on besides its config: package versions, torch threads, the machine.
 
-Two runs of the same config and seed give the same numbers only with the same versions of these packages
-and the same torch thread count (CPU kernels are deterministic for a given count, not across counts); a
-fresh install on another day resolves other versions. `environment` records them for summary.json and
-report.html, so two runs that differ can be told apart.
+Two runs of the same config and seed give the same numbers only with the same versions of these packages, the
+same torch thread count (CPU kernels are deterministic for a given count, not across counts) and the same CPU
+kernels (AVX2 or AVX-512 ones, MKL's branch: `vlrl.numerics`, pinned by ``numerics: portable``); a fresh install
+on another day resolves other versions. `environment` records them for summary.json and report.html, so two runs
+that differ can be told apart.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import platform
 from importlib import metadata
+
+from vlrl.numerics import PORTABLE_ENV, cpu_name, describe_mkl, mkl_branch
 
 PACKAGES = ("torch", "transformers", "tokenizers", "pillow", "numpy", "vlrl")
 
@@ -29,10 +32,18 @@ def environment() -> dict[str, str | int | None]:
     info["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS")
     info["platform"] = platform.platform()
     info["cpus"] = os.cpu_count()
+    info["cpu"] = cpu_name()
+    # the kernels in use (vlrl.numerics): another CPU family picks others, and with them other roundings
+    info["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()
+    info["mkl_cbwr"] = describe_mkl(mkl_branch())
+    info["numerics"] = "portable" if all(os.environ.get(k) == v for k, v in PORTABLE_ENV.items()) else "native"
     return info
 
 
 def describe(info: dict) -> str:
-    """One line: ``torch 2.13.0 · transformers 5.24.0 · … · 2 torch threads``."""
+    """One line: ``torch 2.13.0 · transformers 5.24.0 · … · 2 torch threads · numerics portable (AVX2 kernels)``."""
     versions = " · ".join(f"{name} {info[name]}" for name in PACKAGES if info.get(name))
-    return f"{versions} · {info.get('torch_threads')} torch thread(s) · Python {info.get('python')}"
+    line = f"{versions} · {info.get('torch_threads')} torch thread(s) · Python {info.get('python')}"
+    if info.get("numerics"):  # summaries written before the numerics were recorded have none
+        line += f" · numerics {info['numerics']} ({info.get('cpu_kernels')} kernels)"
+    return line
