@@ -28,7 +28,7 @@ README = ROOT / "README.md"
 
 # README command (its start, after joining continuation lines and dropping comments) → why it is not run here.
 NOT_RUN = {
-    "make demo": "the full demo takes 11–21 minutes on a shared 2-core machine (docs/experiments/demo.md); the same recipe runs tiny in tests/report/test_html.py",
+    "make demo": "the full demo takes 7–11 minutes on 2 cores (README, Quickstart); the same recipe runs tiny in tests/report/test_html.py and tests/test_numerics.py, its quick configuration in tests/e2e/test_demo.py",
     "make test": "runs this test suite",
     "source .venv/bin/activate": "a shell builtin: these tests run inside the environment it activates",
     "vlrl check configs/shapes_sft.yaml --data sft.jsonl": "your own files (sft.jsonl, rl.jsonl, test.jsonl); "
