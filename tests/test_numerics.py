@@ -78,7 +78,7 @@ def _demo(out: Path, *extra: str, **env: str) -> dict:
 @pytest.mark.e2e
 def test_vlrl_demo_numerics_portable_equals_the_libraries_own_switches(tmp_path):
     """Through the CLI: `numerics=portable` is recorded in summary.json, and its weights are bit for bit those of
-    the same run with the three switches set in the environment before start — so all three (oneDNN's, which
+    the same run with numerics=native and the three switches set in the environment before start — so all three (oneDNN's, which
     nothing reports, included: without it the weights differ) took effect in time."""
     if native_capability() == "DEFAULT":  # no AVX2: refused (test above), nothing to compare
         done = subprocess.run([sys.executable, "-m", "vlrl.cli", "demo", "--out", str(tmp_path), *TINY_DEMO,
@@ -86,7 +86,7 @@ def test_vlrl_demo_numerics_portable_equals_the_libraries_own_switches(tmp_path)
         assert done.returncode == 2 and "has no AVX2" in done.stderr
         return
     portable = _demo(tmp_path / "portable", "numerics=portable")
-    by_env = _demo(tmp_path / "by_env", **PORTABLE_ENV)
+    by_env = _demo(tmp_path / "by_env", "numerics=native", **PORTABLE_ENV)  # the CLI sets nothing
     env = portable["environment"]
     assert env["numerics"] == "portable" and env["cpu_kernels"] == "AVX2" and env["cpu"]
     assert env["mkl_cbwr"] in ("AVX2,STRICT", None)
@@ -95,6 +95,6 @@ def test_vlrl_demo_numerics_portable_equals_the_libraries_own_switches(tmp_path)
     assert portable["sft"] == by_env["sft"] and portable["rl"] == by_env["rl"]
     # and the mode is not a no-op: native kernels round otherwise — on AVX-512 CPUs (ATen's and MKL's own branches)
     # and on AVX2 ones too (MKL's non-strict AVX2 branch: measured on an emulated Haswell)
-    native = _demo(tmp_path / "native")
+    native = _demo(tmp_path / "native", "numerics=native")  # demo.yaml says portable
     assert native["environment"]["numerics"] == "native"
     assert native["weights"]["sft"] != portable["weights"]["sft"]
