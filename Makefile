@@ -38,10 +38,12 @@ demo: $(DEMO_BIN)/.vlrl-installed
 demo-seeds: $(DEMO_BIN)/.vlrl-installed
 	$(DEMO_BIN)/python benchmarks/demo_seeds.py --seeds $(SEEDS) --threads 1 2 --out runs/demo_seeds
 
-# One pytest-xdist worker per core (a file's tests stay on one worker: its module fixtures are built once).
+# One pytest-xdist worker per core (a file's tests stay on one worker: its module fixtures are built once). Files are
+# handed out in the order tests/conftest.py puts them, longest first (xdist's own reorder sorts by test count, which
+# left the demo's two 6-minute runs for last, alone on one worker).
 WORKERS ?= 2
 test: $(BIN)/.vlrl-installed
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(BIN)/.vlrl-installed
 	$(BIN)/ruff check src tests benchmarks

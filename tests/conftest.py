@@ -10,6 +10,19 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Longest files first: tests/e2e (the demo's two runs, ~6 min each), then every other file with an end-to-end
+    test, then the rest, each group in collection order and each file's tests in their own order. `make test` hands
+    files to its workers in this order (`--dist loadfile --no-loadscope-reorder`), so the short files fill the gaps
+    at the end instead of one worker finishing the demo alone."""
+    heavy = {item.path for item in items if item.get_closest_marker("e2e")}
+
+    def rank(item):
+        return 0 if item.path.parent.name == "e2e" else 1 if item.path in heavy else 2
+
+    items.sort(key=rank)  # stable: collection order within each rank
+
+
 @pytest.fixture
 def tiny_vlm():
     """A fresh tiny Qwen2-VL policy (random weights, deterministic)."""
