@@ -144,20 +144,23 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per run before it is stopped")
     args = parser.parse_args()
 
-    rows, summaries = {}, []
+    rows, summaries, days = {}, [], set()
     for threads in args.threads:
         for seed in args.seeds:
             summary = run_one(args.out / f"t{threads}_s{seed}", seed, threads, args.config, args.set, args.force,
                               args.timeout)
             summaries.append(summary)
+            # the day the run finished (its summary.json's), not today's: a re-print of earlier runs keeps their date
+            days.add(datetime.date.fromtimestamp((args.out / f"t{threads}_s{seed}" / "summary.json").stat().st_mtime))
             rows[(threads, seed)] = row(summary)
             print(json.dumps({"threads": threads, "seed": seed, **{k: round(v, 4) if isinstance(v, float) else v
                                                                     for k, v in rows[(threads, seed)].items()}}),
                   flush=True)
     print()
-    print(f"Measured {datetime.date.today().isoformat()} with `python benchmarks/demo_seeds.py --seeds "
+    when = " to ".join(sorted({min(days).isoformat(), max(days).isoformat()}))
+    print(f"Measured {when} with `python benchmarks/demo_seeds.py --seeds "
           f"{' '.join(map(str, args.seeds))} --threads {' '.join(map(str, args.threads))}` "
-          f"({args.config.name}{', ' + ' '.join(args.set) if args.set else ''}; commit {commit()}):")
+          f"({args.config.name}{', ' + ' '.join(args.set) if args.set else ''}; printed at commit {commit()}):")
     print(environment_line(summaries) + "; held-out sampled pass@1 (T = 1) / greedy accuracy:")
     print()
     print("\n".join(table(rows, args.threads)))
