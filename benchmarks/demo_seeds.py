@@ -147,17 +147,18 @@ def main() -> None:
     rows, summaries, days = {}, [], set()
     for threads in args.threads:
         for seed in args.seeds:
-            summary = run_one(args.out / f"t{threads}_s{seed}", seed, threads, args.config, args.set, args.force,
-                              args.timeout)
+            out = args.out / f"t{threads}_s{seed}"
+            summary = run_one(out, seed, threads, args.config, args.set, args.force, args.timeout)
             summaries.append(summary)
             # the day the run finished (its summary.json's), not today's: a re-print of earlier runs keeps their date
-            days.add(datetime.date.fromtimestamp((args.out / f"t{threads}_s{seed}" / "summary.json").stat().st_mtime))
+            days.add(datetime.date.fromtimestamp((out / "summary.json").stat().st_mtime))
             rows[(threads, seed)] = row(summary)
             print(json.dumps({"threads": threads, "seed": seed, **{k: round(v, 4) if isinstance(v, float) else v
                                                                     for k, v in rows[(threads, seed)].items()}}),
                   flush=True)
     print()
-    when = " to ".join(sorted({min(days).isoformat(), max(days).isoformat()}))
+    first, last = min(days).isoformat(), max(days).isoformat()
+    when = first if first == last else f"{first} to {last}"
     print(f"Measured {when} with `python benchmarks/demo_seeds.py --seeds "
           f"{' '.join(map(str, args.seeds))} --threads {' '.join(map(str, args.threads))}` "
           f"({args.config.name}{', ' + ' '.join(args.set) if args.set else ''}; printed at commit {commit()}):")
