@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 import vlrl
+from vlrl.numerics import portable_obstacle
 
 CONFIGS = Path(vlrl.__file__).parent / "configs"  # = the repository's configs/ (a symlink to it)
 REPO = Path(__file__).resolve().parents[1]
@@ -236,8 +237,12 @@ def demo(run: Run) -> None:
     assert [r["step"] for r in rl] == [1, 2]
     assert all("policy/skipped_rows_frac" in r for r in rl)  # train.skip_zero_advantage
     assert {"base", "sft", "rl", "sft_control"} <= set(run.summary)
-    environment = run.summary["environment"]  # numerics: portable — the AVX2 kernels, whatever this CPU has
-    assert environment["numerics"] == "portable" and environment["cpu_kernels"] == "AVX2"
+    environment = run.summary["environment"]  # numerics: auto — portable on an Intel CPU with AVX2, native elsewhere
+    assert environment["numerics_requested"] == "auto"
+    if portable_obstacle() is None:
+        assert environment["numerics"] == "portable" and environment["cpu_kernels"] == "AVX2"
+    else:
+        assert environment["numerics"] == "native" and environment["numerics_reason"] == portable_obstacle()
 
 
 def ppo(run: Run) -> None:

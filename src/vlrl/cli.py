@@ -29,6 +29,25 @@ TEST = typer.Option(None, "--test", help="Held-out samples file/dir (sets data.t
                     "data.test_fraction of --data is held out (never the procedural suite).")
 
 
+NUMERICS = typer.Option(None, "--numerics", help="CPU kernels: native, portable (the same bits on any Intel CPU "
+                        "with AVX2) or auto (portable where possible); see the numerics config field.")
+
+
+def _apply_numerics(command: str, mode: str) -> None:
+    """Pin the CPU kernels before the command's first tensor operation (`vlrl.numerics`); a bad mode or one that
+    cannot take effect ends the command with its cause (exit 2)."""
+    from vlrl.numerics import NumericsError, apply_numerics
+
+    if mode not in ("native", "portable", "auto"):
+        typer.secho(f"vlrl {command}: --numerics must be native, portable or auto, not {mode!r}", fg="red", err=True)
+        raise typer.Exit(2)
+    try:
+        apply_numerics(mode)
+    except NumericsError as err:
+        typer.secho(f"vlrl {command}: {err}", fg="red", err=True)
+        raise typer.Exit(2) from None
+
+
 def _extra(data: str | None, resume: str | None, test: str | None = None) -> list[str]:
     return [*([f"data.train={data}"] if data else []), *([f"data.test={test}"] if test else []),
             *([f"checkpoint.resume={resume}"] if resume else [])]
@@ -160,8 +179,11 @@ def serve(
                                           help="Wait while requests keep arriving at most this far apart before decoding."),
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     init_seed: int = typer.Option(0, "--init-seed", help="Seed of a tiny preset's random initialisation."),
+    numerics: str = typer.Option("native", "--numerics", help="CPU kernels: native, portable or auto (the trainer's "
+                                 "numerics, for log-probs computed with the same kernels)."),
 ) -> None:
     """Serve a policy over SGLang's native HTTP API (/generate, /update_weights_from_disk, /health, /get_model_info)."""
+    _apply_numerics("serve", numerics)
     import torch
 
     from vlrl.check import model_path_problem
@@ -203,6 +225,7 @@ def eval_(
     seed: int = typer.Option(0, "--seed", help="Seed of the sampled responses: the same seed gives the same numbers."),
     n: int = typer.Option(200, "--n", help="Procedural test samples when there is neither --data nor a run config."),
     out: Path | None = typer.Option(None, "--out", help="Write the result as JSON here."),
+    numerics: str | None = NUMERICS,
 ) -> None:
     """Greedy accuracy, sampled accuracy and pass@k per task on held-out data (preflight-checked first)."""
     from vlrl.config import DataConfig, ModelConfig, RolloutConfig, RunConfig
@@ -212,6 +235,9 @@ def eval_(
     from vlrl.train.common import seed_everything
 
     run = _run_config_of(model)
+    # by default the run's kernels, where this machine can reproduce them (a portable run re-evaluated on an AMD CPU
+    # gets native kernels and says so) — the mode in effect is in the output's settings
+    _apply_numerics("eval", numerics or ("native" if run is None or run.numerics == "native" else "auto"))
     given = {"samples": samples, "temperature": temperature, "top_k": top_k, "max_new_tokens": max_new_tokens}
     settings = (run.eval if run is not None else EvalConfig()).model_copy(
         update={k: v for k, v in given.items() if v is not None})
@@ -227,7 +253,12 @@ def eval_(
         policy = load_policy(model, **bounds)
     with progress.task(f"eval {len(test)} prompts × {settings.samples}"):
         result = evaluate(build_engine(RolloutConfig(), policy, max_batch_size=settings.max_batch_size), test, settings)
-    text = json.dumps({**result.to_dict(examples=False), "settings": {**settings.model_dump(), "seed": seed}}, indent=2)
+    from vlrl.numerics import applied
+
+    decided = applied()
+    numerics_used = {"requested": decided.requested, "mode": decided.mode, "reason": decided.reason}
+    text = json.dumps({**result.to_dict(examples=False),
+                       "settings": {**settings.model_dump(), "seed": seed, "numerics": numerics_used}}, indent=2)
     if out:
         out.write_text(text + "\n")
     typer.echo(text)
@@ -252,7 +283,8 @@ def _run_config_of(model: str):
             raw = yaml.safe_load(config.read_text()) or {}
             return RunConfig(model=ModelConfig.model_validate(raw.get("model", {})),
                              data=DataConfig.model_validate(raw.get("data", {})),
-                             eval=EvalConfig.model_validate(raw.get("eval", {})))
+                             eval=EvalConfig.model_validate(raw.get("eval", {})),
+                             numerics=raw.get("numerics", "native"))
         except (yaml.YAMLError, ValidationError, AttributeError) as err:
             typer.secho(f"vlrl eval: {config} (the run's config) does not load ({_first_line(err)}); "
                         "give --data and the eval options", fg="red", err=True)

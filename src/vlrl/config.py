@@ -780,9 +780,11 @@ class RunConfig(Section):
     numerics: Numerics = Field(
         "native", description="CPU kernels. native: each library's fastest for this CPU (AVX-512 where present). "
         "portable: ATen, MKL and oneDNN capped at AVX2 (MKL in strict reproducible mode), so the run gives the same "
-        "bits on any Intel CPU with AVX2 at a given torch thread count (not on AMD ones) — ~1.1-1.3x slower per step "
-        "where AVX-512 is present (`vlrl.numerics`; the demo uses it). Applied before the run's first tensor "
-        "operation; GPUs unaffected.",
+        "bits on any Intel CPU with AVX2 at a given torch thread count — refused on other CPUs (AMD, ARM, no AVX2), "
+        "whose kernels no Intel machine reproduces; ~1.1-1.3x slower per step where AVX-512 is present. auto: "
+        "portable where it can be honoured, native elsewhere, the choice and its reason in the run's first line and "
+        "summary.json (the demo uses it). Applied before the run's first tensor operation (`vlrl.numerics`); GPUs "
+        "unaffected.",
     )
     report: ReportConfig = Field(default_factory=ReportConfig, description="Metric sinks, progress and the HTML report.")
     check: CheckConfig = Field(default_factory=CheckConfig, description="The preflight check run before loading weights.")

@@ -13,7 +13,7 @@ import os
 import platform
 from importlib import metadata
 
-from vlrl.numerics import PORTABLE_ENV, cpu_name, describe_mkl, mkl_branch
+from vlrl.numerics import PORTABLE_ENV, applied, cpu_name, cpu_vendor, describe_mkl, mkl_branch
 
 PACKAGES = ("torch", "transformers", "tokenizers", "pillow", "numpy", "vlrl")
 
@@ -33,10 +33,14 @@ def environment() -> dict[str, str | int | None]:
     info["platform"] = platform.platform()
     info["cpus"] = os.cpu_count()
     info["cpu"] = cpu_name()
+    info["cpu_vendor"] = cpu_vendor()
     # the kernels in use (vlrl.numerics): another CPU family picks others, and with them other roundings
     info["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()
     info["mkl_cbwr"] = describe_mkl(mkl_branch())
     info["numerics"] = "portable" if all(os.environ.get(k) == v for k, v in PORTABLE_ENV.items()) else "native"
+    decided = applied()  # the CLI's decision (numerics: auto records what it chose and why)
+    if decided is not None:
+        info["numerics_requested"], info["numerics_reason"] = decided.requested, decided.reason
     return info
 
 
@@ -46,4 +50,6 @@ def describe(info: dict) -> str:
     line = f"{versions} · {info.get('torch_threads')} torch thread(s) · Python {info.get('python')}"
     if info.get("numerics"):  # summaries written before the numerics were recorded have none
         line += f" · numerics {info['numerics']} ({info.get('cpu_kernels')} kernels)"
+        if info.get("numerics_requested") == "auto":  # what auto chose, and why (vlrl.numerics)
+            line += f" chosen by numerics=auto: {info.get('numerics_reason')}"
     return line
