@@ -42,11 +42,12 @@ NATIVE_ABORT = re.compile(r"unaligned (fastbin|tcache) chunk|malloc\(\)|free\(\)
 
 
 def run_checked(cmd: list[str], *, timeout: float = 300, retry_native_abort: bool = False,
-                **kwargs) -> subprocess.CompletedProcess:
+                env_extra: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
     """Run ``cmd`` quietly; AssertionError with its output tails when it fails. ``retry_native_abort``: a job
     whose outputs start from nothing (a fresh directory) runs again once when a rank died in a `NATIVE_ABORT`,
     said in the warnings summary; a second abort, or any other failure, fails."""
-    proc = subprocess.run(cmd, env=quiet_env(), capture_output=True, text=True, timeout=timeout, **kwargs)
+    proc = subprocess.run(cmd, env=quiet_env(**(env_extra or {})), capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
     if proc.returncode == 0:
         return proc
     message = (f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
@@ -55,7 +56,7 @@ def run_checked(cmd: list[str], *, timeout: float = 300, retry_native_abort: boo
     if not (retry_native_abort and aborted):
         raise AssertionError(message)
     warnings.warn(f"a rank aborted in native code; ran the job again once:\n{message[-2000:]}", stacklevel=2)
-    return run_checked(cmd, timeout=timeout, **kwargs)
+    return run_checked(cmd, timeout=timeout, env_extra=env_extra, **kwargs)
 
 
 def kill_process_tree(pid: int) -> None:

@@ -84,18 +84,5 @@ def test_two_ranks_share_a_rollout_server_and_equal_the_one_rank_run(tiny_vlm_di
     assert os.path.exists(tmp_path / "two" / "summary.json")
 
 
-@pytest.mark.e2e
-def test_two_ddp_ranks_update_a_server_through_disk(tiny_vlm_dir, tmp_path):
-    """The other corner of the same run: DDP ranks (every rank holds the whole model) and the disk fallback
-    (`rollout.weight_sync=disk`): rank 0 alone writes each step's weights under OUT/rollout_weights and asks the
-    server to load them; the server ends with the exported final weights' checksum at version STEPS."""
-    data = {"model": str(tiny_vlm_dir), "file": _write_data(tmp_path / "rl.jsonl")}
-    out = tmp_path / "ddp"
-    with vlrl_serve(str(tiny_vlm_dir), tmp_path) as (url,):
-        records = _run(torchrun(2, "-m", "vlrl.cli"), out, url, data, "dist.strategy=ddp",
-                       "rollout.weight_sync=disk")
-        info = _server_info(url)
-    final = load_policy(str(out / "checkpoints" / "final"))
-    assert info["weight_version"] == str(STEPS) and info["weight_checksum"] == weight_checksum(final.model)
-    assert any((out / "rollout_weights").iterdir())
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and records[0]["policy/grad_norm"] > 0.1
+# The other corners of the topology — {sync, async} × {fsdp, ddp} × {disk, distributed} and LoRA with disk — each
+# end at the exported weights' checksum in test_topology_matrix.py.

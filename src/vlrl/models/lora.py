@@ -175,7 +175,7 @@ def merged_weights(policy, state_dict: dict[str, torch.Tensor] | None = None) ->
 def save_merged(policy, out_dir: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Write the merged weights in the transformers layout (config, generation config, safetensors);
     ``state_dict``: the merged weights already gathered (`full_merged_state_dict`)."""
-    policy.model.save_pretrained(out_dir, state_dict=state_dict if state_dict is not None else merged_state_dict(policy))
+    policy.model.save_pretrained(out_dir, state_dict=dict(state_dict) if state_dict is not None else merged_state_dict(policy))
 
 
 def save_adapter(policy, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
@@ -183,5 +183,5 @@ def save_adapter(policy, out_dir: str | Path, state_dict: dict[str, torch.Tensor
     ``PeftModel.from_pretrained(base, out_dir)``; ``state_dict``: the adapter tensors already gathered
     (`full_adapter_state_dict`)."""
     out_dir = Path(out_dir)
-    policy.lora.save_pretrained(out_dir, **({"state_dict": state_dict} if state_dict is not None else {}))
+    policy.lora.save_pretrained(out_dir, **({"state_dict": dict(state_dict)} if state_dict is not None else {}))
     return out_dir

@@ -75,7 +75,8 @@ class Policy:
             save_merged(self, out_dir, state_dict)
             save_adapter(self, out_dir / ADAPTER_DIR, adapter_state_dict)
         else:
-            self.model.save_pretrained(out_dir, **({"state_dict": state_dict} if state_dict is not None else {}))
+            # a copy: save_pretrained may pop the entries of the dict it is handed (the caller's stays whole)
+            self.model.save_pretrained(out_dir, **({"state_dict": dict(state_dict)} if state_dict is not None else {}))
         self.tokenizer.save_pretrained(out_dir)
         if self.image_processor is not None:
             self.image_processor.save_pretrained(out_dir)

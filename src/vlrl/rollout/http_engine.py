@@ -552,8 +552,10 @@ class HTTPEngine:
             from vlrl.models.lora import merged_weights
 
             state_dict = merged_weights(self.policy, state_dict)
-        with quiet_transformers():
-            model.save_pretrained(path, state_dict=state_dict)
+        with quiet_transformers():  # a copy: save_pretrained may pop the entries of the dict it is handed (transformers
+            # 5.x writes each shard by popping its tensors when no conversion made a new dict), and the checksum below
+            # needs them — without it an FSDP2 run predicted the checksum of nothing (e3b0c442…) at its first update
+            model.save_pretrained(path, state_dict=None if state_dict is None else dict(state_dict))
         weights = state_dict if state_dict is not None else model
         checksums: dict[str | None, str] = {}
         for server in self.live_servers():  # predicted checksum per server dtype
