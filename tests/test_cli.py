@@ -157,7 +157,8 @@ def test_eval_reads_the_eval_settings_and_data_of_any_runs_config(tmp_path, tiny
     evaluated = json.loads((tmp_path / "e.json").read_text())
     assert evaluated["n_prompts"] == 3 and evaluated["k"] == 2
     assert evaluated["settings"] == {"samples": 2, "temperature": 0.5, "top_k": 5, "max_new_tokens": 3,
-                                     "max_batch_size": 256, "seed": 0}
+                                     "max_batch_size": 256, "seed": 0,  # the run's numerics (native): kept
+                                     "numerics": {"requested": "native", "mode": "native", "reason": "asked for"}}
     assert "the run's held-out file" in result.output and "top_k 5" in result.output
     result = runner.invoke(app, ["eval", "--model", str(tiny_vlm_dir), "--n", "2", "--samples", "1",
                                  "--out", str(tmp_path / "plain.json")])

@@ -157,3 +157,39 @@ def test_vlrl_demo_numerics_auto_runs_on_any_cpu_and_says_what_it_chose(tmp_path
         refused = subprocess.run([sys.executable, "-m", "vlrl.cli", "demo", "--out", str(tmp_path / "p"), *TINY_DEMO,
                                   "numerics=portable"], env=clean_env(), capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2 and OBSTACLE in refused.stderr
+
+
+def test_eval_and_serve_take_numerics(tmp_path, tiny_vlm_dir):
+    """`vlrl eval` re-evaluates a checkpoint with its run's numerics where this CPU can honour them (a portable run
+    on an AMD CPU: native, and the output says why) or with --numerics; `vlrl serve --numerics` pins the server's
+    kernels before it loads anything (a bad model path is reported only after the numerics took effect)."""
+    import yaml
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "final").symlink_to(tiny_vlm_dir, target_is_directory=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"numerics": "portable", "eval": {"samples": 1,
+                                                                                     "max_new_tokens": 2},
+                                                     "data": {"n_test": 2}}))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "vlrl.cli", *args], env=clean_env(), capture_output=True,
+                              text=True, timeout=300)
+
+    done = cli("eval", "--model", str(run / "checkpoints" / "final"), "--out", str(tmp_path / "e.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    used = json.loads((tmp_path / "e.json").read_text())["settings"]["numerics"]
+    assert used["requested"] == "auto"  # the run's portable, where this machine can give it
+    assert used["mode"] == ("native" if OBSTACLE else "portable")
+    assert used["reason"] == (OBSTACLE or used["reason"])
+    explicit = cli("eval", "--model", str(run / "checkpoints" / "final"), "--numerics", "portable", "--out",
+                   str(tmp_path / "p.json"))
+    if OBSTACLE:
+        assert explicit.returncode == 2 and OBSTACLE in explicit.stderr
+    else:
+        assert explicit.returncode == 0 and json.loads((tmp_path / "p.json").read_text())["settings"]["numerics"][
+            "mode"] == "portable"
+    assert cli("eval", "--model", str(tiny_vlm_dir), "--numerics", "fast").returncode == 2
+    served = cli("serve", "--model", str(tmp_path / "missing"), "--numerics", "portable")
+    assert served.returncode == 2
+    assert (OBSTACLE in served.stderr) if OBSTACLE else ("--model" in served.stderr)
