@@ -12,7 +12,8 @@ first few of every task and the longest prompts — to check:
 - batch, group and micro-batch sizes divide;
 - every reward name, estimator, policy loss, metric sink and dotted path (``pkg.mod:fn``, e.g. an
   environment) resolves; every verifier the data names has its optional dependencies; the procedural suite
-  and its tasks exist; data files exist and parse.
+  and its tasks exist; data files exist and parse;
+- the ``code`` reward's sandbox can have the isolation ``sandbox.isolation`` asks for (when the data uses it).
 
 Every problem names the config field or the ``file:line``; all of them are listed at once.
 """
@@ -102,6 +103,7 @@ def preflight(cfg: RunConfig, *, splits: dict[str, list[Sample]] | None = None,
     if splits is None:
         splits = _read_splits(report, cfg)
     _check_reward_dependencies(report, splits)
+    _check_sandbox(report, cfg, splits)
     _check_sft_responses(report, splits.get("train", []), sft)
     bundle = _load_processor(report, cfg.model)
     if bundle is not None:
@@ -269,6 +271,36 @@ def _check_reward_dependencies(report: CheckReport, splits: dict[str, list[Sampl
             continue  # unknown names are reported where the records are read
         if message:
             report.problem("data", message)
+
+
+def runs_programs(splits: dict[str, list[Sample]]) -> bool:
+    """Whether any sample is scored by the ``code`` reward (model-written programs run in the sandbox)."""
+    return any("code" in s.reward_names() for samples in splits.values() for s in samples)
+
+
+def sandbox_isolation(cfg: RunConfig, splits: dict[str, list[Sample]]) -> dict[str, str] | None:
+    """What the run's programs get (`vlrl.rewards.sandbox.report_isolation`: setting, isolation obtained,
+    description; logged once) when the samples use the ``code`` reward, else None. Raises
+    `vlrl.rewards.sandbox.SandboxUnavailable` when ``sandbox.isolation`` cannot be had here."""
+    if not runs_programs(splits):
+        return None
+    from vlrl.rewards.sandbox import report_isolation
+
+    return report_isolation(cfg.sandbox.isolation)
+
+
+def _check_sandbox(report: CheckReport, cfg: RunConfig, splits: dict[str, list[Sample]]) -> None:
+    """The ``code`` reward's sandbox gets the isolation ``sandbox.isolation`` asks for, or the run stops here."""
+    from vlrl.rewards.sandbox import SandboxUnavailable
+
+    try:
+        record = sandbox_isolation(cfg, splits)
+    except SandboxUnavailable as err:
+        report.problem("sandbox.isolation", str(err))
+        return
+    if record is not None:
+        report.facts.append(f"code sandbox: isolation {record['isolation']} (sandbox.isolation {record['setting']}): "
+                            f"{record['description']}")
 
 
 def read_data(report: CheckReport, field_name: str, path: str | Path, on_error: str,

@@ -681,6 +681,19 @@ class CheckConfig(Section):
     )
 
 
+class SandboxConfig(Section):
+    """The sandbox of the ``code`` reward, which runs model-written programs (`vlrl.rewards.sandbox`)."""
+
+    isolation: Literal["namespaces", "root", "user", "none"] = Field(
+        "namespaces", description="What isolates the programs. namespaces: root where it works, else user. root: "
+        "`unshare` as root — network, PID, mount, IPC and UTS namespaces, a private read-only root filesystem, "
+        "programs run as nobody. user: the same inside a user namespace, programs run as this user. none: rlimits "
+        "and a disabled socket module only (programs can read this machine's files and reach its network). A "
+        "setting this machine cannot give stops the run at preflight with the cause; the sandbox never falls back "
+        "to less. The mode obtained is logged and recorded in summary.json (`sandbox`).",
+    )
+
+
 # ----------------------------------------------------------------------------------------------- scale-out
 class DistConfig(Section):
     strategy: Literal["fsdp", "ddp"] = Field(
@@ -786,6 +799,9 @@ class RunConfig(Section):
     )
     report: ReportConfig = Field(default_factory=ReportConfig, description="Metric sinks, progress and the HTML report.")
     check: CheckConfig = Field(default_factory=CheckConfig, description="The preflight check run before loading weights.")
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Isolation of the `code` reward's sandbox (model-written programs)."
+    )
     dist: DistConfig = Field(default_factory=DistConfig, description="Data-parallel training under torchrun / `vlrl launch`.")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Resumable checkpoints (sharded, atomic) and `--resume auto`."
