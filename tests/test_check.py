@@ -280,3 +280,70 @@ def test_media_budgets_name_the_line_or_the_sample(tmp_path):
     # the procedural suite: every generated clip over the budget is a problem of the data section
     report = preflight(_rl("data.tasks=[video_count]", "data.suite_options={frames: 4, image_size: 32}", "data.max_images=3"))
     assert _where(report) == {"data"} and "data.max_images = 3" in report.problems[0].message
+
+
+# ----------------------------------------------------------------------------------------------- issue 38
+def _code_records(n):
+    return [{"id": f"c{k}", "task": "code/echo", "prompt": f"Print {k}.", "answer": [{"input": "", "output": str(k)}],
+             "reward": "code", "response": f"```python\nprint({k})\n```"} for k in range(n)]
+
+
+def _failing_unshare(tmp_path, monkeypatch):
+    """A machine where `unshare` fails (a container without user namespaces): a fake one first on PATH."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "unshare").write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    (fake / "unshare").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{__import__('os').environ['PATH']}")
+    monkeypatch.delenv("VLRL_SANDBOX_ISOLATION", raising=False)
+
+
+def test_vlrl_check_refuses_code_data_where_the_sandbox_cannot_isolate(tmp_path, monkeypatch):
+    """Issue 38, finding 2 through `vlrl check`: data scored by `code` on a machine where `unshare` fails is a
+    preflight problem naming the cause and the setting; sandbox.isolation=none passes and says what it gives."""
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    data = _write_jsonl(tmp_path / "code.jsonl", _code_records(8))
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"data: {{train: {data}, test: {data}}}\ntrain: {{batch_size: 4, micro_batch_size: 4}}\n"
+                      "check: {samples_per_task: 2}\n")
+    _failing_unshare(tmp_path, monkeypatch)
+    result = CliRunner().invoke(app, ["check", str(config)])
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if "sandbox.isolation" in line]
+    assert len(lines) == 1 and lines[0].startswith("  ✗ sandbox.isolation: the code sandbox cannot have isolation "
+                                                   "'namespaces' here (root: `unshare"), result.output
+    assert "exited 1: unshare: unshare failed: Operation not permitted" in lines[0]
+    assert "sandbox.isolation=none" in lines[0]
+    result = CliRunner().invoke(app, ["check", str(config), "sandbox.isolation=none"])
+    assert result.exit_code == 0, result.output
+    assert "code sandbox: isolation none (sandbox.isolation none): rlimits and a disabled socket module only" in result.output
+
+
+def test_a_run_with_code_data_logs_and_records_the_isolation_it_got(tmp_path):
+    """Issue 38: the isolation the `code` reward's programs actually get is logged once and recorded in
+    summary.json (`sandbox`); data without the `code` reward records none."""
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+    from vlrl.rewards.sandbox import isolation
+
+    data = _write_jsonl(tmp_path / "code.jsonl", _code_records(2))
+    common = ["model.path=tiny-qwen2", "train.steps=1", "train.batch_size=2", "train.micro_batch_size=2",
+              "eval.samples=1", "eval.max_new_tokens=2", "check.samples_per_task=1", "report.html=false"]
+    result = CliRunner().invoke(app, ["sft", "--data", str(data), "--test", str(data), f"out={tmp_path / 'run'}", *common])
+    assert result.exit_code == 0, result.output
+    logged = [line for line in result.output.splitlines() if "code sandbox: isolation" in line]
+    assert len(logged) == 1 and f"isolation {isolation()} (sandbox.isolation namespaces)" in logged[0], result.output
+    sandbox = json.loads((tmp_path / "run" / "summary.json").read_text())["sandbox"]
+    assert sandbox["setting"] == "namespaces" and sandbox["isolation"] == isolation() != "none"
+    from vlrl.check import sandbox_isolation
+    from vlrl.data import read_samples
+
+    samples = read_samples(data).samples
+    assert sandbox_isolation(SFTConfig(), {"train": samples[:1]}) == sandbox
+    for s in samples:
+        s.reward = "number"
+    assert sandbox_isolation(SFTConfig(), {"train": samples}) is None  # no program runs: nothing to record
