@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from vlrl import safe_yaml
 from vlrl.numerics import Numerics
 
 
@@ -904,10 +905,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[Base
             raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.clip_high=0.28")
         parts = key.strip().split(".")
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError as err:  # an unclosed bracket, a !!python tag: one line, never a traceback
-            reason = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({reason})") from None
+            value = safe_yaml.load(text, f"override {item!r}") if text.strip() else ""
+        except safe_yaml.YamlRefused as err:  # an unclosed bracket, a tag, a billion laughs: one line
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err.reason})") from None
         if cls is not None and base is not None:  # resolve the value where it sits in a config of its own
             alone: dict[str, Any] = {}
             node = alone
@@ -949,9 +949,9 @@ def load_config(cls: type[Section], path: str | Path | None = None, overrides: l
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: invalid YAML ({err})") from err
+            raw = safe_yaml.load_file(path) or {}
+        except safe_yaml.YamlRefused as err:  # bounded: aliases, depth, duplicate keys, tags (`vlrl.safe_yaml`)
+            raise ConfigError(str(err)) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         resolve_paths(cls, raw, path.resolve().parent)

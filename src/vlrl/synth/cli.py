@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-import yaml
+
+from vlrl import safe_yaml
 
 app = typer.Typer(no_args_is_help=True, help="Online data synthesis (Syn-GRPO): the synthesis server.")
 
@@ -17,7 +18,10 @@ def _options(items: list[str] | None, flag: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise typer.BadParameter(f"{flag} {item!r}: expected key=value, e.g. {flag} steps=25")
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        try:
+            out[key.strip()] = safe_yaml.load(value, f"{flag} {item!r}") if value.strip() else ""
+        except safe_yaml.YamlRefused as err:
+            raise typer.BadParameter(str(err)) from None
     return out
 
 
