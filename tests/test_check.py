@@ -2,6 +2,7 @@
 recipes stop before any model weights load."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,8 @@ def test_batch_sizes_must_divide():
     assert _where(report) == {"train.micro_batch_size"}
     demo = preflight(load_config(DemoConfig, None, [*SMALL, "rl.rollout.n=1", "rl.train.micro_batch_size=3"]))
     assert _where(demo) == {"rl.train.micro_batch_size"}  # demo fields carry their section
-    assert {w.where for w in demo.warnings} == {"rl.rollout.n"}  # a group of one: advantages all 0
+    # a group of one: advantages all 0; SFT batches of 32 from 16 samples repeat them (issue 38: said with numbers)
+    assert {w.where for w in demo.warnings} == {"rl.rollout.n", "sft.train.batch_size"}
 
 
 def test_names_and_dotted_paths_must_resolve():
@@ -142,7 +144,8 @@ def test_data_files_must_exist_and_parse(tmp_path):
     assert "unknown reward 'no_such_reward'" in problems[f"{data}:3"]
     assert "image file not found" in problems[f"{data}:4"]
     skipping = preflight(_rl(f"data.train={data}", f"data.test={test}", "model.path=tiny-qwen2", "data.on_error=skip"))
-    assert skipping.ok and len(skipping.warnings) == 3  # skipped and counted, not fatal
+    skipped = [w for w in skipping.warnings if w.where.startswith(f"{data}:")]
+    assert skipping.ok and len(skipped) == 3  # skipped and counted, not fatal
 
 
 def test_sft_needs_reference_responses(tmp_path):
@@ -347,3 +350,73 @@ def test_a_run_with_code_data_logs_and_records_the_isolation_it_got(tmp_path):
     for s in samples:
         s.reward = "number"
     assert sandbox_isolation(SFTConfig(), {"train": samples}) is None  # no program runs: nothing to record
+
+
+def test_a_record_over_data_max_record_bytes_stops_vlrl_check(tmp_path):
+    """Issue 38, finding 7: a huge jsonl line passed `vlrl check` and `vlrl sft` (then 10 GB in 15 s). Now a record
+    longer than data.max_record_bytes is a bad record, found while reading: one line naming file:line."""
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), _record(1, prompt="x" * 300_000), _record(2)])
+    result = CliRunner().invoke(app, ["check", str(_sft_config(tmp_path, data)), "data.max_record_bytes=100000"])
+    assert result.exit_code == 1, result.output
+    problems = [line for line in result.output.splitlines() if line.startswith("  ✗")]
+    assert problems == [f"  ✗ {data}:2: a record of 300,108 bytes, more than data.max_record_bytes (100,000)"] * 2, \
+        result.output  # data.train and data.test (the same file here)
+
+
+def _sft_config(tmp_path, data):
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model: {{path: tiny-qwen2}}\ndata: {{train: {data}, test: {data}}}\n"
+                      "train: {batch_size: 2, micro_batch_size: 2}\ncheck: {samples_per_task: 1}\n")
+    return config
+
+
+def test_a_batch_beyond_memory_stops_check_and_the_run_with_the_arithmetic(tmp_path):
+    """Issue 38, finding 9: train.batch_size=1000000000 passed the preflight, then grew ~16 MB/s with no step. Now
+    `vlrl check` and `vlrl sft` stop at the preflight with the arithmetic (a lower bound: token ids alone), and a
+    batch larger than the data is a warning with its numbers."""
+    from typer.testing import CliRunner
+
+    from vlrl.check import memory_bytes
+    from vlrl.cli import app
+
+    data = _write_jsonl(tmp_path / "train.jsonl", [_record(k) for k in range(4)])
+    config = _sft_config(tmp_path, data)
+    memory, whose = memory_bytes()
+    result = CliRunner().invoke(app, ["check", str(config), "train.batch_size=1000000000"])
+    assert result.exit_code == 1, result.output
+    problems = [line for line in result.output.splitlines() if line.startswith("  ✗")]
+    assert len(problems) == 1 and re.fullmatch(
+        r"  ✗ train\.batch_size: one step holds at least 1,000,000,000 samples × (\d+) tokens × 8 bytes = "
+        rf"[\d,.]+ GiB of token ids, more than {re.escape(whose)} {memory / (1 << 30):,.1f} GiB of memory \(the "
+        r"shortest checked prompt has \1 tokens\)", problems[0]), problems
+    assert "  ! train.batch_size: 1,000,000,000 per step, more than the 4 training samples (data.train " in result.output
+    result = CliRunner().invoke(app, ["sft", "--config", str(config), "train.batch_size=1000000000", f"out={tmp_path / 'run'}"])
+    assert result.exit_code == 1 and problems[0] in result.output.splitlines(), result.output
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    result = CliRunner().invoke(app, ["check", str(config), "train.batch_size=8", "train.micro_batch_size=8"])
+    assert result.exit_code == 0 and "  ! train.batch_size: 8 per step, more than the 4 training samples" in result.output
+
+
+@pytest.mark.parametrize(("override", "lines"), [
+    ("optim.betas=[2,2]", ["config field 'optim.betas.0': Input should be less than 1",
+                           "config field 'optim.betas.1': Input should be less than 1"]),
+    ("optim.betas=[0.9,1.0]", ["config field 'optim.betas.1': Input should be less than 1"]),
+    ("optim.betas=[-0.1,0.9]", ["config field 'optim.betas.0': Input should be greater than or equal to 0"]),
+    ("optim.module_lr={vision: -1e-5}", ["config field 'optim.module_lr.vision': Input should be greater than or equal to 0"]),
+    ("optim.eps=0", ["config field 'optim.eps': Input should be greater than 0"]),
+    ("optim.weight_decay=-0.01", ["config field 'optim.weight_decay': Input should be greater than or equal to 0"]),
+])
+def test_optimizer_hyperparameters_outside_their_ranges_exit_2(override, lines, tmp_path):
+    """Issue 38, finding 9: optim.betas=[2,2] passed the preflight and ended in a raw torch traceback. Each value
+    outside its valid range now stops the command at load, one line per field, exit 2."""
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    result = CliRunner().invoke(app, ["rl", override, f"out={tmp_path / 'run'}", "model.path=/nonexistent/model"])
+    assert result.exit_code == 2 and result.output.strip().splitlines() == lines, result.output  # (not the preflight's 1)
+    assert not (tmp_path / "run").exists()

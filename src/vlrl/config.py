@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -177,6 +177,12 @@ class DataConfig(Section):
         None, ge=1, description="Most pixels of all a sample's images and frames together, as stored; a sample "
         "over it is a bad record. None: no limit.",
     )
+    max_record_bytes: int = Field(
+        64 << 20, ge=1, description="Most bytes of one record of a data file (a jsonl line, a parquet row; images "
+        "sent inline as data URLs count), checked while the file is read — a longer line is skipped through, never "
+        "held — so it is a bad record (data.on_error) before it takes memory. Parquet row groups are read one at a "
+        "time.",
+    )
     packing_plan: str | None = Field(
         None, description="SFT: a packing plan written by `vlrl data pack` for `train` (.npz + .json sidecar). "
         "Training then reads packed sequences from the plan (no packing at run time) and train.batch_size / "
@@ -194,10 +200,15 @@ class EvalConfig(Section):
     max_batch_size: int = Field(256, ge=1, description="Sequences generated at once during evaluation.")
 
 
+_Beta = Annotated[float, Field(ge=0, lt=1)]  # an AdamW beta: β = 1 never forgets, β > 1 diverges
+_NonNegative = Annotated[float, Field(ge=0)]
+
+
 class OptimConfig(Section):
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate (peak). LLaVA-OV-1.5 RL: 2e-6 for 8B; tiny presets: ~1e-3 SFT, ~5e-4 RL.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (LLaVA-OV-1.5 RL: 0.01).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[_Beta, _Beta] = Field(
+        (0.9, 0.999), description="AdamW betas (β1, β2), each in [0, 1): the decay rates of the moment estimates.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then the `schedule`.")
@@ -207,7 +218,7 @@ class OptimConfig(Section):
     )
     min_lr_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Where a linear or cosine schedule ends, as a fraction of `lr` (verl's min_lr_ratio).")
-    module_lr: dict[str, float] = Field(
+    module_lr: dict[str, _NonNegative] = Field(
         default_factory=dict, description="Per-module learning rates: module group of the model family (Qwen2-VL: "
         "projector, vision, llm) or parameter-name prefix → lr; parameters not matched use `lr`. The most specific "
         "match wins. E.g. {vision: 2e-6, projector: 1e-5, llm: 1e-5}.",
