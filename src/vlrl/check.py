@@ -370,7 +370,7 @@ def runs_programs(splits: dict[str, list[Sample]]) -> bool:
 
 def sandbox_isolation(cfg: RunConfig, splits: dict[str, list[Sample]]) -> dict[str, str] | None:
     """What the run's programs get (`vlrl.rewards.sandbox.report_isolation`: setting, isolation obtained,
-    description; logged once) when the samples use the ``code`` reward, else None. Raises
+    description) when the samples use the ``code`` reward, else None. Raises
     `vlrl.rewards.sandbox.SandboxUnavailable` when ``sandbox.isolation`` cannot be had here."""
     if not runs_programs(splits):
         return None

@@ -48,7 +48,7 @@ def load(text: str, source: str) -> Any:
     except YamlRefused as err:
         raise YamlRefused(f"{source}: {err}", str(err)) from None
     except yaml.YAMLError as err:
-        raise YamlRefused(f"{source}: {_one_line(err)}", _one_line(err)) from None
+        raise YamlRefused(f"{source}: invalid YAML: {_one_line(err)}", _one_line(err)) from None
     finally:
         loader.dispose()
 
@@ -69,10 +69,9 @@ def load_file(path: str | Path) -> Any:
 def _one_line(err: yaml.YAMLError) -> str:
     if isinstance(err, yaml.MarkedYAMLError):
         mark = err.problem_mark or err.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        what = " ".join(part for part in (err.context, err.problem) if part)
-        return f"{where}invalid YAML ({what or type(err).__name__})"
-    return f"invalid YAML ({' '.join(str(err).split())})"
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return f"{err.problem or type(err).__name__}{where}" + (f", {err.context}" if err.context else "")
+    return " ".join(str(err).split())
 
 
 def _at(mark) -> str:

@@ -73,6 +73,9 @@ class SandboxUnavailable(RuntimeError):
     """The configured isolation cannot be had on this machine; the message names the cause and the setting."""
 
 
+_reported: set[tuple[str, str]] = set()  # (setting, mode) pairs logged by this process
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     """Resource limits of one sandboxed run. Per test unless named total."""
@@ -119,6 +122,9 @@ def isolation(asked: str | None = None) -> str:
     if asked not in SETTINGS:
         raise SandboxUnavailable(f"sandbox isolation {asked!r}: expected one of {', '.join(SETTINGS)}")
     mode, causes = _obtain(asked, os.environ.get("PATH", ""))
+    if mode is not None and (asked, mode) not in _reported:
+        _reported.add((asked, mode))
+        log.info("code sandbox: isolation %s (setting %s): %s", mode, asked, describe(mode))
     if mode is None:
         raise SandboxUnavailable(
             f"the code sandbox cannot have isolation {asked!r} here ({'; '.join(causes)}), and it does not run "
@@ -174,18 +180,11 @@ def describe(mode: str) -> str:
     }[mode]
 
 
-_reported: set[tuple[str, str]] = set()
-
-
 def report_isolation(asked: str | None = None) -> dict[str, str]:
     """The isolation a run's programs get, as summary.json records it (``{"setting", "isolation",
-    "description"}``), logged once per process and setting; raises `SandboxUnavailable` like `isolation`."""
+    "description"}``; the recipes log it once per run); raises `SandboxUnavailable` like `isolation`."""
     asked = asked or setting()
     mode = isolation(asked)
-    if (asked, mode) not in _reported:
-        _reported.add((asked, mode))
-        (log.warning if mode == "none" else log.info)("code sandbox: isolation %s (setting %s): %s", mode, asked,
-                                                      describe(mode))
     return {"setting": asked, "isolation": mode, "description": describe(mode)}
 
 
