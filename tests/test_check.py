@@ -325,6 +325,16 @@ def test_vlrl_check_refuses_code_data_where_the_sandbox_cannot_isolate(tmp_path,
     assert "code sandbox: isolation none (sandbox.isolation none): rlimits and a disabled socket module only" in result.output
 
 
+def _namespaces() -> bool:
+    from vlrl.rewards.sandbox import SandboxUnavailable, isolation
+
+    try:
+        return isolation("namespaces") != "none"
+    except SandboxUnavailable:
+        return False
+
+
+@pytest.mark.skipif(not _namespaces(), reason="no namespaces here: the run would (rightly) refuse code data")
 def test_a_run_with_code_data_logs_and_records_the_isolation_it_got(tmp_path):
     """Issue 38: the isolation the `code` reward's programs actually get is logged once and recorded in
     summary.json (`sandbox`); data without the `code` reward records none."""

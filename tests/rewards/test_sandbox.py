@@ -29,7 +29,17 @@ def test_stdin_and_assert_tests():
     assert [r.ok for r in runs] == [True, False]
 
 
-@pytest.mark.parametrize("mode", sorted({isolation(), "none"}))
+def _here() -> str:
+    """The mode the default setting obtains here; "none" where namespaces are refused (then tests ask for none)."""
+    from vlrl.rewards.sandbox import SandboxUnavailable
+
+    try:
+        return isolation("namespaces")
+    except SandboxUnavailable:
+        return "none"
+
+
+@pytest.mark.parametrize("mode", sorted({_here(), "none"}))
 def test_hostile_programs_are_contained(mode):
     cases = {
         "import time\ntime.sleep(100)": "timeout",

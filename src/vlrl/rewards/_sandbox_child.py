@@ -55,7 +55,7 @@ def main() -> None:
             _write(result_fd, {"mounted": False, "error": error, "results": []})
             return
     elif job["drop_uid"] is not None:
-        _preload()  # the test user may not reach the interpreter's files: import the usual ones now
+        _preload(job.get("packages", []))  # the test user may not reach the interpreter's files: import them now
     deadline = time.monotonic() + job["budget_seconds"]
     results = []
     for i, test in enumerate(job["tests"]):
@@ -78,10 +78,12 @@ def _die_with_parent() -> None:
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a test become ours, so we can kill them
 
 
-def _preload() -> None:
+def _preload(packages: list) -> None:
+    """Import the usual standard modules and the allow-listed packages before the test user takes over (rlimit-only
+    mode as root: the interpreter may live where ``nobody`` cannot read, e.g. under /root)."""
     import importlib
 
-    for name in ("socket", "collections", "heapq", "bisect", "itertools", "functools", "math", "re", "string",
+    for name in (*packages, "socket", "contextvars", "collections", "heapq", "bisect", "itertools", "functools", "math", "re", "string",
                  "json", "random", "fractions", "decimal", "typing", "dataclasses", "copy", "operator",
                  "statistics", "array", "datetime", "io", "time"):
         try:
