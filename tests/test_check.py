@@ -2,6 +2,7 @@
 recipes stop before any model weights load."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,8 @@ def test_batch_sizes_must_divide():
     assert _where(report) == {"train.micro_batch_size"}
     demo = preflight(load_config(DemoConfig, None, [*SMALL, "rl.rollout.n=1", "rl.train.micro_batch_size=3"]))
     assert _where(demo) == {"rl.train.micro_batch_size"}  # demo fields carry their section
-    assert {w.where for w in demo.warnings} == {"rl.rollout.n"}  # a group of one: advantages all 0
+    # a group of one: advantages all 0; SFT batches of 32 from 16 samples repeat them (issue 38: said with numbers)
+    assert {w.where for w in demo.warnings} == {"rl.rollout.n", "sft.train.batch_size"}
 
 
 def test_names_and_dotted_paths_must_resolve():
@@ -142,7 +144,8 @@ def test_data_files_must_exist_and_parse(tmp_path):
     assert "unknown reward 'no_such_reward'" in problems[f"{data}:3"]
     assert "image file not found" in problems[f"{data}:4"]
     skipping = preflight(_rl(f"data.train={data}", f"data.test={test}", "model.path=tiny-qwen2", "data.on_error=skip"))
-    assert skipping.ok and len(skipping.warnings) == 3  # skipped and counted, not fatal
+    skipped = [w for w in skipping.warnings if w.where.startswith(f"{data}:")]
+    assert skipping.ok and len(skipped) == 3  # skipped and counted, not fatal
 
 
 def test_sft_needs_reference_responses(tmp_path):
@@ -280,3 +283,150 @@ def test_media_budgets_name_the_line_or_the_sample(tmp_path):
     # the procedural suite: every generated clip over the budget is a problem of the data section
     report = preflight(_rl("data.tasks=[video_count]", "data.suite_options={frames: 4, image_size: 32}", "data.max_images=3"))
     assert _where(report) == {"data"} and "data.max_images = 3" in report.problems[0].message
+
+
+# ----------------------------------------------------------------------------------------------- issue 38
+def _code_records(n):
+    return [{"id": f"c{k}", "task": "code/echo", "prompt": f"Print {k}.", "answer": [{"input": "", "output": str(k)}],
+             "reward": "code", "response": f"```python\nprint({k})\n```"} for k in range(n)]
+
+
+def _failing_unshare(tmp_path, monkeypatch):
+    """A machine where `unshare` fails (a container without user namespaces): a fake one first on PATH."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "unshare").write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    (fake / "unshare").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{__import__('os').environ['PATH']}")
+    monkeypatch.delenv("VLRL_SANDBOX_ISOLATION", raising=False)
+
+
+def test_vlrl_check_refuses_code_data_where_the_sandbox_cannot_isolate(tmp_path, monkeypatch):
+    """Issue 38, finding 2 through `vlrl check`: data scored by `code` on a machine where `unshare` fails is a
+    preflight problem naming the cause and the setting; sandbox.isolation=none passes and says what it gives."""
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    data = _write_jsonl(tmp_path / "code.jsonl", _code_records(8))
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"data: {{train: {data}, test: {data}}}\ntrain: {{batch_size: 4, micro_batch_size: 4}}\n"
+                      "check: {samples_per_task: 2}\n")
+    _failing_unshare(tmp_path, monkeypatch)
+    result = CliRunner().invoke(app, ["check", str(config)])
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if "sandbox.isolation" in line]
+    assert len(lines) == 1 and lines[0].startswith("  ✗ sandbox.isolation: the code sandbox cannot have isolation "
+                                                   "'namespaces' here (root: `unshare"), result.output
+    assert "exited 1: unshare: unshare failed: Operation not permitted" in lines[0]
+    assert "sandbox.isolation=none" in lines[0]
+    result = CliRunner().invoke(app, ["check", str(config), "sandbox.isolation=none"])
+    assert result.exit_code == 0, result.output
+    assert "code sandbox: isolation none (sandbox.isolation none): rlimits and a disabled socket module only" in result.output
+
+
+def _namespaces() -> bool:
+    from vlrl.rewards.sandbox import SandboxUnavailable, isolation
+
+    try:
+        return isolation("namespaces") != "none"
+    except SandboxUnavailable:
+        return False
+
+
+@pytest.mark.skipif(not _namespaces(), reason="no namespaces here: the run would (rightly) refuse code data")
+def test_a_run_with_code_data_logs_and_records_the_isolation_it_got(tmp_path):
+    """Issue 38: the isolation the `code` reward's programs actually get is logged once and recorded in
+    summary.json (`sandbox`); data without the `code` reward records none."""
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+    from vlrl.rewards.sandbox import isolation
+
+    data = _write_jsonl(tmp_path / "code.jsonl", _code_records(2))
+    common = ["model.path=tiny-qwen2", "train.steps=1", "train.batch_size=2", "train.micro_batch_size=2",
+              "eval.samples=1", "eval.max_new_tokens=2", "check.samples_per_task=1", "report.html=false"]
+    result = CliRunner().invoke(app, ["sft", "--data", str(data), "--test", str(data), f"out={tmp_path / 'run'}", *common])
+    assert result.exit_code == 0, result.output
+    logged = [line for line in result.output.splitlines() if "code sandbox: isolation" in line]
+    assert len(logged) == 1 and f"isolation {isolation()} (sandbox.isolation namespaces)" in logged[0], result.output
+    sandbox = json.loads((tmp_path / "run" / "summary.json").read_text())["sandbox"]
+    assert sandbox["setting"] == "namespaces" and sandbox["isolation"] == isolation() != "none"
+    from vlrl.check import sandbox_isolation
+    from vlrl.data import read_samples
+
+    samples = read_samples(data).samples
+    assert sandbox_isolation(SFTConfig(), {"train": samples[:1]}) == sandbox
+    for s in samples:
+        s.reward = "number"
+    assert sandbox_isolation(SFTConfig(), {"train": samples}) is None  # no program runs: nothing to record
+
+
+def test_a_record_over_data_max_record_bytes_stops_vlrl_check(tmp_path):
+    """Issue 38, finding 7: a huge jsonl line passed `vlrl check` and `vlrl sft` (then 10 GB in 15 s). Now a record
+    longer than data.max_record_bytes is a bad record, found while reading: one line naming file:line."""
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    data = _write_jsonl(tmp_path / "train.jsonl", [_record(0), _record(1, prompt="x" * 300_000), _record(2)])
+    result = CliRunner().invoke(app, ["check", str(_sft_config(tmp_path, data)), "data.max_record_bytes=100000"])
+    assert result.exit_code == 1, result.output
+    problems = [line for line in result.output.splitlines() if line.startswith("  ✗")]
+    assert problems == [f"  ✗ {data}:2: a record of 300,108 bytes, more than data.max_record_bytes (100,000)"] * 2, \
+        result.output  # data.train and data.test (the same file here)
+
+
+def _sft_config(tmp_path, data):
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model: {{path: tiny-qwen2}}\ndata: {{train: {data}, test: {data}}}\n"
+                      "train: {batch_size: 2, micro_batch_size: 2}\ncheck: {samples_per_task: 1}\n")
+    return config
+
+
+def test_a_batch_beyond_memory_stops_check_and_the_run_with_the_arithmetic(tmp_path):
+    """Issue 38, finding 9: train.batch_size=1000000000 passed the preflight, then grew ~16 MB/s with no step. Now
+    `vlrl check` and `vlrl sft` stop at the preflight with the arithmetic (a lower bound: token ids alone), and a
+    batch larger than the data is a warning with its numbers."""
+    from typer.testing import CliRunner
+
+    from vlrl.check import memory_bytes
+    from vlrl.cli import app
+
+    data = _write_jsonl(tmp_path / "train.jsonl", [_record(k) for k in range(4)])
+    config = _sft_config(tmp_path, data)
+    memory, whose = memory_bytes()
+    result = CliRunner().invoke(app, ["check", str(config), "train.batch_size=1000000000"])
+    assert result.exit_code == 1, result.output
+    problems = [line for line in result.output.splitlines() if line.startswith("  ✗")]
+    assert len(problems) == 1 and re.fullmatch(
+        r"  ✗ train\.batch_size: one step holds at least 1,000,000,000 samples × (\d+) tokens × 8 bytes = "
+        rf"[\d,.]+ GiB of token ids, more than {re.escape(whose)} {memory / (1 << 30):,.1f} GiB of memory \(the "
+        r"shortest checked prompt has \1 tokens\)", problems[0]), problems
+    assert "  ! train.batch_size: 1,000,000,000 per step, more than the 4 training samples (data.train " in result.output
+    result = CliRunner().invoke(app, ["sft", "--config", str(config), "train.batch_size=1000000000", f"out={tmp_path / 'run'}"])
+    assert result.exit_code == 1 and problems[0] in result.output.splitlines(), result.output
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    result = CliRunner().invoke(app, ["check", str(config), "train.batch_size=8", "train.micro_batch_size=8"])
+    assert result.exit_code == 0 and "  ! train.batch_size: 8 per step, more than the 4 training samples" in result.output
+
+
+@pytest.mark.parametrize(("override", "lines"), [
+    ("optim.betas=[2,2]", ["config field 'optim.betas.0': Input should be less than 1",
+                           "config field 'optim.betas.1': Input should be less than 1"]),
+    ("optim.betas=[0.9,1.0]", ["config field 'optim.betas.1': Input should be less than 1"]),
+    ("optim.betas=[-0.1,0.9]", ["config field 'optim.betas.0': Input should be greater than or equal to 0"]),
+    ("optim.module_lr={vision: -1e-5}", ["config field 'optim.module_lr.vision': Input should be greater than or equal to 0"]),
+    ("optim.eps=0", ["config field 'optim.eps': Input should be greater than 0"]),
+    ("optim.weight_decay=-0.01", ["config field 'optim.weight_decay': Input should be greater than or equal to 0"]),
+])
+def test_optimizer_hyperparameters_outside_their_ranges_exit_2(override, lines, tmp_path):
+    """Issue 38, finding 9: optim.betas=[2,2] passed the preflight and ended in a raw torch traceback. Each value
+    outside its valid range now stops the command at load, one line per field, exit 2."""
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    result = CliRunner().invoke(app, ["rl", override, f"out={tmp_path / 'run'}", "model.path=/nonexistent/model"])
+    assert result.exit_code == 2 and result.output.strip().splitlines() == lines, result.output  # (not the preflight's 1)
+    assert not (tmp_path / "run").exists()

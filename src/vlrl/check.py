@@ -12,7 +12,8 @@ first few of every task and the longest prompts — to check:
 - batch, group and micro-batch sizes divide;
 - every reward name, estimator, policy loss, metric sink and dotted path (``pkg.mod:fn``, e.g. an
   environment) resolves; every verifier the data names has its optional dependencies; the procedural suite
-  and its tasks exist; data files exist and parse.
+  and its tasks exist; data files exist and parse;
+- the ``code`` reward's sandbox can have the isolation ``sandbox.isolation`` asks for (when the data uses it).
 
 Every problem names the config field or the ``file:line``; all of them are listed at once.
 """
@@ -102,14 +103,18 @@ def preflight(cfg: RunConfig, *, splits: dict[str, list[Sample]] | None = None,
     if splits is None:
         splits = _read_splits(report, cfg)
     _check_reward_dependencies(report, splits)
+    _check_sandbox(report, cfg, splits)
     _check_sft_responses(report, splits.get("train", []), sft)
+    _check_batches_against_data(report, cfg, splits, sft, rl)
     bundle = _load_processor(report, cfg.model)
     if bundle is not None:
         picks = {split: _pick(samples, cfg.check.samples_per_task) for split, samples in splits.items()}
         if budgets is None:
             budgets = [("train", f"{p}rollout.max_new_tokens", stage.rollout.max_new_tokens) for p, stage in rl]
             budgets.append(("test", "eval.max_new_tokens", cfg.eval.max_new_tokens))
-        _check_samples(report, bundle, picks, sft, budgets)
+        shortest = _check_samples(report, bundle, picks, sft, budgets)
+        if shortest is not None:
+            _check_batches_against_memory(report, cfg, sft, rl, shortest, _vocabulary(bundle.config))
     return report
 
 
@@ -141,6 +146,93 @@ def _check_sizes(report: CheckReport, sft, rl) -> None:
                            f"{stage.train.minibatches})")
         if stage.rollout.n == 1:
             report.warn(f"{p}rollout.n", "1 response per prompt: every group-normalised advantage (grpo) is 0")
+
+
+def _training_samples(cfg: RunConfig, splits: dict[str, list[Sample]], stage: Any) -> tuple[int, str] | None:
+    """(how many training samples a stage draws from, where that number comes from); None when unknown here
+    (a stage's own data file, a packing plan: its batches count packed sequences)."""
+    data = getattr(stage, "data", None) or cfg.data
+    if data.packing_plan is not None or (data is not cfg.data and data.train is not None):
+        return None
+    if data is cfg.data and data.train is not None:
+        if "train" not in splits:
+            return None
+        count, source = len(splits["train"]), f"data.train {data.train}"
+    else:
+        count, source = data.n_train, "data.n_train"
+    limit = stage.train.max_samples
+    if limit is not None and limit < count:
+        count, source = limit, "train.max_samples"
+    return count, source
+
+
+def _check_batches_against_data(report: CheckReport, cfg: RunConfig, splits: dict[str, list[Sample]], sft, rl) -> None:
+    """A step that asks for more samples than the data holds repeats samples within that one step: said, with the
+    numbers (the cursor's passes make it run; a tiny debugging run may mean it)."""
+    for p, stage, name in ([(p, s, "train.batch_size") for p, s in sft] + [(p, s, "train.prompts_per_step") for p, s in rl]):
+        known = _training_samples(cfg, splits, stage)
+        wanted = stage.train.batch_size if name == "train.batch_size" else stage.train.prompts_per_step
+        if known is not None and wanted > known[0] > 0:
+            report.warn(f"{p}{name}", f"{wanted:,} per step, more than the {known[0]:,} training samples ({known[1]}): "
+                        f"each step repeats samples ({wanted / known[0]:.3g} passes over the data per step)")
+
+
+def memory_bytes() -> tuple[int, str] | None:
+    """(bytes, what they are) of the memory this process can have: the machine's, or its container's (cgroup)
+    limit when lower; None when unknown."""
+    import os
+
+    found = []
+    try:
+        found.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            found.append((int(text), "this container's (cgroup)"))
+    return min(found) if found else None
+
+
+def _vocabulary(config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "vocab_size", None)
+    return int(value) if value else None
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):,.1f} GiB"
+
+
+def _check_batches_against_memory(report: CheckReport, cfg: RunConfig, sft, rl, shortest: int,
+                                  vocabulary: int | None) -> None:
+    """Sizes whose step cannot fit in memory, by a lower bound with every factor shown: a step holds at least its
+    sequences' token ids (8 bytes each; every sequence at least as long as the shortest checked prompt, an RL
+    response at least one token), and on a CPU one forward at least its micro-batch's logits (float32 over the
+    vocabulary)."""
+    found = memory_bytes()
+    if found is None:
+        return
+    memory, whose = found
+    stages = [(p, s, s.train.batch_size, shortest, "train.batch_size", "samples") for p, s in sft]
+    stages += [(p, s, s.train.prompts_per_step * s.rollout.n, shortest + 1, "train.prompts_per_step",
+                f"sequences ({p}train.prompts_per_step × {p}rollout.n)") for p, s in rl]
+    for p, stage, sequences, tokens, field_name, what in stages:
+        held = sequences * tokens * 8
+        if held > memory:
+            report.problem(f"{p}{field_name}", f"one step holds at least {sequences:,} {what} × {tokens:,} tokens × "
+                           f"8 bytes = {_gib(held)} of token ids, more than {whose} {_gib(memory)} of memory (the "
+                           f"shortest checked prompt has {shortest:,} tokens)")
+            continue
+        micro = min(stage.train.micro_batch_size, sequences)
+        logits = micro * tokens * (vocabulary or 0) * 4
+        if str(cfg.model.device).startswith("cpu") and logits > memory:
+            report.problem(f"{p}train.micro_batch_size", f"one forward's logits alone take {micro:,} sequences × "
+                           f"{tokens:,} tokens × {vocabulary:,} vocabulary × 4 bytes = {_gib(logits)}, more than "
+                           f"{whose} {_gib(memory)} of memory")
 
 
 # ----------------------------------------------------------------------------------------------- names
@@ -269,6 +361,36 @@ def _check_reward_dependencies(report: CheckReport, splits: dict[str, list[Sampl
             continue  # unknown names are reported where the records are read
         if message:
             report.problem("data", message)
+
+
+def runs_programs(splits: dict[str, list[Sample]]) -> bool:
+    """Whether any sample is scored by the ``code`` reward (model-written programs run in the sandbox)."""
+    return any("code" in s.reward_names() for samples in splits.values() for s in samples)
+
+
+def sandbox_isolation(cfg: RunConfig, splits: dict[str, list[Sample]]) -> dict[str, str] | None:
+    """What the run's programs get (`vlrl.rewards.sandbox.report_isolation`: setting, isolation obtained,
+    description) when the samples use the ``code`` reward, else None. Raises
+    `vlrl.rewards.sandbox.SandboxUnavailable` when ``sandbox.isolation`` cannot be had here."""
+    if not runs_programs(splits):
+        return None
+    from vlrl.rewards.sandbox import report_isolation
+
+    return report_isolation(cfg.sandbox.isolation)
+
+
+def _check_sandbox(report: CheckReport, cfg: RunConfig, splits: dict[str, list[Sample]]) -> None:
+    """The ``code`` reward's sandbox gets the isolation ``sandbox.isolation`` asks for, or the run stops here."""
+    from vlrl.rewards.sandbox import SandboxUnavailable
+
+    try:
+        record = sandbox_isolation(cfg, splits)
+    except SandboxUnavailable as err:
+        report.problem("sandbox.isolation", str(err))
+        return
+    if record is not None:
+        report.facts.append(f"code sandbox: isolation {record['isolation']} (sandbox.isolation {record['setting']}): "
+                            f"{record['description']}")
 
 
 def read_data(report: CheckReport, field_name: str, path: str | Path, on_error: str,
@@ -416,8 +538,11 @@ def _first_line(err: Exception) -> str:
 
 # ----------------------------------------------------------------------------------------------- samples
 def _check_samples(report: CheckReport, proc: _Processor, picks: dict[str, list[Sample]], sft,
-                   budgets: list[Budget]) -> None:
+                   budgets: list[Budget]) -> int | None:
+    """Encode the picked samples and check them (module docstring); returns the shortest encoded training prompt
+    (tokens), None when none was encoded."""
     context = _context_length(proc.config)
+    shortest: int | None = None
     longest: dict[str, tuple[int, Sample]] = {}
     longest_sft: tuple[int, Sample] | None = None
     n_images = 0
@@ -435,6 +560,8 @@ def _check_samples(report: CheckReport, proc: _Processor, picks: dict[str, list[
             resized += [(where, image.size, size) for image, size in zip(images, _seen_sizes(proc, encoded), strict=False)
                         if size is not None and size != image.size]
             length = len(encoded.input_ids)
+            if split == "train":
+                shortest = length if shortest is None else min(shortest, length)
             if length > longest.get(split, (-1, None))[0]:
                 longest[split] = (length, sample)
             if split == "train" and sft and sample.response is not None:
@@ -448,7 +575,7 @@ def _check_samples(report: CheckReport, proc: _Processor, picks: dict[str, list[
     _warn_resized(report, resized, n_images)
     if context is None:
         report.warn("model.path", "the model config states no max_position_embeddings: context length not checked")
-        return
+        return shortest
     too_long: set[str] = set()
     for split, field_name, new_tokens in budgets:
         if split not in longest or longest[split][0] + new_tokens <= context:
@@ -467,6 +594,7 @@ def _check_samples(report: CheckReport, proc: _Processor, picks: dict[str, list[
         total, sample = longest_sft
         report.problem(_where(sample, "train"), f"prompt + reference response = {total} tokens exceeds the model "
                        f"context of {context} tokens (SFT)")
+    return shortest
 
 
 def _seen_sizes(proc: _Processor, encoded) -> list[tuple[int, int] | None]:

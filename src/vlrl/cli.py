@@ -269,10 +269,10 @@ def _run_config_of(model: str):
     ``RUN/config.yaml``), as a `RunConfig`; None for any other model. Only these sections are read, so a staged
     or demo run's config serves as well; its paths are absolute (relative ones, from older runs, are taken from
     the current directory, where that run was started)."""
-    import yaml
     from pydantic import ValidationError
 
     from vlrl.config import DataConfig, ModelConfig, RunConfig
+    from vlrl.safe_yaml import YamlRefused, load_file
 
     path = Path(model)
     for parent in list(path.parents)[:3]:
@@ -280,12 +280,12 @@ def _run_config_of(model: str):
         if parent.name != "checkpoints" or not config.is_file():
             continue
         try:
-            raw = yaml.safe_load(config.read_text()) or {}
+            raw = load_file(config) or {}
             return RunConfig(model=ModelConfig.model_validate(raw.get("model", {})),
                              data=DataConfig.model_validate(raw.get("data", {})),
                              eval=EvalConfig.model_validate(raw.get("eval", {})),
                              numerics=raw.get("numerics", "native"))
-        except (yaml.YAMLError, ValidationError, AttributeError) as err:
+        except (YamlRefused, ValidationError, AttributeError) as err:
             typer.secho(f"vlrl eval: {config} (the run's config) does not load ({_first_line(err)}); "
                         "give --data and the eval options", fg="red", err=True)
             raise typer.Exit(2) from None
@@ -369,14 +369,13 @@ def check(
     test: str | None = TEST,
 ) -> None:
     """Preflight: processor, vision tokens, context length, batch sizes, names and data files — no weights loaded."""
-    import yaml
-
     from vlrl.check import detect_recipe, preflight
+    from vlrl.safe_yaml import YamlRefused, load_file
 
     if recipe == "auto":
         try:
-            raw = yaml.safe_load(config.read_text()) if config.is_file() else {}
-        except yaml.YAMLError:
+            raw = load_file(config) if config.is_file() else {}
+        except YamlRefused:
             raw = {}  # load_config below reports the YAML error with the file name
         recipe = detect_recipe(raw if isinstance(raw, dict) else {}, config)
     if recipe not in RECIPES:
@@ -449,13 +448,15 @@ def plan(
 ) -> None:
     """Estimate per-device memory and step time of every placement (colocated/separate, FSDP/DDP); rank the feasible
     ones, each with the `vlrl launch` command that starts it."""
-    import yaml
-
     from vlrl.check import detect_recipe, model_path_problem
+    from vlrl.safe_yaml import YamlRefused, load_file
     from vlrl.train import planner
 
     if recipe == "auto":
-        raw = yaml.safe_load(config.read_text()) if config.is_file() else {}
+        try:
+            raw = load_file(config) if config.is_file() else {}
+        except YamlRefused:
+            raw = {}  # _load below reports the YAML error with the file name
         recipe = detect_recipe(raw if isinstance(raw, dict) else {}, config)
     if recipe not in ("sft", "rl"):
         typer.secho(f"vlrl plan: plans sft and rl runs (got recipe {recipe!r}; pass --recipe)", fg="red", err=True)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from vlrl import safe_yaml
 from vlrl.numerics import Numerics
 
 
@@ -176,6 +177,12 @@ class DataConfig(Section):
         None, ge=1, description="Most pixels of all a sample's images and frames together, as stored; a sample "
         "over it is a bad record. None: no limit.",
     )
+    max_record_bytes: int = Field(
+        64 << 20, ge=1, description="Most bytes of one record of a data file (a jsonl line, a parquet row; images "
+        "sent inline as data URLs count), checked while the file is read — a longer line is skipped through, never "
+        "held — so it is a bad record (data.on_error) before it takes memory. Parquet row groups are read one at a "
+        "time.",
+    )
     packing_plan: str | None = Field(
         None, description="SFT: a packing plan written by `vlrl data pack` for `train` (.npz + .json sidecar). "
         "Training then reads packed sequences from the plan (no packing at run time) and train.batch_size / "
@@ -193,10 +200,15 @@ class EvalConfig(Section):
     max_batch_size: int = Field(256, ge=1, description="Sequences generated at once during evaluation.")
 
 
+_Beta = Annotated[float, Field(ge=0, lt=1)]  # an AdamW beta: β = 1 never forgets, β > 1 diverges
+_NonNegative = Annotated[float, Field(ge=0)]
+
+
 class OptimConfig(Section):
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate (peak). LLaVA-OV-1.5 RL: 2e-6 for 8B; tiny presets: ~1e-3 SFT, ~5e-4 RL.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (LLaVA-OV-1.5 RL: 0.01).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[_Beta, _Beta] = Field(
+        (0.9, 0.999), description="AdamW betas (β1, β2), each in [0, 1): the decay rates of the moment estimates.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then the `schedule`.")
@@ -206,7 +218,7 @@ class OptimConfig(Section):
     )
     min_lr_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Where a linear or cosine schedule ends, as a fraction of `lr` (verl's min_lr_ratio).")
-    module_lr: dict[str, float] = Field(
+    module_lr: dict[str, _NonNegative] = Field(
         default_factory=dict, description="Per-module learning rates: module group of the model family (Qwen2-VL: "
         "projector, vision, llm) or parameter-name prefix → lr; parameters not matched use `lr`. The most specific "
         "match wins. E.g. {vision: 2e-6, projector: 1e-5, llm: 1e-5}.",
@@ -681,6 +693,19 @@ class CheckConfig(Section):
     )
 
 
+class SandboxConfig(Section):
+    """The sandbox of the ``code`` reward, which runs model-written programs (`vlrl.rewards.sandbox`)."""
+
+    isolation: Literal["namespaces", "root", "user", "none"] = Field(
+        "namespaces", description="What isolates the programs. namespaces: root where it works, else user. root: "
+        "`unshare` as root — network, PID, mount, IPC and UTS namespaces, a private read-only root filesystem, "
+        "programs run as nobody. user: the same inside a user namespace, programs run as this user. none: rlimits "
+        "and a disabled socket module only (programs can read this machine's files and reach its network). A "
+        "setting this machine cannot give stops the run at preflight with the cause; the sandbox never falls back "
+        "to less. The mode obtained is logged and recorded in summary.json (`sandbox`).",
+    )
+
+
 # ----------------------------------------------------------------------------------------------- scale-out
 class DistConfig(Section):
     strategy: Literal["fsdp", "ddp"] = Field(
@@ -788,6 +813,9 @@ class RunConfig(Section):
     )
     report: ReportConfig = Field(default_factory=ReportConfig, description="Metric sinks, progress and the HTML report.")
     check: CheckConfig = Field(default_factory=CheckConfig, description="The preflight check run before loading weights.")
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Isolation of the `code` reward's sandbox (model-written programs)."
+    )
     dist: DistConfig = Field(default_factory=DistConfig, description="Data-parallel training under torchrun / `vlrl launch`.")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Resumable checkpoints (sharded, atomic) and `--resume auto`."
@@ -890,10 +918,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[Base
             raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.clip_high=0.28")
         parts = key.strip().split(".")
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError as err:  # an unclosed bracket, a !!python tag: one line, never a traceback
-            reason = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({reason})") from None
+            value = safe_yaml.load(text, f"override {item!r}") if text.strip() else ""
+        except safe_yaml.YamlRefused as err:  # an unclosed bracket, a tag, a billion laughs: one line
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err.reason})") from None
         if cls is not None and base is not None:  # resolve the value where it sits in a config of its own
             alone: dict[str, Any] = {}
             node = alone
@@ -935,9 +962,9 @@ def load_config(cls: type[Section], path: str | Path | None = None, overrides: l
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: invalid YAML ({err})") from err
+            raw = safe_yaml.load_file(path) or {}
+        except safe_yaml.YamlRefused as err:  # bounded: aliases, depth, duplicate keys, tags (`vlrl.safe_yaml`)
+            raise ConfigError(str(err)) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         resolve_paths(cls, raw, path.resolve().parent)

@@ -59,3 +59,54 @@ def test_check_hook_reports_unknown_reward_with_line(tmp_path):
 def test_missing_path_is_an_error(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         read_samples(tmp_path / "nothing.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------- issue 38, finding 7
+def _record(k, text="2+2?"):
+    return json.dumps({"id": f"r{k}", "task": "t", "prompt": text, "answer": "4", "reward": "number"})
+
+
+def test_a_record_over_the_bound_is_refused_while_reading_never_held(tmp_path):
+    """A 40 MB line with a 1 MB bound: skipped through in pieces (peak memory of the read stays ~1 MB, not 40),
+    reported with its exact size; the lines around it are read."""
+    import tracemalloc
+
+    from vlrl.data import MediaLimits
+
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as f:
+        f.write(_record(0) + "\n")
+        f.write(_record(1, "x" * (40 << 20)) + "\n")
+        f.write(_record(2) + "\n")
+    size = len(_record(1, "x" * (40 << 20)))
+    tracemalloc.start()
+    read = read_samples(path, on_error="skip", media=MediaLimits(max_record_bytes=1 << 20))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [s.id for s in read.samples] == ["r0", "r2"]
+    assert read.skipped == [(f"{path}:2", f"a record of {size:,} bytes, more than data.max_record_bytes (1,048,576)")]
+    assert peak < 4 << 20, peak
+    with pytest.raises(DataError, match=r"big.jsonl:2: a record of 41,943,114 bytes, more than data.max_record_bytes"):
+        read_samples(path, media=MediaLimits(max_record_bytes=1 << 20))
+    assert MediaLimits().max_record_bytes == 64 << 20  # the default bound (data.max_record_bytes)
+    assert len(read_samples(path, media=MediaLimits()).samples) == 3
+
+
+def test_a_parquet_row_over_the_bound_is_a_bad_record(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlrl.data import MediaLimits
+
+    rows = [json.loads(_record(k, "x" * (3000 if k == 1 else 3))) for k in range(4)]
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "one.parquet", row_group_size=2)  # rows 0-1, 2-3
+    read = read_samples(tmp_path / "one.parquet", on_error="skip", media=MediaLimits(max_record_bytes=2000))
+    assert [s.id for s in read.samples] == ["r2", "r3"]  # rows 0-1: their group's mean is over the bound, not read
+    assert read.skipped[0][0] == f"{tmp_path / 'one.parquet'}:rows 0-1"
+    assert "bytes, more than data.max_record_bytes (2,000)" in read.skipped[0][1]
+    pq.write_table(table, tmp_path / "two.parquet", row_group_size=4)  # one group: row 1 measured once read
+    read = read_samples(tmp_path / "two.parquet", on_error="skip", media=MediaLimits(max_record_bytes=2000))
+    assert [s.id for s in read.samples] == ["r0", "r2", "r3"]
+    assert read.skipped == [(f"{tmp_path / 'two.parquet'}:row 1",
+                             "a record of 3,010 bytes, more than data.max_record_bytes (2,000)")]  # 3000 + r1, t, 4, number

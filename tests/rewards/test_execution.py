@@ -135,3 +135,33 @@ def test_score_trajectories_fills_rewards_and_summaries():
     assert [t.reward for t in trajectories] == [1.0, 0.0, -0.5]  # overlong: (90 − 95) / 10 with the token length
     assert trajectories[0].reward_parts == {"accuracy": 1.0} and not report.failures
     assert summarize(trajectories) == {"reward/t": 0.5, "reward/t/accuracy": 0.5, "reward/u": -0.5}
+
+
+def _namespaces() -> bool:
+    from vlrl.rewards.sandbox import SandboxUnavailable, isolation
+
+    try:
+        return isolation("namespaces") != "none"
+    except SandboxUnavailable:
+        return False
+
+
+@pytest.mark.skipif(not _namespaces(), reason="no namespaces here: nothing to tell `none` apart from")
+def test_pool_workers_follow_the_sandbox_setting_of_each_batch(executor, monkeypatch):
+    """Issue 38: a run sets `sandbox.isolation` (as VLRL_SANDBOX_ISOLATION) after the worker pool may have started;
+    each unit carries the caller's setting, so a worker never runs a program under an isolation it was not asked
+    for. Under namespaces the program's directory is in the private /tmp/work; under `none` it is on the host."""
+    from vlrl.rewards.sandbox import isolation
+
+    program = "```python\nimport os\nprint(os.getcwd().startswith('/tmp/work/'))\n```"
+    items = _items([program], "code", answer=[{"input": "", "output": "True"}])
+    monkeypatch.delenv("VLRL_SANDBOX_ISOLATION", raising=False)
+    outputs, report = executor.score(items)
+    assert not report.failures and outputs[0].overall == 1.0 and isolation() != "none"
+    monkeypatch.setenv("VLRL_SANDBOX_ISOLATION", "none")
+    outputs, report = executor.score(items)
+    assert not report.failures and outputs[0].overall == 0.0
+    monkeypatch.setenv("VLRL_SANDBOX_ISOLATION", "chroot")  # not a setting: refused in the worker, counted, named
+    outputs, report = executor.score(items)
+    assert outputs[0].parts == {"reward_failed": 1.0}
+    assert "SandboxUnavailable: VLRL_SANDBOX_ISOLATION='chroot': expected one of" in report.failures[0][1]

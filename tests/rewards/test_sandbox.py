@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -28,7 +29,17 @@ def test_stdin_and_assert_tests():
     assert [r.ok for r in runs] == [True, False]
 
 
-@pytest.mark.parametrize("mode", sorted({isolation(), "none"}))
+def _here() -> str:
+    """The mode the default setting obtains here; "none" where namespaces are refused (then tests ask for none)."""
+    from vlrl.rewards.sandbox import SandboxUnavailable
+
+    try:
+        return isolation("namespaces")
+    except SandboxUnavailable:
+        return "none"
+
+
+@pytest.mark.parametrize("mode", sorted({_here(), "none"}))
 def test_hostile_programs_are_contained(mode):
     cases = {
         "import time\ntime.sleep(100)": "timeout",
@@ -56,7 +67,7 @@ def test_namespaced_sandbox_hides_the_machine():
     (run,) = run_python(source, [{"stdin": ""}], FAST)
     if isolation() == "root":  # as root here (and in CI): a user of its own, its own /tmp and /proc
         uid, cwd, processes = run.stdout.split()
-        assert (uid, cwd) == ("65534", "/tmp/work") and int(processes) <= 3  # runner, test (and maybe a zombie)
+        assert uid == "65534" and re.fullmatch("/tmp/work/test0-[0-9a-f]{12}", cwd) and int(processes) <= 3  # runner, test (and maybe a zombie)
     else:  # without root there is no uid to drop to; the run still works
         assert run.ok
 
@@ -212,3 +223,142 @@ def test_only_allow_listed_packages_are_importable():
     assert run.ok and run.stdout == "ok\n", run
     with pytest.raises(ValueError, match="top-level module names"):
         run_python(program, [{"stdin": ""}], limits, packages=["../etc"])
+
+
+# ----------------------------------------------------------------------------------------------- links and isolation (issue 38)
+PLANT = """
+import json, os, sys
+stdin = sys.stdin.read()
+if stdin == "plant":  # every name the runner or the test child used to open, here and in the folder above
+    for folder in (".", ".."):
+        for name, target in {targets!r}.items():
+            for index in (1, 2):
+                try:
+                    os.symlink(target, os.path.join(folder, name + str(index)))
+                except OSError:
+                    pass
+        for name in ("test1", "test2"):
+            try:
+                os.symlink({victim!r}, os.path.join(folder, name))
+            except OSError:
+                pass
+elif stdin == "report":
+    seen = {{}}
+    for name, target in {targets!r}.items():
+        try:
+            st = os.stat(target)
+            seen[name] = [st.st_uid, open(target).read()]
+        except OSError:
+            seen[name] = None
+    print(json.dumps(seen))
+else:
+    print("read", stdin)
+"""
+
+
+@pytest.mark.parametrize("mode", ["none", *NAMESPACED])
+def test_the_runner_never_writes_through_a_link_the_program_plants(mode, tmp_path):
+    """Issue 38, finding 1: a program planted `in1` → any file; the runner (root) wrote the next test's stdin through
+    it (a host sysctl changed), and the child opened `out1` / `err1` as root before dropping privileges. Here the
+    targets are a file only root may write and names in a root-only folder (rlimit-only mode: on the host; namespaced
+    modes: in the sandbox's own /tmp, where a root-owned file can only appear if the runner followed the link). The
+    test after the planting runs normally; nothing is written or created through the links."""
+    if mode == "none":
+        private = tmp_path / "root-only"
+        private.mkdir(mode=0o700)
+        victim = tmp_path / "victim"
+        victim.write_text("original")
+        victim.chmod(0o644)
+        targets = {"in": str(victim), "out": str(private / "out"), "err": str(private / "err")}
+    else:
+        victim = None
+        targets = {"in": "/tmp/witness-in", "out": "/tmp/witness-out", "err": "/tmp/witness-err"}
+    source = PLANT.format(targets=targets, victim=str(victim or "/tmp/witness-in"))
+    runs = run_python(source, [{"stdin": "plant"}, {"stdin": "written-as-root"}, {"stdin": "report"}], FAST, mode=mode)
+    assert [r.status for r in runs] == ["ok", "ok", "ok"], runs
+    assert runs[1].stdout == "read written-as-root\n"
+    if mode == "none":
+        assert victim.read_text() == "original" and sorted(os.listdir(private)) == []
+    else:
+        assert json.loads(runs[2].stdout) == {"in": None, "out": None, "err": None}, runs[2].stdout
+
+
+@pytest.mark.parametrize("mode", ["none", *NAMESPACED])
+def test_a_program_that_breaks_the_work_folder_scores_zero_and_never_raises(mode):
+    """Issue 38, finding 1: a program that made `in1` a directory crashed the runner, so `code` raised instead of
+    scoring 0. Now whatever a program makes of its folder (and of the folder above, where it may write at all:
+    in `user` mode it shares the runner's uid), the run returns one result per test: later tests run, or fail with
+    status `error` saying why — never an exception."""
+    source = """
+import os, sys
+if sys.stdin.read() == "break":
+    for folder in (".", ".."):
+        for name in ("in1", "out1", "err1", "test1", "test2"):
+            try:
+                os.mkdir(os.path.join(folder, name), 0)
+            except OSError:
+                pass
+    try:
+        os.chmod("..", 0)
+    except OSError:
+        pass
+print("fine")
+"""
+    runs = run_python(source, [{"stdin": "break"}, {"stdin": ""}, {"stdin": ""}], FAST, mode=mode)
+    assert len(runs) == 3 and runs[0].ok
+    for run in runs[1:]:
+        assert run.ok and run.stdout == "fine\n" or run.status == "error" and "work folder" in run.stderr, run
+
+
+def _failing_unshare(tmp_path) -> dict:
+    """The environment of a machine where `unshare` fails (many containers, hardened clusters): a fake one first
+    on PATH that exits 1."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "unshare").write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    (fake / "unshare").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "VLRL_SANDBOX_ISOLATION"}
+    return {**env, "PATH": f"{fake}:{env['PATH']}", "PYTHONPATH": str(Path(vlrl.__file__).parents[1])}
+
+
+def test_when_unshare_fails_the_code_reward_refuses_instead_of_running_unisolated(tmp_path):
+    """Issue 38, finding 2 (its reproduction, in a fresh process): with a failing `unshare` first on PATH the `code`
+    reward ran the program with no isolation — it read the project's README and scored 1.0. Now it refuses, naming
+    the cause and the setting; only an explicit `none` runs it (rlimits only, as asked)."""
+    import tempfile
+
+    public = Path(tempfile.mkdtemp(prefix="vlrl-readme-"))  # world-readable, like a checkout's README
+    public.chmod(0o755)
+    readme = public / "README.md"
+    readme.write_text("# vlrl\n")
+    readme.chmod(0o644)
+    program, tests = f"print(open({str(readme)!r}).read(6))", '[{"input":"","output":"# vlrl"}]'
+    script = f"from vlrl.rewards import get_reward as g; print(g('code')({program!r}, {tests!r}).overall)"
+    env = _failing_unshare(tmp_path)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0 and done.stdout == "", done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("vlrl.rewards.sandbox.SandboxUnavailable: the code sandbox cannot have isolation "
+                           "'namespaces' here"), last
+    assert "exited 1: unshare: unshare failed: Operation not permitted" in last and "sandbox.isolation=none" in last
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              env={**env, "VLRL_SANDBOX_ISOLATION": "none"})
+    finally:
+        readme.unlink()
+        public.rmdir()
+    assert done.returncode == 0 and done.stdout.strip() == "1.0", done.stderr  # what `none` means: it can read files
+
+
+def test_isolation_follows_the_setting_and_never_weakens_it(monkeypatch):
+    from vlrl.rewards.sandbox import SandboxUnavailable, report_isolation
+
+    assert isolation("none") == "none"
+    monkeypatch.setenv("VLRL_SANDBOX_ISOLATION", "none")
+    assert report_isolation() == {"setting": "none", "isolation": "none", "description": report_isolation()["description"]}
+    monkeypatch.setenv("VLRL_SANDBOX_ISOLATION", "chroot")
+    with pytest.raises(SandboxUnavailable, match="expected one of namespaces, root, user, none"):
+        isolation()
+    monkeypatch.setenv("PATH", "/nonexistent")  # no unshare at all
+    with pytest.raises(SandboxUnavailable, match=r"cannot have isolation 'namespaces' here \(.*no `unshare` on PATH"):
+        isolation("namespaces")

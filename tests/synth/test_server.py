@@ -61,7 +61,8 @@ def test_submit_poll_and_fetch_the_result():
 
 def test_a_full_queue_answers_429_and_drains_when_the_workers_free_up():
     fakes.GATE.clear()
-    with synth_server(backend=f"{fakes.__name__}:make_gated", workers=1, max_queued_jobs=2) as (url, service):
+    with synth_server(backend=f"{fakes.__name__}:make_gated", workers=1, max_queued_jobs=2,
+                      max_queued_per_client=2) as (url, service):
         ids = [httpx.post(f"{url}/jobs", json=_body(), headers=AUTH).json()["id"]]
         for _ in range(50):  # the worker takes the first job, then waits at the gate
             if service.health()["running"] == 1:
@@ -243,3 +244,40 @@ def test_unexpected_errors_answer_500_with_an_id_and_surrogates_a_400():
         surrogate = httpx.post(f"{url}/jobs", content=raw, headers={**AUTH, "content-type": "application/json"})
     assert surrogate.status_code == 400
     assert surrogate.json()["error"].startswith("field 'description': not valid Unicode")
+
+
+def test_a_flooding_client_gets_its_share_of_the_queue_and_the_others_are_still_served():
+    """Issue 38: one client's flood earned every other client 429s (the queue was first come, first served). Now a
+    client — its token and address; here two hosts sharing one key, 127.0.0.1 and 127.0.0.2 — may hold a quarter
+    of the queue (8 → 2 jobs), the others are still admitted, and the worker takes jobs round-robin across clients,
+    so the other client's first job runs before the flooder's second."""
+    fakes.GATE.clear()
+    with synth_server(backend=f"{fakes.__name__}:make_gated", workers=1, max_queued_jobs=8) as (url, service):
+        flood, other = (httpx.Client(base_url=url, headers=AUTH, transport=httpx.HTTPTransport(local_address=host))
+                        for host in ("127.0.0.1", "127.0.0.2"))
+        with flood, other:
+            running = flood.post("/jobs", json=_body()).json()["id"]
+            assert _until(lambda: service.health()["running"] == 1)
+            answers = [flood.post("/jobs", json=_body()) for _ in range(20)]
+            assert [a.status_code for a in answers] == [202] * 2 + [429] * 18
+            assert "this client has 2 jobs queued (its share: max_queued_per_client = 2)" in answers[-1].json()["error"]
+            theirs = [other.post("/jobs", json=_body()) for _ in range(2)]
+            assert [a.status_code for a in theirs] == [202, 202]
+            health = service.health()
+            assert (health["queued"], health["clients_queued"], health["rejected_client_share"]) == (4, 2, 18)
+            fakes.GATE.set()
+            flooded = [a.json()["id"] for a in answers[:2]]
+            served = [a.json()["id"] for a in theirs]
+            done = {i: _wait(url, i) for i in [running, *flooded, *served]}
+            assert all(d["status"] == "done" for d in done.values())
+            started = sorted(done, key=lambda i: done[i]["started"])
+            assert started == [running, flooded[0], served[0], flooded[1], served[1]]  # round-robin
+
+
+def _until(condition, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from vlrl.config import CheckpointConfig
-from vlrl.train.carry import CarryOverError
 from vlrl.train.checkpoint import (
     Checkpointer,
     CheckpointError,
     carry_over_files,
+    latest_checkpoint,
     read_checkpoint_carry_over,
     resolve_resume,
     verify_checkpoint,
@@ -77,8 +77,9 @@ def test_a_malicious_pickle_in_any_file_that_is_read_is_refused_without_running(
     assert load()["carry_over"]["steps"] == (1, 2) and not marker.exists()
     (path / "carry_over" / "rank_00000.pt").unlink()
 
-    for target, error, message in ((json_file, CarryOverError, "rank_00000.json: unreadable"),
-                                   (tensors_file, CarryOverError, "rank_00000.safetensors: unreadable"),
+    # (issue 38: a bad carry-over is the one-line CheckpointError the CLI prints, not a raw CarryOverError)
+    for target, error, message in ((json_file, CheckpointError, "cannot be resumed from \\(CarryOverError: .*rank_00000.json: unreadable"),
+                                   (tensors_file, CheckpointError, "cannot be resumed from \\(CarryOverError: .*rank_00000.safetensors: unreadable"),
                                    (path / "dcp" / ".metadata", CheckpointError, r"\.metadata: refused \(.*open is not allowed")):
         original = target.read_bytes()
         target.write_bytes(payload)
@@ -220,3 +221,104 @@ def test_cli_a_full_disk_at_a_save_is_one_message_and_the_run_resumes_later(tiny
     (small_tmpfs / "filler").unlink()
     assert _vlrl(*base, "train.steps=2", "--resume", "auto").returncode == 0
     assert [r["step"] for r in _steps(small_tmpfs)] == [1, 2]
+
+
+# ----------------------------------------------------------------------------------------------- issue 38
+def test_a_symlinked_step_directory_is_refused_and_a_later_save_replaces_the_link(tmp_path):
+    """Finding 10: a newest `step_N` that is a symbolic link (here to a copy of step 2 outside the run) was resumed
+    from without a word, and every later save at step N failed (`rmtree` on a link). Now `--resume auto` refuses
+    it in one line, and a save at that step replaces the link itself, leaving its target alone."""
+    import shutil
+
+    run = tmp_path / "run"
+    checkpointer, (_, second), trained = _two_checkpoints(run)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(second, elsewhere)
+    link = run / "checkpoints" / "step_00000009"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(CheckpointError) as err:
+        resolve_resume(CheckpointConfig(resume="auto"), run)
+    assert str(err.value) == (f"{link} is a symbolic link (to {elsewhere}), not a checkpoint this run wrote: refused; "
+                              "remove the link, or name the checkpoint with checkpoint.resume=DIR")
+    assert latest_checkpoint(run / "checkpoints") == second  # never the link
+    saved = _save(checkpointer, 9, *trained)
+    assert saved == link and not link.is_symlink() and (link / "manifest.json").is_file()
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(p.name for p in second.iterdir())  # target untouched
+
+
+def test_a_step_directory_whose_name_and_trainer_state_disagree_is_refused(tmp_path):
+    """Finding 10: the step in a directory's name must be its trainer_state's (a renamed or moved checkpoint would
+    resume at the wrong step, its data cursor and schedule off by the difference)."""
+    run = tmp_path / "run"
+    _, (first, second), _ = _two_checkpoints(run)
+    renamed = second.with_name("step_00000007")
+    second.rename(renamed)  # files and manifest intact: only the name lies
+    with pytest.raises(CheckpointError, match=r"trainer_state.json: step 2, but the directory is named for step 7: refused"):
+        verify_checkpoint(renamed)
+    assert resolve_resume(CheckpointConfig(resume="auto"), run) == first  # auto: reported, the previous one used
+
+
+def test_metrics_are_cut_to_the_checkpoint_never_extended(tmp_path):
+    """Finding 11: resuming after metrics.jsonl was shortened padded it with NUL bytes up to the recorded length.
+    Now a longer file is cut back to it and a shorter one kept to its last whole line, never extended."""
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"stage": "sft", "step": k, "loss": 1.0 / (k + 1)}) + "\n" for k in range(1, 6)]
+    metrics.write_text("".join(lines[:3]))
+    model, optimizer, scheduler = _fresh()
+    checkpointer = Checkpointer(tmp_path / "checkpoints", CheckpointConfig(every=1), DistContext(), metrics_path=metrics)
+    path = _save(checkpointer, 3, model, optimizer, scheduler)
+    recorded = len("".join(lines[:3]).encode())
+
+    def load():
+        fresh = _fresh(seed=1)
+        checkpointer.load(path, stage="sft", module=fresh[0], optimizer=fresh[1], scheduler=fresh[2])
+        return metrics.read_bytes()
+
+    metrics.write_text("".join(lines))  # the run went on past the checkpoint: cut back
+    assert load() == "".join(lines[:3]).encode()
+    metrics.write_text(lines[0] + lines[1][:10])  # shortened since, mid-line
+    cut = load()
+    assert cut == lines[0].encode() and b"\0" not in cut and len(cut) < recorded
+
+
+def test_a_bad_carry_over_under_a_resealed_manifest_is_one_checkpoint_error(tmp_path):
+    """Finding 12: a carry-over that decodes to nothing a recipe can use (a record without its fields; a tuple of
+    a number), under a manifest rewritten to match, ended in a raw traceback. Now: one CheckpointError line."""
+    checkpointer, (_, path), _ = _two_checkpoints(tmp_path, carry_over={"steps": (1, 2)})
+    json_file, _ = carry_over_files(path)
+    document = json.loads(json_file.read_text())
+    for value in ({"$record": "SyncState", "fields": {}}, {"$tuple": 5}, {"$bytes": "not base64!"}):
+        json_file.write_text(json.dumps({**document, "value": value}))
+        write_manifest(path)
+        model, optimizer, scheduler = _fresh(seed=1)
+        with pytest.raises(CheckpointError) as err:
+            checkpointer.load(path, stage="sft", module=model, optimizer=optimizer, scheduler=scheduler)
+        message = str(err.value)
+        assert message.startswith(f"{path}: cannot be resumed from (") and "\n" not in message, message
+
+
+def test_cli_a_planted_step_link_and_a_bad_carry_over_are_one_line_each(tmp_path):
+    """Issue 38, findings 10 and 12 through `vlrl sft --resume auto`: exit 1 and one line, never a traceback."""
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    run = tmp_path / "run"
+    args = ["sft", "model.path=tiny-qwen2", "data.suite=arith", "data.tasks=[add]", "data.n_train=16", "data.n_test=2",
+            "train.steps=2", "train.batch_size=2", "train.micro_batch_size=2", "checkpoint.every=1", "checkpoint.keep=2",
+            "eval.samples=1", "eval.max_new_tokens=2", "check.samples_per_task=1", "report.html=false", f"out={run}"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    (run / "checkpoints" / "step_00000003").symlink_to(tmp_path, target_is_directory=True)
+    result = CliRunner().invoke(app, [*args, "train.steps=3", "--resume", "auto"])
+    assert result.exit_code == 1 and result.output.strip().splitlines() == [
+        f"vlrl sft: {run / 'checkpoints' / 'step_00000003'} is a symbolic link (to {tmp_path}), not a checkpoint this "
+        "run wrote: refused; remove the link, or name the checkpoint with checkpoint.resume=DIR"], result.output
+    (run / "checkpoints" / "step_00000003").unlink()
+    newest = run / "checkpoints" / "step_00000002"
+    json_file, _ = carry_over_files(newest)
+    json_file.write_text(json.dumps({**json.loads(json_file.read_text()), "value": {"$tuple": 5}}))
+    write_manifest(newest)  # re-sealed, as someone with write access would
+    result = CliRunner().invoke(app, [*args, "train.steps=3", "--resume", "auto"])
+    assert result.exit_code == 1, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith(f"vlrl sft: {newest}: cannot be resumed from (") and "Traceback" not in result.output, result.output

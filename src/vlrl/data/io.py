@@ -67,7 +67,8 @@ def read_samples(
         verify_images: open every image once at read time so a missing or corrupt file is reported here
             (with its line) rather than in the middle of training.
         media: how videos become frames and the per-sample image budgets (`vlrl.data.video.prepare_media`);
-            a sample over a budget is a bad record. None: samples are returned as read (videos kept).
+            a sample over a budget is a bad record. None: samples are returned as read (videos kept). Its
+            ``max_record_bytes`` (the default one when None) bounds each record while it is read.
     """
     path = Path(path)
     if path.is_dir():
@@ -80,11 +81,12 @@ def read_samples(
         raise DataError(f"{path}: no such file or directory")
     report = ReadReport(samples=[])
     seen_ids: dict[str, str] = {}
+    max_record = (media or MediaLimits()).max_record_bytes
     for file in files:
         if file.suffix == ".jsonl":
-            records = _jsonl_records(file)
+            records = _jsonl_records(file, max_record)
         elif file.suffix == ".parquet":
-            records = _parquet_records(file)
+            records = _parquet_records(file, max_record)
         else:
             raise DataError(f"{file}: unsupported file type (use .jsonl or .parquet)")
         for where, record in records:
@@ -118,32 +120,84 @@ def read_samples(
     return report
 
 
-def _jsonl_records(file: Path) -> Iterable[tuple[str, Any]]:
-    with open(file, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+def _too_big(size: int, limit: int, *, at_least: bool = False) -> SampleError:
+    return SampleError(f"a record of {'at least ' if at_least else ''}{size:,} bytes, more than "
+                       f"data.max_record_bytes ({limit:,})")
+
+
+def _jsonl_records(file: Path, max_record_bytes: int) -> Iterable[tuple[str, Any]]:
+    """(file:line, record or the error that makes it bad) of each non-blank line. A line is read at most
+    ``max_record_bytes`` (+ its newline) at a time: a longer one is skipped through in 1 MiB pieces, never held."""
+    with open(file, "rb") as handle:
+        number = 0
+        while line := handle.readline(max_record_bytes + 1):
+            number += 1
+            where = f"{file}:{number}"
+            if len(line) > max_record_bytes and not line.endswith(b"\n"):
+                size = len(line)
+                del line
+                while piece := handle.readline(1 << 20):
+                    size += len(piece)
+                    if piece.endswith(b"\n"):
+                        size -= 1
+                        break
+                yield where, _too_big(size, max_record_bytes)
+                continue
             if not line.strip():
                 continue
-            where = f"{file}:{number}"
             try:
-                yield where, json.loads(line)
+                yield where, json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                yield where, SampleError(f"not UTF-8 text (byte {err.start + 1} of the line)")
             except json.JSONDecodeError as err:
                 yield where, SampleError(f"malformed JSON ({err.msg} at column {err.colno})")
 
 
-def _parquet_records(file: Path) -> Iterable[tuple[str, Any]]:
+def _parquet_records(file: Path, max_record_bytes: int) -> Iterable[tuple[str, Any]]:
+    """(file:row N, record or the error that makes it bad), read one row group at a time. A row group whose
+    uncompressed size exceeds ``max_record_bytes`` × its rows holds a row over the bound (its largest row is at
+    least its mean): the whole group is one bad record, not read; otherwise each row is measured once read."""
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(file)
+        parquet = pq.ParquetFile(file)
+        ours = (parquet.schema_arrow.metadata or {}).get(b"vlrl") == _PARQUET_MARKER
     except Exception as err:
         raise DataError(f"{file}: cannot read parquet ({err})") from err
-    ours = (table.schema.metadata or {}).get(b"vlrl") == _PARQUET_MARKER
-    for row_number, row in enumerate(table.to_pylist()):
-        where = f"{file}:row {row_number}"
+    first = 0
+    for group in range(parquet.num_row_groups):
+        meta = parquet.metadata.row_group(group)
+        rows = range(first, first + meta.num_rows)
+        first += meta.num_rows
+        if meta.total_byte_size > max_record_bytes * max(1, meta.num_rows):
+            where = f"{file}:rows {rows.start}-{rows.stop - 1}" if len(rows) > 1 else f"{file}:row {rows.start}"
+            yield where, _too_big(-(-meta.total_byte_size // max(1, meta.num_rows)), max_record_bytes, at_least=True)
+            continue
         try:
-            yield where, _decode_parquet_row(row, ours)
-        except (ValueError, TypeError) as err:
-            yield where, SampleError(str(err))
+            table = parquet.read_row_group(group)
+        except Exception as err:
+            raise DataError(f"{file}: cannot read parquet row group {group} ({err})") from err
+        for row_number, row in zip(rows, table.to_pylist(), strict=True):
+            where = f"{file}:row {row_number}"
+            size = _row_bytes(row)
+            if size > max_record_bytes:
+                yield where, _too_big(size, max_record_bytes)
+                continue
+            try:
+                yield where, _decode_parquet_row(row, ours)
+            except (ValueError, TypeError) as err:
+                yield where, SampleError(str(err))
+
+
+def _row_bytes(value: Any) -> int:
+    """Bytes of a parquet row's strings and binary values (what its record holds), nested values included."""
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_row_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_row_bytes(v) for v in value)
+    return 8
 
 
 def _decode_parquet_row(row: dict[str, Any], ours: bool) -> dict[str, Any]:

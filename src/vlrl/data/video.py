@@ -38,6 +38,7 @@ class MediaLimits:
     max_images: int | None = 32
     max_image_pixels: int | None = None
     max_sample_pixels: int | None = None
+    max_record_bytes: int = 64 << 20  # one jsonl line / parquet row, checked by the reader while it reads
 
 
 def prepare_media(sample: Sample, limits: MediaLimits) -> Sample:

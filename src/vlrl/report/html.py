@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from vlrl import safe_yaml
 from vlrl.report.environment import describe
 from vlrl.report.plots import Line, Panel, render_bars, render_panel
 from vlrl.report.samples import read_jsonl_rows, read_sample_rows
@@ -140,9 +139,9 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     if (path / "config.yaml").is_file():
         config_text = (path / "config.yaml").read_text(encoding="utf-8")
         try:
-            config = yaml.safe_load(config_text) or {}
-        except yaml.YAMLError as err:
-            notes.append(f"{path / 'config.yaml'}: unreadable YAML ({err})")
+            config = safe_yaml.load(config_text, str(path / "config.yaml")) or {}
+        except safe_yaml.YamlRefused as err:
+            notes.append(f"{path / 'config.yaml'}: unreadable YAML ({err.reason})")
     else:
         notes.append(f"{path}: no config.yaml")
     summary: dict[str, Any] = {}

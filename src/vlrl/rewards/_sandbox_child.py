@@ -10,8 +10,10 @@ with a fresh size-limited tmpfs on every writable place (``/tmp``, the working d
 ``/var/tmp``, ``/dev/shm``, ``/run/lock``, ``/run/user`` and every other world-writable mount point of the
 machine): no other file of the host is visible and nothing written outlives the run (`_private_filesystem`).
 
-A test child: its own process group; stdin/stdout/stderr redirected to files in the working directory;
-rlimits on CPU time, address space, file size (= output cap), open files, processes, core dumps; uid/gid
+A test: its own directory (``test<i>-<random>`` in the work folder, made with ``mkdir`` and entered by descriptor), its
+own process group, stdin/stdout/stderr on anonymous memory files (``memfd_create``) made by the runner before
+the test starts — the runner never opens a file by name on the program's side, so no link a program plants
+is ever followed with the runner's privileges; rlimits on CPU time, address space, file size (= output cap), open files, processes, core dumps; uid/gid
 dropped to ``drop_uid`` when running as root; sockets disabled when the caller could not cut the network
 with a namespace. It runs the program as ``__main__``, then the test's assert code (if any) in the same
 namespace, then copies a nonce from one pipe to another: exiting early (``sys.exit(0)``, ``os._exit(0)``)
@@ -21,6 +23,7 @@ does not fake a pass.
 import builtins
 import ctypes
 import errno
+import fcntl
 import json
 import math
 import os
@@ -52,7 +55,7 @@ def main() -> None:
             _write(result_fd, {"mounted": False, "error": error, "results": []})
             return
     elif job["drop_uid"] is not None:
-        _preload()  # the test user may not reach the interpreter's files: import the usual ones now
+        _preload(job.get("packages", []))  # the test user may not reach the interpreter's files: import them now
     deadline = time.monotonic() + job["budget_seconds"]
     results = []
     for i, test in enumerate(job["tests"]):
@@ -75,10 +78,12 @@ def _die_with_parent() -> None:
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a test become ours, so we can kill them
 
 
-def _preload() -> None:
+def _preload(packages: list) -> None:
+    """Import the usual standard modules and the allow-listed packages before the test user takes over (rlimit-only
+    mode as root: the interpreter may live where ``nobody`` cannot read, e.g. under /root)."""
     import importlib
 
-    for name in ("socket", "collections", "heapq", "bisect", "itertools", "functools", "math", "re", "string",
+    for name in (*packages, "socket", "contextvars", "collections", "heapq", "bisect", "itertools", "functools", "math", "re", "string",
                  "json", "random", "fractions", "decimal", "typing", "dataclasses", "copy", "operator",
                  "statistics", "array", "datetime", "io", "time"):
         try:
@@ -138,8 +143,8 @@ def _private_filesystem(job: dict) -> str | None:
         _mount("none", "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     except OSError as err:
         return f"{type(err).__name__}: {err}"
-    os.mkdir("/tmp/work", 0o777)
-    os.chmod("/tmp/work", 0o777)
+    os.mkdir("/tmp/work", 0o755)  # the runner's: each test gets a directory of its own below it (`_test_directory`)
+    os.chmod("/tmp/work", 0o755)
     os.chdir("/tmp/work")
     return None
 
@@ -349,9 +354,66 @@ def _pivot_root(new_root: str, put_old: str) -> None:
 
 
 def _run_test(job: dict, i: int, test: dict, wall: float) -> dict:
-    paths = {name: f"{name}{i}" for name in ("in", "out", "err")}  # relative: cwd may be a covered path
-    with open(paths["in"], "w", encoding="utf-8") as f:
-        f.write(test.get("stdin", ""))
+    """Run test ``i``; never raises: what the runner cannot set up (a broken work folder) is status ``error``."""
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(_test_directory(job, i))
+        except OSError as err:
+            return _error(f"the work folder is unusable ({err.strerror or err}): test {i} not run")
+        fds += _streams(test.get("stdin", ""))
+        return _run_in(job, test, wall, *fds)
+    except Exception as err:  # a harness failure on one test must not lose the others  # noqa: BLE001
+        return _error(f"harness error on test {i}: {type(err).__name__}: {err}")
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _error(message: str) -> dict:
+    return {"status": "error", "stdout": "", "stderr": f"vlrl sandbox: {message}", "seconds": 0.0}
+
+
+def _test_directory(job: dict, i: int) -> int:
+    """A new directory ``test<i>-<random>`` in the work folder (the runner's cwd), opened without following links
+    and given to the test user; its descriptor. ``mkdir`` fails on anything already there (never follows a link);
+    the random part keeps an earlier test (in ``user`` mode it may write the work folder) from planting it."""
+    name = f"test{i}-{secrets.token_hex(6)}"
+    os.mkdir(name, 0o700)
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if job["drop_uid"] is not None and os.geteuid() == 0:
+            os.fchown(fd, job["drop_uid"], job["drop_uid"])
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _streams(stdin: str) -> list[int]:
+    """(stdin, stdout, stderr) of a test: anonymous memory files, stdin filled and sealed against writes."""
+    fds = []
+    try:
+        fds.append(os.memfd_create("stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
+        view = memoryview(stdin.encode("utf-8", "replace"))
+        while view:
+            view = view[os.write(fds[0], view):]
+        os.lseek(fds[0], 0, os.SEEK_SET)
+        try:
+            fcntl.fcntl(fds[0], fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+                        | fcntl.F_SEAL_SEAL)
+        except (AttributeError, OSError):
+            pass  # an old kernel: the test could rewrite its own stdin, nothing more
+        fds.append(os.memfd_create("stdout", os.MFD_CLOEXEC))
+        fds.append(os.memfd_create("stderr", os.MFD_CLOEXEC))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _run_in(job: dict, test: dict, wall: float, directory: int, stdin: int, stdout: int, stderr: int) -> dict:
     nonce = secrets.token_hex(16).encode()
     marker_r, marker_w = os.pipe()
     nonce_r, nonce_w = os.pipe()
@@ -361,7 +423,7 @@ def _run_test(job: dict, i: int, test: dict, wall: float) -> dict:
     pid = os.fork()
     if pid == 0:
         try:
-            _child(job, test, paths, marker_w, nonce_r)
+            _child(job, test, (directory, stdin, stdout, stderr), marker_w, nonce_r)
         except BaseException:  # a harness error, not the program's: say so on the test's stderr  # noqa: BLE001
             os.write(2, f"vlrl sandbox harness error:\n{traceback.format_exc()}".encode())
         finally:
@@ -380,8 +442,8 @@ def _run_test(job: dict, i: int, test: dict, wall: float) -> dict:
     marker = _read_all(marker_r, 64)
     os.close(marker_r)
     _kill_orphans()
-    stdout = _read_file(paths["out"], job["output_bytes"])
-    stderr = _read_file(paths["err"], 4096)
+    out = _read_memory_file(stdout, job["output_bytes"])
+    err = _read_memory_file(stderr, 4096)
     if timed_out:
         state = "timeout"
     elif os.WIFSIGNALED(status):
@@ -391,7 +453,7 @@ def _run_test(job: dict, i: int, test: dict, wall: float) -> dict:
         state = "ok"
     else:
         state = f"exit {os.WEXITSTATUS(status)}"
-    return {"status": state, "stdout": stdout, "stderr": stderr, "seconds": round(seconds, 4)}
+    return {"status": state, "stdout": out, "stderr": err, "seconds": round(seconds, 4)}
 
 
 def _wait(pid: int, wall: float) -> bool:
@@ -461,24 +523,33 @@ def _read_all(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _read_file(path: str, limit: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit).decode("utf-8", "replace")
-    except OSError:
-        return ""
+def _read_memory_file(fd: int, limit: int) -> str:
+    """The first ``limit`` bytes a test wrote to its stdout / stderr (by descriptor, from offset 0)."""
+    chunks, size = [], 0
+    while size < limit:
+        try:
+            chunk = os.pread(fd, limit - size, size)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
-def _child(job: dict, test: dict, paths: dict, marker_w: int, nonce_r: int) -> None:
+def _child(job: dict, test: dict, fds: tuple[int, int, int, int], marker_w: int, nonce_r: int) -> None:
+    """The forked test process: descriptors only — the test directory (entered with ``fchdir``) and the three
+    memory files made by the runner — so nothing here opens a path the program could have planted."""
     os.setpgid(0, 0)
-    fds = [os.open(paths["in"], os.O_RDONLY),
-           os.open(paths["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666),
-           os.open(paths["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)]
-    for target, fd in enumerate(fds):
+    directory, streams = fds[0], fds[1:]
+    os.fchdir(directory)
+    for target, fd in enumerate(streams):
         os.dup2(fd, target)
     os.dup2(marker_w, 3)
     os.dup2(nonce_r, 4)
     os.closerange(5, 65536)
+    os.environ["HOME"] = os.environ["TMPDIR"] = os.getcwd()
     _limit(job)
     _drop_privileges(job)
     if job["block_network"]:
@@ -524,15 +595,15 @@ def _limit(job: dict) -> None:
 
 
 def _drop_privileges(job: dict) -> None:
+    """As root: become ``drop_uid`` (no groups). A failure raises (the test fails as a harness error): a program
+    never runs with privileges it was meant to lose."""
     if job["drop_uid"] is None or os.geteuid() != 0:
         return
-    try:
-        os.setgroups([])
-        os.setgid(job["drop_uid"])
-        os.setuid(job["drop_uid"])
-    except OSError as err:
-        if err.errno not in (errno.EINVAL, errno.EPERM):
-            raise
+    os.setgroups([])
+    os.setgid(job["drop_uid"])
+    os.setuid(job["drop_uid"])
+    if os.geteuid() != job["drop_uid"] or os.getegid() != job["drop_uid"]:
+        raise OSError(errno.EPERM, f"still uid {os.geteuid()} after setuid({job['drop_uid']})")
 
 
 def _block_sockets() -> None:

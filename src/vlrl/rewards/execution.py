@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from vlrl.rewards.base import RewardOutput, as_output, combine, get_reward, reward_weights, spec_of
+from vlrl.rewards.sandbox import ENV as SANDBOX_ENV
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,14 @@ def _ping() -> int:
     return os.getpid()
 
 
-def _run_unit(fn, response: str, answer: Any, meta: Mapping[str, Any]) -> tuple[float, dict[str, float], float]:
-    """Worker side: call the verifier, return (overall, parts, seconds)."""
+def _run_unit(fn, response: str, answer: Any, meta: Mapping[str, Any],
+              sandbox: str | None = None) -> tuple[float, dict[str, float], float]:
+    """Worker side: call the verifier, return (overall, parts, seconds). ``sandbox``: the caller's
+    ``VLRL_SANDBOX_ISOLATION`` when the unit was submitted (a worker started earlier may hold another)."""
+    if sandbox is None:
+        os.environ.pop(SANDBOX_ENV, None)
+    else:
+        os.environ[SANDBOX_ENV] = sandbox
     start = time.perf_counter()
     out = as_output(fn(response, answer, **meta))
     return float(out.overall), {k: float(v) for k, v in out.parts.items()}, time.perf_counter() - start
@@ -248,10 +255,11 @@ class RewardExecutor:
             return []
         pool = self._ensure_pool()
         pending = []
+        sandbox = os.environ.get(SANDBOX_ENV)  # the isolation the caller's run configured (`sandbox.isolation`)
         for u in units:
             item = items[u.index]
             meta = {k: v for k, v in item.meta.items() if k != "judge"}  # an engine does not cross processes
-            pending.append((u, pool.schedule(_run_unit, args=(u.fn, item.response, item.answer, meta),
+            pending.append((u, pool.schedule(_run_unit, args=(u.fn, item.response, item.answer, meta, sandbox),
                                              timeout=u.deadline)))
         return pending
 

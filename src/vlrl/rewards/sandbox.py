@@ -21,10 +21,26 @@ network               a fresh network namespace with no interfaces (namespaced m
 privileges            as root, tests run as ``nobody`` (uid 65534)
 ====================  =================================================================================
 
-Isolation is probed once per process (`isolation()`): ``root`` — ``unshare --net --pid --mount --ipc --uts``
-as root (this machine and CI); ``user`` — the same inside a user namespace (an unprivileged account with
-user namespaces enabled); ``none`` — plain child process with rlimits and the in-process socket block.
-Set ``VLRL_SANDBOX_ISOLATION`` to force one. Parent death kills the sandbox (``setpriv --pdeathsig``).
+Isolation (`isolation`) follows one setting — ``sandbox.isolation`` in a run's config, else the
+``VLRL_SANDBOX_ISOLATION`` environment variable, else ``namespaces`` — and is probed once per process:
+
+- ``namespaces`` (the default): ``root`` where it works, else ``user``;
+- ``root``: ``unshare --net --pid --mount --ipc --uts`` as root (this machine and CI), tests run as ``nobody``;
+- ``user``: the same inside a user namespace (an unprivileged account with user namespaces enabled);
+- ``none``: a plain child process with rlimits and the in-process socket block, nothing else — only when the
+  setting says ``none``.
+
+Where the setting cannot be had (no ``unshare``, user namespaces disabled, a container without the
+capability), `isolation` raises `SandboxUnavailable` naming the cause and the setting: the sandbox never
+falls back to less isolation than it was asked for. Parent death kills the sandbox (``setpriv --pdeathsig``).
+
+Files on the program's side: the runner opens none by name. A test's stdin, stdout and stderr are anonymous
+memory files (``memfd_create``) made before the test starts and handed over as descriptors; each test runs in
+a directory of its own (``test<i>-<random>``), made by the runner with ``mkdir`` (which never follows a link) and entered by
+descriptor. The work folder above them is the runner's (``0755``; in ``none`` mode as root ``0711``), so a
+program running as ``nobody`` cannot plant anything there; whatever a program leaves in its own directory,
+the runner never opens it. A work folder the runner cannot use (a program in ``user`` mode, which shares
+the runner's uid, may break it) fails the tests that follow (status ``error``, score 0); nothing raises.
 
 Assert-style tests run in the program's own interpreter, so a program written to inspect the harness
 could fake a pass; stdin/stdout tests are compared by this process and cannot be faked that way.
@@ -34,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -47,6 +64,16 @@ from pathlib import Path
 RUNNER = Path(__file__).with_name("_sandbox_child.py")
 NOBODY = 65534
 _NAMESPACES = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--ipc", "--uts"]
+ENV = "VLRL_SANDBOX_ISOLATION"
+SETTINGS = ("namespaces", "root", "user", "none")
+log = logging.getLogger(__name__)
+
+
+class SandboxUnavailable(RuntimeError):
+    """The configured isolation cannot be had on this machine; the message names the cause and the setting."""
+
+
+_reported: set[tuple[str, str]] = set()  # (setting, mode) pairs logged by this process
 
 
 @dataclass(frozen=True)
@@ -65,7 +92,8 @@ class SandboxLimits:
 @dataclass
 class TestRun:
     """Outcome of one test: ``status`` is ``ok`` (ran to the end, exit 0), ``timeout``, ``output_limit``,
-    ``exit N``, ``signal N`` or ``not_run`` (the total budget was used up)."""
+    ``exit N``, ``signal N``, ``not_run`` (the total budget was used up) or ``error`` (the runner could not
+    set the test up, e.g. a work folder an earlier test broke; ``stderr`` says why)."""
 
     status: str
     stdout: str = ""
@@ -77,24 +105,87 @@ class TestRun:
         return self.status == "ok"
 
 
-@functools.lru_cache(maxsize=1)
-def isolation() -> str:
-    """``root``, ``user`` or ``none``: the strongest isolation that works here (probed once)."""
-    forced = os.environ.get("VLRL_SANDBOX_ISOLATION")
-    if forced:
-        if forced not in ("root", "user", "none"):
-            raise ValueError(f"VLRL_SANDBOX_ISOLATION must be root, user or none, got {forced!r}")
-        return forced
+def setting() -> str:
+    """The isolation asked for: ``VLRL_SANDBOX_ISOLATION`` (a run sets it from ``sandbox.isolation``), else
+    ``namespaces``."""
+    value = os.environ.get(ENV) or "namespaces"
+    if value not in SETTINGS:
+        raise SandboxUnavailable(f"{ENV}={value!r}: expected one of {', '.join(SETTINGS)}")
+    return value
+
+
+def isolation(asked: str | None = None) -> str:
+    """The mode the sandbox runs in for the setting ``asked`` (default: `setting()`): ``root``, ``user`` or
+    ``none``. Raises `SandboxUnavailable` (the cause, and the setting that accepts less) when the setting
+    cannot be had here — never a weaker mode than asked for. Probed once per process and setting."""
+    asked = asked or setting()
+    if asked not in SETTINGS:
+        raise SandboxUnavailable(f"sandbox isolation {asked!r}: expected one of {', '.join(SETTINGS)}")
+    mode, causes = _obtain(asked, os.environ.get("PATH", ""))
+    if mode is not None and (asked, mode) not in _reported:
+        _reported.add((asked, mode))
+        log.info("code sandbox: isolation %s (setting %s): %s", mode, asked, describe(mode))
+    if mode is None:
+        raise SandboxUnavailable(
+            f"the code sandbox cannot have isolation {asked!r} here ({'; '.join(causes)}), and it does not run "
+            "model-written programs with less: fix the cause (run as root, or enable user namespaces: "
+            "sysctl user.max_user_namespaces / kernel.unprivileged_userns_clone), or accept rlimits only — no "
+            f"filesystem, network or process isolation — with sandbox.isolation=none ({ENV}=none)")
+    return mode
+
+
+@functools.lru_cache(maxsize=16)
+def _obtain(asked: str, path: str) -> tuple[str | None, tuple[str, ...]]:
+    """(mode, causes of the modes that failed) for ``asked``; ``path``: the PATH the probe ran with (a cache key)."""
+    if asked == "none":
+        return "none", ()
+    candidates = [asked] if asked in ("root", "user") else (["root", "user"] if os.geteuid() == 0 else ["user"])
+    causes = []
+    for mode in candidates:
+        cause = _probe(mode)
+        if cause is None:
+            return mode, ()
+        causes.append(f"{mode}: {cause}")
+    if asked == "root" and os.geteuid() != 0:
+        causes.append("root: this process is not root")
+    return None, tuple(causes)
+
+
+def _probe(mode: str) -> str | None:
+    """None if ``unshare`` in ``mode`` works here, else why not."""
+    if mode == "root" and os.geteuid() != 0:
+        return "this process is not root"
     if shutil.which("unshare") is None:
-        return "none"
-    for mode in ("root", "user") if os.geteuid() == 0 else ("user",):
-        try:
-            probe = subprocess.run([*_unshare(mode), "true"], capture_output=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if probe.returncode == 0:
-            return mode
-    return "none"
+        return "no `unshare` on PATH (util-linux)"
+    command = [*_unshare(mode), "true"]
+    try:
+        probe = subprocess.run(command, capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"`{' '.join(command)}` failed: {type(err).__name__}: {err}"
+    if probe.returncode != 0:
+        said = probe.stderr.decode(errors="replace").strip().splitlines()
+        return f"`{' '.join(command)}` exited {probe.returncode}" + (f": {said[-1][:200]}" if said else "")
+    return None
+
+
+def describe(mode: str) -> str:
+    """One line: what isolation ``mode`` gives a program."""
+    return {
+        "root": "network, PID, mount, IPC and UTS namespaces (unshare as root), a private read-only root "
+                "filesystem, programs run as nobody",
+        "user": "network, PID, mount, IPC and UTS namespaces inside a user namespace, a private read-only root "
+                "filesystem, programs run as this user",
+        "none": "rlimits and a disabled socket module only: programs can read this machine's files"
+                + (" (as nobody)" if os.geteuid() == 0 else " (as this user)"),
+    }[mode]
+
+
+def report_isolation(asked: str | None = None) -> dict[str, str]:
+    """The isolation a run's programs get, as summary.json records it (``{"setting", "isolation",
+    "description"}``; the recipes log it once per run); raises `SandboxUnavailable` like `isolation`."""
+    asked = asked or setting()
+    mode = isolation(asked)
+    return {"setting": asked, "isolation": mode, "description": describe(mode)}
 
 
 def _unshare(mode: str) -> list[str]:
@@ -115,9 +206,14 @@ def run_python(source: str, tests: list[dict], limits: SandboxLimits = SandboxLi
     ``packages``: top-level names of installed packages the program may import besides the standard library
     (e.g. ``["numpy"]``); in the namespaced modes nothing else of the interpreter's site-packages is visible.
 
+    ``mode``: ``root``, ``user`` or ``none`` as the caller has established it; default: `isolation()`, which
+    raises `SandboxUnavailable` where the configured isolation cannot be had.
+
     Never raises for anything the program does; raises ``RuntimeError`` if the runner itself breaks.
     """
     mode = mode or isolation()
+    if mode not in ("root", "user", "none"):
+        raise ValueError(f"sandbox mode must be root, user or none, got {mode!r}")
     bad = [name for name in packages if not isinstance(name, str) or not name.isidentifier()]
     if bad:
         raise ValueError(f"sandbox packages: top-level module names expected, got {bad!r}")
@@ -131,9 +227,9 @@ def run_python(source: str, tests: list[dict], limits: SandboxLimits = SandboxLi
     }
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
-    with tempfile.TemporaryDirectory(prefix="vlrl-sandbox-") as work:
+    with tempfile.TemporaryDirectory(prefix="vlrl-sandbox-", ignore_cleanup_errors=True) as work:
         if drop_uid is not None and mode == "none":
-            os.chmod(work, 0o777)  # no tmpfs here: let the unprivileged test user write
+            os.chmod(work, 0o711)  # the runner's: the test user may enter its own test directory, not write here
         env["HOME"] = env["TMPDIR"] = work if mode == "none" else "/tmp/work"  # (its private tmpfs)
         proc = subprocess.Popen(_command(mode), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=work, env=env, start_new_session=True)
@@ -150,9 +246,9 @@ def run_python(source: str, tests: list[dict], limits: SandboxLimits = SandboxLi
                            f"{err.decode(errors='replace')[-2000:]}")
     result = json.loads(out)
     if job["mount_tmpfs"] and not result["mounted"]:
-        raise RuntimeError(f"sandbox (isolation {mode}) could not build its private filesystem "
-                           f"({result.get('error', 'unknown error')}); nothing was run. "
-                           "VLRL_SANDBOX_ISOLATION=none runs with rlimits only (no filesystem isolation)")
+        raise SandboxUnavailable(f"sandbox (isolation {mode}) could not build its private filesystem "
+                                 f"({result.get('error', 'unknown error')}); nothing was run. sandbox.isolation=none "
+                                 f"({ENV}=none) runs with rlimits only (no filesystem isolation)")
     return [TestRun(**r) for r in result["results"]]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-import yaml
+
+from vlrl import safe_yaml
 
 app = typer.Typer(no_args_is_help=True, help="Online data synthesis (Syn-GRPO): the synthesis server.")
 
@@ -17,7 +18,10 @@ def _options(items: list[str] | None, flag: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise typer.BadParameter(f"{flag} {item!r}: expected key=value, e.g. {flag} steps=25")
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        try:
+            out[key.strip()] = safe_yaml.load(value, f"{flag} {item!r}") if value.strip() else ""
+        except safe_yaml.YamlRefused as err:
+            raise typer.BadParameter(str(err)) from None
     return out
 
 
@@ -32,6 +36,8 @@ def serve(
     workers: int = typer.Option(1, "--workers", help="Jobs run at once (worker processes)."),
     executor: str = typer.Option("process", "--executor", help="process (timeouts kill the worker) or thread."),
     max_queued_jobs: int = typer.Option(64, "--max-queued-jobs", help="Queue bound; further jobs get 429."),
+    max_queued_per_client: int | None = typer.Option(None, "--max-queued-per-client", min=1, help="Queued jobs one "
+                                                     "client (token + address) may hold; unset: a quarter of the queue."),
     job_timeout: float = typer.Option(60.0, "--job-timeout", help="Seconds one job may run."),
     results_dir: str | None = typer.Option(None, "--results-dir", help="Where result PNGs are kept (default: a temporary directory)."),
     max_results_mb: float = typer.Option(512.0, "--max-results-mb", help="Size cap of the results; the oldest are deleted beyond it."),
@@ -54,7 +60,8 @@ def serve(
         raise typer.Exit(2)
     settings = SynthSettings(backend=backend, backend_options=_options(backend_option, "--backend-option"),
                              segmenter=segmenter, segmenter_options=_options(segmenter_option, "--segmenter-option"),
-                             workers=workers, executor=executor, max_queued_jobs=max_queued_jobs, job_timeout=job_timeout,
+                             workers=workers, executor=executor, max_queued_jobs=max_queued_jobs,
+                             max_queued_per_client=max_queued_per_client, job_timeout=job_timeout,
                              results_dir=results_dir, max_results_bytes=int(max_results_mb * (1 << 20)),
                              max_image_side=max_image_side, max_body_bytes=int(max_body_mb * (1 << 20)),
                              drain_seconds=drain_seconds)

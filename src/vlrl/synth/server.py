@@ -4,8 +4,8 @@ The Syn-GRPO data server (seed §3.3.1, "Decoupled design"): the trainer posts a
 boxes (or masks) to keep, the new description, a seed — and goes on training; it polls later and swaps the
 result into its dataset. JSON over HTTP (FastAPI + uvicorn):
 
-- ``POST /jobs`` → 202 ``{"id", "status": "queued", "queued"}``; 429 when the queue is full (back-pressure,
-  with ``Retry-After``); 400 naming the field for a bad image (format: PNG, JPEG, WEBP, BMP or GIF; size), box
+- ``POST /jobs`` → 202 ``{"id", "status": "queued", "queued"}``; 429 when the queue is full or the client holds
+  its share of it (back-pressure, with ``Retry-After``); 400 naming the field for a bad image (format: PNG, JPEG, WEBP, BMP or GIF; size), box
   (bounds, order), mask, description or seed; 413 for a body over ``max_body_bytes`` (counted on the bytes
   received: a chunked body too); 500 with an error id for anything unexpected.
 - ``GET /jobs/{id}`` → ``{"id", "status": queued | running | done | failed, "error": {"kind": timeout | error |
@@ -16,7 +16,12 @@ result into its dataset. JSON over HTTP (FastAPI + uvicorn):
   does not know; metadata once done): one request polls every job a client has in flight.
 - ``GET /health`` → back-end, queue and result-store counters (the only endpoint without the token).
 
-Jobs wait in a bounded queue (``max_queued_jobs``) for one of ``workers`` workers. With ``executor="process"``
+Jobs wait in a bounded queue (``max_queued_jobs``) for one of ``workers`` workers. The queue is shared fairly
+between clients: one client may hold at most ``max_queued_per_client`` queued jobs (default a quarter of the
+queue), and the workers take jobs round-robin across the clients that have some, so a client's flood neither
+fills the queue for the others (their jobs are still admitted) nor delays their jobs behind its own. A client
+is its bearer token and its address (``sha256(token)[:8]@host``): with one shared key, clients on different
+hosts are told apart by their address, and processes on one host share a share. With ``executor="process"``
 (the default of the command) each worker is a process that builds the back-end once (pebble pool,
 forkserver) and is killed and replaced when a job exceeds ``job_timeout``; with ``executor="thread"`` jobs run
 in threads of this process (cheap to start: tests, notebooks) and a job over its timeout is marked failed
@@ -83,6 +88,8 @@ class SynthSettings:
         segmenter / segmenter_options: optional box → mask refinement (``border``, ``model``; None = boxes).
         workers: jobs run at once. executor: ``process`` (killable timeouts) or ``thread``.
         max_queued_jobs: accepted jobs waiting for a worker; more get 429.
+        max_queued_per_client: queued jobs one client (token + address) may hold; more get 429. None: a quarter
+            of ``max_queued_jobs`` (at least 1).
         job_timeout: seconds one job may run.
         results_dir: where result PNGs go (None: a temporary directory removed at shutdown).
         max_results_bytes: size cap of the results; the oldest are deleted beyond it.
@@ -101,6 +108,7 @@ class SynthSettings:
     workers: int = 1
     executor: Literal["process", "thread"] = "process"
     max_queued_jobs: int = 64
+    max_queued_per_client: int | None = None
     job_timeout: float = 60.0
     results_dir: str | None = None
     max_results_bytes: int = 512 << 20
@@ -197,12 +205,16 @@ class SynthService:
     def __init__(self, settings: SynthSettings) -> None:
         if settings.workers < 1 or settings.max_queued_jobs < 1 or settings.job_timeout <= 0:
             raise ValueError("workers and max_queued_jobs must be ≥ 1 and job_timeout > 0")
+        if settings.max_queued_per_client is not None and settings.max_queued_per_client < 1:
+            raise ValueError("max_queued_per_client must be ≥ 1")
         self.settings = settings
+        self.per_client = settings.max_queued_per_client or max(1, settings.max_queued_jobs // 4)
         self._own_dir = settings.results_dir is None
         self.results_dir = Path(settings.results_dir or tempfile.mkdtemp(prefix="vlrl-synth-"))
         self.results_dir.mkdir(parents=True, exist_ok=True)
         self._jobs: dict[str, Job] = {}
-        self._queue: collections.deque[Job] = collections.deque()
+        self._queues: collections.OrderedDict[str, collections.deque[Job]] = collections.OrderedDict()  # per client
+        self._queued = 0
         self._finished: collections.deque[str] = collections.deque()  # finished job ids, oldest first
         self._cond = threading.Condition()
         self._closed = False
@@ -225,19 +237,36 @@ class SynthService:
 
     # --- the API
     def submit(self, image: np.ndarray, keep: np.ndarray, boxes: list[list[float]], description: str, seed: int,
-               refine: bool = True) -> Job:
-        """Queue a job (inputs already validated); raises `QueueFull` beyond ``max_queued_jobs``."""
+               refine: bool = True, *, client: str = "local") -> Job:
+        """Queue ``client``'s job (inputs already validated); raises `QueueFull` beyond ``max_queued_jobs`` in all
+        or beyond the client's share (``max_queued_per_client``)."""
         job = Job(uuid.uuid4().hex, description, seed, inputs=(image, keep, boxes, refine))
         with self._cond:
             if self._closed:
                 raise RuntimeError("the synthesis service is closed")
-            if len(self._queue) >= self.settings.max_queued_jobs:
+            if self._queued >= self.settings.max_queued_jobs:
                 self.counts["rejected_busy"] += 1
-                raise QueueFull(f"{len(self._queue)} jobs queued (max_queued_jobs = {self.settings.max_queued_jobs})")
+                raise QueueFull(f"{self._queued} jobs queued (max_queued_jobs = {self.settings.max_queued_jobs})")
+            mine = self._queues.get(client)
+            if mine is not None and len(mine) >= self.per_client:
+                self.counts["rejected_client_share"] += 1
+                raise QueueFull(f"this client has {len(mine)} jobs queued (its share: max_queued_per_client = "
+                                f"{self.per_client})")
             self._jobs[job.id] = job
-            self._queue.append(job)
+            self._queues.setdefault(client, collections.deque()).append(job)
+            self._queued += 1
             self.counts["submitted"] += 1
             self._cond.notify()
+        return job
+
+    def _next_job(self) -> Job:
+        """The next job, round-robin across clients (under the lock; the queue is not empty)."""
+        client, queue = next(iter(self._queues.items()))
+        job = queue.popleft()
+        del self._queues[client]
+        if queue:
+            self._queues[client] = queue  # to the back of the round
+        self._queued -= 1
         return job
 
     def get(self, job_id: str) -> Job | None:
@@ -256,17 +285,20 @@ class SynthService:
         with self._cond:
             running = sum(1 for j in self._jobs.values() if j.status == "running")
             return {"status": "ok", "backend": self.settings.backend, "segmenter": self.settings.segmenter,
-                    "executor": self.settings.executor, "workers": self.settings.workers, "queued": len(self._queue),
-                    "running": running, "max_queued_jobs": self.settings.max_queued_jobs,
+                    "executor": self.settings.executor, "workers": self.settings.workers, "queued": self._queued,
+                    "clients_queued": len(self._queues), "running": running,
+                    "max_queued_jobs": self.settings.max_queued_jobs, "max_queued_per_client": self.per_client,
                     "job_timeout": self.settings.job_timeout, "results_bytes": self.results_bytes,
                     "max_results_bytes": self.settings.max_results_bytes, **dict(self.counts)}
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            for job in self._queue:
-                self._fail(job, "error", "the server shut down before the job ran")
-            self._queue.clear()
+            for queue in self._queues.values():
+                for job in queue:
+                    self._fail(job, "error", "the server shut down before the job ran")
+            self._queues.clear()
+            self._queued = 0
             self._cond.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
@@ -293,11 +325,11 @@ class SynthService:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._queued and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                job = self._queue.popleft()
+                job = self._next_job()
                 job.status, job.started = "running", time.time()
                 image, keep, boxes, refine = job.inputs
                 job.inputs = None
@@ -473,6 +505,17 @@ def parse_job(body: JobBody, settings: SynthSettings) -> tuple[np.ndarray, np.nd
 
 
 # ----------------------------------------------------------------------------------------------- HTTP
+def client_identity(request: Any) -> str:
+    """Who a request comes from, for the queue's fair shares: ``sha256(bearer token)[:8]@peer host``. The token is
+    the only credential a client cannot forge; the address tells apart the holders of one shared token (a peer
+    address, not a header: ``X-Forwarded-For`` is the client's to write)."""
+    import hashlib
+
+    token = request.headers.get("authorization", "")
+    host = request.client.host if request.client is not None else "unknown"
+    return f"{hashlib.sha256(token.encode()).hexdigest()[:8]}@{host}"
+
+
 def create_app(service: SynthService, *, api_key: str | None) -> Any:
     """The FastAPI application of ``service``. ``api_key=None`` disables authentication. Bodies are bounded by
     ``max_body_bytes`` as they are received (`vlrl.serving.BodyLimit`) and parsed off the event loop
@@ -519,7 +562,8 @@ def create_app(service: SynthService, *, api_key: str | None) -> Any:
             raise BadRequest(explain_validation_error(err)) from None
         image, keep, boxes = await asyncio.to_thread(parse_job, body, settings)
         try:
-            job = service.submit(image, keep, boxes, body.description.strip(), body.seed, body.refine)
+            job = service.submit(image, keep, boxes, body.description.strip(), body.seed, body.refine,
+                                 client=client_identity(request))
         except QueueFull as err:
             return SafeJSON({"error": f"server busy: {err}"}, 429, headers={"Retry-After": "1"})
         return SafeJSON({"id": job.id, "status": job.status, "queued": service.health()["queued"]}, 202,

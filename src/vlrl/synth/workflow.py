@@ -423,7 +423,8 @@ class SynGRPO:
             service = SynthService(SynthSettings(backend=cfg.backend, backend_options=dict(cfg.backend_options),
                                                  segmenter=cfg.segmenter, segmenter_options=dict(cfg.segmenter_options),
                                                  workers=cfg.workers, executor="process",
-                                                 max_queued_jobs=max(cfg.max_in_flight, 8)))
+                                                 max_queued_jobs=max(cfg.max_in_flight, 8),
+                                                 max_queued_per_client=max(cfg.max_in_flight, 8)))  # its one client
             thread = ServerThread(create_app(service, api_key=key))
             self._local.append((thread, service))
             url = thread.url

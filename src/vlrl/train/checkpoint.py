@@ -72,17 +72,28 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------------------------- finding checkpoints
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """``step_N`` directories under ``root``, newest first."""
+    """``step_N`` directories under ``root`` — and symbolic links so named, which `resolve_resume` refuses —
+    newest first."""
     if not root.is_dir():
         return []
-    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()),
-                  reverse=True)
+    return sorted(((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _STEP_DIR.match(p.name)) and (p.is_dir() or p.is_symlink())), reverse=True)
 
 
 def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     """The complete checkpoint (``step_N`` with a manifest, i.e. a save that finished) of the highest step, or
-    None. Not verified: see `verify_checkpoint` / `resolve_resume`."""
-    return next((p for _, p in _step_dirs(Path(checkpoint_dir)) if (p / MANIFEST_FILE).is_file()), None)
+    None; a symbolic link is none. Not verified: see `verify_checkpoint` / `resolve_resume`."""
+    return next((p for _, p in _step_dirs(Path(checkpoint_dir))
+                 if not p.is_symlink() and (p / MANIFEST_FILE).is_file()), None)
+
+
+def _refuse_links(root: Path) -> None:
+    """A ``step_N`` under ``root`` that is a symbolic link: `CheckpointError` (a run's checkpoints are directories it
+    wrote; a link would resume from elsewhere, and every later save over it would fail)."""
+    for _, path in _step_dirs(root):
+        if path.is_symlink():
+            raise CheckpointError(f"{path} is a symbolic link (to {os.readlink(path)}), not a checkpoint this run "
+                                  "wrote: refused; remove the link, or name the checkpoint with checkpoint.resume=DIR")
 
 
 def resolve_resume(cfg: CheckpointConfig, out: str | Path) -> Path | None:
@@ -96,6 +107,7 @@ def resolve_resume(cfg: CheckpointConfig, out: str | Path) -> Path | None:
         verify_checkpoint(path, what="checkpoint.resume")
         return path
     root = Path(out) / "checkpoints"
+    _refuse_links(root)
     problems = []
     for _, path in _step_dirs(root):
         try:
@@ -108,17 +120,24 @@ def resolve_resume(cfg: CheckpointConfig, out: str | Path) -> Path | None:
             log.warning("resuming from %s, the newest intact checkpoint", path)
         return path
     if problems:
-        raise CheckpointError(f"checkpoint.resume=auto: no intact checkpoint under {root}:\n  " + "\n  ".join(problems))
+        raise CheckpointError(f"checkpoint.resume=auto: no intact checkpoint under {root} ({len(problems)} refused; "
+                              f"the newest: {problems[0]})")
     return None
 
 
 def verify_checkpoint(path: str | Path, *, what: str = "checkpoint") -> dict[str, Any]:
     """Check every file of checkpoint ``path`` against its manifest (present, size, sha256; no unlisted file) and
-    read its trainer state. Raises `CheckpointError` naming the first bad file and why; returns the state."""
+    read its trainer state, whose step must be the one a ``step_N`` name says. Raises `CheckpointError` naming
+    the first bad file and why (a symbolic link inside the checkpoint included); returns the state."""
     path = Path(path)
     manifest_file = path / MANIFEST_FILE
     if not path.is_dir():
         raise CheckpointError(f"{what}: {path} is not a directory")
+    for folder, dirs, names in os.walk(path):  # (os.walk does not follow links to directories)
+        linked = sorted(n for n in [*dirs, *names] if os.path.islink(os.path.join(folder, n)))
+        if linked:
+            raise CheckpointError(f"{os.path.join(folder, linked[0])}: a symbolic link inside a checkpoint (a save "
+                                  "writes none): refused")
     if not manifest_file.is_file():
         raise CheckpointError(f"{what}: {path} is incomplete: no {MANIFEST_FILE} (its save did not finish, or it was "
                               f"written by a vlrl without manifests)")
@@ -141,7 +160,12 @@ def verify_checkpoint(path: str | Path, *, what: str = "checkpoint") -> dict[str
             raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry.get('bytes')} (truncated or altered)")
         if _sha256(file) != entry.get("sha256"):
             raise CheckpointError(f"{file}: sha256 differs from the manifest (the file changed after the save)")
-    return read_trainer_state(path)
+    state = read_trainer_state(path)
+    named = _STEP_DIR.match(path.resolve().name)
+    if named and int(named.group(1)) != state.get("step"):
+        raise CheckpointError(f"{path / STATE_FILE}: step {state.get('step')!r}, but the directory is named for step "
+                              f"{int(named.group(1))}: refused (renamed or moved)")
+    return state
 
 
 def write_manifest(path: str | Path) -> Path:
@@ -382,7 +406,9 @@ class Checkpointer:
                     with writing(partial / MANIFEST_FILE):
                         write_manifest(partial)
                     with writing(final):
-                        if final.exists():  # re-running a step from an older checkpoint: replace the newer leftovers
+                        if final.is_symlink():  # never followed: the link itself goes
+                            final.unlink()
+                        elif final.exists():  # re-running a step from an older checkpoint: replace the newer leftovers
                             shutil.rmtree(final)
                         os.replace(partial, final)
                         _fsync_dir(self.root)
@@ -436,17 +462,28 @@ class Checkpointer:
     def _prune(self, keep: Path) -> None:
         steps = sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)))
         for _, path in steps[: max(0, len(steps) - self.cfg.keep)]:
-            if path != keep:
+            if path.is_symlink():
+                path.unlink(missing_ok=True)
+            elif path != keep:
                 shutil.rmtree(path, ignore_errors=True)
 
     # --- load
     def load(self, path: str | Path, *, stage: str, module: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
         """Restore weights, optimizer, scheduler and this rank's RNG from checkpoint ``path``; return its
-        trainer state (step, cursor, and this rank's ``carry_over``). All ranks call this."""
+        trainer state (step, cursor, and this rank's ``carry_over``). All ranks call this. Whatever in the
+        checkpoint does not fit (a malformed carry-over or trainer state, shards of another model) is one
+        `CheckpointError` line naming the checkpoint, never a traceback."""
+        try:
+            return self._load(Path(path), stage=stage, module=module, optimizer=optimizer, scheduler=scheduler)
+        except CheckpointError:
+            raise
+        except Exception as err:  # noqa: BLE001  (the checkpoint's contents, not a bug of the caller: one line)
+            raise CheckpointError(f"{path}: cannot be resumed from ({_first_line(err)})") from err
+
+    def _load(self, path: Path, *, stage: str, module: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        path = Path(path)
         state = read_trainer_state(path)
         if state["stage"] != stage:
             raise CheckpointError(f"{path}: a checkpoint of stage {state['stage']!r}, cannot resume stage {stage!r}")
@@ -481,12 +518,22 @@ class Checkpointer:
         return state
 
     def _cut_metrics(self, state: dict[str, Any]) -> None:
-        """Once the load succeeded: cut metrics.jsonl back to where the checkpoint left it (rank 0)."""
-        position = state.get("metrics") or {}
+        """Once the load succeeded: cut metrics.jsonl back to where the checkpoint left it (rank 0). Cut only, never
+        extended: a file shortened since (shorter than the checkpoint recorded) is kept up to its last whole line,
+        with a warning."""
+        position = int((state.get("metrics") or {}).get("bytes", 0))
         if not self.ctx.is_main or self.metrics_path is None or not self.metrics_path.exists():
             return
         with open(self.metrics_path, "r+b") as handle:
-            handle.truncate(int(position.get("bytes", 0)))
+            size = handle.seek(0, os.SEEK_END)
+            if size < position:
+                handle.seek(max(0, size - _CHUNK))
+                tail = handle.read()
+                position = size - len(tail) + tail.rfind(b"\n") + 1  # after the last whole line (0: none)
+                log.warning("%s: %d bytes, shorter than the %d the checkpoint recorded (shortened since): kept up to "
+                            "its last whole line (%d bytes), the resumed run appends there", self.metrics_path, size,
+                            int((state.get("metrics") or {}).get("bytes", 0)), position)
+            handle.truncate(position)
 
     @staticmethod
     def _drop_unsaved_optimizer_state(module: torch.nn.Module, optimizer, saved: set[str]) -> None:
@@ -539,6 +586,11 @@ def _cause(err: BaseException, root: Path) -> str:
     if free < 1 << 20:
         return f"No space left on device ({free} bytes free on {root}'s file system; {text})"
     return text
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:500]
 
 
 def _write_durably(path: Path, text: str) -> None:

@@ -134,7 +134,8 @@ def sample_check(sample: Sample) -> None:
 def media_limits(cfg: DataConfig) -> MediaLimits:
     """Video frame sampling and per-sample image budgets of ``cfg`` (`vlrl.data.video`)."""
     return MediaLimits(video_fps=cfg.video_fps, max_frames=cfg.max_frames, max_images=cfg.max_images,
-                       max_image_pixels=cfg.max_image_pixels, max_sample_pixels=cfg.max_sample_pixels)
+                       max_image_pixels=cfg.max_image_pixels, max_sample_pixels=cfg.max_sample_pixels,
+                       max_record_bytes=cfg.max_record_bytes)
 
 
 def generate_split(cfg: DataConfig, split: str, n: int) -> list[Sample]:

@@ -210,11 +210,13 @@ def detect(config: Path | None, recipe: str) -> str:
     """``sft`` or ``rl`` for ``vlrl launch`` (``auto``: from the config file's sections)."""
     if recipe != "auto":
         return recipe
-    import yaml
-
     from vlrl.check import detect_recipe
+    from vlrl.safe_yaml import YamlRefused, load_file
 
-    raw = yaml.safe_load(config.read_text()) if config is not None and config.is_file() else {}
+    try:
+        raw = load_file(config) if config is not None and config.is_file() else {}
+    except YamlRefused:
+        raw = {}  # the full load reports it with the file name
     return detect_recipe(raw if isinstance(raw, dict) else {}, config)
 
 
@@ -284,12 +286,11 @@ def starts_servers(config: Path | None, overrides: list[str]) -> str | None:
     """``rollout.servers=[…]``, a stand-in for the URLs of the servers ``launch.rollout_servers`` will start, so
     the config validates (rollout.weight_sync=distributed needs servers); None when the launch starts none.
     `LaunchRefused` when rollout.servers is set as well (one or the other)."""
-    import yaml
-
     from vlrl.config import apply_overrides
+    from vlrl.safe_yaml import load_file
 
-    raw = yaml.safe_load(config.read_text()) if config is not None and config.is_file() else {}
     try:
+        raw = load_file(config) if config is not None and config.is_file() else {}
         raw = apply_overrides(raw if isinstance(raw, dict) else {}, list(overrides))
         count, servers = (raw.get("launch") or {}).get("rollout_servers"), (raw.get("rollout") or {}).get("servers")
     except Exception:  # noqa: BLE001 - malformed input: the full load reports it with its own message

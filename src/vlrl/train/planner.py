@@ -695,10 +695,11 @@ def applied_config(cfg_cls, config: Path | None, overrides: list[str], header: s
     import yaml
 
     from vlrl.config import apply_overrides, resolve_paths
+    from vlrl.safe_yaml import load_file
 
     raw: dict[str, Any] = {}
     if config is not None:
-        raw = yaml.safe_load(config.read_text()) or {}
+        raw = load_file(config) or {}
         resolve_paths(cfg_cls, raw, config.resolve().parent)
     apply_overrides(raw, list(overrides), cls=cfg_cls, base=Path.cwd())
     comment = "".join(f"# {line}\n" for line in header.splitlines())

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from vlrl.check import PreflightError, preflight
+from vlrl.check import CheckReport, PreflightError, preflight, sandbox_isolation
 from vlrl.config import DataConfig, DemoConfig, RLConfig, RolloutConfig, RunConfig, SFTConfig
 from vlrl.data import Sample
 from vlrl.data.curriculum import with_template
@@ -61,10 +61,19 @@ def _open_run(cfg: RunConfig, ctx: DistContext | None = None, resume: Path | Non
 @contextmanager
 def _reporting(cfg: RunConfig, run_dir: Path, logger: MetricsLogger, ctx: DistContext | None = None) -> Iterator[None]:
     """Close the sinks and write report.html (rank 0) when the block ends, also when it fails; leave the
-    process group of a distributed run."""
+    process group of a distributed run. Inside the block ``sandbox.isolation`` is the process's
+    ``VLRL_SANDBOX_ISOLATION``, which the reward workers follow (`vlrl.rewards.execution`)."""
+    from vlrl.rewards.sandbox import ENV
+
+    previous = os.environ.get(ENV)
+    os.environ[ENV] = cfg.sandbox.isolation
     try:
         yield
     finally:
+        if previous is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = previous
         logger.close()
         if cfg.report.html and (ctx is None or ctx.is_main) and (run_dir / "metrics.jsonl").exists():
             _write_report(run_dir, logger)
@@ -89,16 +98,30 @@ def _data(cfg: RunConfig, logger: MetricsLogger) -> tuple[list[Sample], list[Sam
         return load_splits(cfg.data, logger)  # a training file without a test file: a seeded share held out
 
 
-def _check(cfg: RunConfig, logger: MetricsLogger, train: list[Sample], test: list[Sample]) -> None:
-    """The preflight check on the loaded data; raises `PreflightError` listing every problem."""
-    if not cfg.check.enabled:
-        return
-    with logger.progress.task("preflight check"):
-        report = preflight(cfg, splits={"train": train, "test": test})
-    if not report.ok:
-        raise PreflightError(report)
-    for warning in report.warnings:
-        logger.warn(str(warning))
+def _check(cfg: RunConfig, logger: MetricsLogger, train: list[Sample], test: list[Sample]) -> dict:
+    """The preflight check on the loaded data; raises `PreflightError` listing every problem. Returns what
+    summary.json records of the set-up: ``{"sandbox": {...}}`` (the isolation the ``code`` reward's programs
+    get, logged once; `vlrl.check.sandbox_isolation`) when the data runs programs, else ``{}``."""
+    from vlrl.rewards.sandbox import SandboxUnavailable
+
+    if cfg.check.enabled:
+        with logger.progress.task("preflight check"):
+            report = preflight(cfg, splits={"train": train, "test": test})
+        if not report.ok:
+            raise PreflightError(report)
+        for warning in report.warnings:
+            logger.warn(str(warning))
+    try:
+        record = sandbox_isolation(cfg, {"train": train, "test": test})
+    except SandboxUnavailable as err:  # check.enabled=false: still refused, in the preflight's words
+        refused = CheckReport()
+        refused.problem("sandbox.isolation", str(err))
+        raise PreflightError(refused) from None
+    if record is None:
+        return {}
+    message = f"code sandbox: isolation {record['isolation']} (sandbox.isolation {record['setting']}): {record['description']}"
+    (logger.warn if record["isolation"] == "none" else logger.info)(message)
+    return {"sandbox": record}
 
 
 def _load(cfg: RunConfig, logger: MetricsLogger, device: str | None = None) -> Policy:
@@ -208,7 +231,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     summary: dict = {}
     with _reporting(cfg, run_dir, logger, ctx):
         train, test = _data(cfg, logger)
-        _check(cfg, logger, train, test)
+        setup = _check(cfg, logger, train, test)
         policy = _load(cfg, logger, ctx.device)
         if cfg.stages:  # one process, no resumable checkpoints (check_scalable)
             policy, stats = _sft_stages(policy, train, cfg, run_dir, logger)
@@ -220,7 +243,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         if ctx.is_main:
             engine = _engine(RolloutConfig(), _eval_policy(policy, runtime, final, cfg), run_dir, logger,
                              _samples(cfg, run_dir))
-            summary = {"sft": _eval(engine, test, cfg, logger, "final"), "train": stats}
+            summary = {"sft": _eval(engine, test, cfg, logger, "final"), "train": stats, **setup}
             write_json(run_dir / "summary.json", summary)
     return summary
 
@@ -277,10 +300,10 @@ def run_rl(cfg: RLConfig) -> dict:
     with _reporting(cfg, run_dir, logger, ctx):
         train, test = _data(cfg, logger)
         test = syn_eval_samples(cfg.synth, test)  # Syn-GRPO: held-out prompts ask for the training template
-        _check(cfg, logger, train, test)
+        summary.update(_check(cfg, logger, train, test))
         policy = _load(cfg, logger, ctx.device)
         if cfg.stages:  # one process, no resumable checkpoints (check_scalable)
-            summary = _rl_stages(policy, train, test, cfg, run_dir, logger)
+            summary.update(_rl_stages(policy, train, test, cfg, run_dir, logger))
             write_json(run_dir / "summary.json", summary)
             return summary
         # in-process, threaded (rollout.mode=async) or rollout.servers over HTTP; single- or multi-turn
@@ -354,7 +377,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         summary: dict = {"seed": cfg.seed, "environment": environment()}
         logger.info(describe(summary["environment"]))
         train, test = _data(cfg, logger)
-        _check(cfg, logger, train, test)
+        summary.update(_check(cfg, logger, train, test))
         policy = _load(cfg, logger)
         samples = _samples(cfg, run_dir)
         engine = _engine(cfg.rl.rollout, policy, run_dir, logger, samples)

@@ -67,10 +67,16 @@ class Runtime:
         Returns (step, this rank's carry-over state); (0, None) for a fresh start."""
         if self.checkpointer is None or self.checkpointer.resume_from is None:
             return 0, None
+        from vlrl.train.checkpoint import CheckpointError
+
         state = self.checkpointer.load(self.checkpointer.resume_from, stage=stage, module=self.module,
                                        optimizer=optimizer, scheduler=scheduler)
-        cursor.load_state(state["cursor"])
-        return int(state["step"]), state["carry_over"]
+        try:
+            cursor.load_state(state["cursor"])
+            return int(state["step"]), state["carry_over"]
+        except (KeyError, TypeError, ValueError) as err:  # a trainer state that does not fit: one line
+            raise CheckpointError(f"{self.checkpointer.resume_from}: its data cursor cannot be restored "
+                                  f"({type(err).__name__}: {err})") from None
 
     def checkpoint_due(self, step: int) -> bool:
         """A checkpoint is written at ``step`` (loops with state that is costly to gather ask first)."""
