@@ -7,11 +7,11 @@ from __future__ import annotations
 import ast
 import re
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parents[1]
@@ -132,7 +132,9 @@ def test_the_lock_agrees_with_the_demo_pins_and_pulls_no_cuda():
 def test_floors_are_a_pin_per_declared_package():
     pins = dict(pin.split("==") for pin in floor_pins(PROJECT))
     assert set(pins) == _declared(["dev"])
-    assert pins["torch"] == "2.13" and pins["transformers"] == "5.4"
+    # torch 2.13.0 is the CPU build on the development machines' disk: a lower floor would make `make test-floor`
+    # download a multi-GB CUDA build
+    assert pins["torch"] == "2.13"
 
 
 def test_the_readme_quotes_the_locks_versions():

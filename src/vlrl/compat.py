@@ -76,7 +76,7 @@ def _forward_params(cls: type) -> frozenset[str]:
 
 def cache_argument(model: torch.nn.Module) -> str:
     """The name of the KV-cache argument of ``model``'s forward: ``cache`` from transformers 5.24 on,
-    ``past_key_values`` before (both public; the floor, 5.4, has the old one)."""
+    ``past_key_values`` before (both public names; transformers 5.23 and older have the old one)."""
     return "cache" if "cache" in _forward_params(type(getattr(model, "module", model))) else "past_key_values"
 
 
