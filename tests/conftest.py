@@ -1,4 +1,6 @@
+import functools
 import os
+import re
 
 import pytest
 import torch
@@ -16,11 +18,24 @@ def pytest_collection_modifyitems(config, items):
     files to its workers in this order (`--dist loadfile --no-loadscope-reorder`), so the short files fill the gaps
     at the end instead of one worker finishing the demo alone."""
     heavy = {item.path for item in items if item.get_closest_marker("e2e")}
+    for item in items:  # `make test-floor` / `make test-latest` leave these files out (-m "not ranks")
+        if _starts_ranks(item.path):
+            item.add_marker(pytest.mark.ranks)
 
     def rank(item):
         return 0 if item.path.parent.name == "e2e" else 1 if item.path in heavy else 2
 
     items.sort(key=rank)  # stable: collection order within each rank
+
+
+# A test file that starts torch.distributed ranks: torchrun (tests/train/dist_helpers.py, or torch.distributed.run
+# itself), the shared 2-rank job (`two_ranks`), Ray actors (`local_ray`), or `vlrl launch` with two ranks.
+_RANKS = re.compile(r"torchrun\(|torch\.distributed\.run|\btwo_ranks\b|\blocal_ray\b|nproc=2")
+
+
+@functools.cache
+def _starts_ranks(path) -> bool:
+    return bool(_RANKS.search(path.read_text(encoding="utf-8")))
 
 
 @pytest.fixture

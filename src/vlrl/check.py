@@ -698,13 +698,10 @@ def _side(vision_config: Any) -> int | None:
 
 
 def _anyres_features(config: Any, vision, side: int) -> int:
-    import types
-
     import torch
-    from transformers.models.llava_onevision.modeling_llava_onevision import (
-        LlavaOnevisionModel,
-        image_size_to_num_patches,
-    )
+    from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+    from vlrl.compat import llava_onevision_packed_features
 
     sizes = vision.tensors["image_sizes"]
     counts = vision.tensors.get("batch_num_images")
@@ -714,9 +711,7 @@ def _anyres_features(config: Any, vision, side: int) -> int:
              for s, p in zip(sizes, patching, strict=True)]
     per_crop = side**2 - (1 if getattr(config, "vision_feature_select_strategy", "full") == "default" else 0)
     features = [torch.zeros(n, per_crop, 1) for n in crops]
-    stand_in = types.SimpleNamespace(config=config)
-    packed, _ = LlavaOnevisionModel.pack_image_features(stand_in, features, sizes, image_newline=torch.zeros(1),
-                                                        vision_aspect_ratio=config.vision_aspect_ratio)
+    packed = llava_onevision_packed_features(config, features, sizes)
     return sum(int(f.shape[0]) for f in packed)
 
 

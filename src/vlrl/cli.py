@@ -48,6 +48,21 @@ def _apply_numerics(command: str, mode: str) -> None:
         raise typer.Exit(2) from None
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        typer.echo(f"vlrl {metadata.version('vlrl')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print vlrl's version and exit (`vlrl env`: everything a bug report needs).")
+          ) -> None:
+    """vlrl: RL from verifiable rewards for VLMs and LLMs."""
+
+
 def _extra(data: str | None, resume: str | None, test: str | None = None) -> list[str]:
     return [*([f"data.train={data}"] if data else []), *([f"data.test={test}"] if test else []),
             *([f"checkpoint.resume={resume}"] if resume else [])]
@@ -357,6 +372,15 @@ def report(
     typer.echo(f"wrote {path}")
 
 
+@app.command()
+def env() -> None:
+    """Versions (vlrl, Python, every dependency), CPU and instruction sets, torch threads, numerics mode, CUDA and
+    GPUs, extras installed: one block to paste into a bug report."""
+    from vlrl.report.environment import bug_report, format_bug_report
+
+    typer.echo(format_bug_report(bug_report()))
+
+
 RECIPES = {"demo": DemoConfig, "rl": RLConfig, "sft": SFTConfig}
 
 
@@ -633,7 +657,12 @@ def data_balance(
                                                 "indices": result.indices.tolist(),
                                                 "ids": [ids[i] for i in result.indices.tolist()]}) + "\n")
     (out / "report.json").write_text(json.dumps(result.report, indent=2) + "\n")
-    plot_coverage(result, str(out / "coverage.png"))
+    from vlrl.report.plots import NO_CHARTS, can_draw
+
+    if can_draw():
+        plot_coverage(result, str(out / "coverage.png"))
+    else:
+        typer.secho(f"coverage.png not drawn: {NO_CHARTS.split(': ', 1)[1].split(';')[0]}", fg="yellow", err=True)
     if write_data:
         write_samples(resampled(samples, result.indices), out / "train.jsonl")
     r = result.report

@@ -210,3 +210,30 @@ def test_a_synthesis_gallery_shows_original_and_synthesised_images(tmp_path, par
     assert "synth_gallery.jsonl:2: skipped" in page.text
     (run / "synth_gallery.jsonl").unlink()
     assert "synthesis" not in parse(build_report([run])).sections
+
+
+def test_without_matplotlib_the_report_gives_its_charts_as_text(make_run, parse, monkeypatch):
+    """`vlrl report` where matplotlib cannot be imported (the `report` extra not installed): the page is still
+    written, every chart is its series as text, no picture is drawn, and the first note says why."""
+    import sys
+
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+    from vlrl.report.plots import NO_CHARTS
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    run = make_run()
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    html = (run / "report.html").read_text()
+    page = parse(html)
+    assert page.sections == ["summary", "dynamics", "eval", "samples", "metrics", "config"]
+    assert NO_CHARTS in page.text
+    reward = page.figure("Reward (per task)", "dynamics")
+    assert json.loads(reward["data-metrics"]) == ["reward/mean", "reward/shapes/count"]
+    # reward(step) = 0.1 * step over steps 1..5: the text gives the first, last, min and max values
+    assert "reward/mean: 5 points, steps 1–5, first 0.1, last 0.5, min 0.1, max 0.5" in html
+    assert "policy/entropy: 4 points" in html  # step 3 is NaN: left out
+    assert not re.search(r'<figure class="chart[^"]*"[^>]*>\s*<img', html)  # no chart is a picture
+    assert "0.75" in page.text  # the eval table is there without its bar chart

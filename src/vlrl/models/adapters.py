@@ -732,9 +732,9 @@ def one_sequence_per_row(model_config: Any, model_cls: type | None) -> bool:
 
 
 def _model_class(model_config: Any) -> type | None:
-    from transformers import AutoModelForImageTextToText
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING  # the table of AutoModelForImageTextToText
 
     try:
-        return AutoModelForImageTextToText._model_mapping[type(model_config)]
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(model_config)]
     except KeyError:
         return None

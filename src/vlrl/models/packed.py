@@ -68,8 +68,9 @@ class PackedBatch:
 def default_rows(model: torch.nn.Module, groups: Sequence[Sequence[int]] | None, n: int) -> list[list[int]]:
     """Flash-attention: everything in one row (varlen). Otherwise one row per group (bin), or one row per
     sequence when no groups are given."""
-    config = getattr(model, "module", model).config  # through a DDP wrapper
-    implementation = str(getattr(config, "_attn_implementation", "") or "")
+    from vlrl.compat import attn_implementation
+
+    implementation = attn_implementation(getattr(model, "module", model).config)  # through a DDP wrapper
     if "flash" in implementation:
         return [list(range(n)) if groups is None else [i for g in groups for i in g]]
     return [[i] for i in range(n)] if groups is None else [list(g) for g in groups]

@@ -190,7 +190,7 @@ def _load_image_processor(path: str):
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(path, use_fast=False)
+        return AutoImageProcessor.from_pretrained(path, backend="pil")
     except (OSError, ValueError):
         from transformers import AutoProcessor
 

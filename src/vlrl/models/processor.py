@@ -7,7 +7,7 @@ transformers maps the model type to. Two things stop ``AutoProcessor`` from doin
 - the video processors of transformers 5 need torchvision (which vlrl never installs), and most processor
   classes refuse ``video_processor=None`` in their type check — `build_processor` subclasses the class with that
   one check relaxed, so images go through the family's own code and videos through `vlrl.models.video`;
-- ``AutoImageProcessor`` defaults to the torchvision backend; vlrl loads the PIL one (``use_fast=False``).
+- ``AutoImageProcessor`` defaults to the torchvision backend; vlrl loads the PIL one (``backend="pil"``).
 
 The processor's own settings (``image_seq_length`` of InternVL / Gemma 3, ``num_image_tokens`` of
 LLaVA-OneVision, ``image_seq_len`` of SmolVLM, ...) are read from ``processor_config.json`` and written back by
@@ -39,7 +39,7 @@ def _relaxed(cls: type) -> type:
 
 def processor_class(model_config: Any) -> type | None:
     """The processor class transformers maps this config's model type to (None: none registered)."""
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+    from transformers import PROCESSOR_MAPPING  # the table of AutoProcessor (exported by transformers)
 
     try:
         return PROCESSOR_MAPPING[type(model_config)]

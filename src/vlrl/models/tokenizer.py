@@ -172,14 +172,14 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 1024, *, markup: st
         padding_side="left",
         chat_template=spec.template,
         model_max_length=4096,
+        # the family's named tokens (``tokenizer.image_token`` …), as transformers' multimodal tokenizers declare them
+        extra_special_tokens=dict(spec.named) if markup != "qwen" and spec.named else None,
     )
     if markup == "qwen":  # the original presets' layout (kept: changing it would change their token ids)
         tokenizer.add_special_tokens({"additional_special_tokens": list(spec.special[1:])})
     else:
         extra: dict | list = [t for t in spec.special if t not in named_specials and t not in spec.named.values()]
         tokenizer.add_special_tokens({"extra_special_tokens": extra})
-        if spec.named:
-            tokenizer._set_model_specific_special_tokens(special_tokens=dict(spec.named))
     tokenizer.add_tokens(TAG_TOKENS)
     tokenizer.add_tokens(PLAN_TOKENS)
     return tokenizer

@@ -27,7 +27,7 @@ from typing import Any
 
 from vlrl import safe_yaml
 from vlrl.report.environment import describe
-from vlrl.report.plots import Line, Panel, render_bars, render_panel
+from vlrl.report.plots import NO_CHARTS, Line, Panel, can_draw, describe_panel, render_bars, render_panel
 from vlrl.report.samples import read_jsonl_rows, read_sample_rows
 from vlrl.report.sinks import RESERVED, flatten
 from vlrl.report.verdict import demo_verdict
@@ -183,11 +183,12 @@ class Chart:
     """A rendered panel plus what it shows (kept as attributes in the HTML for readers and tests)."""
 
     title: str
-    png: str  # data URL
+    png: str | None  # data URL; None without matplotlib (then ``text``)
     runs: list[str]
     stages: list[str]
     metrics: list[str]
     hidden: list[str] = field(default_factory=list)  # series not drawn (over MAX_LINES)
+    text: list[str] = field(default_factory=list)  # the chart as text, one line per series (no matplotlib)
 
 
 def _series(runs: list[Run]) -> dict[tuple[str, str, str], tuple[list[float], list[float]]]:
@@ -247,9 +248,11 @@ def _chart(title: str, keys: list[tuple[str, str, str]], series, multi_run: bool
     for key in drawn:
         parts = [part for part, show in zip(key, vary, strict=True) if show]
         lines.append(Line(" · ".join(parts), *series[key]))
-    png = render_panel(Panel(title, lines))
-    return Chart(title, _data_url(png), _unique(k[0] for k in drawn), _unique(k[1] for k in drawn),
-                 _unique(k[2] for k in drawn), [" · ".join(k) for k in hidden])
+    panel = Panel(title, lines)
+    drawable = can_draw()
+    return Chart(title, _data_url(render_panel(panel)) if drawable else None, _unique(k[0] for k in drawn),
+                 _unique(k[1] for k in drawn), _unique(k[2] for k in drawn), [" · ".join(k) for k in hidden],
+                 [] if drawable else describe_panel(panel))
 
 
 def dynamics_charts(runs: list[Run], series) -> list[Chart]:
@@ -312,7 +315,7 @@ def eval_tables(runs: list[Run]) -> list[EvalTable]:
 def eval_chart(tables: list[EvalTable]) -> str | None:
     """Bars of the mean sampled and greedy accuracy of every evaluation."""
     wanted = [t for t in tables if t.kind in ("accuracy", "greedy") and "mean" in t.columns]
-    if not wanted:
+    if not wanted or not can_draw():  # without matplotlib the eval tables say it
         return None
     rows = _unique(row for t in wanted for row, _ in t.rows)
     names = {"accuracy": "sampled (pass@1)", "greedy": "greedy"}
@@ -481,7 +484,7 @@ def build_report(run_dirs: list[str | Path], *, title: str | None = None) -> str
         groups=group_charts(runs, series),
         constant=[(" · ".join(key if len(runs) > 1 else key[1:]), why) for key, why in sorted(hidden.items())],
         differences=config_differences(runs) if len(runs) > 1 else [],
-        notes=[note for run in runs for note in run.notes],
+        notes=[*([] if can_draw() else [NO_CHARTS]), *(note for run in runs for note in run.notes)],
     )
     return page
 

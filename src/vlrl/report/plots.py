@@ -2,6 +2,10 @@
 
 A `Panel` is one small chart: a title and a few `Line` series (one per run × stage × metric). Noisy series
 (more than `SMOOTH_FROM` points) are drawn raw and faint, with an exponential moving average on top.
+
+matplotlib comes with the ``report`` extra (``pip install 'vlrl[report]'``, in ``vlrl[all]``). Without it
+`can_draw` is False: the report gives each chart as text (`describe_panel`) under the note `NO_CHARTS`, and
+the pictures drawn elsewhere (step-credit heatmaps, ``vlrl data balance``'s coverage plot) are skipped with it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 SMOOTH_FROM = 40
+NO_CHARTS = "charts not drawn: matplotlib is not installed (pip install 'vlrl[report]'); each chart is given as text"
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
 
 
@@ -26,6 +31,29 @@ class Panel:
     title: str
     lines: list[Line] = field(default_factory=list)
     ylabel: str = ""
+
+
+def can_draw() -> bool:
+    """Whether matplotlib can be imported here (the ``report`` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def describe_panel(panel: Panel) -> list[str]:
+    """A panel as text, one line per series: its steps, first and last value, min and max (NaN left out)."""
+    lines = []
+    for line in panel.lines:
+        points = [(s, v) for s, v in zip(line.steps, line.values, strict=True) if not math.isnan(v)]
+        if not points:
+            lines.append(f"{line.label or panel.title}: no finite values")
+            continue
+        values = [v for _, v in points]
+        lines.append(f"{line.label or panel.title}: {len(points)} points, steps {points[0][0]:g}–{points[-1][0]:g}, "
+                     f"first {values[0]:.4g}, last {values[-1]:.4g}, min {min(values):.4g}, max {max(values):.4g}")
+    return lines
 
 
 def ema(values: list[float], span: int) -> list[float]:

@@ -139,8 +139,10 @@ def summarize(run_dir: str | Path, *, max_heatmaps: int = 3) -> tuple[StepCredit
     proxy = [_distribution(label, values[name]) for name, label in (("correct", "rule-correct steps"),
                                                                      ("wrong", "rule-wrong steps"))]
     signal = records[-1].get("signal", "?")
+    from vlrl.report.plots import can_draw
+
     histogram = render_histogram(values["correct"], values["wrong"], f"A^S ({signal}) by rule correctness") \
-        if values["correct"] or values["wrong"] else None
+        if (values["correct"] or values["wrong"]) and can_draw() else None
     pictures = sorted((Path(run_dir) / ANALYSIS_DIR).glob("heatmap_step*.png"))[-max_heatmaps:]
     heatmaps = [(p.stem.replace("heatmap_", ""), p.read_bytes()) for p in pictures]
     return StepCreditSummary(signal, len(records), totals, flips, proxy, histogram, heatmaps), notes

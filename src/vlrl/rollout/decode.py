@@ -37,6 +37,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from vlrl.compat import cache_argument
 from vlrl.models.adapters import TextAdapter, VisionInputs
 from vlrl.rollout.types import Request, SamplingParams
 
@@ -128,16 +129,11 @@ def _forward_params(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 
 
-def _cache_key(model: torch.nn.Module) -> str:
-    """transformers ≥ 5.24 names the cache argument ``cache`` (``past_key_values`` before)."""
-    return "cache" if "cache" in _forward_params(type(getattr(model, "module", model))) else "past_key_values"
-
-
 def _forward(model: torch.nn.Module, kwargs: dict, cache) -> tuple[torch.Tensor, object]:
     """Run ``model`` on ``kwargs`` with ``cache``; the last position's logits (rows, V) and the cache."""
     if "logits_to_keep" in _forward_params(type(getattr(model, "module", model))):
         kwargs = {**kwargs, "logits_to_keep": 1}
-    out = model(**kwargs, use_cache=True, **({_cache_key(model): cache} if cache is not None else {}))
+    out = model(**kwargs, use_cache=True, **({cache_argument(model): cache} if cache is not None else {}))
     cache = getattr(out, "cache", None) if hasattr(out, "cache") else getattr(out, "past_key_values", None)
     return out.logits[:, -1], cache
 

@@ -70,17 +70,15 @@ def open_group(master_address: str, master_port: int, *, rank: int, world_size: 
     """Join (rank 0: host) the weight-update group, as SGLang's ``init_custom_process_group`` does: a TCP
     rendezvous, a store prefixed by ``group_name``, a group of its own beside any default process group.
     Blocks until all ``world_size`` ranks joined (or ``timeout`` seconds passed)."""
-    from torch.distributed import distributed_c10d as c10d
+    from vlrl.compat import separate_process_group
 
     wait = timedelta(seconds=timeout)
     # the TCP store itself, not `rendezvous("tcp://…")`: under torchrun (TORCHELASTIC_USE_AGENT_STORE) that makes
     # every rank a client of a store nobody hosts, and a trainer rank 0 must host this one
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=wait,
                           wait_for_workers=False)
-    group, _ = c10d._new_process_group_helper(world_size, rank, [], backend, dist.PrefixStore(group_name, store),
-                                              group_name=group_name, timeout=wait)
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # so dist.broadcast(..., group=) works
-    return group
+    return separate_process_group(dist.PrefixStore(group_name, store), rank=rank, world_size=world_size,
+                                  backend=backend, group_name=group_name, timeout=wait)
 
 
 def close_group(group: dist.ProcessGroup | None) -> None:
@@ -211,7 +209,7 @@ def plan_entries(state: Mapping[str, torch.Tensor], send_names: Mapping[str, str
     aliases: dict[str, list[str]] = {}
     order = []
     for name, tensor in state.items():
-        local = getattr(tensor, "_local_tensor", tensor)
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its shard (storage)
         key = (local.data_ptr(), tuple(tensor.shape), local.storage_offset()) if local.numel() else ("empty", name)
         if key in first:
             aliases[first[key]].append(name)

@@ -60,12 +60,10 @@ def checkpoint_names(model: torch.nn.Module, state: dict[str, torch.Tensor] | No
     to name, if not the model's own state dict (a LoRA policy's merged weights, under the transformers names)."""
     state = model.state_dict() if state is None else state
     by_storage = {(t.data_ptr(), tuple(t.shape)): name for name, t in state.items()}
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
+    from vlrl.compat import checkpoint_state
 
-        saved = revert_weight_conversion(model, dict(state))
-    except ImportError:  # an older transformers: checkpoints use the state-dict names
-        saved = state
+    try:
+        saved = checkpoint_state(model, state)
     except Exception:
         return None
     names = {}

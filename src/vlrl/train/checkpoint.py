@@ -274,7 +274,6 @@ def _safe_dcp_reader(path: Path):
 
 def _safe_load_planner():
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
 
     class SafePlanner(DefaultLoadPlanner):
         """DCP's default planner unpickles non-tensor values with weights_only=False; these are numbers, strings,
@@ -283,12 +282,30 @@ def _safe_load_planner():
         def load_bytes(self, read_item, value) -> None:
             loaded = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+                _set_at(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
     # partial: parameters that never had a gradient have no optimizer state in the checkpoint
     return SafePlanner(allow_partial_load=True)
+
+
+def _set_at(root: dict, path: tuple, value: Any) -> None:
+    """``root[path[0]][path[1]]… = value``, making the dicts (str key next) and lists (int key next) on the way —
+    where DCP's flattened key ``path`` (the planner's ``mappings``) puts a value back in the nested state dict."""
+    node: Any = root
+    for key, following in zip(path[:-1], path[1:], strict=True):
+        empty = {} if isinstance(following, str) else []
+        if isinstance(node, dict):
+            node = node.setdefault(key, empty)
+        else:
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = empty
+            node = node[key]
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
 
 
 # ----------------------------------------------------------------------------------------------- RNG states

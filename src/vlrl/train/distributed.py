@@ -18,9 +18,7 @@ and TRL. Callers pass ``normaliser / world_size`` (`DistContext.local_normaliser
 
 **FSDP2 units** (machine.md): the vision tower is its own unit, as is every block transformers lists in
 ``_no_split_modules`` (decoder layers, vision blocks), then the root. transformers 5 encodes images before the
-decoder's forward, so FSDP2's root is fixed by one tiny forward right after wrapping, and the model is marked
-``_is_fsdp_managed_module`` so that ``generate()`` keeps every rank stepping until all ranks finish
-(``synced_gpus``): ranks whose responses end early still join the other ranks' all-gathers.
+decoder's forward, so FSDP2's root is fixed by one tiny forward right after wrapping.
 
 **LoRA** (``model.lora``) is wrapped the same way: peft's layers sit inside the decoder-layer units, so each unit
 shards its frozen base weights and its adapters together; only the adapters get gradients (reduce-scattered) and
@@ -138,9 +136,10 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Modules that become FSDP2 units, innermost first: the blocks named in ``_no_split_modules`` (decoder
     layers, vision blocks), then the vision tower as a whole (`vlrl.models.adapters.vision_tower`: ``visual``,
     ``vision_tower`` or ``vision_model``, whichever the family has)."""
+    from vlrl.compat import no_split_modules
     from vlrl.models.adapters import vision_tower
 
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    block_names = no_split_modules(model)
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     tower = vision_tower(model)
     return blocks + ([tower] if tower is not None else [])
@@ -167,7 +166,6 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, cfg: DistConfig) -> tor
         fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     _keep_output_capturing(model)
-    model._is_fsdp_managed_module = True  # transformers' generate() then runs with synced_gpus
     device = ctx.device
     with torch.no_grad():  # FSDP2 takes the first module to run forward as its root: make it the model
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
@@ -206,16 +204,11 @@ def _keep_output_capturing(model: torch.nn.Module) -> None:
     states."""
     from torch.distributed.fsdp import FSDPModule
 
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-    except ImportError:  # an older transformers: nothing to keep
-        return
+    from vlrl.compat import copy_output_capturing
+
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            original = next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule))
-            recorded = dict.get(_CAN_RECORD_REGISTRY, str(original))
-            if recorded is not None:
-                _CAN_RECORD_REGISTRY[module] = recorded
+            copy_output_capturing(module, next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule)))
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

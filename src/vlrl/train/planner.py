@@ -711,8 +711,7 @@ def measure_train_step(cfg, policy, w: Workload) -> dict[str, float]:
     """Peak memory (bytes, by category) of one real training step of ``policy`` on this machine's CPU: a warm-up
     step (so AdamW moments exist), then one step of two micro-batches of ``w.micro_batch`` sequences of
     P + R tokens tracked by torch's `MemTracker` — the quantity `activations` + `trained_state` estimate."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    from vlrl.compat import memory_tracker
     from vlrl.data import load_image
     from vlrl.models import collate, response_logprobs
     from vlrl.train.common import generate_split, make_optimizer
@@ -739,11 +738,7 @@ def measure_train_step(cfg, policy, w: Workload) -> dict[str, float]:
         micro_step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-        for param in model.parameters():  # MemTracker hooks every parameter's gradient: frozen ones have none
-            if not param.requires_grad:
-                tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+        tracker = memory_tracker(model, optimizer)
         with tracker:
             micro_step()
             tracker.reset_mod_stats()
@@ -751,11 +746,6 @@ def measure_train_step(cfg, policy, w: Workload) -> dict[str, float]:
             optimizer.step()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     return {str(kind).split(".")[-1].lower(): float(value) for kind, value in peak.items()}
-
-
-class _NoHook:
-    def remove(self) -> None:
-        pass
 
 
 def estimate_train_step(s: ModelShape, w: Workload) -> dict[str, float]:

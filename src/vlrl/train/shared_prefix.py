@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from vlrl.compat import cache_argument
 from vlrl.models.adapters import TextAdapter, VisionInputs
 from vlrl.rollout import decode
 from vlrl.rollout.types import Request
@@ -140,7 +141,7 @@ def shared_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter,
                   "attention_mask": torch.cat([prompt_mask[rows], response_mask[:, : R - 1]], dim=-1),  # (B, P + R − 1)
                   "position_ids": last_position[..., rows, :] + 1 + torch.arange(R - 1, device=device)}
         kwargs.update({k: torch.zeros_like(inputs, dtype=torch.int32) for k in type_keys})  # response tokens: text
-        out = model(**kwargs, use_cache=True, **{decode._cache_key(model): cache})
+        out = model(**kwargs, use_cache=True, **{cache_argument(model): cache})
         scores.append(out.logits)  # (B, R − 1, V)
     log_probs = F.log_softmax(torch.cat(scores, dim=1).float() / max(temperature, 1e-6), dim=-1)  # (B, R, V)
     mask = response_mask.to(log_probs.dtype)

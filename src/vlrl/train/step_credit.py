@@ -19,7 +19,9 @@ or a model path; it must share the policy's tokenizer (it scores the policy's to
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -406,10 +408,18 @@ def step_metrics(record: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
+@functools.cache
+def _warn_no_heatmaps() -> None:
+    from vlrl.report.plots import NO_CHARTS
+
+    logging.getLogger(__name__).warning("step-credit heatmaps not drawn: %s", NO_CHARTS.split(": ", 1)[1])
+
+
 def write_analysis(run_dir: Path, step: int, result: StepCreditResult, episode: torch.Tensor,
                    trajectories: Sequence[Any], tokenizer: Any, options: StepCreditOptions) -> None:
     """Append this step's record to ``RUN_DIR/step_credit/step_credit.jsonl``; every ``heatmap_every`` steps
-    (and at the first) also draw ``heatmap_stepNNNNN.png``."""
+    (and at the first) also draw ``heatmap_stepNNNNN.png`` (not without matplotlib: warned once)."""
+    from vlrl.report.plots import can_draw
     from vlrl.report.step_credit import ANALYSIS_DIR, RECORDS_FILE, render_heatmap
 
     directory = Path(run_dir) / ANALYSIS_DIR
@@ -417,8 +427,9 @@ def write_analysis(run_dir: Path, step: int, result: StepCreditResult, episode: 
     with (directory / RECORDS_FILE).open("a", encoding="utf-8") as f:
         f.write(json.dumps({"step": step, **result.record}) + "\n")
     if options.heatmap_every and step % options.heatmap_every == 0:
-        rows = heatmap_rows(result, episode, trajectories, tokenizer, options.heatmap_rows)
-        if rows:
+        if not can_draw():
+            _warn_no_heatmaps()
+        elif rows := heatmap_rows(result, episode, trajectories, tokenizer, options.heatmap_rows):
             (directory / f"heatmap_step{step:05d}.png").write_bytes(render_heatmap(rows))
 
 
