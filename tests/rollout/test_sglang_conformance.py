@@ -97,8 +97,6 @@ CASES = {
     "mixed, text first": lambda: [_text_sample(), *_image_samples(1)],  # SGLang 0.5.23 refuses [None, [image]]
     "mixed, images first": lambda: [*_image_samples(1), _text_sample(), _two_image_sample()],
 }
-EVERY_KEY = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=3, stop=["<answer>"],
-                           stop_token_ids=[7], logit_bias={11: -5.0})
 
 
 def _generate_bodies(calls):
@@ -135,7 +133,9 @@ def test_every_generate_body_passes_sglangs_schema_and_vlrl_serve_answers_in_sgl
 def test_every_sampling_key_passes_sglangs_schema(contract, engine, policy, recorded):
     """The keys `SamplingParams` maps to (and the client's own: EOS as stop_token_ids, the vision markup and other
     special tokens banned by logit_bias, as the in-process engine suppresses them)."""
-    out = engine.generate([engine.encode(s) for s in _image_samples(1)], EVERY_KEY)
+    every_key = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=3, stop=["<answer>"],
+                               stop_token_ids=[7], logit_bias={11: -5.0})
+    out = engine.generate([engine.encode(s) for s in _image_samples(1)], every_key)
     assert len(out) == 2
     _check_generate(contract, recorded, 1)
     (body, _, _), = _generate_bodies(recorded)

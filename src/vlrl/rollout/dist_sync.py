@@ -5,15 +5,17 @@ The protocol is SGLang's (``python/sglang/srt/managers/io_struct.py``; the train
 
     1. POST /init_weights_update_group  {master_address, master_port, rank_offset, world_size, group_name, backend}
        to every server, while the trainer joins the same group as rank 0 (it hosts the rendezvous store at
-       master_address:master_port). Server i takes rank ``rank_offset`` (1 + i for one-rank servers);
-       ``world_size`` = 1 + every server rank. Every joiner blocks until all have joined.
+       master_address:master_port). Server i takes ranks ``rank_offset`` … ``rank_offset + tp_size − 1`` (SGLang:
+       ``rank_offset + tp_rank``); ``world_size`` = 1 + every server rank. Every joiner blocks until all have joined.
+       A group the trainer replaces is left by every server (``/destroy_weights_update_group {group_name}``).
     2. per update, per bucket of parameters:
          POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, flush_cache, weight_version,
          load_format, ...} to every server (in the background), then broadcast the bucket from rank 0, then wait for
          every server's answer. The server receives the broadcasts into tensors of the listed shapes and dtypes
          and loads them. With ``load_format="flattened_bucket"`` (what vlrl's trainer sends) the bucket is one
-         broadcast of the tensors' bytes concatenated in the listed order (SGLang's ``FlattenedTensorBucket``);
-         without it, one broadcast per tensor.
+         broadcast of the tensors' bytes concatenated in the listed order (SGLang's ``FlattenedTensorBucket``, which
+         refuses a tensor whose offset is not a multiple of its element size: `buckets` orders each bucket by element
+         size, largest first); without it, one broadcast per tensor.
 
 Names are checkpoint names (what ``save_pretrained`` writes; SGLang's ``load_weights`` expects them), dtypes
 strings without ``torch.``. The group is built the way SGLang's ``init_custom_process_group`` builds it — a TCP
@@ -21,8 +23,9 @@ store at ``master_address:master_port`` (hosted by rank 0), prefixed by ``group_
 own beside any default group — so a trainer that already runs under torchrun can host it, and a real SGLang
 server (NCCL on GPUs) can join it. vlrl's own server joins over gloo on CPU (`vlrl.rollout.server`).
 
-The trainer's tensors are gathered bucket by bucket (`full_tensors`): an FSDP2 shard is all-gathered when its
-bucket is sent, so no rank ever holds more than one bucket of full tensors beside its shards.
+The trainer's tensors are gathered bucket by bucket (`full_tensors`) onto the group's device (`group_device`: the GPU
+for NCCL, which broadcasts only GPU memory; the CPU for gloo): an FSDP2 shard is all-gathered when its bucket is
+sent, so no rank ever holds more than one bucket of full tensors beside its shards.
 
 What one bucket costs (`pack`, `broadcast`, `Receiver.receive`): the trainer casts and copies the tensors into one
 reused byte buffer, broadcasts it, and checksums those same bytes while the servers load them; a server receives

@@ -1,17 +1,24 @@
 """`HTTPEngine`: the `Engine` protocol over HTTP, against one or more SGLang-compatible rollout servers.
 
 Prompts are encoded locally (tokenizer + image processor, exactly as `HFEngine` does) and sent as
-``input_ids`` + ``image_data`` (PNG data URLs) to SGLang's native ``/generate``; the answer's
-``output_token_logprobs`` become the behaviour log-probs and ``meta_info.weight_version`` the trajectory's
-weight version (a server that does not report it is tagged with the version current when the request
-started — the oldest weights it can have used, so staleness is never under-estimated).
+``input_ids`` + ``image_data`` (PNG data URLs, in the batch form SGLang 0.5.23's schema accepts) to SGLang's native
+``/generate``, sampled as the in-process engine samples (the model's EOS as ``stop_token_ids``, its vision markup
+and other special tokens banned by ``logit_bias``); the answer's ``output_token_logprobs`` become the behaviour
+log-probs and its weight version the trajectory's (`answer_version`: the oldest of SGLang's ``weight_versions``
+spans; a server that reports none, or a label that is no integer, is tagged with the version current when the
+request started — the oldest weights it can have used, so staleness is never under-estimated). Each answer's
+``meta_info.prompt_tokens`` is compared with the prompt the trainer scores (``prompt_check``). Server facts come from
+``/server_info`` (``/get_model_info`` on older servers).
 
 Reliability: each request goes to the live server with the fewest prompts in flight. A transport error,
 timeout or 5xx answer counts as a failure of that server and the request is retried on another one (up to
 ``max_retries`` times); a server with ``max_server_failures`` consecutive failures is dropped from the pool
 with a warning. A 503/429 (queue full) is waited out, not counted. A 4xx is a bug in the request and raises.
 
-Weight updates: `update_weights` saves the trainer's weights (``save_pretrained`` layout) under
+Weight updates are bracketed by SGLang's ``/pause_generation`` (mode by ``on_weight_update``) and
+``/continue_generation``, on both sync paths, while this client holds its own new requests (`_pause`); weight and
+pause calls carry the admin key and have their own timeout (``weight_update_timeout``).
+`update_weights` saves the trainer's weights (``save_pretrained`` layout) under
 ``weights_dir``, asks every live server to load them (``/update_weights_from_disk``), and bumps
 ``weight_version`` only after every server confirmed. vlrl's servers answer with a checksum of what they
 loaded; a mismatch with the trainer's own checksum raises `WeightSyncError` (the run stops). A server that
@@ -25,10 +32,12 @@ has every live server join a group hosted by the trainer (rank 0); each update t
 by bucket (``bucket_mb``), each bucket announced to every server by HTTP and broadcast from rank 0, the last
 bucket carrying the new ``weight_version``; checksums are compared as on disk. Nothing touches the disk. If the
 group breaks — a server died mid-broadcast or could not join, or nothing came back within ``sync_timeout``
-(``rollout.weight_sync_timeout``) — the trainer closes the group (ending the survivors' broadcast too), that update
-falls back to disk and the next one forms a new group with the servers left. vlrl's server receives the buckets
-into its spare weights and swaps them in at once; a real SGLang server loads each bucket as it arrives (its
-requests in flight may see a half-updated model unless ``abort_on_update``).
+(``rollout.weight_sync_timeout``) — the trainer closes the group (ending the survivors' broadcast too) and has the
+servers destroy it, that update falls back to disk and the next one forms a new group with the servers left. Buckets
+are gathered and packed on the group's device (the GPU for NCCL), each ordered by element size (SGLang refuses a
+tensor at a misaligned offset); server i holds ``tp_size`` ranks. vlrl's server receives the buckets into its spare
+weights and swaps them in at once; a real SGLang server loads each bucket as it arrives — paused meanwhile, so no
+request runs on a half-updated model.
 
 Batching: the prompts of one `generate` call (or of the `agenerate` calls made together) are sent as one
 batched ``/generate`` per server (SGLang's list form of ``input_ids``), split evenly over the live servers.
@@ -194,7 +203,7 @@ class HTTPEngine:
                  keep_checkpoints: int = 2, weight_sync: str = "disk", sync_address: str = "127.0.0.1",
                  sync_port: int = 0, bucket_mb: float = 256.0, sync_timeout: float = 120.0,
                  on_weight_update: str = "finish", weight_update_timeout: float = 600.0, prompt_check: str = "error",
-                 admin_api_key: str | None = None) -> None:
+                 admin_api_key: str | None = None, sync_backend: str | None = None) -> None:
         import httpx
 
         if not servers:
@@ -208,6 +217,7 @@ class HTTPEngine:
             raise ValueError(f"rollout.prompt_check: error, warn or off, got {prompt_check!r}")
         self.on_weight_update, self.prompt_check = on_weight_update, prompt_check
         self.weight_update_timeout = weight_update_timeout
+        self.sync_backend = sync_backend  # the weight-update group's backend; None: NCCL for a CUDA policy, else gloo
         self.prompt_mismatches = 0  # answers whose prompt_tokens differed from the trainer's prompt (prompt_check=warn)
         self._pause_depth = 0  # nested weight updates (a distributed one falling back to disk) pause once
         self._paused_servers = False
@@ -867,7 +877,7 @@ class HTTPEngine:
         port = self.sync_port or _free_port(self.sync_address)
         world_size = 1 + sum(s.ranks for s in live)
         name = f"vlrl_weights_{os.getpid()}_{id(self):x}_{next(self._group_ids)}"
-        backend = "nccl" if next(self.policy.model.parameters()).is_cuda else "gloo"
+        backend = self.sync_backend or ("nccl" if next(self.policy.model.parameters()).is_cuda else "gloo")
         self._group_device = dist_sync.group_device(backend)
         bodies = self._init_bodies(live, port, name, backend)
         failed = _Failures(" could not join the weight-update group")

@@ -5,7 +5,8 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
 
 - ``POST /generate``: one prompt as ``input_ids`` or ``text``; ``image_data`` (base64, data URL or path; one
   or a list); ``sampling_params`` with SGLang's names (``n``, ``temperature``, ``top_p``, ``top_k``,
-  ``max_new_tokens``, ``stop``); ``return_logprob``. The answer has SGLang's shape: ``text``, ``output_ids``
+  ``max_new_tokens``, ``stop``, ``stop_token_ids``, ``logit_bias``); ``return_logprob``; types as strict as SGLang's
+  schema, and a batch's ``image_data`` in its forms (`prompt_image_items`). The answer has SGLang's shape: ``text``, ``output_ids``
   and ``meta_info`` with ``finish_reason`` (``{"type": "stop" | "length" | "abort", ...}``),
   ``output_token_logprobs`` (``[[logprob, token_id, null], ...]``, log-softmax of logits / temperature,
   as SGLang returns by default), ``prompt_tokens``, ``completion_tokens`` and ``weight_version``; a list of
@@ -25,7 +26,12 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
   spare weights (their tensors become views of the bucket's storage; a bucket in another dtype is received into a
   buffer and cast in); the bucket carrying ``weight_version`` completes the update, which is swapped in like a
   disk load and answered with its ``weight_checksum``. A disk load or a new group drops an update left half-way.
-- ``GET /health``, ``GET /get_model_info``, ``GET /get_weight_version``.
+  ``POST /destroy_weights_update_group`` leaves a group; joins run one at a time on a daemon thread of their own,
+  bounded by ``join_timeout`` (`_WeightRoutes`).
+- ``POST /pause_generation`` (``mode``: ``abort``, ``retract``, ``in_place``) and ``POST /continue_generation``
+  (`ContinuousBatcher.pause`); with ``--admin-api-key`` these and the weight routes take that key only.
+- ``GET /health``, ``GET /server_info`` (SGLang's parallel sizes and batch bound, then vlrl's facts),
+  ``GET /get_model_info``, ``GET /get_weight_version``.
 
 Batching: one worker thread decodes; requests that arrive while a batch decodes join the next batch
 (`ContinuousBatcher`). A weight load never waits for a batch: the new weights are loaded beside the old ones
@@ -36,9 +42,10 @@ answered with ``finish_reason.type == "abort"`` instead (the client re-queues th
 Safety: binds to loopback and requires ``Authorization: Bearer <key>`` (except ``/health``) by default. Every
 request is bounded before it is admitted (`ServeLimits`: ``max_new_tokens``, prompt + new tokens ≤ the model's
 context, body bytes counted as received, image pixels and vision tokens read from headers; the batcher: samples
-= prompts × n against the queue, tokens in flight) — a 400 naming the field, 413 for the body, 503 while full.
-JSON is parsed off the event loop (`vlrl.serving.BodyParser`), tokenizing and image decoding run on one
-preprocessing thread, so ``/health`` answers under any load. A client that disconnects, or a request past its
+= prompts × n against the queue, tokens in flight; the pixels of all of a request's images; the body's read time
+and the bytes of all requests held at once) — a 400 naming the field, 413 for the body, 408 / 503 while full.
+JSON is parsed off the event loop (`vlrl.serving.BodyParser`), image decoding runs on an image thread and tokenizing
+on one preprocessing thread, so ``/health`` answers under any load. A client that disconnects, or a request past its
 deadline, stops at the next decode step. Unexpected errors answer 500 with an id (the traceback goes to the
 log); server paths in ``image_data`` are read only under configured roots. SIGTERM drains within a bound.
 
