@@ -145,17 +145,15 @@ def test_a_server_killed_between_updates_sends_that_update_by_disk_and_the_next_
             _nudge(policy.model, 0.01)
             engine.update_weights(version=2)  # the group is broken: this one goes by disk, to the survivor
             assert engine.last_sync.method == "disk" and [s.url for s in engine.live_servers()] == [urls[1]]
-            groups = _info(urls[1])["weight_groups"]
-            assert len(groups) == 1  # still in the group the dead server broke (the disk update did not touch it)
+            assert _info(urls[1])["weight_groups"] == []  # the group the dead server broke is gone on the survivor
             _nudge(policy.model, 0.01)
             engine.update_weights(version=3)  # a new group: the trainer and the survivor
             assert engine.last_sync.method == "distributed" and engine.last_sync.servers == 1
             info = _info(urls[1])
             assert info["weight_version"] == "3" and info["weight_checksum"] == weight_checksum(policy.model)
-            # the broken group was destroyed (/destroy_weights_update_group) when the new one replaced it
-            assert len(info["weight_groups"]) == 1 and info["weight_groups"] != groups
+            assert len(info["weight_groups"]) == 1
             engine.close()
-            assert _info(urls[1])["weight_groups"] == []  # and the new one when the trainer closed
+            assert _info(urls[1])["weight_groups"] == []  # destroyed (/destroy_weights_update_group) at the close
         finally:
             engine.close()
 
@@ -384,3 +382,34 @@ def test_the_bucket_buffer_lives_on_the_groups_device(tiny_vlm, monkeypatch):
         finally:
             engine.close()
     assert seen[:2] == [("gather", torch.device("cuda", 0)), ("pack", torch.device("cuda", 0))]
+
+
+def test_a_group_the_trainer_replaces_is_destroyed_on_its_servers(tiny_vlm, monkeypatch):
+    """Each formation is a new group: the one it replaces (here: a server still holds group "old") is destroyed on
+    the servers that joined it (/destroy_weights_update_group) before the new one forms — else each re-formation
+    leaves one dead group per server. The new formation is made to fail at once here (no second process)."""
+    from vlrl.rollout import dist_sync
+    from vlrl.rollout.dist_sync import open_group
+    from vlrl.serving import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    with running_server(tiny_vlm) as served:
+        engine = HTTPEngine(tiny_vlm, [served.url], weights_dir="/nonexistent", api_key=API_KEY,
+                            weight_sync="distributed", sync_timeout=5)
+        try:
+            receiver = served.thread.app.state.weights.receiver
+            receiver.groups["old"] = open_group("127.0.0.1", port, rank=0, world_size=1, group_name="old", timeout=30)
+            engine._group_name, engine._group_servers = "old", [served.url]  # as if "old" had been formed
+            assert _info(served.url)["weight_groups"] == ["old"]
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError("no second rank here")
+
+            monkeypatch.setattr(dist_sync, "open_group", refuse)
+            with pytest.raises(RuntimeError):
+                engine._form_group(engine.live_servers())
+            assert _info(served.url)["weight_groups"] == []
+        finally:
+            engine.close()

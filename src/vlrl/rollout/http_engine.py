@@ -235,6 +235,7 @@ class HTTPEngine:
         self._group_servers: list[str] = []
         self._group_ids = itertools.count()
         self._group_backend = ""
+        self._rendezvous: threading.Thread | None = None  # the trainer's side of the last group formation
         self._group_device = torch.device("cpu")  # where buckets are gathered and packed: the group's (`group_device`)
         self._entries: list[dist_sync.Entry] | None = None
         self.rank, self.world_size = 0, 1  # trainer ranks sharing these servers (`join_trainer_ranks`)
@@ -874,6 +875,10 @@ class HTTPEngine:
         refused), it can never complete, and this raises at once instead of waiting out ``sync_timeout`` (the thread
         ends with the rendezvous' own timeout, closing the group if it ever formed)."""
         self._destroy_group()
+        if self._rendezvous is not None and self._rendezvous.is_alive():
+            # the last formation was abandoned: its rendezvous ends within sync_timeout, and with it the servers'
+            # joins of that group (a server joins one group at a time: until then it answers 409)
+            self._rendezvous.join(timeout=self.sync_timeout)
         port = self.sync_port or _free_port(self.sync_address)
         world_size = 1 + sum(s.ranks for s in live)
         name = f"vlrl_weights_{os.getpid()}_{id(self):x}_{next(self._group_ids)}"
@@ -884,8 +889,8 @@ class HTTPEngine:
         settled, failures = failed.settled, failed.messages
 
         answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/init_weights_update_group", bodies,
-                                                                   on_failure=failed,
-                                                                   timeout=self.sync_timeout + 30), self._loop)
+                                                                   on_failure=failed, timeout=self.sync_timeout + 30,
+                                                                   busy_for=self.sync_timeout), self._loop)
         joined: concurrent.futures.Future = concurrent.futures.Future()
 
         def join() -> None:
@@ -898,7 +903,8 @@ class HTTPEngine:
                 joined.set_exception(err.with_traceback(None))
             settled.set()
 
-        threading.Thread(target=join, name="vlrl-weight-group", daemon=True).start()
+        self._rendezvous = threading.Thread(target=join, name="vlrl-weight-group", daemon=True)
+        self._rendezvous.start()
         settled.wait()  # (the rendezvous itself times out after sync_timeout)
         if not joined.done():
             joined.add_done_callback(lambda f: f.exception() is None and dist_sync.close_group(f.result()))
@@ -1040,19 +1046,26 @@ class HTTPEngine:
                                   f"the trainer's are {expected[:12]}: stopping")
 
     async def _post_each(self, servers: list[ServerState], path: str, bodies: list[dict], *,
-                         on_failure: Any = None, timeout: float | None = None) -> list[Any]:
+                         on_failure: Any = None, timeout: float | None = None,
+                         busy_for: float = 0.0) -> list[Any]:
         """POST ``bodies[i]`` to ``servers[i]`` at once (a weight call: the admin key, ``timeout`` or
         `weight_update_timeout` — never the generation's `request_timeout`); each answer's JSON (with ``success:
         False`` and the status for an error answer), or the exception of a transport failure. ``on_failure(server,
-        why)`` is called as soon as one fails (before the others answered)."""
+        why)`` is called as soon as one fails (before the others answered). ``busy_for``: seconds a 409 (a group join
+        already in progress on that server) is retried for."""
         async def post(server: ServerState, body: dict) -> dict:
-            try:
-                response = await self._client.post(f"{server.url}{path}", json=body, headers=self._admin_headers,
-                                                   timeout=timeout or self.weight_update_timeout)
-            except Exception as err:
-                if on_failure is not None:
-                    on_failure(server, f"{type(err).__name__}: {err}")
-                raise
+            deadline = time.monotonic() + busy_for
+            while True:
+                try:
+                    response = await self._client.post(f"{server.url}{path}", json=body, headers=self._admin_headers,
+                                                       timeout=timeout or self.weight_update_timeout)
+                except Exception as err:
+                    if on_failure is not None:
+                        on_failure(server, f"{type(err).__name__}: {err}")
+                    raise
+                if response.status_code != 409 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
             answer = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
             if response.status_code >= 400:
                 answer = {"success": False, "status_code": response.status_code,

@@ -1153,6 +1153,7 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
             raise BadRequest(_explain(err)) from None
 
     weights = _WeightRoutes(batcher, limits, read, SafeJSON)
+    app.state.weights = weights
     on_close(app, weights.close)
 
     @app.exception_handler(RequestValidationError)
