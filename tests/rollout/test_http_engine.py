@@ -266,7 +266,7 @@ def test_requests_decoding_through_a_paused_update_are_tagged_with_the_weights_t
                 p.add_(0.05 * torch.randn_like(p))
         engine.publish(version=1).result(60)
         out = in_flight.result(60)
-    assert 3 <= steps_at_load[0] < 40 < batcher.decode_steps  # the batch was mid-way through its 40 steps
+    assert 3 <= steps_at_load[0] < 40 <= batcher.decode_steps  # the batch was mid-way through its 40 steps
     assert {t.weight_version for t in out} == {tag} and all(t.status is not Status.ABORTED for t in out)
     assert any(stop.why == "retracted" for stop in batcher.early_stops) == (mode == "retract")
     weights = tiny_vlm if tag == 1 else old

@@ -91,8 +91,8 @@ _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16"
                 "half": "float16"}  # SGLang's --dtype spellings → vlrl's (``auto``: unknown)
 SUPPRESS_BIAS = -1.0e4  # the logit_bias of a token never to be sampled: exp(-1e4) underflows to 0 in float32
 PAUSE_MODES = {"finish": "retract", "abort": "abort", "retract": "retract", "in_place": "in_place"}
-"""`rollout.on_weight_update` → the ``/pause_generation`` mode sent before each update (``finish`` first waits
-until this client's requests in flight ended, so nothing of its own is left to retract)."""
+"""`rollout.on_weight_update` → the ``/pause_generation`` mode sent before each update (``finish``: none before a disk
+update; before a distributed one, once this client's requests in flight ended — nothing of its own is retracted)."""
 
 
 def answer_version(meta: dict[str, Any], version_at_start: int) -> int:
