@@ -184,6 +184,16 @@ def serve(
                                              help="Budget of Σ samples × (prompt + max_new_tokens) queued or decoding."),
     max_body_mb: float = typer.Option(32.0, "--max-body-mb", help="Largest request body (413 beyond; chunked too)."),
     max_image_pixels: int = typer.Option(16 << 20, "--max-image-pixels", help="Largest image (pixels, from its header)."),
+    max_request_pixels: int = typer.Option(128 << 20, "--max-request-pixels",
+                                           help="Pixels of all the images of one request together (from their headers)."),
+    max_inflight_body_mb: float = typer.Option(256.0, "--max-inflight-body-mb",
+                                               help="Request bytes held at once over all requests (503 beyond)."),
+    body_timeout: float = typer.Option(60.0, "--body-timeout", help="Seconds a client may take to send a body (408)."),
+    join_timeout: float = typer.Option(120.0, "--join-timeout",
+                                       help="Seconds an /init_weights_update_group may wait for the group's ranks."),
+    admin_api_key: str | None = typer.Option(None, "--admin-api-key", envvar="VLRL_ADMIN_API_KEY", show_envvar=True,
+                                             help="Key the weight and pause routes require instead of the API key "
+                                             "(SGLang's --admin-api-key)."),
     request_timeout: float = typer.Option(600.0, "--request-timeout",
                                           help="Seconds after which a request is aborted at the next decode step."),
     image_root: list[str] | None = typer.Option(None, "--image-root", help="Directory whose files image_data may "
@@ -197,7 +207,7 @@ def serve(
     numerics: str = typer.Option("native", "--numerics", help="CPU kernels: native, portable or auto (the trainer's "
                                  "numerics, for log-probs computed with the same kernels)."),
 ) -> None:
-    """Serve a policy over SGLang's native HTTP API (/generate, /update_weights_from_disk, /health, /get_model_info)."""
+    """Serve a policy over SGLang's native HTTP API (/generate, /update_weights_from_disk, /health, /server_info, ...)."""
     _apply_numerics("serve", numerics)
     import torch
 
@@ -213,11 +223,14 @@ def serve(
     try:
         limits = ServeLimits(max_new_tokens=max_new_tokens, max_body_bytes=int(max_body_mb * (1 << 20)),
                              max_image_pixels=max_image_pixels, request_timeout=request_timeout,
-                             image_roots=tuple(image_root or ()), drain_seconds=drain_seconds)
+                             image_roots=tuple(image_root or ()), drain_seconds=drain_seconds,
+                             max_request_pixels=max_request_pixels,
+                             max_inflight_body_bytes=int(max_inflight_body_mb * (1 << 20)), body_timeout=body_timeout,
+                             join_timeout=join_timeout)
         run_server(model, host=host, port=port, api_key=api_key, no_auth=no_auth, dtype=dtype, device=device,
                    max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
                    batch_window_ms=batch_window_ms, init_seed=init_seed, max_tokens_in_flight=max_tokens_in_flight,
-                   limits=limits)
+                   limits=limits, admin_api_key=admin_api_key)
     except (ValueError, OSError) as err:  # OSError: a model that cannot be read (no hub, missing files)
         typer.secho(f"vlrl serve: {err}", fg="red", err=True)
         raise typer.Exit(2) from None

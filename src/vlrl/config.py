@@ -327,9 +327,30 @@ class RolloutConfig(Section):
     max_concurrent_rollouts: int | None = Field(
         None, ge=1, description="Async mode: prompts (each with n samples) in flight at once. Unset: 2 × train.prompts_per_step."
     )
-    on_weight_update: Literal["finish", "abort"] = Field(
-        "finish", description="Async mode, requests in flight during a weight update: 'finish' them on the old weights "
-        "(tagged with the old version) or 'abort' them and re-queue their prompts."
+    on_weight_update: Literal["finish", "abort", "retract", "in_place"] = Field(
+        "finish", description="Requests in flight during a weight update (async mode; servers are sent SGLang's "
+        "/pause_generation with this mode before each update and /continue_generation after, and this client holds "
+        "new requests meanwhile): 'finish' them on the old weights, tagged with the old version (a disk update waits "
+        "for them; a distributed one first lets them end, then pauses); 'abort' them and re-queue their prompts; "
+        "'retract' them (SGLang: re-queued inside the server and continued on the new weights after the update — "
+        "their tokens span two versions and the answer is tagged with the older; vlrl serve decodes them again from "
+        "the prompt on the new weights); 'in_place' (SGLang: held with their KV cache and continued on the new "
+        "weights, the prefix cache not flushed — prompts cached before the update are reused; vlrl serve finishes "
+        "them on the old weights). README \"Rollout servers\"."
+    )
+    prompt_check: Literal["error", "warn", "off"] = Field(
+        "error", description="Rollout servers: compare each answer's meta_info.prompt_tokens with the prompt the "
+        "trainer scores; a mismatch (SGLang re-processed the images with other pixel bounds, or a context did not "
+        "survive decode → encode) is an error naming the sample and both counts, a logged warning, or not checked."
+    )
+    weight_update_timeout: float = Field(
+        600.0, gt=0, description="Rollout servers: seconds each weight call (/update_weights_from_disk, "
+        "/pause_generation, /continue_generation, /destroy_weights_update_group) may take before its server counts "
+        "as failed — apart from request_timeout, so a long load is never taken for a stalled generation."
+    )
+    admin_api_key_env: str = Field(
+        "VLRL_ADMIN_API_KEY", description="Environment variable holding the servers' admin key (SGLang's / vlrl "
+        "serve's --admin-api-key), sent on the weight and pause calls; unset: they carry the api_key_env key."
     )
     request_timeout: float = Field(300.0, gt=0, description="Seconds a server may take for one /generate before it counts as stalled.")
     max_retries: int = Field(3, ge=0, description="Times a failed request is retried on another server before the run stops.")

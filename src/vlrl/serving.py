@@ -9,10 +9,13 @@ Every request passes, outermost first (`protect`):
 
 - `ErrorBoundary`: an unexpected error is answered ``500 {"error": "internal server error (id …)"}``; the
   traceback goes to the server's log under that id, never to the client;
-- `BearerAuth`: ``401`` without the token (before any body is read);
+- `BearerAuth`: ``401`` without the token (before any body is read); with an admin key, the admin routes take
+  that key and only it (SGLang's ``--admin-api-key``);
 - `BodyLimit`: ``413`` once the body passes ``max_body_bytes`` — counted on the bytes received, so a chunked
-  body (no ``Content-Length``) is stopped as early as a declared one; the application sees the body only
-  once it is whole and within the limit.
+  body (no ``Content-Length``) is stopped as early as a declared one; ``408`` when it is not all there within
+  ``body_timeout``; ``503`` when the bytes of every request held at once would pass ``max_inflight_bytes`` (a
+  declared length is reserved before any byte is read; the bytes count until the request is answered). The
+  application sees the body only once it is whole and within the limits.
 
 `BodyParser` turns a body into JSON off the event loop: a small body in a thread, a large one in a worker
 process (``json.loads`` holds the GIL for its whole run — 2.4 s for 14 MB of ``[[],[],…]`` measured here — so a
@@ -40,6 +43,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 API_KEY_ENV = "VLRL_API_KEY"
+ADMIN_API_KEY_ENV = "VLRL_ADMIN_API_KEY"  # `vlrl serve --admin-api-key`'s variable (the client reads it too)
 log = logging.getLogger(__name__)
 
 
@@ -101,12 +105,38 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
+class ByteBudget:
+    """The request bytes a server holds at once (`BodyLimit`), at most ``limit`` (None: unbounded); ``peak``: the
+    most it ever held. Used from the event loop only."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit, self.held, self.peak = limit, 0, 0
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.limit is not None and self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
 class BodyLimit:
     """Read the whole body before the application runs, answering 413 as soon as it passes ``max_bytes``
-    (a ``Content-Length`` over the limit is refused before anything is read)."""
+    (a ``Content-Length`` over the limit is refused before anything is read), 408 when it is not whole within
+    ``body_timeout`` seconds, and 503 when the bytes held for every request at once would pass the ``budget``
+    (a declared length is reserved before any byte is read; the bytes are released when the request is answered
+    or its client goes)."""
 
-    def __init__(self, app: Any, *, max_bytes: int, setting: str = "max_body_bytes") -> None:
+    def __init__(self, app: Any, *, max_bytes: int, setting: str = "max_body_bytes", body_timeout: float | None = None,
+                 budget: ByteBudget | None = None) -> None:
         self.app, self.max_bytes, self.setting = app, max_bytes, setting
+        self.body_timeout, self.budget = body_timeout, budget or ByteBudget()
+
+    def _reserve(self, nbytes: int) -> bool:
+        return self.budget.reserve(nbytes)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -114,28 +144,56 @@ class BodyLimit:
         declared = _header(scope, b"content-length")
         if declared is not None and (not declared.strip().isdigit() or int(declared) > self.max_bytes):
             return await self._refuse(send, declared)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # http.disconnect: the client left while sending
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                return await self._refuse(send, None)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
+        reserved = int(declared) if declared is not None else 0
+        if not self._reserve(reserved):
+            return await self._busy(send)
+        try:
+            await self._read_and_run(scope, receive, send, reserved)
+        finally:
+            self.budget.release(reserved)  # (what `_read_and_run` reserved beyond the declared length, it released)
 
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # then: http.disconnect when the client goes away
+    async def _read_and_run(self, scope: dict, receive: Callable, send: Callable, reserved: int) -> None:
+        chunks, size, extra = [], 0, 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout if self.body_timeout is not None else None
+        try:
+            while True:
+                try:
+                    message = await (asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                                     if deadline is not None else receive())
+                except asyncio.TimeoutError:
+                    return await send_json(send, 408, {"error": f"the request body did not arrive within "
+                                                                f"{self.body_timeout:g} s"})
+                if message["type"] != "http.request":  # http.disconnect: the client left while sending
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_bytes:
+                    return await self._refuse(send, None)
+                if size > reserved + extra:  # a chunked body (or more than declared): held as it comes
+                    if not self._reserve(size - reserved - extra):
+                        return await self._busy(send)
+                    extra = size - reserved
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            body, replayed = b"".join(chunks), False
+            chunks.clear()
 
-        await self.app(scope, replay, send)
+            async def replay() -> dict:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()  # then: http.disconnect when the client goes away
+
+            await self.app(scope, replay, send)
+        finally:
+            self.budget.release(extra)
+
+    async def _busy(self, send: Callable) -> None:
+        await send_json(send, 503, {"error": f"server busy: request bodies held at once would exceed "
+                                             f"{self.budget.limit} bytes"}, [(b"retry-after", b"1")])
 
     async def _refuse(self, send: Callable, declared: str | None) -> None:
         size = f" of {declared} bytes" if declared is not None else ""
@@ -144,16 +202,26 @@ class BodyLimit:
 
 
 class BearerAuth:
-    """Answer 401 to every request without ``Authorization: Bearer <api_key>`` except on ``open_paths``."""
+    """Answer 401 to every request without ``Authorization: Bearer <api_key>`` except on ``open_paths``. With
+    ``admin_api_key``, the ``admin_paths`` require that key and only it (SGLang's ``--admin-api-key``: the API key
+    does not open them); ``api_key`` None leaves the other paths open."""
 
-    def __init__(self, app: Any, *, api_key: str, open_paths: Iterable[str] = ("/health",)) -> None:
-        self.app, self.expected, self.open_paths = app, f"Bearer {api_key}".encode(), frozenset(open_paths)
+    def __init__(self, app: Any, *, api_key: str | None, open_paths: Iterable[str] = ("/health",),
+                 admin_api_key: str | None = None, admin_paths: Iterable[str] = ()) -> None:
+        self.app, self.open_paths = app, frozenset(open_paths)
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.admin = f"Bearer {admin_api_key}".encode() if admin_api_key is not None else None
+        self.admin_paths = frozenset(admin_paths)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            admin = self.admin is not None and scope["path"] in self.admin_paths
+            expected = self.admin if admin else self.expected
             given = (_header(scope, b"authorization") or "").encode("latin-1")
-            if not secrets.compare_digest(given, self.expected):
-                return await send_json(send, 401, {"error": "missing or wrong bearer token (Authorization: Bearer <key>)"})
+            if expected is not None and not secrets.compare_digest(given, expected):
+                which = "admin key (--admin-api-key)" if admin else "key"
+                return await send_json(send, 401, {"error": f"missing or wrong bearer token (Authorization: Bearer "
+                                                            f"<{which}>)"})
         await self.app(scope, receive, send)
 
 
@@ -185,11 +253,16 @@ class ErrorBoundary:
 
 
 def protect(app: Any, *, api_key: str | None, max_body_bytes: int, setting: str = "max_body_bytes",
-            open_paths: Iterable[str] = ("/health",)) -> None:
-    """Wrap ``app`` in `ErrorBoundary` → `BearerAuth` (unless ``api_key`` is None) → `BodyLimit`."""
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, setting=setting)  # innermost
-    if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key, open_paths=open_paths)
+            open_paths: Iterable[str] = ("/health",), admin_api_key: str | None = None, admin_paths: Iterable[str] = (),
+            max_inflight_bytes: int | None = None, body_timeout: float | None = None) -> None:
+    """Wrap ``app`` in `ErrorBoundary` → `BearerAuth` (unless both keys are None) → `BodyLimit` (its `ByteBudget`:
+    ``app.state.body_bytes``)."""
+    app.state.body_bytes = ByteBudget(max_inflight_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, setting=setting,  # innermost
+                       budget=app.state.body_bytes, body_timeout=body_timeout)
+    if api_key is not None or admin_api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key, open_paths=open_paths, admin_api_key=admin_api_key,
+                           admin_paths=admin_paths)
     app.add_middleware(ErrorBoundary)  # outermost
 
 

@@ -20,7 +20,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def _info(url):
-    return httpx.get(f"{url}/get_model_info", headers=AUTH, timeout=30).json()
+    return httpx.get(f"{url}/server_info", headers=AUTH, timeout=30).json()
 
 
 def _nudge(model, amount):
@@ -75,7 +75,7 @@ def test_buckets_and_the_streamed_checksum_match_the_whole_model_checksum(tiny_v
     model = tiny_vlm.model
     entries = plan_entries(model.state_dict(), None)
     assert [e.name for e in entries] == list(model.state_dict())  # no tied tensors in this preset: every one sent
-    planned = buckets(entries, element_size=4, bucket_bytes=1 << 16)
+    planned = buckets(entries, send_dtype=torch.float32, bucket_bytes=1 << 16)
     assert [e for b in planned for e in b] == entries
     # a bucket holds ≤ 64 KiB, unless it is a single larger tensor
     assert all(len(b) == 1 or sum(e.numel for e in b) * 4 <= 1 << 16 for b in planned)
@@ -91,7 +91,7 @@ def test_tied_tensors_are_sent_once_and_checksummed_under_every_name():
     model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
     model[1].weight = model[0].weight  # tied, as an LM head tied to the embeddings
     entries = plan_entries(model.state_dict(), {"0.weight": "embed.weight"})
-    assert entries == [Entry("0.weight", "embed.weight", (5, 3), 15, ("1.weight",))]
+    assert entries == [Entry("0.weight", "embed.weight", (5, 3), 15, ("1.weight",), torch.float32)]
     checksum = StreamingChecksum([None])
     checksum.add(entries[0], model.state_dict()["0.weight"])
     assert checksum.digest(None) == weight_checksum(model)
@@ -145,11 +145,15 @@ def test_a_server_killed_between_updates_sends_that_update_by_disk_and_the_next_
             _nudge(policy.model, 0.01)
             engine.update_weights(version=2)  # the group is broken: this one goes by disk, to the survivor
             assert engine.last_sync.method == "disk" and [s.url for s in engine.live_servers()] == [urls[1]]
+            assert _info(urls[1])["weight_groups"] == []  # the group the dead server broke is gone on the survivor
             _nudge(policy.model, 0.01)
             engine.update_weights(version=3)  # a new group: the trainer and the survivor
             assert engine.last_sync.method == "distributed" and engine.last_sync.servers == 1
             info = _info(urls[1])
             assert info["weight_version"] == "3" and info["weight_checksum"] == weight_checksum(policy.model)
+            assert len(info["weight_groups"]) == 1
+            engine.close()
+            assert _info(urls[1])["weight_groups"] == []  # destroyed (/destroy_weights_update_group) at the close
         finally:
             engine.close()
 
@@ -299,3 +303,113 @@ def test_tied_tensors_are_not_split_by_receiving_in_place():
     other = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
     other[1].weight = torch.nn.Parameter(other[0].weight.data)  # same storage, two objects
     assert FlatBuckets(other).storage(["0.weight"], [torch.float32], [[3, 3]]) is None
+
+
+def test_every_bucket_is_aligned_to_its_dtypes_as_sglang_requires():
+    """SGLang refuses a flattened bucket whose tensors do not start at a multiple of their element size
+    (``srt/weight_sync/tensor_bucket.py``): the trainer orders each bucket by element size, largest first, so a
+    model of mixed dtypes (float weights sent in bfloat16, an int64 buffer, a bool mask) needs no padding."""
+    from vlrl.rollout.dist_sync import unaligned_entry
+
+    state = {"mask": torch.ones(3, dtype=torch.bool), "w": torch.zeros(5, 3), "position_ids": torch.arange(7),
+             "b": torch.zeros(3), "flag": torch.zeros(1, dtype=torch.bool), "v": torch.zeros(2, 2)}
+    entries = plan_entries(state, None)
+    for bucket_bytes in (1, 40, 1 << 20):
+        planned = buckets(entries, send_dtype=torch.bfloat16, bucket_bytes=bucket_bytes)
+        assert sorted(e.name for b in planned for e in b) == sorted(state)
+        for bucket in planned:
+            dtypes = [e.send_dtype(torch.bfloat16) for e in bucket]
+            assert unaligned_entry(dtypes, [e.shape for e in bucket]) is None, [e.name for e in bucket]
+    (whole,) = buckets(entries, send_dtype=torch.bfloat16, bucket_bytes=1 << 20)
+    assert [e.name for e in whole] == ["position_ids", "w", "b", "v", "mask", "flag"]  # 8, then 2, then 1 byte
+
+
+def test_vlrl_serve_refuses_an_unaligned_bucket_as_sglang_does():
+    """Before joining its broadcast (nothing is received, the group stays usable), naming the tensor."""
+    from vlrl.rollout.dist_sync import Receiver, open_group
+    from vlrl.serving import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    receiver = Receiver(timeout=30)
+    receiver.groups["g"] = open_group("127.0.0.1", port, rank=0, world_size=1, group_name="unaligned", timeout=30)
+    try:
+        with pytest.raises(ValueError, match="'w' .* would start at byte 3"):
+            receiver.receive("g", ["mask", "w"], ["bool", "float32"], [[3], [2]], load_format="flattened_bucket")
+        assert receiver.buckets == 0 and "g" in receiver.groups
+    finally:
+        receiver.close()
+
+
+def test_the_bucket_buffer_lives_on_the_groups_device(tiny_vlm, monkeypatch):
+    """NCCL broadcasts only GPU memory: over an NCCL group every bucket is gathered and packed on the GPU (the
+    CPU has none here, so the engine's calls are recorded instead); over gloo, on the CPU."""
+    from vlrl.rollout import dist_sync
+    from vlrl.rollout.http_engine import HTTPEngine
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert dist_sync.group_device("nccl") == torch.device("cuda", 0)
+    assert dist_sync.group_device("gloo") == torch.device("cpu")
+    # pack puts the bytes on the device it is given, whatever the tensors' ("meta": a device with no memory)
+    flat, _ = dist_sync.pack([torch.ones(3)], [torch.bfloat16], dist_sync.ByteBuffer(), torch.device("meta"))
+    assert flat.device.type == "meta" and flat.numel() == 6
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def gather(state, bucket, device="cpu"):
+        seen.append(("gather", torch.device(device)))
+        return [state[e.name] for e in bucket]
+
+    def pack(tensors, dtypes, buffer, device=None):
+        seen.append(("pack", torch.device(device)))
+        raise Stop
+
+    with running_server(tiny_vlm) as served:
+        engine = HTTPEngine(tiny_vlm, [served.url], weights_dir="/nonexistent", api_key=API_KEY,
+                            weight_sync="distributed")
+        try:
+            monkeypatch.setattr(dist_sync, "full_tensors", gather)
+            monkeypatch.setattr(dist_sync, "pack", pack)
+            live = engine.live_servers()
+            plan = engine._bucket_plan(live)
+            engine._group_device = dist_sync.group_device("nccl")  # what `_form_group` sets for an NCCL group
+            with pytest.raises(Stop):
+                engine._broadcast(1, tiny_vlm.model.state_dict(), live, plan)
+        finally:
+            engine.close()
+    assert seen[:2] == [("gather", torch.device("cuda", 0)), ("pack", torch.device("cuda", 0))]
+
+
+def test_a_group_the_trainer_replaces_is_destroyed_on_its_servers(tiny_vlm, monkeypatch):
+    """Each formation is a new group: the one it replaces (here: a server still holds group "old") is destroyed on
+    the servers that joined it (/destroy_weights_update_group) before the new one forms — else each re-formation
+    leaves one dead group per server. The new formation is made to fail at once here (no second process)."""
+    from vlrl.rollout import dist_sync
+    from vlrl.rollout.dist_sync import open_group
+    from vlrl.serving import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    with running_server(tiny_vlm) as served:
+        engine = HTTPEngine(tiny_vlm, [served.url], weights_dir="/nonexistent", api_key=API_KEY,
+                            weight_sync="distributed", sync_timeout=5)
+        try:
+            receiver = served.thread.app.state.weights.receiver
+            receiver.groups["old"] = open_group("127.0.0.1", port, rank=0, world_size=1, group_name="old", timeout=30)
+            engine._group_name, engine._group_servers = "old", [served.url]  # as if "old" had been formed
+            assert _info(served.url)["weight_groups"] == ["old"]
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError("no second rank here")
+
+            monkeypatch.setattr(dist_sync, "open_group", refuse)
+            with pytest.raises(RuntimeError):
+                engine._form_group(engine.live_servers())
+            assert _info(served.url)["weight_groups"] == []
+        finally:
+            engine.close()

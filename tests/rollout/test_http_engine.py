@@ -203,3 +203,166 @@ def test_a_call_larger_than_a_server_batch_goes_out_as_one_request_per_batch(tin
     assert sorted(jobs) == [1, 2, 2]
     assert [t.sample.id for t in trajectories] == [r.sample.id for r in requests for _ in range(2)]
     assert [t.group_index for t in trajectories] == [i for i in range(5) for _ in range(2)]
+
+
+# ----------------------------------------------------------------------------------------------- issue 35: real SGLang
+def test_a_weight_load_longer_than_the_request_timeout_keeps_the_server(tiny_vlm, http_engine_factory):
+    """A disk update has its own timeout (rollout.weight_update_timeout): a load that outlasts request_timeout
+    (SGLang's waits for every /generate in flight) is not taken for a stalled server."""
+    import time
+
+    engine, servers = http_engine_factory(tiny_vlm, request_timeout=1.0, max_server_failures=1)
+    batcher = servers[0].batcher
+    real_load = batcher.load_in_place
+    batcher.load_in_place = lambda weights, **kw: time.sleep(2.5) or real_load(weights, **kw)
+    engine.update_weights(version=1)
+    assert engine.weight_version == 1 and engine.servers[0].alive and batcher.version[0] == 1
+
+
+@pytest.mark.parametrize("mode, paused", [("finish", []), ("abort", ["abort"]), ("retract", ["retract"]),
+                                          ("in_place", ["in_place"])])
+def test_each_update_pauses_the_servers_in_the_configured_mode_and_continues_after(tiny_vlm, http_engine_factory,
+                                                                                   mode, paused):
+    """SGLang's /pause_generation before the load and /continue_generation after (mode: rollout.on_weight_update);
+    ``finish`` on the disk path pauses nothing (SGLang's load waits for the requests in flight by itself)."""
+    engine, servers = http_engine_factory(tiny_vlm, on_weight_update=mode)
+    batcher, seen = servers[0].batcher, []
+    real_pause, real_resume, real_load = batcher.pause, batcher.resume, batcher.load_in_place
+    batcher.pause = lambda m: seen.append(("pause", m, batcher.version[0])) or real_pause(m)
+    batcher.resume = lambda: seen.append(("continue", batcher.version[0])) or real_resume()
+    batcher.load_in_place = lambda weights, **kw: seen.append(("load",)) or real_load(weights, **kw)
+    engine.update_weights(version=1)
+    expected = [("load",)] if not paused else [("pause", paused[0], 0), ("load",), ("continue", 1)]
+    assert seen == expected and batcher.paused is None
+
+
+@pytest.mark.parametrize("mode, tag", [("retract", 1), ("in_place", 0)])
+def test_requests_decoding_through_a_paused_update_are_tagged_with_the_weights_they_used(tiny_vlm, http_engine_factory,
+                                                                                         mode, tag):
+    """A batch is decoding when version 1 is published. ``retract``: vlrl serve stops it, re-queues it and decodes
+    it again from its prompt after the update — every token from version 1, tagged 1. ``in_place``: it waits at its
+    decode step through the update and finishes on the weights it started with — tagged 0. The log-probs of each
+    equal a teacher-forced pass of the weights of its tag."""
+    import concurrent.futures
+    import time
+
+    from .test_engine_contract import _teacher_forced
+    from .test_server_hardening import never_ends
+
+    engine, servers = http_engine_factory(tiny_vlm, on_weight_update=mode)
+    batcher = servers[0].batcher
+    never_ends(batcher)  # (EOS suppressed: the batch decodes its 40 tokens, long enough to be caught mid-way)
+    old = private_copy(tiny_vlm)
+    sampling = SamplingParams(n=2, max_new_tokens=40)
+    steps_at_load, real_load = [], batcher.load_in_place
+    batcher.load_in_place = lambda weights, **kw: steps_at_load.append(batcher.decode_steps) or real_load(weights, **kw)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(engine.generate, _requests(engine, 1), sampling)
+        deadline = time.time() + 30
+        while batcher.decode_steps < 3 and time.time() < deadline:
+            time.sleep(0.005)
+        with torch.no_grad():
+            for p in tiny_vlm.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.publish(version=1).result(60)
+        out = in_flight.result(60)
+    assert 3 <= steps_at_load[0] < 40 <= batcher.decode_steps  # the batch was mid-way through its 40 steps
+    assert {t.weight_version for t in out} == {tag} and all(t.status is not Status.ABORTED for t in out)
+    assert any(stop.why == "retracted" for stop in batcher.early_stops) == (mode == "retract")
+    weights = tiny_vlm if tag == 1 else old
+    logp = _teacher_forced(weights, out, 1.0)
+    for i, t in enumerate(out):
+        assert torch.allclose(logp[i, : len(t.response_ids)], t.behaviour_logp, atol=1e-4)
+
+
+@pytest.mark.parametrize("check", ["error", "warn", "off"])
+def test_a_server_that_sampled_from_another_prompt_is_caught(tiny_vlm, http_engine_factory, monkeypatch, caplog, check):
+    """SGLang re-processes a prompt's images with its own pixel bounds and reports the prompt it really used in
+    meta_info.prompt_tokens. Here the server reports 4 tokens more than the trainer's prompt: an error naming the
+    sample and both counts (rollout.prompt_check=error), a counted warning (warn), or nothing (off)."""
+    import logging
+
+    from vlrl.rollout import server as server_module
+    from vlrl.rollout.http_engine import PromptMismatchError
+
+    real_output = server_module.sglang_output
+
+    def reprocessed(policy, t, sampling, **kwargs):
+        answer = real_output(policy, t, sampling, **kwargs)
+        answer["meta_info"]["prompt_tokens"] += 4
+        return answer
+
+    engine, _ = http_engine_factory(tiny_vlm, prompt_check=check)
+    requests = _requests(engine, 2)
+    expected = len(requests[0].prompt_ids)
+    assert engine.generate(requests, SamplingParams(max_new_tokens=2))  # the true counts: no complaint
+    monkeypatch.setattr(server_module, "sglang_output", reprocessed)
+    if check == "error":
+        with pytest.raises(PromptMismatchError, match=rf"sample '{requests[0].sample.id}' from a prompt of "
+                                                      rf"{expected + 4} tokens; the trainer scores {expected}"):
+            engine.generate(requests, SamplingParams(max_new_tokens=2))
+        return
+    with caplog.at_level(logging.WARNING, logger="vlrl.rollout.http_engine"):
+        out = engine.generate(requests, SamplingParams(n=2, max_new_tokens=2))
+    assert len(out) == 4
+    assert engine.prompt_mismatches == (4 if check == "warn" else 0)
+    assert ("the trainer scores" in caplog.text) == (check == "warn")
+
+
+def test_answer_versions_tolerate_labels_and_take_the_oldest_span():
+    from vlrl.rollout.http_engine import answer_version
+
+    assert answer_version({"weight_version": "7"}, 3) == 7
+    assert answer_version({"weight_version": "default"}, 3) == 3  # SGLang's --weight-version before vlrl's first
+    assert answer_version({"weight_version": "v2-final"}, 3) == 3  # any label: the version at the request's start
+    assert answer_version({}, 3) == 3
+    spans = [{"version": "4", "start": 0, "end": 5}, {"version": "5", "start": 5, "end": 9}]
+    assert answer_version({"weight_version": "5", "weight_versions": spans}, 4) == 4  # lived through an update
+
+
+def test_server_facts_are_read_in_sglangs_spellings_and_ranks_follow_tp_size(tiny_vlm, http_engine_factory):
+    from vlrl.rollout.http_engine import ServerState
+
+    engine, _ = http_engine_factory(tiny_vlm)
+    a, b = ServerState("http://a"), ServerState("http://b")
+    engine._read_facts(a, {"dtype": "half", "tp_size": 2, "max_running_requests": 64})
+    engine._read_facts(b, {"dtype": "auto", "tp_size": 4})
+    assert (a.dtype, a.ranks, a.max_batch_size) == ("float16", 2, 64) and (b.dtype, b.ranks) == (None, 4)
+    bodies = engine._init_bodies([a, b], 29500, "g", "nccl")
+    assert [(x["rank_offset"], x["world_size"]) for x in bodies] == [(1, 7), (3, 7)]  # trainer 0, a 1-2, b 3-6
+    engine.weight_sync = "distributed"
+    with pytest.raises(RolloutRequestError, match="dp_size 2"):
+        engine._read_facts(a, {"tp_size": 1, "dp_size": 2})
+
+
+def test_an_admin_key_guards_the_weight_routes_and_the_client_sends_it(tiny_vlm, tmp_path):
+    import httpx
+
+    from vlrl.rollout.server import ContinuousBatcher, ServerThread, create_app
+
+    batcher = ContinuousBatcher(private_copy(tiny_vlm))
+    server = ServerThread(create_app(batcher, api_key="user", admin_api_key="admin"))
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            user, admin = {"Authorization": "Bearer user"}, {"Authorization": "Bearer admin"}
+            assert client.post("/pause_generation", json={}, headers=user).status_code == 401
+            assert client.post("/generate", json={"text": "hi"}, headers=admin).status_code == 401
+            assert client.post("/pause_generation", json={"mode": "retract"}, headers=admin).status_code == 200
+            assert client.post("/continue_generation", json={}, headers=admin).status_code == 200
+        without = HTTPEngine(tiny_vlm, [server.url], weights_dir=tmp_path / "a", api_key="user")
+        try:
+            with pytest.raises(WeightSyncError, match="401"):
+                without.update_weights(version=1)
+        finally:
+            without.close()
+        engine = HTTPEngine(tiny_vlm, [server.url], weights_dir=tmp_path / "b", api_key="user", admin_api_key="admin",
+                            on_weight_update="retract")
+        try:
+            engine.update_weights(version=1)
+            out = engine.generate(_requests(engine, 1), SamplingParams(max_new_tokens=2))
+            assert engine.weight_version == 1 and out[0].weight_version == 1
+        finally:
+            engine.close()
+    finally:
+        server.stop()
+        batcher.close()

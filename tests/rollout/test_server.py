@@ -299,3 +299,60 @@ def test_an_in_place_load_never_writes_the_weights_a_batch_is_decoding_with(tiny
     assert {t.weight_version for t in batcher.submit([request], sampling).result(30)} == {3}
     assert batcher.version == (3, v3) and batcher.policy.model is not decoding_weights
     batcher.close()
+
+
+# ----------------------------------------------------------------------------------------------- SGLang's pause
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_a_paused_batcher_starts_no_batch_and_treats_the_decoding_one_by_its_mode(tiny_vlm, mode):
+    """/pause_generation's modes as vlrl serve applies them (a batch decoding 40 tokens is caught mid-way, a request
+    arrives during the pause, version 1 is loaded, generation continues): ``abort`` answers the decoding batch as
+    aborted; ``retract`` decodes it again from its prompt on version 1; ``in_place`` holds it at its decode step and
+    finishes it on version 0. The request that arrived while paused starts only after the pause, on version 1."""
+    from .test_server_hardening import never_ends
+
+    batcher = ContinuousBatcher(private_copy(tiny_vlm))
+    never_ends(batcher)
+    request = HFEngine(tiny_vlm).encode(generate("shapes", 1)[0])
+    sampling = SamplingParams(n=2, max_new_tokens=40)
+    try:
+        decoding = batcher.submit([request], sampling)
+        deadline = time.time() + 30
+        while batcher.decode_steps < 3 and time.time() < deadline:
+            time.sleep(0.005)
+        batcher.pause(mode)
+        arrived = batcher.submit([request], SamplingParams(n=1, max_new_tokens=3))
+        time.sleep(0.3)
+        steps, batches = batcher.decode_steps, batcher.batches
+        time.sleep(0.3)
+        assert not arrived.done() and batcher.batches == batches
+        if mode == "in_place":
+            assert batcher.decode_steps == steps and not decoding.done()  # held at its decode step
+        batcher.load(_moved(tiny_vlm), version=1)
+        batcher.resume()
+        out, later = decoding.result(30), arrived.result(30)
+    finally:
+        batcher.close()
+    assert {t.weight_version for t in later} == {1} and all(t.status is not Status.ABORTED for t in later)
+    if mode == "abort":
+        assert all(t.status is Status.ABORTED for t in out)
+    else:
+        assert {t.weight_version for t in out} == {1 if mode == "retract" else 0}
+        assert all(t.status is not Status.ABORTED and len(t.response_ids) == 40 for t in out)
+    assert any(s.why == "retracted" for s in batcher.early_stops) == (mode == "retract")
+
+
+def test_logit_bias_and_stop_token_ids_are_honoured(served, tiny_vlm):
+    """SGLang's ``logit_bias`` (token ids as strings) shifts the sampling logits; ``stop_token_ids`` end a response
+    like EOS. A bias of +100 on one token makes it the only choice; naming it a stop token ends the answer there."""
+    client, _ = served
+    _, body = _prompt(tiny_vlm)
+    token = 42
+    answer = client.post("/generate", json={**body, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 6, "logit_bias": {str(token): 100.0}, "stop_token_ids": [token]}}).json()
+    assert answer["output_ids"] == [token] and answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+    assert answer["meta_info"]["output_token_logprobs"][0][0] < 0  # behaviour log-prob of the raw logits, unbiased
+    for bias, field in (({"x": 1.0}, "logit_bias"), ({"99999999": 1.0}, "logit_bias")):
+        bad = client.post("/generate", json={**body, "sampling_params": {"logit_bias": bias}})
+        assert bad.status_code == 400 and f"sampling_params.{field}" in bad.json()["error"]
+    bad = client.post("/generate", json={**body, "sampling_params": {"stop_token_ids": [-1]}})
+    assert bad.status_code == 400 and "stop_token_ids" in bad.json()["error"]

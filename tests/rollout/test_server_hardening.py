@@ -22,6 +22,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from PIL import Image
 
 from vlrl.data import generate
@@ -414,3 +415,126 @@ def test_vlrl_serve_exits_on_sigterm_within_its_drain_bound(tmp_path):
     (answer,) = answers
     finish = (answer.json() if isinstance(answer.json(), dict) else answer.json()[0])["meta_info"]["finish_reason"]
     assert finish["type"] in ("abort", "stop")  # a random tiny model may end its answer before the bound
+
+
+# ----------------------------------------------------------------------------------------------- issue 38
+def _unserved_port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there: a join aimed at it waits for a rendezvous that never comes
+    return port
+
+
+def test_eight_hostile_group_joins_stall_neither_generate_nor_shutdown(policy):
+    """Issue 38, finding 3: eight /init_weights_update_group calls to an unserved port blocked asyncio's default
+    pool (which /generate's body parsing uses) for ~21 minutes and SIGTERM took 699 s. Joins now run one at a time on
+    a daemon thread of their own: the first waits for its rendezvous, the others get 409 at once, /generate answers
+    within 2 s, and the drain (what SIGTERM does) ends within drain + 5 s."""
+    limits = ServeLimits(drain_seconds=1.0, join_timeout=30.0)
+    port = _unserved_port()
+    with serving(policy, limits) as (client, batcher, server):
+        statuses = []
+
+        def join(i):
+            body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                    "group_name": f"hostile{i}", "backend": "gloo"}
+            try:
+                statuses.append(httpx.post(f"{server.url}/init_weights_update_group", headers=AUTH, json=body,
+                                           timeout=3).status_code)
+            except httpx.TimeoutException:
+                statuses.append("waiting")
+
+        joins = [threading.Thread(target=join, args=(i,)) for i in range(8)]
+        for thread in joins:
+            thread.start()
+        for thread in joins:
+            thread.join()
+        t0 = time.monotonic()
+        answer = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=10)
+        generate_seconds = time.monotonic() - t0
+        t0 = time.monotonic()
+        server.drain()
+        stopped = server.join(timeout=limits.drain_seconds + 10)
+        drain_seconds = time.monotonic() - t0
+    assert sorted(statuses, key=str) == [409] * 7 + ["waiting"], statuses
+    assert answer.status_code == 200 and generate_seconds < 2, generate_seconds
+    assert stopped and drain_seconds < limits.drain_seconds + 5, drain_seconds
+
+
+def test_thirty_4000_square_images_are_refused_from_their_headers_before_any_is_decoded(served, monkeypatch):
+    """Issue 38, finding 4: one 1.8 MB request of 30 PNGs of 4000² took 35 s and 3.4 GB. Each is within the limit
+    of one image; together they pass ``max_request_pixels``, read from their headers: refused before any pixel is
+    decoded (the decoder is replaced by one that records its calls)."""
+    from vlrl.rollout import server as server_module
+
+    client, _ = served
+    decoded = []
+    monkeypatch.setattr(server_module, "load_image", lambda *a, **k: decoded.append(a) or Image.new("RGB", (8, 8)))
+    image = data_url(png(4000, 4000, "1"))
+    t0 = time.perf_counter()
+    answer = client.post("/generate", json={"text": "<|image_pad|>" * 30, "image_data": [image] * 30})
+    elapsed = time.perf_counter() - t0
+    assert answer.status_code == 400 and "(--max-request-pixels)" in answer.json()["error"], answer.text
+    assert decoded == [] and elapsed < 5, elapsed
+
+
+def test_a_hundred_slow_bodies_hold_no_more_than_the_inflight_cap(policy):
+    """Issue 38, finding 5: 100 connections each sending 10 MB of a declared 30 MB body and stalling held 0.98 GB.
+    Here each declares 1 MB and sends a quarter of it: the declared bytes are reserved against the server's cap
+    (8 MB), so 8 are admitted and read, the other 92 get 503 before a byte of their body is read; the 8 get 408 when
+    the body deadline passes, and every reserved byte is released."""
+    import selectors
+
+    cap, declared = 8 << 20, 1 << 20
+    limits = ServeLimits(max_body_bytes=2 << 20, max_inflight_body_bytes=cap, body_timeout=3.0)
+    with serving(policy, limits) as (client, batcher, server):
+        budget = server.app.state.body_bytes
+        host, port = server.url.removeprefix("http://").split(":")
+        head = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {KEY}\r\nContent-Length: {declared}\r\n\r\n".encode())
+        socks = []
+        for _ in range(100):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(head + b"x" * (declared // 4))
+            socks.append(sock)
+        selector, codes = selectors.DefaultSelector(), {}
+        for sock in socks:
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ)
+        deadline = time.monotonic() + limits.body_timeout + 15
+        while len(codes) < len(socks) and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=0.5):
+                line = key.fileobj.recv(4096).split(b"\r\n", 1)[0]
+                codes[key.fileobj] = int(line.split()[1]) if line else None
+                selector.unregister(key.fileobj)
+        for sock in socks:
+            sock.close()
+        _wait(lambda: budget.held == 0, timeout=10)
+        peak = budget.peak
+        assert client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    statuses = sorted(codes.values(), key=str)
+    assert len(codes) == 100 and statuses == [408] * (cap // declared) + [503] * (100 - cap // declared), statuses
+    assert peak <= cap
+
+
+def test_a_failed_disk_load_keeps_the_version_last_loaded(policy, tmp_path):
+    """Issue 38, finding 6: version 7 loaded, then a load that fails (a tensor of the wrong shape) reverted the
+    server to version 0's weights and tag. The failed load now leaves version 7 served and acknowledged."""
+    from safetensors.torch import load_file, save_file
+
+    with serving(policy) as (client, batcher, server):
+        good = tmp_path / "v7"
+        private_copy(policy).model.save_pretrained(good)
+        answer = client.post("/update_weights_from_disk", json={"model_path": str(good), "weight_version": "7"})
+        assert answer.json()["success"]
+        tensors = load_file(good / "model.safetensors")
+        name = next(iter(tensors))
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        save_file({**tensors, name: torch.zeros(3, 3)}, bad / "model.safetensors")
+        failed = client.post("/update_weights_from_disk", json={"model_path": str(bad), "weight_version": "8"})
+        version = client.get("/get_weight_version").json()["weight_version"]
+        out = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}).json()
+    assert failed.status_code == 400 and "shape" in failed.json()["message"]
+    assert version == "7" and out["meta_info"]["weight_version"] == "7"

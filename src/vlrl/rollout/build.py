@@ -48,7 +48,6 @@ def build_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None = None, lo
 
 def _generation_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None, sync_weights: bool,
                        max_batch_size: int) -> Engine:
-    abort = cfg.on_weight_update == "abort"
     if cfg.servers:
         from vlrl.rollout.http_engine import HTTPEngine
 
@@ -57,16 +56,18 @@ def _generation_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None, syn
         engine = HTTPEngine(policy, cfg.servers, weights_dir=cfg.weights_dir or Path(run_dir) / "rollout_weights",
                             api_key=os.environ.get(cfg.api_key_env), request_timeout=cfg.request_timeout,
                             max_retries=cfg.max_retries, max_server_failures=cfg.max_server_failures,
-                            abort_on_update=abort, weight_sync=cfg.weight_sync, sync_address=cfg.weight_sync_address,
-                            sync_port=cfg.weight_sync_port, bucket_mb=cfg.weight_sync_bucket_mb,
-                            sync_timeout=cfg.weight_sync_timeout)
+                            on_weight_update=cfg.on_weight_update, weight_sync=cfg.weight_sync,
+                            sync_address=cfg.weight_sync_address, sync_port=cfg.weight_sync_port,
+                            bucket_mb=cfg.weight_sync_bucket_mb, sync_timeout=cfg.weight_sync_timeout,
+                            weight_update_timeout=cfg.weight_update_timeout, prompt_check=cfg.prompt_check,
+                            admin_api_key=os.environ.get(cfg.admin_api_key_env) or None)
         if sync_weights:
             engine.update_weights(version=0)
         return engine
     if cfg.mode == "async":
         from vlrl.rollout.server import ThreadedEngine
 
-        return ThreadedEngine(policy, max_batch_size=max_batch_size, abort_on_update=abort)
+        return ThreadedEngine(policy, max_batch_size=max_batch_size, on_weight_update=cfg.on_weight_update)
     return HFEngine(policy, max_batch_size=max_batch_size)
 
 

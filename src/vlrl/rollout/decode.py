@@ -14,12 +14,13 @@ vision tokens per image, n = 8–16) that prefill, vision tower included, is mos
    old cost, same results), logged once per family.
 3. **Decode** with the model's forward and the cache, no `generate`: positions continue from each row's last
    prompt position (+1 per token on every axis — after a text token all three M-RoPE axes are equal, so this
-   is what the model's ``get_rope_index`` gives the teacher-forced pass), sampling is temperature, top-k,
-   top-p and the suppressed tokens, nothing else. Finished rows leave the batch (the cache is compacted when a
+   is what the model's ``get_rope_index`` gives the teacher-forced pass), sampling is the request's
+   ``logit_bias`` (empty unless a client of `vlrl serve` sends one), temperature, top-k, top-p and the suppressed
+   tokens, nothing else; EOS and the request's ``stop_token_ids`` end a row. Finished rows leave the batch (the cache is compacted when a
    quarter of its rows are done).
 
-Behaviour log-probs are ``log_softmax(logits / temperature)`` of the raw logits (before suppression, top-k and
-top-p) at the sampled token: the quantity the teacher-forced pass computes. The samples are equal in
+Behaviour log-probs are ``log_softmax(logits / temperature)`` of the raw logits (before bias, suppression, top-k
+and top-p) at the sampled token: the quantity the teacher-forced pass computes. The samples are equal in
 distribution to `generate`'s (the same processors in the same order, then one draw per row from the global
 generator by inverting the cumulative distribution, `draw`), not draw-for-draw: `generate`'s
 ``torch.multinomial`` consumes the random stream differently.
@@ -204,6 +205,10 @@ def next_tokens(logits: torch.Tensor, sampling: SamplingParams, suppress: torch.
     """(rows,) tokens from raw logits (rows, V): suppressed tokens never; greedy at temperature 0, else
     temperature → top-k → top-p → a draw (the order of `generate`'s logits processors)."""
     logits = logits.float()
+    if sampling.logit_bias:  # SGLang's sampling_params.logit_bias (vlrl serve honours what a client sends)
+        ids = torch.tensor(list(sampling.logit_bias), dtype=torch.long, device=logits.device)
+        bias = torch.tensor(list(sampling.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        logits = logits.index_add(-1, ids, bias.expand(logits.shape[0], -1))
     if suppress is not None:
         logits = logits.index_fill(-1, suppress, float("-inf"))
     if sampling.temperature <= 0:
@@ -262,7 +267,7 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
     start = time.perf_counter()
     N, T = len(rows), sampling.max_new_tokens
     suppress_ids = torch.tensor(sorted(set(suppress)), dtype=torch.long, device=device) if suppress else None
-    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
+    eos = torch.tensor(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)), dtype=torch.long, device=device)
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     tail = max((len(s.encode()) for s in sampling.stop), default=0) + 2
     tokens: list[list[int]] = [[] for _ in range(N)]

@@ -5,15 +5,17 @@ The protocol is SGLang's (``python/sglang/srt/managers/io_struct.py``; the train
 
     1. POST /init_weights_update_group  {master_address, master_port, rank_offset, world_size, group_name, backend}
        to every server, while the trainer joins the same group as rank 0 (it hosts the rendezvous store at
-       master_address:master_port). Server i takes rank ``rank_offset`` (1 + i for one-rank servers);
-       ``world_size`` = 1 + every server rank. Every joiner blocks until all have joined.
+       master_address:master_port). Server i takes ranks ``rank_offset`` … ``rank_offset + tp_size − 1`` (SGLang:
+       ``rank_offset + tp_rank``); ``world_size`` = 1 + every server rank. Every joiner blocks until all have joined.
+       A group the trainer replaces is left by every server (``/destroy_weights_update_group {group_name}``).
     2. per update, per bucket of parameters:
          POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, flush_cache, weight_version,
          load_format, ...} to every server (in the background), then broadcast the bucket from rank 0, then wait for
          every server's answer. The server receives the broadcasts into tensors of the listed shapes and dtypes
          and loads them. With ``load_format="flattened_bucket"`` (what vlrl's trainer sends) the bucket is one
-         broadcast of the tensors' bytes concatenated in the listed order (SGLang's ``FlattenedTensorBucket``);
-         without it, one broadcast per tensor.
+         broadcast of the tensors' bytes concatenated in the listed order (SGLang's ``FlattenedTensorBucket``, which
+         refuses a tensor whose offset is not a multiple of its element size: `buckets` orders each bucket by element
+         size, largest first); without it, one broadcast per tensor.
 
 Names are checkpoint names (what ``save_pretrained`` writes; SGLang's ``load_weights`` expects them), dtypes
 strings without ``torch.``. The group is built the way SGLang's ``init_custom_process_group`` builds it — a TCP
@@ -21,8 +23,9 @@ store at ``master_address:master_port`` (hosted by rank 0), prefixed by ``group_
 own beside any default group — so a trainer that already runs under torchrun can host it, and a real SGLang
 server (NCCL on GPUs) can join it. vlrl's own server joins over gloo on CPU (`vlrl.rollout.server`).
 
-The trainer's tensors are gathered bucket by bucket (`full_tensors`): an FSDP2 shard is all-gathered when its
-bucket is sent, so no rank ever holds more than one bucket of full tensors beside its shards.
+The trainer's tensors are gathered bucket by bucket (`full_tensors`) onto the group's device (`group_device`: the GPU
+for NCCL, which broadcasts only GPU memory; the CPU for gloo): an FSDP2 shard is all-gathered when its bucket is
+sent, so no rank ever holds more than one bucket of full tensors beside its shards.
 
 What one bucket costs (`pack`, `broadcast`, `Receiver.receive`): the trainer casts and copies the tensors into one
 reused byte buffer, broadcasts it, and checksums those same bytes while the servers load them; a server receives
@@ -111,6 +114,31 @@ class ByteBuffer:
         return self.buffer[:nbytes]
 
 
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def unaligned_entry(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> tuple[int, int] | None:
+    """(index, byte offset) of the first tensor of a flattened bucket whose offset is not a multiple of its element
+    size, or None: SGLang refuses such a bucket (``srt/weight_sync/tensor_bucket.py``), so the trainer never sends
+    one (`buckets` orders each bucket by element size, largest first)."""
+    offset = 0
+    for k, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
+        size = element_size(dtype)
+        if offset % size:
+            return k, offset
+        offset += math.prod(shape) * size
+    return None
+
+
+def group_device(backend: str) -> torch.device:
+    """Where a group's tensors must live: CUDA (the current device) for NCCL, which broadcasts only GPU memory; the
+    CPU for gloo. Each bucket is gathered and packed there."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _as(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor | None:
     """``raw`` (uint8) seen as a tensor of ``dtype`` and ``shape`` without a copy; None when its offset in the
     buffer is not a multiple of the dtype's size (a bucket mixing dtypes can misalign what follows a small one)."""
@@ -149,11 +177,14 @@ def receive(group: dist.ProcessGroup, shapes: Sequence[Sequence[int]], dtypes: S
     return tensors
 
 
-def pack(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], buffer: ByteBuffer) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The bytes of ``tensors`` cast to ``dtypes``, concatenated in order in ``buffer``, in one pass per tensor (the
-    cast writes straight into the buffer). Returns (the flat bytes, each tensor's slice of them)."""
-    sizes = [t.numel() * torch.empty(0, dtype=d).element_size() for t, d in zip(tensors, dtypes, strict=True)]
-    device = tensors[0].device if tensors else torch.device("cpu")
+def pack(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], buffer: ByteBuffer,
+         device: torch.device | str | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The bytes of ``tensors`` cast to ``dtypes``, concatenated in order in ``buffer`` on ``device`` (the group's;
+    default the tensors'), in one pass per tensor (the cast writes straight into the buffer). Returns (the flat
+    bytes, each tensor's slice of them)."""
+    sizes = [t.numel() * element_size(d) for t, d in zip(tensors, dtypes, strict=True)]
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
     flat = buffer.get(sum(sizes), device)
     slices, offset = [], 0
     for tensor, dtype, size in zip(tensors, dtypes, sizes, strict=True):
@@ -198,6 +229,11 @@ class Entry:
     shape: tuple[int, ...]
     numel: int
     aliases: tuple[str, ...] = ()
+    dtype: torch.dtype | None = None  # the trainer's (a floating-point tensor is sent in the servers' dtype)
+
+    def send_dtype(self, floating: torch.dtype) -> torch.dtype:
+        """The dtype it travels in: ``floating`` (the servers') for a floating-point tensor, else its own."""
+        return floating if self.dtype is None or self.dtype.is_floating_point else self.dtype
 
 
 def plan_entries(state: Mapping[str, torch.Tensor], send_names: Mapping[str, str] | None) -> list[Entry]:
@@ -218,32 +254,36 @@ def plan_entries(state: Mapping[str, torch.Tensor], send_names: Mapping[str, str
         aliases[name] = []
         order.append(name)
     names = send_names or {}
-    return [Entry(n, names.get(n, n), tuple(state[n].shape), state[n].numel(), tuple(aliases[n])) for n in order]
+    return [Entry(n, names.get(n, n), tuple(state[n].shape), state[n].numel(), tuple(aliases[n]), state[n].dtype)
+            for n in order]
 
 
-def buckets(entries: Sequence[Entry], *, element_size: int, bucket_bytes: int) -> list[list[Entry]]:
-    """Consecutive entries grouped into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket alone)."""
+def buckets(entries: Sequence[Entry], *, send_dtype: torch.dtype, bucket_bytes: int) -> list[list[Entry]]:
+    """Consecutive entries grouped into buckets of at most ``bucket_bytes`` as sent (floating-point tensors in
+    ``send_dtype``; a larger tensor is a bucket alone), each bucket ordered by element size, largest first — so
+    every tensor starts at a multiple of its own element size in the flattened bucket, as SGLang requires."""
     out: list[list[Entry]] = []
     size = 0
     for entry in entries:
-        nbytes = entry.numel * element_size
+        nbytes = entry.numel * element_size(entry.send_dtype(send_dtype))
         if not out or size + nbytes > bucket_bytes:
             out.append([])
             size = 0
         out[-1].append(entry)
         size += nbytes
-    return out
+    return [sorted(bucket, key=lambda e: -element_size(e.send_dtype(send_dtype))) for bucket in out]
 
 
-def full_tensors(state: Mapping[str, torch.Tensor], bucket: Sequence[Entry]) -> list[torch.Tensor]:
-    """The full tensors of one bucket: a DTensor shard is all-gathered (a collective: every trainer rank calls
-    this with the same bucket), a plain tensor is detached as it is."""
+def full_tensors(state: Mapping[str, torch.Tensor], bucket: Sequence[Entry],
+                 device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """The full tensors of one bucket on ``device`` (the group's: `group_device`): a DTensor shard is all-gathered
+    (a collective: every trainer rank calls this with the same bucket), a plain tensor is detached as it is."""
     out = []
     for entry in bucket:
         tensor = state[entry.name].detach()
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
-        out.append(tensor.cpu())
+        out.append(tensor.to(device))
     return out
 
 
@@ -298,11 +338,12 @@ class Receiver:
         self.exit_at_bucket = int(fault) if fault else None
 
     def join(self, master_address: str, master_port: int, *, rank_offset: int, world_size: int, group_name: str,
-             backend: str) -> None:
-        """Join ``group_name`` as rank ``rank_offset`` (blocks until every rank joined); a group of the same name
-        joined before is left (a trainer that restarted forms it again)."""
+             backend: str, timeout: float | None = None) -> None:
+        """Join ``group_name`` as rank ``rank_offset`` (blocks until every rank joined, at most ``timeout`` seconds,
+        default the receiver's); a group of the same name joined before is left (a trainer that restarted forms it
+        again)."""
         group = open_group(master_address, master_port, rank=rank_offset, world_size=world_size,
-                           group_name=group_name, backend=backend, timeout=self.timeout)
+                           group_name=group_name, backend=backend, timeout=timeout or self.timeout)
         with self._lock:
             old, self.groups[group_name] = self.groups.get(group_name), group
         close_group(old)
@@ -325,6 +366,13 @@ class Receiver:
             raise ValueError(f"field 'load_format': {load_format!r}; vlrl serve receives tensors one by one (null) or "
                              f"as a {FLATTENED!r}")
         torch_dtypes = [parse_dtype(d) for d in dtypes]
+        if load_format == FLATTENED:
+            misaligned = unaligned_entry(torch_dtypes, shapes)
+            if misaligned is not None:  # SGLang refuses such a bucket (`FlattenedTensorBucket.empty`): so does vlrl
+                k, offset = misaligned
+                raise ValueError(f"fields 'dtypes', 'shapes': tensor {names[k]!r} ({dtypes[k]}) would start at byte "
+                                 f"{offset} of the flattened bucket, not a multiple of its element size; order a "
+                                 "bucket's tensors by element size, largest first")
         self.buckets += 1
         if self.buckets == self.exit_at_bucket:
             os._exit(86)
@@ -337,10 +385,12 @@ class Receiver:
             self.leave(group_name)
             raise
 
-    def leave(self, group_name: str) -> None:
+    def leave(self, group_name: str) -> bool:
+        """Leave ``group_name`` (SGLang's ``/destroy_weights_update_group``); False if this server had not joined it."""
         with self._lock:
             group = self.groups.pop(group_name, None)
         close_group(group)
+        return group is not None
 
     def close(self) -> None:
         with self._lock:

@@ -1,17 +1,24 @@
 """`HTTPEngine`: the `Engine` protocol over HTTP, against one or more SGLang-compatible rollout servers.
 
 Prompts are encoded locally (tokenizer + image processor, exactly as `HFEngine` does) and sent as
-``input_ids`` + ``image_data`` (PNG data URLs) to SGLang's native ``/generate``; the answer's
-``output_token_logprobs`` become the behaviour log-probs and ``meta_info.weight_version`` the trajectory's
-weight version (a server that does not report it is tagged with the version current when the request
-started — the oldest weights it can have used, so staleness is never under-estimated).
+``input_ids`` + ``image_data`` (PNG data URLs, in the batch form SGLang 0.5.23's schema accepts) to SGLang's native
+``/generate``, sampled as the in-process engine samples (the model's EOS as ``stop_token_ids``, its vision markup
+and other special tokens banned by ``logit_bias``); the answer's ``output_token_logprobs`` become the behaviour
+log-probs and its weight version the trajectory's (`answer_version`: the oldest of SGLang's ``weight_versions``
+spans; a server that reports none, or a label that is no integer, is tagged with the version current when the
+request started — the oldest weights it can have used, so staleness is never under-estimated). Each answer's
+``meta_info.prompt_tokens`` is compared with the prompt the trainer scores (``prompt_check``). Server facts come from
+``/server_info`` (``/get_model_info`` on older servers).
 
 Reliability: each request goes to the live server with the fewest prompts in flight. A transport error,
 timeout or 5xx answer counts as a failure of that server and the request is retried on another one (up to
 ``max_retries`` times); a server with ``max_server_failures`` consecutive failures is dropped from the pool
 with a warning. A 503/429 (queue full) is waited out, not counted. A 4xx is a bug in the request and raises.
 
-Weight updates: `update_weights` saves the trainer's weights (``save_pretrained`` layout) under
+Weight updates are bracketed by SGLang's ``/pause_generation`` (mode by ``on_weight_update``) and
+``/continue_generation``, on both sync paths, while this client holds its own new requests (`_pause`); weight and
+pause calls carry the admin key and have their own timeout (``weight_update_timeout``).
+`update_weights` saves the trainer's weights (``save_pretrained`` layout) under
 ``weights_dir``, asks every live server to load them (``/update_weights_from_disk``), and bumps
 ``weight_version`` only after every server confirmed. vlrl's servers answer with a checksum of what they
 loaded; a mismatch with the trainer's own checksum raises `WeightSyncError` (the run stops). A server that
@@ -25,10 +32,12 @@ has every live server join a group hosted by the trainer (rank 0); each update t
 by bucket (``bucket_mb``), each bucket announced to every server by HTTP and broadcast from rank 0, the last
 bucket carrying the new ``weight_version``; checksums are compared as on disk. Nothing touches the disk. If the
 group breaks — a server died mid-broadcast or could not join, or nothing came back within ``sync_timeout``
-(``rollout.weight_sync_timeout``) — the trainer closes the group (ending the survivors' broadcast too), that update
-falls back to disk and the next one forms a new group with the servers left. vlrl's server receives the buckets
-into its spare weights and swaps them in at once; a real SGLang server loads each bucket as it arrives (its
-requests in flight may see a half-updated model unless ``abort_on_update``).
+(``rollout.weight_sync_timeout``) — the trainer closes the group (ending the survivors' broadcast too) and has the
+servers destroy it, that update falls back to disk and the next one forms a new group with the servers left. Buckets
+are gathered and packed on the group's device (the GPU for NCCL), each ordered by element size (SGLang refuses a
+tensor at a misaligned offset); server i holds ``tp_size`` ranks. vlrl's server receives the buckets into its spare
+weights and swaps them in at once; a real SGLang server loads each bucket as it arrives — paused meanwhile, so no
+request runs on a half-updated model.
 
 Batching: the prompts of one `generate` call (or of the `agenerate` calls made together) are sent as one
 batched ``/generate`` per server (SGLang's list form of ``input_ids``), split evenly over the live servers.
@@ -73,10 +82,50 @@ from vlrl.rollout.server import (
 )
 from vlrl.rollout.types import Engine, Request, SamplingParams, Status, Trajectory
 from vlrl.rollout.weights import checkpoint_names
+from vlrl.serving import ADMIN_API_KEY_ENV
 
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                "half": "float16"}  # SGLang's --dtype spellings → vlrl's (``auto``: unknown)
+SUPPRESS_BIAS = -1.0e4  # the logit_bias of a token never to be sampled: exp(-1e4) underflows to 0 in float32
+PAUSE_MODES = {"finish": "retract", "abort": "abort", "retract": "retract", "in_place": "in_place"}
+"""`rollout.on_weight_update` → the ``/pause_generation`` mode sent before each update (``finish``: none before a disk
+update; before a distributed one, once this client's requests in flight ended — nothing of its own is retracted)."""
+
+
+def answer_version(meta: dict[str, Any], version_at_start: int) -> int:
+    """The weight version an answer is tagged with: the oldest of SGLang's ``weight_versions`` spans (a request
+    that lived through an update — paused ``retract`` / ``in_place`` — holds tokens of both), else its
+    ``weight_version``. A version that is no integer (SGLang's ``--weight-version`` default ``default``, or any
+    label a server was started with) or none at all counts as the version current when the request started —
+    the oldest the server can have used, so staleness is never under-estimated."""
+    spans = meta.get("weight_versions") or []
+    reported = [span.get("version") if isinstance(span, dict) else span[0] if isinstance(span, list) and span else None
+                for span in spans] or [meta.get("weight_version")]
+    versions = []
+    for value in reported:
+        try:
+            versions.append(int(value))
+        except (TypeError, ValueError):
+            versions.append(version_at_start)
+    return min(versions)
+
+
+def _chunks(prompts: list, size: int, max_pixels: int | None) -> list[list]:
+    """``prompts`` ((request, future) pairs) in order, in chunks of at most ``size`` prompts and — when the server
+    bounds them — ``max_pixels`` image pixels (a prompt over the bound alone is a chunk alone)."""
+    out: list[list] = [[]]
+    pixels = 0
+    for prompt in prompts:
+        own = sum(image.width * image.height for image in prompt[0].images)
+        if out[-1] and (len(out[-1]) >= size or (max_pixels is not None and pixels + own > max_pixels)):
+            out.append([])
+            pixels = 0
+        out[-1].append(prompt)
+        pixels += own
+    return [chunk for chunk in out if chunk]
 
 
 @runtime_checkable
@@ -104,6 +153,10 @@ class RolloutRequestError(RuntimeError):
     """A request failed on every server it was retried on, or a server answered with something unusable."""
 
 
+class PromptMismatchError(RolloutRequestError):
+    """A server sampled from another prompt than the one the trainer scores (``meta_info.prompt_tokens``)."""
+
+
 @dataclasses.dataclass
 class ServerState:
     url: str
@@ -114,6 +167,7 @@ class ServerState:
     served: int = 0  # prompts answered
     max_batch_size: int | None = None  # sequences it decodes at once, if it says (vlrl's server does)
     ranks: int = 1  # ranks it holds in a weight-update group (SGLang: its tp_size)
+    max_request_pixels: int | None = None  # image pixels one request may carry, if it says (vlrl's server does)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,13 +201,29 @@ class HTTPEngine:
                  request_timeout: float = 300.0, connect_timeout: float = 10.0, max_retries: int = 3,
                  max_server_failures: int = 2, abort_on_update: bool = False, startup_timeout: float = 60.0,
                  keep_checkpoints: int = 2, weight_sync: str = "disk", sync_address: str = "127.0.0.1",
-                 sync_port: int = 0, bucket_mb: float = 256.0, sync_timeout: float = 120.0) -> None:
+                 sync_port: int = 0, bucket_mb: float = 256.0, sync_timeout: float = 120.0,
+                 on_weight_update: str = "finish", weight_update_timeout: float = 600.0, prompt_check: str = "error",
+                 admin_api_key: str | None = None, sync_backend: str | None = None) -> None:
         import httpx
 
         if not servers:
             raise ValueError("HTTPEngine needs at least one server URL")
         if weight_sync not in ("disk", "distributed"):
             raise ValueError(f"rollout.weight_sync: 'disk' or 'distributed', got {weight_sync!r}")
+        on_weight_update = "abort" if abort_on_update else on_weight_update
+        if on_weight_update not in PAUSE_MODES:
+            raise ValueError(f"rollout.on_weight_update: one of {sorted(PAUSE_MODES)}, got {on_weight_update!r}")
+        if prompt_check not in ("error", "warn", "off"):
+            raise ValueError(f"rollout.prompt_check: error, warn or off, got {prompt_check!r}")
+        self.on_weight_update, self.prompt_check = on_weight_update, prompt_check
+        self.weight_update_timeout = weight_update_timeout
+        self.sync_backend = sync_backend  # the weight-update group's backend; None: NCCL for a CUDA policy, else gloo
+        self.prompt_mismatches = 0  # answers whose prompt_tokens differed from the trainer's prompt (prompt_check=warn)
+        self._pause_depth = 0  # nested weight updates (a distributed one falling back to disk) pause once
+        self._paused_servers = False
+        self._open = asyncio.Event()  # cleared while a weight update holds new requests back
+        self._open.set()
+        self._warned: set[tuple[str, str]] = set()
         self.weight_sync = weight_sync
         self.sync_address, self.sync_port = sync_address, sync_port
         self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
@@ -164,6 +234,9 @@ class HTTPEngine:
         self._group_name = ""
         self._group_servers: list[str] = []
         self._group_ids = itertools.count()
+        self._group_backend = ""
+        self._rendezvous: threading.Thread | None = None  # the trainer's side of the last group formation
+        self._group_device = torch.device("cpu")  # where buckets are gathered and packed: the group's (`group_device`)
         self._entries: list[dist_sync.Entry] | None = None
         self.rank, self.world_size = 0, 1  # trainer ranks sharing these servers (`join_trainer_ranks`)
         self.policy = policy
@@ -172,7 +245,7 @@ class HTTPEngine:
         self.request_timeout = request_timeout
         self.max_retries = max_retries
         self.max_server_failures = max_server_failures
-        self.abort_on_update = abort_on_update
+        self.abort_on_update = on_weight_update == "abort"
         self.keep_checkpoints = keep_checkpoints
         self.servers = [ServerState(url.rstrip("/")) for url in servers]
         self.dropped: list[str] = []  # "url: reason"
@@ -187,6 +260,8 @@ class HTTPEngine:
         self._tasks: set[asyncio.Task] = set()
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        admin = admin_api_key if admin_api_key is not None else os.environ.get(ADMIN_API_KEY_ENV)
+        self._admin_headers = {"Authorization": f"Bearer {admin}"} if admin else self._headers  # weight and pause calls
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vlrl-http-engine", daemon=True)
         self._thread.start()
@@ -207,9 +282,9 @@ class HTTPEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
+        if self._loop.is_running():
+            self._destroy_group(timeout=10.0)
         self._closing = True
-        dist_sync.close_group(self._group)
-        self._group = None
         if self._loop.is_running():
             self._call(self._client.aclose())
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -219,20 +294,13 @@ class HTTPEngine:
         return [s for s in self.servers if s.alive]
 
     async def _wait_ready(self, timeout: float) -> None:
-        """Wait until every server answers ``/get_model_info`` (servers may still be loading)."""
+        """Wait until every server answers ``/server_info`` (SGLang ≥ 0.5: launch facts, parallel sizes) — or, where
+        that route is missing, the older ``/get_model_info`` (servers may still be loading) — and read its facts."""
         deadline = time.monotonic() + timeout
         for server in self.servers:
             while True:
                 try:
-                    response = await self._client.get(f"{server.url}/get_model_info", headers=self._headers)
-                    if response.status_code == 401:
-                        raise RolloutRequestError(f"{server.url}: 401 unauthorised: set ${API_KEY_ENV} to the "
-                                                  "server's --api-key")
-                    response.raise_for_status()
-                    info = response.json()
-                    server.dtype = info.get("dtype")
-                    server.max_batch_size = info.get("max_batch_size")
-                    server.ranks = int(info.get("tp_size") or 1)
+                    info = await self._server_info(server)
                     break
                 except RolloutRequestError:
                     raise
@@ -240,6 +308,36 @@ class HTTPEngine:
                     if time.monotonic() > deadline:
                         raise RolloutRequestError(f"rollout server {server.url} not ready after {timeout:.0f}s: {err}") from err
                     await asyncio.sleep(0.25)
+            self._read_facts(server, info)
+
+    async def _server_info(self, server: ServerState) -> dict[str, Any]:
+        for path in ("/server_info", "/get_model_info"):
+            response = await self._client.get(f"{server.url}{path}", headers=self._headers)
+            if response.status_code == 401:
+                raise RolloutRequestError(f"{server.url}: 401 unauthorised: set ${API_KEY_ENV} to the server's --api-key")
+            if response.status_code == 404 and path == "/server_info":
+                continue  # an older server: the deprecated route has what vlrl reads
+            response.raise_for_status()
+            return response.json()
+        raise AssertionError("unreachable")
+
+    def _read_facts(self, server: ServerState, info: dict[str, Any]) -> None:
+        """What vlrl reads from a server's info: its weights' dtype (SGLang's spellings: ``half``, ``float``; ``auto``
+        is unknown), how many sequences it decodes at once (vlrl's ``max_batch_size``, SGLang's
+        ``max_running_requests``), the pixels one request may carry (vlrl), and its ranks in a weight-update group
+        (``tp_size``: SGLang's rank ``rank_offset + tp_rank``)."""
+        server.dtype = _DTYPE_NAMES.get(str(info.get("dtype")))
+        batch = info.get("max_batch_size") or info.get("max_running_requests")
+        server.max_batch_size = int(batch) if isinstance(batch, int) and batch > 0 else None
+        pixels = info.get("max_request_pixels")
+        server.max_request_pixels = int(pixels) if isinstance(pixels, int) and pixels > 0 else None
+        server.ranks = int(info.get("tp_size") or 1)
+        replicas, stages = int(info.get("dp_size") or 1), int(info.get("pp_size") or 1)
+        if self.weight_sync == "distributed" and (replicas > 1 or stages > 1):
+            raise RolloutRequestError(
+                f"{server.url}: dp_size {replicas}, pp_size {stages}: SGLang's distributed weight update takes one "
+                "data-parallel replica, and ranks rank_offset + tp_rank (pipeline stages would share them); start one "
+                "server per replica with pp_size 1, or use rollout.weight_sync=disk")
 
     # -------------------------------------------------------------------------------------------- Engine
     def encode(self, sample: Sample) -> Request:
@@ -318,7 +416,7 @@ class HTTPEngine:
         chunks = []
         for url, given in assigned.items():  # a request per batch the server decodes, so the first answers come early
             size = max(1, (servers[url].max_batch_size or len(given) * sampling.n) // sampling.n)
-            chunks += [(url, given[i : i + size]) for i in range(0, len(given), size)]
+            chunks += [(url, chunk) for chunk in _chunks(given, size, servers[url].max_request_pixels)]
         for url, chunk in chunks:
             task = self._loop.create_task(self._answer(chunk, sampling, url))
             self._tasks.add(task)
@@ -346,15 +444,24 @@ class HTTPEngine:
             settle(future, trajectories[i * sampling.n : (i + 1) * sampling.n])
 
     def _payload(self, requests: Sequence[Request], sampling: SamplingParams) -> dict[str, Any]:
-        """SGLang's batched ``/generate`` body: ``input_ids`` and ``image_data`` one item per prompt."""
-        return {
-            "input_ids": [list(r.prompt_ids) for r in requests],
-            "image_data": [self._encoded_images(r) if r.images else None for r in requests],
-            "sampling_params": {"n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                                "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-                                "max_new_tokens": sampling.max_new_tokens, "stop": list(sampling.stop)},
-            "return_logprob": True,
-        }
+        """SGLang's batched ``/generate`` body: ``input_ids`` one list per prompt; ``image_data`` (when any prompt has
+        images) one list per prompt, ``[]`` for a text-only one — SGLang reads the batch form from the first entry,
+        and refuses ``[None, [image]]``. Sampling as the in-process engine samples: the model's EOS ids as
+        ``stop_token_ids`` (not the server's generation config) and the family's vision markup and other special
+        tokens never sampled (a ``logit_bias`` of `SUPPRESS_BIAS`)."""
+        body: dict[str, Any] = {"input_ids": [list(r.prompt_ids) for r in requests]}
+        if any(r.images for r in requests):
+            body["image_data"] = [self._encoded_images(r) if r.images else [] for r in requests]
+        bias = {str(t): SUPPRESS_BIAS for t in self._encoder._suppress}
+        bias.update({str(t): float(b) for t, b in sampling.logit_bias.items()})
+        params: dict[str, Any] = {"n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                                  "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+                                  "max_new_tokens": sampling.max_new_tokens, "stop": list(sampling.stop),
+                                  "stop_token_ids": sorted(set(self.policy.eos_token_ids) | set(sampling.stop_token_ids))}
+        if bias:
+            params["logit_bias"] = bias
+        body.update(sampling_params=params, return_logprob=True)
+        return body
 
     def _encoded_images(self, request: Request) -> list[str]:
         """PNG data URLs of a request's images, cached (LRU) because prompts recur every epoch."""
@@ -380,8 +487,10 @@ class HTTPEngine:
         """One batched request to server ``first`` (retried whole on others); its trajectories, prompt-major."""
         payload = self._payload(requests, sampling)
         tried: set[str] = set()
-        attempts, deadline = 0, time.monotonic() + 4 * self.request_timeout
+        attempts, deadline = 0, None
         while True:
+            await self._open.wait()  # (a weight update in progress holds new requests back: `_pause`)
+            deadline = deadline or time.monotonic() + 4 * self.request_timeout
             server = next((s for s in self.live_servers() if s.url == first), None) if not tried else None
             server = server or self._pick(tried)
             version_at_start = self.weight_version
@@ -440,7 +549,8 @@ class HTTPEngine:
             finish = (meta.get("finish_reason") or {}).get("type", "length")
             if finish not in _FINISH:
                 raise RolloutRequestError(f"{url}: unknown finish_reason type {finish!r}")
-            version = meta.get("weight_version")
+            if finish != "abort":  # (an aborted answer is never trained on)
+                self._check_prompt(url, request, meta.get("prompt_tokens"))
             with self._tokenizer_lock:
                 text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
             out.append(Trajectory(
@@ -448,10 +558,88 @@ class HTTPEngine:
                 loss_mask=torch.ones(len(ids), dtype=torch.long),
                 behaviour_logp=torch.tensor([float(p[0]) for p in pairs], dtype=torch.float),
                 vision=request.vision, images=request.images,
-                weight_version=int(version) if version not in (None, "default") else version_at_start,
+                weight_version=answer_version(meta, version_at_start),
                 status=_FINISH[finish], response_text=text, group_index=k // sampling.n,
             ))
         return out
+
+    def _check_prompt(self, url: str, request: Request, reported: Any) -> None:
+        """``rollout.prompt_check``: the server's ``meta_info.prompt_tokens`` against the prompt the trainer scores.
+        SGLang re-runs the served model's processor on a prompt's images with its own pixel bounds and replaces the
+        ids; a mismatch means the response was sampled from another prompt (biased ratios, no other sign)."""
+        if self.prompt_check == "off":
+            return
+        if not isinstance(reported, int):
+            self._warn_once(url, "prompt_tokens", "%s reports no meta_info.prompt_tokens: rollout.prompt_check cannot "
+                            "compare its prompts with the trainer's", url)
+            return
+        if reported == len(request.prompt_ids):
+            return
+        message = (f"{url} sampled sample {request.sample.id!r} from a prompt of {reported} tokens; the trainer scores "
+                   f"{len(request.prompt_ids)}. With images, the server re-processed them with its own pixel bounds: "
+                   "start SGLang with --mm-process-config holding model.min_pixels / model.max_pixels (README "
+                   "\"Rollout servers\"), or set rollout.prompt_check=warn / off")
+        if self.prompt_check == "error":
+            raise PromptMismatchError(message)
+        self.prompt_mismatches += 1
+        if self.prompt_mismatches <= 5:
+            log.warning("%s%s", message, " (further mismatches are counted, not logged)" if self.prompt_mismatches == 5
+                        else "")
+
+    def _warn_once(self, url: str, what: str, message: str, *args: Any) -> None:
+        if (url, what) not in self._warned:
+            self._warned.add((url, what))
+            log.warning(message, *args)
+
+    # -------------------------------------------------------------------------------------------- pause
+    async def _pause(self, method: str) -> None:
+        """Before a weight update by ``method`` (``disk`` / ``distributed``): hold this client's new requests back
+        (`_open`: they wait here, not in a server's queue against their timeout), then pause every live server
+        (SGLang's ``/pause_generation``, mode by `PAUSE_MODES`) — so no request runs on half-updated weights (SGLang
+        releases its writer lock between the buckets of a distributed update) and a paused SGLang loads at once.
+        ``on_weight_update=finish``: a disk update pauses nothing (SGLang's load waits for the requests in flight,
+        which end on the old weights, and holds new ones behind it; vlrl serve loads beside them); a distributed one
+        first waits until this client's requests in flight ended (each within its own timeout). Nested calls (a
+        distributed update falling back to disk) pause once."""
+        self._pause_depth += 1
+        if self._pause_depth > 1:
+            return
+        self._open.clear()
+        if self.on_weight_update == "finish":
+            if method == "disk":
+                return
+            deadline = time.monotonic() + self.request_timeout
+            while any(s.in_flight for s in self.servers) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        self._paused_servers = True
+        await self._weight_call("/pause_generation", {"mode": PAUSE_MODES[self.on_weight_update]})
+
+    async def _resume(self) -> None:
+        """After a weight update (whatever its outcome): ``/continue_generation`` on every live server (if they were
+        paused), then let this client's held requests go."""
+        self._pause_depth -= 1
+        if self._pause_depth:
+            return
+        try:
+            if self._paused_servers:
+                self._paused_servers = False
+                await self._weight_call("/continue_generation", {})
+        finally:
+            self._open.set()
+
+    async def _weight_call(self, path: str, body: dict) -> None:
+        """POST ``body`` to every live server (admin key, `weight_update_timeout`). A server without the route (404)
+        is warned about once; other failures are logged — the update itself finds a server that is gone."""
+        live = self.live_servers()
+        answers = await self._post_each(live, path, [body] * len(live))
+        for server, answer in zip(live, answers, strict=True):
+            if isinstance(answer, BaseException):
+                log.warning("%s%s failed: %s: %s", server.url, path, type(answer).__name__, answer)
+            elif answer.get("status_code") == 404:
+                self._warn_once(server.url, path, "%s has no %s (not SGLang ≥ 0.4.9 nor vlrl serve): weight updates "
+                                "there are not paused", server.url, path)
+            elif not answer.get("success", True):
+                log.warning("%s%s: %s", server.url, path, answer.get("message", answer))
 
     # -------------------------------------------------------------------------------------------- weights
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -566,7 +754,11 @@ class HTTPEngine:
         return self._publishing
 
     async def _publish(self, path: Path, version: int, checksums: dict[str | None, str], started: float) -> int:
-        await self._load_everywhere(str(path.resolve()), version, checksums)
+        await self._pause("disk")
+        try:
+            await self._load_everywhere(str(path.resolve()), version, checksums)
+        finally:
+            await self._resume()
         self.weight_version = version
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         self.last_sync = SyncStats("disk", time.monotonic() - started, size, 0, len(self.live_servers()))
@@ -577,9 +769,10 @@ class HTTPEngine:
 
     async def _load_everywhere(self, path: str, version: int, checksums: dict[str | None, str]) -> None:
         live = self.live_servers()
-        body = {"model_path": path, "weight_version": str(version), "abort_all_requests": self.abort_on_update}
+        body = self._disk_body(path, version)
         results = await asyncio.gather(*(self._client.post(f"{s.url}/update_weights_from_disk", json=body,
-                                                           headers=self._headers) for s in live),
+                                                           headers=self._admin_headers,
+                                                           timeout=self.weight_update_timeout) for s in live),
                                        return_exceptions=True)
         for server, result in zip(live, results, strict=True):
             if isinstance(result, BaseException):
@@ -609,7 +802,15 @@ class HTTPEngine:
         """One update over the weight-update group (see the module docstring); falls back to disk when the group
         breaks (``fallback=False``: raises `_GroupBroken` instead, after every bucket was still gathered). ``plan``:
         the buckets (`_bucket_plan`) the other trainer ranks gather with this one. Returns ``version`` once every
-        server confirmed a matching checksum."""
+        server confirmed a matching checksum. The servers are paused meanwhile (`_pause`)."""
+        self._call(self._pause("distributed"))
+        try:
+            return self._sync_paused(version, state_dict, plan=plan, fallback=fallback)
+        finally:
+            self._call(self._resume())
+
+    def _sync_paused(self, version: int, state_dict: dict[str, torch.Tensor] | None, *,
+                     plan: tuple[torch.dtype, list[list[dist_sync.Entry]]] | None, fallback: bool) -> int:
         started = time.monotonic()
         state = self._sent_state(state_dict)
         live = self.live_servers()
@@ -637,9 +838,7 @@ class HTTPEngine:
                 raise RolloutRequestError("the HTTP engine was closed during a weight update") from err
             failure = f"{type(err).__name__}: {err}"
         if failure is not None:  # (out of the except block: its traceback no longer holds the group's sockets open)
-            group, self._group = self._group, None
-            dist_sync.close_group(group)  # the servers still waiting in its broadcast see the connection close
-            del group
+            self._destroy_group()  # the servers still waiting in its broadcast see the connection close
             gc.collect()
             if not fallback:
                 raise _GroupBroken(failure)
@@ -651,25 +850,49 @@ class HTTPEngine:
         self.last_sync = SyncStats("distributed", time.monotonic() - started, sent, count, len(live))
         return version
 
+    def _destroy_group(self, *, timeout: float | None = None) -> None:
+        """Close this side of the weight-update group (a broadcast still waited for on the servers ends: their
+        connection drops), then have the servers that joined it and are still live leave it too (SGLang's
+        ``/destroy_weights_update_group``; an answer that it is gone already is fine). Each formation is a new
+        group, so without this a server would keep one dead group per re-formation."""
+        group, self._group = self._group, None
+        dist_sync.close_group(group)
+        del group
+        name, urls = self._group_name, self._group_servers
+        self._group_name, self._group_servers = "", []
+        servers = [s for s in self.live_servers() if s.url in urls]
+        if name and servers:
+            answers = self._call(self._post_each(servers, "/destroy_weights_update_group",
+                                                 [{"group_name": name}] * len(servers),
+                                                 timeout=timeout or self.sync_timeout))
+            for server, answer in zip(servers, answers, strict=True):
+                if isinstance(answer, BaseException) or not answer.get("success", False):
+                    log.info("%s did not leave weight-update group %s: %s", server.url, name,
+                             answer if isinstance(answer, BaseException) else answer.get("message"))
+
     def _form_group(self, live: list[ServerState]) -> None:
-        """Every live server joins a new group hosted here as rank 0 (their HTTP calls return once all joined). The
-        rendezvous runs in a thread: if a server's call fails first (it died, or refused), it can never complete,
-        and this raises at once instead of waiting out ``sync_timeout`` (the thread ends with the rendezvous'
-        own timeout, closing the group if it ever formed)."""
-        dist_sync.close_group(self._group)
-        self._group = None
+        """Every live server joins a new group hosted here as rank 0 (their HTTP calls return once all joined), the
+        group it replaces destroyed first. Server i holds ranks ``rank_offset .. rank_offset + tp_size − 1`` (SGLang:
+        ``rank_offset + tp_rank``). The rendezvous runs in a thread: if a server's call fails first (it died, or
+        refused), it can never complete, and this raises at once instead of waiting out ``sync_timeout`` (the thread
+        ends with the rendezvous' own timeout, closing the group if it ever formed)."""
+        self._destroy_group()
+        if self._rendezvous is not None and self._rendezvous.is_alive():
+            # the last formation was abandoned: its rendezvous ends within sync_timeout, and with it the servers'
+            # joins of that group (a server joins one group at a time: until then it answers 409)
+            self._rendezvous.join(timeout=self.sync_timeout)
         port = self.sync_port or _free_port(self.sync_address)
         world_size = 1 + sum(s.ranks for s in live)
         name = f"vlrl_weights_{os.getpid()}_{id(self):x}_{next(self._group_ids)}"
-        backend = "nccl" if next(self.policy.model.parameters()).is_cuda else "gloo"
-        offsets = list(itertools.accumulate([1] + [s.ranks for s in live[:-1]]))
-        bodies = [{"master_address": self.sync_address, "master_port": port, "rank_offset": offset,
-                   "world_size": world_size, "group_name": name, "backend": backend} for offset in offsets]
+        backend = self.sync_backend or ("nccl" if next(self.policy.model.parameters()).is_cuda else "gloo")
+        self._group_device = dist_sync.group_device(backend)
+        bodies = self._init_bodies(live, port, name, backend)
         failed = _Failures(" could not join the weight-update group")
         settled, failures = failed.settled, failed.messages
 
         answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/init_weights_update_group", bodies,
-                                                                   on_failure=failed), self._loop)
+                                                                   on_failure=failed, timeout=self.sync_timeout + 30,
+                                                                   busy_for=self.sync_timeout), self._loop)
         joined: concurrent.futures.Future = concurrent.futures.Future()
 
         def join() -> None:
@@ -682,7 +905,8 @@ class HTTPEngine:
                 joined.set_exception(err.with_traceback(None))
             settled.set()
 
-        threading.Thread(target=join, name="vlrl-weight-group", daemon=True).start()
+        self._rendezvous = threading.Thread(target=join, name="vlrl-weight-group", daemon=True)
+        self._rendezvous.start()
         settled.wait()  # (the rendezvous itself times out after sync_timeout)
         if not joined.done():
             joined.add_done_callback(lambda f: f.exception() is None and dist_sync.close_group(f.result()))
@@ -698,8 +922,32 @@ class HTTPEngine:
             dist_sync.close_group(group)
             raise RuntimeError("; ".join(failures))
         self._group, self._group_name, self._group_servers = group, name, [s.url for s in live]
+        self._group_backend = backend
         log.info("weight-update group %s: trainer + %d server(s) over %s at %s:%d", name, len(live), backend,
                  self.sync_address, port)
+
+    def _init_bodies(self, live: list[ServerState], port: int, name: str, backend: str) -> list[dict[str, Any]]:
+        """Each server's ``/init_weights_update_group`` body: the trainer is rank 0, server i takes the ranks from
+        ``rank_offset`` on, one per tensor-parallel rank (its ``tp_size``); ``world_size`` counts them all."""
+        offsets = list(itertools.accumulate([1] + [s.ranks for s in live[:-1]]))
+        world_size = 1 + sum(s.ranks for s in live)
+        return [{"master_address": self.sync_address, "master_port": port, "rank_offset": offset,
+                 "world_size": world_size, "group_name": name, "backend": backend} for offset in offsets]
+
+    def _bucket_body(self, version: int, bucket: list[dist_sync.Entry], dtypes: list[torch.dtype], *,
+                     last: bool) -> dict[str, Any]:
+        """The ``/update_weights_from_distributed`` body announcing one flattened bucket (the last one carries the
+        new ``weight_version`` and flushes the cache — unless requests are held in place)."""
+        return {"names": [e.send_name for e in bucket], "dtypes": [dist_sync.dtype_name(d) for d in dtypes],
+                "shapes": [list(e.shape) for e in bucket], "group_name": self._group_name,
+                "flush_cache": last and self.on_weight_update != "in_place",  # (SGLang: no flush with requests held)
+                "abort_all_requests": self.abort_on_update, "load_format": dist_sync.FLATTENED,
+                "weight_version": str(version) if last else None}
+
+    def _disk_body(self, path: str, version: int) -> dict[str, Any]:
+        """The ``/update_weights_from_disk`` body."""
+        return {"model_path": path, "weight_version": str(version), "abort_all_requests": self.abort_on_update,
+                "flush_cache": self.on_weight_update != "in_place"}  # (SGLang cannot flush with requests held in place)
 
     def _sent_state(self, state_dict: dict[str, torch.Tensor] | None = None, *,
                     layout: bool = False) -> dict[str, torch.Tensor]:
@@ -725,8 +973,7 @@ class HTTPEngine:
         dtypes = {s.dtype for s in live}
         trainer_dtype = next(model.parameters()).dtype
         send_dtype = DTYPES.get(next(iter(dtypes)) or "", trainer_dtype) if len(dtypes) == 1 else trainer_dtype
-        size = torch.empty(0, dtype=send_dtype).element_size()
-        return send_dtype, dist_sync.buckets(self._entries, element_size=size, bucket_bytes=self.bucket_bytes)
+        return send_dtype, dist_sync.buckets(self._entries, send_dtype=send_dtype, bucket_bytes=self.bucket_bytes)
 
     def _broadcast(self, version: int, state: dict[str, torch.Tensor], live: list[ServerState],
                    plan: tuple[torch.dtype, list[list[dist_sync.Entry]]]) -> tuple[int, int]:
@@ -739,7 +986,7 @@ class HTTPEngine:
         sent, failure = 0, None
         for k, bucket in enumerate(planned):
             last = k == len(planned) - 1
-            gathered = dist_sync.full_tensors(state, bucket)  # FSDP2: gathered here, one bucket at a time
+            gathered = dist_sync.full_tensors(state, bucket, self._group_device)  # FSDP2: gathered one bucket at a time
             if failure is not None:
                 continue
             try:
@@ -758,17 +1005,14 @@ class HTTPEngine:
         sent. A server whose answer fails ends the wait for the broadcast at once (`dist_sync.broadcast`); every
         wait is bounded by ``sync_timeout``."""
         dtypes = [send_dtype if t.is_floating_point() else t.dtype for t in gathered]
-        body = {"names": [e.send_name for e in bucket], "dtypes": [dist_sync.dtype_name(d) for d in dtypes],
-                "shapes": [list(e.shape) for e in bucket], "group_name": self._group_name, "flush_cache": last,
-                "abort_all_requests": self.abort_on_update, "load_format": dist_sync.FLATTENED,
-                "weight_version": str(version) if last else None}
+        body = self._bucket_body(version, bucket, dtypes, last=last)
         failed = _Failures()
         settled, failures = failed.settled, failed.messages
 
         answers = asyncio.run_coroutine_threadsafe(self._post_each(live, "/update_weights_from_distributed",
                                                                    [body] * len(live), on_failure=failed), self._loop)
         try:
-            flat, sent = dist_sync.pack(gathered, dtypes, self._send_buffer)
+            flat, sent = dist_sync.pack(gathered, dtypes, self._send_buffer, self._group_device)
             dist_sync.broadcast(self._group, flat, settled=settled, timeout=self.sync_timeout)
         except dist_sync.Abandoned as err:
             answers.cancel()
@@ -804,21 +1048,31 @@ class HTTPEngine:
                                   f"the trainer's are {expected[:12]}: stopping")
 
     async def _post_each(self, servers: list[ServerState], path: str, bodies: list[dict], *,
-                         on_failure: Any = None) -> list[Any]:
-        """POST ``bodies[i]`` to ``servers[i]`` at once; each answer's JSON (with ``success: False`` and the status
-        for an error answer), or the exception of a transport failure. ``on_failure(server, why)`` is called as soon
-        as one fails (before the others answered)."""
+                         on_failure: Any = None, timeout: float | None = None,
+                         busy_for: float = 0.0) -> list[Any]:
+        """POST ``bodies[i]`` to ``servers[i]`` at once (a weight call: the admin key, ``timeout`` or
+        `weight_update_timeout` — never the generation's `request_timeout`); each answer's JSON (with ``success:
+        False`` and the status for an error answer), or the exception of a transport failure. ``on_failure(server,
+        why)`` is called as soon as one fails (before the others answered). ``busy_for``: seconds a 409 (a group join
+        already in progress on that server) is retried for."""
         async def post(server: ServerState, body: dict) -> dict:
-            try:
-                response = await self._client.post(f"{server.url}{path}", json=body, headers=self._headers)
-            except Exception as err:
-                if on_failure is not None:
-                    on_failure(server, f"{type(err).__name__}: {err}")
-                raise
+            deadline = time.monotonic() + busy_for
+            while True:
+                try:
+                    response = await self._client.post(f"{server.url}{path}", json=body, headers=self._admin_headers,
+                                                       timeout=timeout or self.weight_update_timeout)
+                except Exception as err:
+                    if on_failure is not None:
+                        on_failure(server, f"{type(err).__name__}: {err}")
+                    raise
+                if response.status_code != 409 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
             answer = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
             if response.status_code >= 400:
-                answer = {"success": False, "message": f"HTTP {response.status_code}: "
-                                                       f"{answer.get('message') or answer.get('error') or response.text[:300]}"}
+                answer = {"success": False, "status_code": response.status_code,
+                          "message": f"HTTP {response.status_code}: "
+                                     f"{answer.get('message') or answer.get('error') or response.text[:300]}"}
             if on_failure is not None and not answer.get("success", False):
                 on_failure(server, answer.get("message", answer))
             return answer

@@ -5,7 +5,8 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
 
 - ``POST /generate``: one prompt as ``input_ids`` or ``text``; ``image_data`` (base64, data URL or path; one
   or a list); ``sampling_params`` with SGLang's names (``n``, ``temperature``, ``top_p``, ``top_k``,
-  ``max_new_tokens``, ``stop``); ``return_logprob``. The answer has SGLang's shape: ``text``, ``output_ids``
+  ``max_new_tokens``, ``stop``, ``stop_token_ids``, ``logit_bias``); ``return_logprob``; types as strict as SGLang's
+  schema, and a batch's ``image_data`` in its forms (`prompt_image_items`). The answer has SGLang's shape: ``text``, ``output_ids``
   and ``meta_info`` with ``finish_reason`` (``{"type": "stop" | "length" | "abort", ...}``),
   ``output_token_logprobs`` (``[[logprob, token_id, null], ...]``, log-softmax of logits / temperature,
   as SGLang returns by default), ``prompt_tokens``, ``completion_tokens`` and ``weight_version``; a list of
@@ -25,7 +26,12 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
   spare weights (their tensors become views of the bucket's storage; a bucket in another dtype is received into a
   buffer and cast in); the bucket carrying ``weight_version`` completes the update, which is swapped in like a
   disk load and answered with its ``weight_checksum``. A disk load or a new group drops an update left half-way.
-- ``GET /health``, ``GET /get_model_info``, ``GET /get_weight_version``.
+  ``POST /destroy_weights_update_group`` leaves a group; joins run one at a time on a daemon thread of their own,
+  bounded by ``join_timeout`` (`_WeightRoutes`).
+- ``POST /pause_generation`` (``mode``: ``abort``, ``retract``, ``in_place``) and ``POST /continue_generation``
+  (`ContinuousBatcher.pause`); with ``--admin-api-key`` these and the weight routes take that key only.
+- ``GET /health``, ``GET /server_info`` (SGLang's parallel sizes and batch bound, then vlrl's facts),
+  ``GET /get_model_info``, ``GET /get_weight_version``.
 
 Batching: one worker thread decodes; requests that arrive while a batch decodes join the next batch
 (`ContinuousBatcher`). A weight load never waits for a batch: the new weights are loaded beside the old ones
@@ -36,9 +42,10 @@ answered with ``finish_reason.type == "abort"`` instead (the client re-queues th
 Safety: binds to loopback and requires ``Authorization: Bearer <key>`` (except ``/health``) by default. Every
 request is bounded before it is admitted (`ServeLimits`: ``max_new_tokens``, prompt + new tokens ≤ the model's
 context, body bytes counted as received, image pixels and vision tokens read from headers; the batcher: samples
-= prompts × n against the queue, tokens in flight) — a 400 naming the field, 413 for the body, 503 while full.
-JSON is parsed off the event loop (`vlrl.serving.BodyParser`), tokenizing and image decoding run on one
-preprocessing thread, so ``/health`` answers under any load. A client that disconnects, or a request past its
+= prompts × n against the queue, tokens in flight; the pixels of all of a request's images; the body's read time
+and the bytes of all requests held at once) — a 400 naming the field, 413 for the body, 408 / 503 while full.
+JSON is parsed off the event loop (`vlrl.serving.BodyParser`), image decoding runs on an image thread and tokenizing
+on one preprocessing thread, so ``/health`` answers under any load. A client that disconnects, or a request past its
 deadline, stops at the next decode step. Unexpected errors answer 500 with an id (the traceback goes to the
 log); server paths in ``image_data`` are read only under configured roots. SIGTERM drains within a bound.
 
@@ -64,7 +71,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from PIL import Image
@@ -77,6 +84,7 @@ from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
 from vlrl.rollout.weights import (
     FlatBuckets,
+    WeightLoadError,
     WeightWriter,
     checkpoint_names,
     copy_weights,
@@ -121,6 +129,7 @@ class _Job:
     tokens: int = 0  # counted against the budget of tokens in flight until the future is done
     deadline: float | None = None  # time.monotonic() past which the job is aborted at the next decode step
     aborted: bool = False  # by a weight update with abort, or at shutdown
+    retracted: bool = False  # by /pause_generation with mode retract: stops, then decodes again from its prompt
     cancel_step: int | None = None  # the batcher's decode step at which the future was cancelled (client gone)
     stop_step: int | None = None  # the decode step at which its rows stopped decoding early
 
@@ -129,7 +138,8 @@ class _Job:
         return len(self.requests) * self.sampling.n
 
     def should_stop(self, now: float) -> bool:
-        return self.aborted or self.future.cancelled() or (self.deadline is not None and now > self.deadline)
+        return (self.aborted or self.retracted or self.future.cancelled()
+                or (self.deadline is not None and now > self.deadline))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,13 +148,14 @@ class EarlyStop:
     ``deadline`` or ``aborted``), the decode step at which that was asked (for a cancel) and the one at which
     its rows stopped (`ContinuousBatcher.decode_steps` counts steps)."""
 
-    why: str
+    why: str  # cancelled | deadline | aborted | retracted
     asked_step: int | None
     stopped_step: int
 
 
 def _sampling_key(sampling: SamplingParams) -> tuple:
-    return (sampling.n, sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens, tuple(sampling.stop))
+    return (sampling.n, sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens, tuple(sampling.stop),
+            tuple(sampling.stop_token_ids), tuple(sorted(sampling.logit_bias.items())))
 
 
 def settle(future: concurrent.futures.Future, result: Any = None, *, error: BaseException | None = None) -> None:
@@ -184,8 +195,10 @@ class ContinuousBatcher:
     Admission: the queue holds at most ``max_queued_requests`` samples (prompts × n) and, with
     ``max_tokens_in_flight``, the jobs queued or decoding hold at most that many tokens (Σ samples × (prompt
     + max_new_tokens)); beyond either `submit` raises `QueueFullError` (retry later), and a job that could never
-    fit raises `TooLargeError`. Early stop: a job whose future is cancelled (its client went away), whose
-    ``deadline`` passed, or that is aborted stops decoding at the next decode step — the engine asks the
+    fit raises `TooLargeError`. Pause (SGLang's ``/pause_generation``, `pause` / `resume`): no batch starts while
+    paused; the decoding batch is aborted, retracted (re-queued, decoded again from its prompts after the pause) or
+    held at its next decode step (``in_place``). Early stop: a job whose future is cancelled (its client went away),
+    whose ``deadline`` passed, or that is aborted stops decoding at the next decode step — the engine asks the
     batcher once per step (`HFEngine.generate`'s ``on_step``) — and its rows leave the batch; ``early_stops``
     keeps the last of them (for metrics and tests).
     """
@@ -200,6 +213,8 @@ class ContinuousBatcher:
         self._active_checksum = weight_checksum(policy.model)
         self._standby: tuple[HFEngine, str] | None = None
         self._spare: Policy | None = None  # weights no batch uses (retired by the last swap): `load_in_place` fills them
+        self._taken_standby: tuple[HFEngine, str] | None = None  # the standby `take_spare` took back (restorable)
+        self.paused: str | None = None  # the /pause_generation mode while paused, else None
         self._load_lock = threading.Lock()
         self._pending: collections.deque[_Job] = collections.deque()
         self._running: list[_Job] = []
@@ -282,6 +297,7 @@ class ContinuousBatcher:
             if self._standby is not None and self._spare is None:  # replaced before any batch used it
                 self._spare = self._standby[0].policy
             self._standby = (engine, checksum)
+            self._taken_standby = None
             old_version = self._active.weight_version
             dropped = self._abort_locked() if abort else []
             self._cond.notify_all()
@@ -294,8 +310,45 @@ class ContinuousBatcher:
         with self._cond:
             dropped = self._abort_locked()
             version = self._active.weight_version
+            self._cond.notify_all()
         for job in dropped:
             settle(job.future, aborted_trajectories(job.requests, job.sampling.n, version))
+
+    def pause(self, mode: str) -> None:
+        """SGLang's ``/pause_generation``: no batch starts until `resume`. The decoding batch, by ``mode``: ``abort`` —
+        it and every queued job are answered as aborted (the client re-queues them); ``retract`` — it stops at its next
+        decode step and its jobs go back to the head of the queue, to be decoded again from their prompts after
+        `resume` (on the weights loaded meanwhile, so each answer still comes from one version); ``in_place`` — it
+        waits at its next decode step and, after `resume`, finishes on the weights it started with (vlrl swaps
+        weights only between batches), tagged with their version. Queued jobs wait (their deadline still runs)."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r}: abort, retract or in_place")
+        dropped: list[_Job] = []
+        with self._cond:
+            self.paused = mode
+            if mode == "abort":
+                dropped = self._abort_locked()
+            elif mode == "retract":
+                for job in self._running:
+                    job.retracted = True
+            version = self._active.weight_version
+            self._cond.notify_all()
+        for job in dropped:
+            settle(job.future, aborted_trajectories(job.requests, job.sampling.n, version))
+
+    def resume(self) -> None:
+        """SGLang's ``/continue_generation``: batches start again."""
+        with self._cond:
+            self.paused = None
+            self._cond.notify_all()
+
+    def _hold_in_place(self, jobs: Sequence[_Job]) -> None:
+        """While paused ``in_place``, the decoding batch waits here (its decode step) — until `resume`, shutdown,
+        or one of its jobs must stop (abort, retract, cancel, deadline)."""
+        with self._cond:
+            while (self.paused == "in_place" and not self._closed
+                   and not any(job.should_stop(time.monotonic()) for job in jobs)):
+                self._cond.wait(0.25)
 
     def _abort_locked(self) -> list[_Job]:
         for job in self._running:
@@ -307,11 +360,15 @@ class ContinuousBatcher:
     def load_in_place(self, weights: Mapping[str, torch.Tensor], *, version: int, abort: bool = False) -> str:
         """`load` without building a model: copy ``weights`` (state-dict names; see `copy_weights`) into the
         spare copy (`take_spare`), then install it as ``version``. No batch reads the spare while it is written,
-        so decoding goes on meanwhile. Returns the checksum of the result."""
+        so decoding goes on meanwhile. Returns the checksum of the result. Weights that do not fit the model are
+        refused before anything is copied: the version served (and acknowledged) before stays."""
         with self._load_lock:
             spare = self.take_spare()
             try:
                 copy_weights(spare.model, weights)
+            except WeightLoadError:  # checked before any copy: the spare is as it was
+                self.give_back(spare, intact=True)
+                raise
             except BaseException:
                 self.give_back(spare)
                 raise
@@ -323,15 +380,22 @@ class ContinuousBatcher:
         first call a new copy of the active model."""
         with self._cond:
             if self._standby is not None:  # not swapped in yet: no batch uses it
+                self._taken_standby = self._standby
                 spare, self._standby = self._standby[0].policy, None
             else:
                 spare, self._spare = self._spare, None
         return spare if spare is not None else private_copy(self.policy, tokenizer=self.policy.tokenizer)
 
-    def give_back(self, spare: Policy) -> None:
-        """A spare taken by `take_spare` and not installed (its load failed): kept for the next load."""
+    def give_back(self, spare: Policy, *, intact: bool = False) -> None:
+        """A spare taken by `take_spare` and not installed (its load failed): kept for the next load. ``intact``:
+        nothing was written into it — if it was the standby `take_spare` took back (a loaded version no batch has
+        used yet), it is the standby again, so a failed load never reverts the version last loaded."""
         with self._cond:
-            self._spare = self._spare or spare
+            taken, self._taken_standby = self._taken_standby, None
+            if intact and taken is not None and taken[0].policy is spare and self._standby is None:
+                self._standby = taken
+            else:
+                self._spare = self._spare or spare
 
     def close(self) -> None:
         """Stop: queued jobs fail, the decoding batch stops at its next decode step (answered as aborted)."""
@@ -349,8 +413,10 @@ class ContinuousBatcher:
     def _take(self) -> tuple[HFEngine, list[_Job]] | None:
         with self._cond:
             while True:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
+                while (not self._pending or self.paused) and not self._closed:
+                    self._cond.wait(0.25 if self.paused else None)
+                    if self.paused:
+                        self._drop_expired()  # (a paused server still answers a request past its deadline)
                 if self._closed:
                     return None
                 self._gather()
@@ -405,8 +471,12 @@ class ContinuousBatcher:
     def _on_step(self, owners: dict[int, _Job]) -> collections.abc.Callable[[Sequence[Request]], list[bool]]:
         """The engine's per-decode-step hook: count the step; stop the rows of every job that should stop."""
 
+        jobs = list({id(job): job for job in owners.values()}.values())
+
         def on_step(requests: Sequence[Request]) -> list[bool]:
             self.decode_steps += 1
+            if self.paused == "in_place":
+                self._hold_in_place(jobs)
             now = time.monotonic()
             flags = []
             for request in requests:
@@ -433,8 +503,14 @@ class ContinuousBatcher:
                 settle(job.future, error=err)
             return
         n, start = jobs[0].sampling.n, 0
+        retracted = [job for job in jobs if job.retracted and not job.aborted and not job.future.cancelled()]
         for job in jobs:
             count = len(job.requests) * n
+            if job in retracted:  # decoded again from its prompt after the pause
+                self.early_stops.append(EarlyStop("retracted", None, job.stop_step or self.decode_steps))
+                job.retracted, job.stop_step = False, None
+                start += count
+                continue
             if job.stop_step is not None:
                 why = "cancelled" if job.future.cancelled() else "aborted" if job.aborted else "deadline"
                 self.early_stops.append(EarlyStop(why, job.cancel_step, job.stop_step))
@@ -446,6 +522,14 @@ class ContinuousBatcher:
                     t.group_index -= start // n  # index within the job
                 settle(job.future, trajectories)
             start += count
+        if retracted:
+            with self._cond:
+                closed = self._closed
+                if not closed:
+                    self._pending.extendleft(reversed(retracted))
+                    self._cond.notify_all()
+            for job in retracted if closed else ():
+                settle(job.future, error=RuntimeError("the batcher was closed"))
 
 
 def private_copy(policy: Policy, *, tokenizer: Any = None) -> Policy:
@@ -474,9 +558,11 @@ class ThreadedEngine:
     it in at the next batch boundary.
     """
 
-    def __init__(self, policy: Policy, *, max_batch_size: int = 256, abort_on_update: bool = False) -> None:
+    def __init__(self, policy: Policy, *, max_batch_size: int = 256, abort_on_update: bool = False,
+                 on_weight_update: str = "finish") -> None:
         self.policy = policy
-        self.abort_on_update = abort_on_update
+        self.on_weight_update = "abort" if abort_on_update else on_weight_update
+        self.abort_on_update = self.on_weight_update == "abort"
         self._encoder = HFEngine(policy)
         self._batcher = ContinuousBatcher(private_copy(policy), max_batch_size=max_batch_size,
                                           max_queued_requests=1 << 30)
@@ -522,7 +608,14 @@ class ThreadedEngine:
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         weights = state_dict if state_dict is not None else self.policy.model.state_dict()
         expected = weight_checksum(weights)
-        loaded = self._batcher.load_in_place(weights, version=version, abort=self.abort_on_update)
+        pause = self.on_weight_update in ("retract", "in_place")  # (`ContinuousBatcher.pause` says what each does)
+        if pause:
+            self._batcher.pause(self.on_weight_update)
+        try:
+            loaded = self._batcher.load_in_place(weights, version=version, abort=self.abort_on_update)
+        finally:
+            if pause:
+                self._batcher.resume()
         if loaded != expected:
             raise WeightSyncError(f"in-process rollout copy: checksum {loaded[:12]} != trainer's {expected[:12]}")
         self.weight_version = version
@@ -532,7 +625,8 @@ class ThreadedEngine:
 
 
 # ----------------------------------------------------------------------------------------------- HTTP API
-_SAMPLING_NAMES = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop")
+_SAMPLING_NAMES = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "logit_bias")
+SGLANG_TOP_K_OFF = 1 << 30  # SGLang's default top_k: the whole vocabulary
 MAX_TEMPERATURE = 100.0  # beyond this every token is equally likely anyway; 1e308 overflowed to NaN probabilities
 
 
@@ -549,6 +643,10 @@ class ServeLimits:
     """Request body size (``--max-body-mb``), counted on the bytes received (chunked bodies too): 413 beyond."""
     max_image_pixels: int = 16 << 20
     """Pixels of one image, read from its header before any decoding (``--max-image-pixels``)."""
+    max_request_pixels: int = 128 << 20
+    """Pixels of all the images of one request together (every prompt of a batch), read from their headers before
+    any is decoded (``--max-request-pixels``); a decoded RGB pixel takes 3 bytes, so the default bounds one request's
+    decoded images near 400 MB."""
     request_timeout: float = 600.0
     """Seconds from admission after which a request still queued or decoding is aborted at the next decode step
     (``--request-timeout``); its answer has ``finish_reason.type == "abort"``."""
@@ -557,23 +655,49 @@ class ServeLimits:
     default): server paths are refused, and no answer says whether a path exists."""
     drain_seconds: float = 30.0
     """On SIGTERM: stop accepting, give requests in flight this long, then abort the rest (``--drain-seconds``)."""
+    max_inflight_body_bytes: int = 256 << 20
+    """Request bytes held by the server at once, over every request being received or handled
+    (``--max-inflight-body-mb``): a request whose body would pass it is answered 503 (a declared
+    ``Content-Length`` is reserved before any byte is read)."""
+    body_timeout: float = 60.0
+    """Seconds a client may take to send one request's body (``--body-timeout``); past it: 408, the bytes freed."""
+    join_timeout: float = 120.0
+    """Seconds a ``/init_weights_update_group`` may wait for the group's other ranks (``--join-timeout``). Joins run
+    one at a time on a thread of their own (a second while one waits: 409), never on the request path's threads."""
 
 
 class SamplingBody(BaseModel):
-    """SGLang's ``sampling_params`` (the subset vlrl's server implements; others are rejected by name)."""
+    """SGLang's ``sampling_params`` (the subset vlrl's server implements; others are rejected by name).
+    ``logit_bias`` keys are token ids written as strings (SGLang's form); ``top_k`` -1 or SGLang's own default
+    (2^30) mean off."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     n: int = Field(1, ge=1, le=1024)
     temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(-1, ge=-1)
     max_new_tokens: int = Field(128, ge=1)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=4096)
+    logit_bias: dict[str, float] | None = Field(None, max_length=1 << 20)
 
-    def to_params(self) -> SamplingParams:
+    def to_params(self, vocab: int | None = None) -> SamplingParams:
+        """As a `SamplingParams`; token ids are checked against ``vocab`` (`BadRequest` naming the field)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-                              max_new_tokens=self.max_new_tokens, stop=stop)
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or (vocab is not None and int(key) >= vocab):
+                raise BadRequest(f"field 'sampling_params.logit_bias': key {key[:40]!r} is not a token id"
+                                 + (f" in [0, {vocab})" if vocab is not None else ""))
+            if value != value or abs(value) == float("inf"):
+                raise BadRequest(f"field 'sampling_params.logit_bias': the bias of token {key} is not finite")
+            bias[int(key)] = float(value)
+        stop_ids = list(self.stop_token_ids or [])
+        if any(t < 0 or (vocab is not None and t >= vocab) for t in stop_ids):
+            raise BadRequest(f"field 'sampling_params.stop_token_ids': token ids must lie in [0, {vocab})")
+        top_k = self.top_k if 0 < self.top_k < SGLANG_TOP_K_OFF else 0
+        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=top_k,
+                              max_new_tokens=self.max_new_tokens, stop=stop, stop_token_ids=stop_ids, logit_bias=bias)
 
 
 ImageItem = str | bytes  # a data URL, base64, or a server path; bytes: already decoded by the body parser
@@ -583,10 +707,10 @@ class GenerateBody(BaseModel):
     """SGLang's ``GenerateReqInput``: one prompt, or a batch (``text`` / ``input_ids`` a list of prompts, then
     ``image_data`` and ``rid`` one item per prompt) sharing one ``sampling_params``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # (SGLang's schema coerces nothing either: "1" is no id)
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    image_data: ImageItem | list[ImageItem | list[ImageItem] | None] | None = None
+    image_data: ImageItem | list[ImageItem | list[ImageItem | None] | None] | None = None
     sampling_params: SamplingBody = Field(default_factory=SamplingBody)
     return_logprob: bool = False
     rid: str | list[str] | None = None
@@ -636,6 +760,27 @@ class UpdateDistributedBody(BaseModel):
     weight_version: str | None = None
     load_format: str | None = None
     torch_empty_cache: bool = False
+
+
+class PauseBody(BaseModel):
+    """SGLang's ``PauseGenerationReqInput`` (`ContinuousBatcher.pause` says what each mode does here)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueBody(BaseModel):
+    """SGLang's ``ContinueGenerationReqInput`` (``torch_empty_cache`` is accepted; vlrl serve has no cache to empty)."""
+
+    model_config = ConfigDict(extra="forbid")
+    torch_empty_cache: bool = True
+
+
+class DestroyGroupBody(BaseModel):
+    """SGLang's ``DestroyWeightsUpdateGroupReqInput``: leave a weight-update group."""
+
+    model_config = ConfigDict(extra="forbid")
+    group_name: str = dist_sync.GROUP_NAME
 
 
 class BadRequest(ValueError):
@@ -710,36 +855,84 @@ def _image_source(item: ImageItem, k: int, limits: ServeLimits) -> tuple[str | b
         raise BadRequest(f"{where}: neither a data URL nor valid base64{hint}") from None
 
 
-def _load_images(items: list[ImageItem], bounds: PromptBounds, adapter: Any) -> list[Image.Image]:
-    """Decode ``items``: format and pixel count read from each header first, and the images' vision tokens
-    (from their sizes) checked against the context before any pixel is decoded."""
-    limits = bounds.limits
-    sources = [_image_source(item, k, limits) for k, item in enumerate(items)]
-    vision_tokens = 0
-    for k, (source, server_file) in enumerate(sources):
-        where = f"field 'image_data[{k}]'"
-        try:
-            width, height = image_size(source)
-        except SampleError as err:
-            raise BadRequest(f"{where}: {_image_problem(err, server_file)}") from None
-        if width * height > limits.max_image_pixels:
-            raise BadRequest(f"{where}: {width}x{height} has more than the server's limit of {limits.max_image_pixels} "
-                             "pixels (--max-image-pixels)")
-        try:
-            vision_tokens += adapter.image_token_count(width, height)
-        except ValueError as err:  # a text-only model
-            raise BadRequest(f"{where}: {err}") from None
-    if bounds.context is not None and vision_tokens + bounds.max_new_tokens > bounds.context:
-        raise BadRequest(f"field 'image_data': {len(items)} image(s) take {vision_tokens} vision tokens; with "
-                         f"sampling_params.max_new_tokens = {bounds.max_new_tokens} that exceeds the model context of "
-                         f"{bounds.context} tokens")
-    images = []
-    for k, (source, server_file) in enumerate(sources):
-        try:
-            images.append(load_image(source, max_pixels=limits.max_image_pixels))
-        except SampleError as err:
-            raise BadRequest(f"field 'image_data[{k}]': {_image_problem(err, server_file)}") from None
-    return images
+def prompt_image_items(body: GenerateBody) -> list[list[ImageItem]]:
+    """The ``image_data`` items of each prompt of ``body``, in SGLang's shapes: one prompt takes an item or a list of
+    items; a batch takes one entry per prompt — either all items (one image each, ``None`` for none) or, when its
+    first entry is a list, all lists (``[]`` or ``None`` for none). SGLang's schema decides the form by the first
+    entry, so a batch like ``[None, [url]]`` is refused here as it is there."""
+    data = body.image_data
+    if not is_batched(body):
+        if isinstance(data, list) and not all(isinstance(item, (str, bytes)) for item in data):
+            raise BadRequest("field 'image_data': one prompt takes a string or a list of strings")
+        return [[data] if isinstance(data, (str, bytes)) else list(data or [])]
+    B = prompt_count(body)
+    if data is None:
+        return [[] for _ in range(B)]
+    if not isinstance(data, list) or len(data) != B:
+        raise BadRequest(f"field 'image_data': a batch of {B} prompts takes a list of {B} items")
+    if isinstance(data[0], list):
+        for i, entry in enumerate(data):
+            if entry is not None and not isinstance(entry, list):
+                raise BadRequest(f"field 'image_data[{i}]': the batch's first entry is a list, so every entry must be "
+                                 "a list of that prompt's images ([] or null for none), as SGLang reads it")
+        return [[item for item in entry or [] if item is not None] for entry in data]
+    for i, entry in enumerate(data):
+        if isinstance(entry, list):
+            raise BadRequest(f"field 'image_data[{i}]': a list, but the batch's first entry is not one: SGLang reads "
+                             "this batch as one image per prompt (make every entry a list, [] for a text-only prompt)")
+    return [[] if entry is None else [entry] for entry in data]
+
+
+def load_request_images(body: GenerateBody, bounds: PromptBounds, adapter: Any) -> list[list[Image.Image]]:
+    """Every prompt's decoded images. Before any pixel is decoded, each image's format and size are read from its
+    header and checked — each against ``max_image_pixels``, all of them together against ``max_request_pixels``,
+    each prompt's vision tokens (from the sizes) against the context. Runs on the server's image thread, off the
+    thread that tokenizes (a request of large images never holds up the others' text)."""
+    limits, batched = bounds.limits, is_batched(body)
+    per_prompt = prompt_image_items(body)
+    sources, total = [], 0
+    for i, items in enumerate(per_prompt):
+        prefix = f"prompt {i} of the batch: " if batched else ""
+        found, vision_tokens = [], 0
+        for k, item in enumerate(items):
+            where = f"{prefix}field 'image_data[{k}]'"
+            try:
+                source, server_file = _image_source(item, k, limits)
+                width, height = image_size(source)
+            except BadRequest as err:
+                raise BadRequest(f"{prefix}{err}") from None
+            except SampleError as err:
+                raise BadRequest(f"{where}: {_image_problem(err, server_file)}") from None
+            if width * height > limits.max_image_pixels:
+                raise BadRequest(f"{where}: {width}x{height} has more than the server's limit of "
+                                 f"{limits.max_image_pixels} pixels (--max-image-pixels)")
+            total += width * height
+            if total > limits.max_request_pixels:
+                count = sum(len(x) for x in per_prompt)
+                raise BadRequest(f"field 'image_data': the request's {count} image(s) hold more than the server's limit "
+                                 f"of {limits.max_request_pixels} pixels in all (--max-request-pixels); send fewer or "
+                                 "smaller images per request")
+            try:
+                vision_tokens += adapter.image_token_count(width, height)
+            except ValueError as err:  # a text-only model
+                raise BadRequest(f"{where}: {err}") from None
+            found.append((source, server_file))
+        if bounds.context is not None and vision_tokens + bounds.max_new_tokens > bounds.context:
+            raise BadRequest(f"{prefix}field 'image_data': {len(items)} image(s) take {vision_tokens} vision tokens; "
+                             f"with sampling_params.max_new_tokens = {bounds.max_new_tokens} that exceeds the model "
+                             f"context of {bounds.context} tokens")
+        sources.append(found)
+    out = []
+    for i, found in enumerate(sources):
+        prefix = f"prompt {i} of the batch: " if batched else ""
+        images = []
+        for k, (source, server_file) in enumerate(found):
+            try:
+                images.append(load_image(source, max_pixels=limits.max_image_pixels))
+            except SampleError as err:
+                raise BadRequest(f"{prefix}field 'image_data[{k}]': {_image_problem(err, server_file)}") from None
+        out.append(images)
+    return out
 
 
 def _image_problem(err: SampleError, server_file: bool) -> str:
@@ -764,10 +957,12 @@ def prompt_count(body: GenerateBody) -> int:
 
 
 def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Iterator[str],
-                   bounds: PromptBounds | None = None) -> list[Request]:
+                   bounds: PromptBounds | None = None, images: list[list[Image.Image]] | None = None) -> list[Request]:
     """Turn a `GenerateBody` into its `Request` (one prompt) or requests (a batch), in order; a prompt
     without ``rid`` is named by ``rids``. With ``bounds``, every prompt is checked against the context (text
-    length before tokenizing, image sizes before decoding, prompt + max_new_tokens after)."""
+    length before tokenizing, prompt + max_new_tokens after). ``images``: each prompt's, decoded by
+    `load_request_images` (decoded here when not given)."""
+    bounds = bounds or PromptBounds(None, None, 0, ServeLimits())
     if (body.text is None) == (body.input_ids is None):
         raise BadRequest("give exactly one of 'text' or 'input_ids'")
     if body.stream:
@@ -775,21 +970,19 @@ def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Ite
     stops = [body.sampling_params.stop] if isinstance(body.sampling_params.stop, str) else body.sampling_params.stop or []
     for k, stop in enumerate(stops):
         _check_unicode(stop, f"sampling_params.stop[{k}]")
+    if is_batched(body) and any(isinstance(p, int) for p in body.input_ids or []):
+        raise BadRequest("field 'input_ids': a batch is a list of token-id lists")
+    if images is None:
+        images = load_request_images(body, bounds, policy.adapter)
     if not is_batched(body):
-        if isinstance(body.image_data, list) and not all(isinstance(item, (str, bytes)) for item in body.image_data):
-            raise BadRequest("field 'image_data': one prompt takes a string or a list of strings")
         if isinstance(body.rid, list):
             raise BadRequest("field 'rid': one prompt takes one string")
-        return [build_request(policy, body.text, body.input_ids, body.image_data, body.rid or next(rids), bounds)]
+        return [build_request(policy, body.text, body.input_ids, images[0], body.rid or next(rids), bounds)]
     prompts = body.text if body.text is not None else body.input_ids
-    if any(isinstance(p, int) for p in prompts):
-        raise BadRequest("field 'input_ids': a batch is a list of token-id lists")
     B = len(prompts)
-    images = body.image_data if body.image_data is not None else [None] * B
     rid = body.rid if body.rid is not None else [next(rids) for _ in range(B)]
-    for field, value in (("image_data", images), ("rid", rid)):
-        if not isinstance(value, list) or len(value) != B:
-            raise BadRequest(f"field '{field}': a batch of {B} prompts takes a list of {B} items")
+    if not isinstance(rid, list) or len(rid) != B:
+        raise BadRequest(f"field 'rid': a batch of {B} prompts takes a list of {B} items")
     out = []
     for i, prompt in enumerate(prompts):
         try:
@@ -800,9 +993,9 @@ def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Ite
     return out
 
 
-def build_request(policy: Policy, text: str | None, input_ids: list[int] | None,
-                  image_data: ImageItem | list[ImageItem] | None, rid: str, bounds: PromptBounds | None = None) -> Request:
-    """One prompt as a `Request` (tokenize ``text``, process images, expand image tokens)."""
+def build_request(policy: Policy, text: str | None, input_ids: list[int] | None, images: list[Image.Image], rid: str,
+                  bounds: PromptBounds | None = None) -> Request:
+    """One prompt as a `Request` (tokenize ``text``, process its decoded ``images``, expand image tokens)."""
     bounds = bounds or PromptBounds(None, None, 0, ServeLimits())
     _check_unicode(rid, "rid")
     if text is not None:
@@ -810,9 +1003,7 @@ def build_request(policy: Policy, text: str | None, input_ids: list[int] | None,
             raise BadRequest(f"field 'text': {len(text)} characters cannot fit the model context of {bounds.context} "
                              "tokens")
         _check_unicode(text, "text")
-    items = [image_data] if isinstance(image_data, (str, bytes)) else list(image_data or [])
     adapter = policy.adapter
-    images = _load_images(items, bounds, adapter) if items else []
     try:
         vision = adapter.encode_images(images)
         if text is not None:
@@ -848,7 +1039,7 @@ def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, re
         finish: dict[str, Any] = {"type": "abort", "message": abort_message}
     elif t.status is Status.TRUNCATED:
         finish = {"type": "length", "length": len(ids)}
-    elif ids and ids[-1] in policy.eos_token_ids:
+    elif ids and (ids[-1] in policy.eos_token_ids or ids[-1] in sampling.stop_token_ids):
         finish = {"type": "stop", "matched": ids[-1]}
     else:
         matched = next((s for s in sampling.stop if s in text), "")
@@ -885,15 +1076,23 @@ async def _answer_or_abandon(receive: collections.abc.Callable, future: concurre
             future.cancel()
 
 
-def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: str = "",
-               limits: ServeLimits = ServeLimits()) -> Any:
-    """The FastAPI application serving ``batcher``. ``api_key=None`` disables authentication.
+ADMIN_PATHS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
+               "/destroy_weights_update_group", "/pause_generation", "/continue_generation")
+"""The routes an admin key guards when one is set (SGLang's ``ADMIN_OPTIONAL`` routes among those vlrl serves)."""
 
-    Every request is bounded before it is admitted (`ServeLimits`, the batcher's queue and token budget);
-    JSON parsing runs off the event loop (`BodyParser`), tokenizing and image decoding on one preprocessing
-    thread, so ``/health`` answers while any request is being read, parsed, prepared or decoded. A client that
-    disconnects cancels its job (its rows stop at the next decode step); ``app.state.on_drain`` is what SIGTERM
-    calls (no new requests; the rest aborted after ``limits.drain_seconds``)."""
+
+def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: str = "",
+               limits: ServeLimits = ServeLimits(), admin_api_key: str | None = None) -> Any:
+    """The FastAPI application serving ``batcher``. ``api_key=None`` disables authentication; ``admin_api_key``
+    (SGLang's ``--admin-api-key``): the key `ADMIN_PATHS` require instead of ``api_key``.
+
+    Every request is bounded before it is admitted (`ServeLimits`, the batcher's queue and token budget; the body's
+    bytes and read time, and the bytes of every request held at once); JSON parsing runs off the event loop
+    (`BodyParser`), image decoding on an image thread, tokenizing on one preprocessing thread, weight loads and
+    group joins on threads of their own, so ``/health`` and ``/generate`` answer while any request is being read,
+    parsed, prepared or decoded, or any weight call waits. A client that disconnects cancels its job (its rows stop
+    at the next decode step); ``app.state.on_drain`` is what SIGTERM calls (no new requests; the rest aborted after
+    ``limits.drain_seconds``)."""
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
@@ -906,33 +1105,37 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
 
     app = FastAPI(title="vlrl rollout server", default_response_class=SafeJSON)
     counter = iter(range(1 << 62))
-    update_lock = asyncio.Lock()
-    names: dict[str, Any] = {}  # checkpoint → state-dict names of the served model, found at the first update
     context = model_context(batcher.policy)
     max_text_chars = context * longest_token_chars(batcher.policy.tokenizer) if context else None
     budget = batcher.max_tokens_in_flight
+    vocab = batcher.policy.model.get_input_embeddings().num_embeddings
     parser = BodyParser(max_values=(budget if budget is not None else 1 << 22) + 65_536,
                         max_string_chars=max_text_chars or 1 << 24)
     prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlrl-prep")  # one tokenizer user
+    images = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlrl-images")
     state = {"draining": False}
 
     def close() -> None:
         parser.close()
         prep.shutdown(wait=False, cancel_futures=True)
+        images.shutdown(wait=False, cancel_futures=True)
 
     on_close(app, close)
-    protect(app, api_key=api_key, max_body_bytes=limits.max_body_bytes, setting="vlrl serve --max-body-mb")
+    protect(app, api_key=api_key, max_body_bytes=limits.max_body_bytes, setting="vlrl serve --max-body-mb",
+            admin_api_key=admin_api_key, admin_paths=ADMIN_PATHS, max_inflight_bytes=limits.max_inflight_body_bytes,
+            body_timeout=limits.body_timeout)
 
     def on_drain() -> None:
         state["draining"] = True
+        weights.on_drain()
         timer = threading.Timer(limits.drain_seconds, batcher.abort_all)
         timer.daemon = True
         timer.start()
 
     app.state.on_drain = on_drain
 
-    async def in_prep(fn: collections.abc.Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(prep, fn, *args)
+    async def in_pool(pool: concurrent.futures.Executor, fn: collections.abc.Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def read(request: HTTPRequest, model: type[BaseModel], base64_fields: tuple[str, ...] = ()) -> Any:
         content_type = request.headers.get("content-type", "")
@@ -949,6 +1152,10 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
         except ValidationError as err:
             raise BadRequest(_explain(err)) from None
 
+    weights = _WeightRoutes(batcher, limits, read, SafeJSON)
+    app.state.weights = weights
+    on_close(app, weights.close)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: HTTPRequest, err: RequestValidationError):
         return SafeJSON({"error": _explain(err)}, 400)
@@ -956,6 +1163,10 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
     @app.exception_handler(BadRequest)
     async def _bad(request: HTTPRequest, err: BadRequest):
         return SafeJSON({"error": str(err)}, 400)
+
+    @app.exception_handler(ShuttingDown)
+    async def _stopping(request: HTTPRequest, err: ShuttingDown):
+        return SafeJSON({"success": False, "message": "the server is shutting down"}, 503)
 
     @app.get("/health")
     async def health():
@@ -968,13 +1179,25 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
         return {"model_path": model_path or policy.source, "tokenizer_path": model_path or policy.source,
                 "is_generation": True, "weight_version": str(version), "weight_checksum": checksum,
                 "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch."),
-                "vocab_size": policy.model.get_input_embeddings().num_embeddings, "context_length": context,
+                "vocab_size": vocab, "context_length": context,
                 "max_batch_size": batcher.max_batch_size, "max_queued_requests": batcher.max_queued_requests,
                 "max_tokens_in_flight": budget, "max_new_tokens": limits.max_new_tokens,
                 "max_body_bytes": limits.max_body_bytes, "max_image_pixels": limits.max_image_pixels,
+                "max_request_pixels": limits.max_request_pixels,
                 "queued_requests": batcher.queued(), "tokens_in_flight": batcher.tokens_in_flight,
                 "batches": batcher.batches, "rows": batcher.rows, "decode_steps": batcher.decode_steps,
-                "early_stops": len(batcher.early_stops), "cancelled": batcher.cancelled, "server": "vlrl"}
+                "early_stops": len(batcher.early_stops), "cancelled": batcher.cancelled, "paused": batcher.paused,
+                "weight_groups": weights.groups(), "server": "vlrl"}
+
+    @app.get("/server_info")
+    async def server_info():
+        """SGLang's ``/server_info`` fields (what a launch fixed: parallel sizes, dtype, batch bound), then vlrl's."""
+        info = await model_info()
+        sglang = {"served_model_name": info["model_path"], "version": "vlrl", "internal_states": [],
+                  "tp_size": 1, "dp_size": 1, "pp_size": 1, "max_running_requests": batcher.max_batch_size}
+        if context is not None:
+            sglang["max_context_length"] = context
+        return {**info, **sglang}
 
     @app.get("/get_weight_version")
     async def get_weight_version():
@@ -984,7 +1207,7 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
         if state["draining"]:
             return SafeJSON({"error": "server busy: shutting down"}, 503, headers={"Retry-After": "1"})
         body = await read(request, GenerateBody, base64_fields=("image_data",))
-        sampling = body.sampling_params.to_params()
+        sampling = body.sampling_params.to_params(vocab)
         new_tokens, prompts = sampling.max_new_tokens, prompt_count(body)
         if new_tokens > limits.max_new_tokens:
             raise BadRequest(f"field 'sampling_params.max_new_tokens': {new_tokens} exceeds the server's limit of "
@@ -998,7 +1221,8 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
                              "(vlrl serve --max-queued-requests)")
         bounds = PromptBounds(context, max_text_chars, new_tokens, limits)
         rids = (f"req-{i}" for i in counter)
-        requests = await in_prep(build_requests, batcher.policy, body, rids, bounds)
+        decoded = await in_pool(images, load_request_images, body, bounds, batcher.policy.adapter)
+        requests = await in_pool(prep, build_requests, batcher.policy, body, rids, bounds, decoded)
         tokens = sum(sampling.n * (len(r.prompt_ids) + new_tokens) for r in requests)
         deadline = time.monotonic() + limits.request_timeout
         try:  # one job: a batch's prompts decode together
@@ -1018,79 +1242,197 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
             return [sglang_output(policy, t, sampling, return_logprob=body.return_logprob, abort_message=why)
                     for t in trajectories]
 
-        out = await in_prep(answers)
+        out = await in_pool(prep, answers)
         return SafeJSON(out if is_batched(body) or sampling.n > 1 else out[0])  # a batch: prompt-major, n per prompt
 
-    device = next(batcher.policy.model.parameters()).device
-    receiver = dist_sync.Receiver(timeout=limits.request_timeout, device=device)
-    incoming = _IncomingUpdate(batcher, names)
-    on_close(app, receiver.close)
+    app.router.add_route("/generate", generate, methods=["POST"])
+    for path, route in weights.routes().items():
+        app.router.add_route(path, route, methods=["POST"])
+    return app
 
-    async def update_weights(request: HTTPRequest):
-        body = await read(request, UpdateWeightsBody)
+
+async def in_daemon_thread(fn: collections.abc.Callable, *args: Any, name: str, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on a daemon thread of its own, awaited. Not asyncio's default pool (a blocking call
+    there starves every other use of it, and an interpreter exits only once that pool's threads end): a call that
+    blocks for long holds only its own thread, and never delays the process's exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle_future(result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = fn(*args, **kwargs), None
+        except BaseException as err:  # noqa: BLE001 — handed to the awaiting coroutine
+            result, error = None, err
+        try:
+            loop.call_soon_threadsafe(settle_future, result, error)
+        except RuntimeError:  # the loop closed meanwhile (shutdown): nobody waits for the answer
+            pass
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await future
+
+
+class ShuttingDown(RuntimeError):
+    """A weight call the server's shutdown answered before its thread finished (503)."""
+
+
+class _WeightRoutes:
+    """`vlrl serve`'s weight routes, SGLang's: load from disk, join / leave a weight-update group, receive a bucket,
+    pause and continue generation. Loads and bucket receives run one at a time (the update lock) on daemon threads;
+    a join runs on its own daemon thread, one at a time (a second while one waits: 409) and for at most
+    ``limits.join_timeout`` — so joins aimed at a port nobody serves hold one thread, not the request path's pool,
+    and never the server's exit. At shutdown (`on_drain`) every weight call still waiting is answered 503 at once.
+    """
+
+    def __init__(self, batcher: ContinuousBatcher, limits: ServeLimits, read: Any, answer: Any) -> None:
+        self.batcher, self.limits, self.read, self.answer = batcher, limits, read, answer
+        self.names: dict[str, Any] = {}  # checkpoint → state-dict names of the served model, found at the first update
+        self.lock = asyncio.Lock()  # one weight change at a time
+        self.joining = threading.Lock()  # held by the join in progress (its thread releases it)
+        self.device = next(batcher.policy.model.parameters()).device
+        self.receiver = dist_sync.Receiver(timeout=limits.request_timeout, device=self.device)
+        self.incoming = _IncomingUpdate(batcher, self.names)
+        self.waiting: set[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = set()
+        self.stopping = False
+
+    def on_drain(self) -> None:
+        """Shutdown: answer every weight call still waiting for its thread (its thread, a daemon, ends by itself)."""
+        self.stopping = True
+        for loop, task in list(self.waiting):
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # its loop already closed
+                pass
+
+    async def _off_loop(self, fn: collections.abc.Callable, *args: Any, name: str, **kwargs: Any) -> Any:
+        """``fn`` on a daemon thread (`in_daemon_thread`), awaited — `ShuttingDown` if the server drains first."""
+        task = asyncio.ensure_future(in_daemon_thread(fn, *args, name=name, **kwargs))
+        entry = (asyncio.get_running_loop(), task)
+        self.waiting.add(entry)
+        try:
+            if self.stopping:
+                task.cancel()
+            return await task
+        except asyncio.CancelledError:
+            if self.stopping:
+                raise ShuttingDown from None
+            raise
+        finally:
+            self.waiting.discard(entry)
+
+    def routes(self) -> dict[str, Any]:
+        return {"/update_weights_from_disk": self.update_from_disk, "/init_weights_update_group": self.init_group,
+                "/update_weights_from_distributed": self.update_distributed,
+                "/destroy_weights_update_group": self.destroy_group, "/pause_generation": self.pause,
+                "/continue_generation": self.resume}
+
+    def groups(self) -> list[str]:
+        with self.receiver._lock:
+            return sorted(self.receiver.groups)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+    async def update_from_disk(self, request: Any):
+        body = await self.read(request, UpdateWeightsBody)
+        batcher = self.batcher
         try:
             version = int(body.weight_version) if body.weight_version is not None else batcher.version[0] + 1
         except ValueError:
             raise BadRequest(f"field 'weight_version': vlrl versions are integers, got {body.weight_version!r}") from None
-        async with update_lock:
-            incoming.cancel()  # a distributed update left half-way (its trainer fell back to disk): superseded
+        async with self.lock:
+            self.incoming.cancel()  # a distributed update left half-way (its trainer fell back to disk): superseded
             try:
-                checksum = await asyncio.to_thread(_update_from_disk, batcher, body.model_path, version=version,
-                                                   abort=body.abort_all_requests, names=names)
-            except (OSError, ValueError) as err:
-                return SafeJSON({"success": False, "message": f"cannot load {body.model_path}: {err}"}, 400)
-        return SafeJSON({"success": True, "message": f"loaded {body.model_path} as version {version}",
-                         "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum})
+                checksum = await self._off_loop(_update_from_disk, batcher, body.model_path, version=version,
+                                                abort=body.abort_all_requests, names=self.names, name="vlrl-load")
+            except (OSError, ValueError) as err:  # (the version loaded before stays: `ContinuousBatcher.give_back`)
+                return self.answer({"success": False, "message": f"cannot load {body.model_path}: {err}"}, 400)
+        return self.answer({"success": True, "message": f"loaded {body.model_path} as version {version}",
+                            "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum})
 
-    async def init_group(request: HTTPRequest):
-        body = await read(request, InitWeightsGroupBody)
+    async def init_group(self, request: Any):
+        body = await self.read(request, InitWeightsGroupBody)
         if body.backend not in ("gloo", "nccl"):
             raise BadRequest(f"field 'backend': {body.backend!r}; vlrl serve joins over gloo (CPU) or nccl (CUDA)")
-        if body.backend == "nccl" and device.type != "cuda":
-            raise BadRequest(f"field 'backend': nccl needs a CUDA server; this one runs on {device.type}: use gloo")
+        if body.backend == "nccl" and self.device.type != "cuda":
+            raise BadRequest(f"field 'backend': nccl needs a CUDA server; this one runs on {self.device.type}: use gloo")
         if body.rank_offset >= body.world_size:
             raise BadRequest(f"field 'rank_offset': {body.rank_offset} is not a rank of a group of {body.world_size}")
-        async with update_lock:
-            incoming.cancel()  # the trainer forms a new group: an update left half-way on the old one never completes
-        try:  # blocks until every rank joined: in a thread, so the event loop (generation, /health) goes on; not under
-            # the update lock, so a join that never completes (a member died first) cannot hold up a disk update
-            await asyncio.to_thread(receiver.join, body.master_address, body.master_port,
-                                    rank_offset=body.rank_offset, world_size=body.world_size,
-                                    group_name=body.group_name, backend=body.backend)
+        if not self.joining.acquire(blocking=False):
+            return self.answer({"success": False, "message": "a weight-update group join is already in progress (one "
+                                "at a time; it ends within --join-timeout)"}, 409)
+        try:
+            async with self.lock:
+                self.incoming.cancel()  # the trainer forms a new group: an update half-way on the old one never ends
+        except BaseException:
+            self.joining.release()
+            raise
+        where = f"{body.group_name} at {body.master_address}:{body.master_port}"
+        try:  # blocks until every rank joined: not under the update lock, so a join that never completes (a member
+            # died first) cannot hold up a disk update; the thread lets the next join in when it ends
+            await self._off_loop(self._join, body, name="vlrl-join")
+        except ShuttingDown:
+            raise
         except Exception as err:
-            return SafeJSON({"success": False, "message": f"cannot join {body.group_name} at "
-                             f"{body.master_address}:{body.master_port}: {type(err).__name__}: {err}"}, 400)
-        return SafeJSON({"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset} of "
-                         f"{body.world_size}"})
+            return self.answer({"success": False, "message": f"cannot join {where}: {type(err).__name__}: {err}"}, 400)
+        return self.answer({"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset} of "
+                            f"{body.world_size}"})
 
-    def receive_bucket(body: UpdateDistributedBody, version: int | None) -> str | None:
-        """One bucket, in one worker thread, received into the spare weights (`_IncomingUpdate`); the last bucket
-        (``version`` set) installs them. Returns the checksum then, else None."""
-        incoming.receive(receiver, body)
-        return incoming.finish(version) if version is not None else None
+    def _join(self, body: InitWeightsGroupBody) -> None:
+        try:
+            self.receiver.join(body.master_address, body.master_port, rank_offset=body.rank_offset,
+                               world_size=body.world_size, group_name=body.group_name, backend=body.backend,
+                               timeout=self.limits.join_timeout)
+        finally:
+            self.joining.release()
 
-    async def update_distributed(request: HTTPRequest):
-        body = await read(request, UpdateDistributedBody)
+    def _receive_bucket(self, body: UpdateDistributedBody, version: int | None) -> str | None:
+        """One bucket, received into the spare weights (`_IncomingUpdate`); the last bucket (``version`` set)
+        installs them. Returns the checksum then, else None."""
+        self.incoming.receive(self.receiver, body)
+        return self.incoming.finish(version) if version is not None else None
+
+    async def update_distributed(self, request: Any):
+        body = await self.read(request, UpdateDistributedBody)
         try:
             version = int(body.weight_version) if body.weight_version is not None else None
         except ValueError:
             raise BadRequest(f"field 'weight_version': vlrl versions are integers, got {body.weight_version!r}") from None
-        async with update_lock:
+        async with self.lock:
             try:
-                checksum = await asyncio.to_thread(receive_bucket, body, version)
+                checksum = await self._off_loop(self._receive_bucket, body, version, name="vlrl-receive")
+            except ShuttingDown:
+                raise
             except (OSError, ValueError, RuntimeError) as err:
-                incoming.cancel()  # a failed update leaves nothing half-written behind
-                return SafeJSON({"success": False, "message": f"distributed update failed: {err}"}, 400)
+                self.incoming.cancel()  # a failed update leaves nothing half-written behind
+                return self.answer({"success": False, "message": f"distributed update failed: {err}"}, 400)
         if checksum is None:  # a bucket of the update in progress
-            return SafeJSON({"success": True, "message": f"received {len(body.names)} tensor(s)"})
-        return SafeJSON({"success": True, "message": f"loaded version {version} from {body.group_name}",
-                         "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum})
+            return self.answer({"success": True, "message": f"received {len(body.names)} tensor(s)"})
+        return self.answer({"success": True, "message": f"loaded version {version} from {body.group_name}",
+                            "num_paused_requests": 0, "weight_version": str(version), "weight_checksum": checksum})
 
-    app.router.add_route("/generate", generate, methods=["POST"])
-    app.router.add_route("/update_weights_from_disk", update_weights, methods=["POST"])
-    app.router.add_route("/init_weights_update_group", init_group, methods=["POST"])
-    app.router.add_route("/update_weights_from_distributed", update_distributed, methods=["POST"])
-    return app
+    async def destroy_group(self, request: Any):
+        body = await self.read(request, DestroyGroupBody)
+        async with self.lock:
+            self.incoming.cancel()
+            left = self.receiver.leave(body.group_name)
+        if not left:
+            return self.answer({"success": False, "message": "The group to be destroyed does not exist."}, 400)
+        return self.answer({"success": True, "message": f"left {body.group_name}"})
+
+    async def pause(self, request: Any):
+        body = await self.read(request, PauseBody)
+        self.batcher.pause(body.mode)
+        return self.answer({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request: Any):
+        await self.read(request, ContinueBody)
+        self.batcher.resume()
+        return self.answer({"message": "Generation continued successfully.", "status": "ok"})
 
 
 def _explain(err) -> str:
@@ -1147,6 +1489,7 @@ class _IncomingUpdate:
         self.batcher, self.names = batcher, names
         self.spare: Policy | None = None
         self.writer: WeightWriter | None = None
+        self.started = False  # a bucket's receive began: the spare's bytes may have changed
         self.abort = False
         self.in_place: weakref.WeakKeyDictionary[torch.nn.Module, FlatBuckets] = weakref.WeakKeyDictionary()
 
@@ -1165,7 +1508,8 @@ class _IncomingUpdate:
         flats = self.in_place.setdefault(self.spare.model, FlatBuckets(self.spare.model))
         placed: list = []
 
-        def place(dtypes: list[torch.dtype]) -> torch.Tensor | None:
+        def place(dtypes: list[torch.dtype]) -> torch.Tensor | None:  # (called once the request was checked)
+            self.started = True
             placed.append(flats.storage(names, dtypes, body.shapes) if len(names) == len(dtypes) else None)
             placed.append(dtypes)
             return placed[0][0] if placed[0] is not None else None
@@ -1178,6 +1522,7 @@ class _IncomingUpdate:
                 flats.adopt(names, placed[1], body.shapes, flat)
             self.writer.written_in_place(names)
         else:
+            self.started = True
             self.writer.write(dict(zip(names, received, strict=True)))
         self.abort = self.abort or body.abort_all_requests
 
@@ -1191,14 +1536,15 @@ class _IncomingUpdate:
         except BaseException:
             self.cancel()
             raise
-        self.spare, self.writer, self.abort = None, None, False
+        self.spare, self.writer, self.abort, self.started = None, None, False, False
         return self.batcher.load(spare, version=version, abort=abort)
 
     def cancel(self) -> None:
-        """Drop the update in progress (if any); its spare weights go back to the batcher."""
+        """Drop the update in progress (if any); its spare weights go back to the batcher (as the version they held,
+        if no bucket's receive had begun)."""
         if self.spare is not None:
-            self.batcher.give_back(self.spare)
-        self.spare, self.writer, self.abort = None, None, False
+            self.batcher.give_back(self.spare, intact=not self.started)
+        self.spare, self.writer, self.abort, self.started = None, None, False, False
 
 
 def _load_weights(current: Policy, path: str) -> Policy:
@@ -1219,7 +1565,8 @@ def _load_weights(current: Policy, path: str) -> Policy:
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           no_auth: bool = False, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 256,
           max_queued_requests: int = 1024, batch_window_ms: float = 10.0, init_seed: int = 0,
-          max_tokens_in_flight: int = 1 << 20, limits: ServeLimits = ServeLimits()) -> None:
+          max_tokens_in_flight: int = 1 << 20, limits: ServeLimits = ServeLimits(),
+          admin_api_key: str | None = None) -> None:
     """`vlrl serve`: load the policy and serve it until SIGTERM/SIGINT, then drain (``limits.drain_seconds``)."""
     from vlrl.models import load_policy
 
@@ -1233,10 +1580,11 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: st
     policy.model.eval()
     batcher = ContinuousBatcher(policy, max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
                                 batch_window=batch_window_ms / 1000, max_tokens_in_flight=max_tokens_in_flight)
-    app = create_app(batcher, api_key=api_key, model_path=model, limits=limits)
+    app = create_app(batcher, api_key=api_key, model_path=model, limits=limits, admin_api_key=admin_api_key or None)
     sock = bind_socket(host, port)
     print(f"vlrl serve: listening on http://{host}:{sock.getsockname()[1]} ({policy.source}, "
-          f"{policy.num_parameters() / 1e6:.2f}M parameters, auth {'on' if api_key else 'off'})", flush=True)
+          f"{policy.num_parameters() / 1e6:.2f}M parameters, auth {'on' if api_key else 'off'}"
+          f"{', admin key on' if admin_api_key else ''})", flush=True)
     signalled: list[float] = []  # when the shutdown signal arrived (the drain bound counts from here)
 
     def on_drain() -> None:

@@ -35,6 +35,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 32
     stop: list[str] = field(default_factory=list)  # extra stop strings besides EOS
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides the model's EOS
+    logit_bias: dict[int, float] = field(default_factory=dict)  # {token id: bias added to its logit before sampling}
 
 
 @dataclass
