@@ -28,6 +28,37 @@ RESUME = typer.Option(None, "--resume", help="auto: continue from the latest com
 TEST = typer.Option(None, "--test", help="Held-out samples file/dir (sets data.test). Without it, a seeded "
                     "data.test_fraction of --data is held out (never the procedural suite).")
 
+# model.attn_implementation / revision / trust_remote_code / chat_template_kwargs of the commands without a config
+ATTN = typer.Option(None, "--attn-implementation", help="Attention implementation (eager, sdpa, flash_attention_2; "
+                    "as model.attn_implementation). Default: transformers' (sdpa), or the run's.")
+REVISION = typer.Option(None, "--revision", help="Hub revision (branch, tag, commit) of --model (as model.revision).")
+TRUST = typer.Option(None, "--trust-remote-code/--no-trust-remote-code", help="Run the modelling code the checkpoint "
+                     "ships (as model.trust_remote_code; off by default).")
+TEMPLATE_KWARGS = typer.Option(None, "--chat-template-kwargs", help="JSON object of chat-template variables, e.g. "
+                               "'{\"enable_thinking\": false}' (as model.chat_template_kwargs).")
+
+
+def _load_options(command: str, attn: str | None, revision: str | None, trust: bool | None, template_kwargs: str | None,
+                  base=None):
+    """The `LoadOptions` of a command's model flags, over ``base`` (a run's model section) when given."""
+    from vlrl.models.policy import LoadOptions
+
+    base = base or LoadOptions()
+    kwargs = dict(base.chat_template_kwargs)
+    if template_kwargs is not None:
+        try:
+            kwargs = json.loads(template_kwargs)
+        except json.JSONDecodeError:
+            kwargs = None
+        if not isinstance(kwargs, dict):
+            typer.secho(f"vlrl {command}: --chat-template-kwargs must be a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}'", fg="red", err=True)
+            raise typer.Exit(2)
+    return LoadOptions(attn_implementation=attn if attn is not None else base.attn_implementation,
+                       revision=revision if revision is not None else base.revision,
+                       trust_remote_code=trust if trust is not None else base.trust_remote_code,
+                       chat_template_kwargs=kwargs)
+
 
 def _extra(data: str | None, resume: str | None, test: str | None = None) -> list[str]:
     return [*([f"data.train={data}"] if data else []), *([f"data.test={test}"] if test else []),
@@ -160,6 +191,9 @@ def serve(
                                           help="Wait while requests keep arriving at most this far apart before decoding."),
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     init_seed: int = typer.Option(0, "--init-seed", help="Seed of a tiny preset's random initialisation."),
+    attn_implementation: str | None = ATTN,
+    revision: str | None = REVISION,
+    trust_remote_code: bool | None = TRUST,
 ) -> None:
     """Serve a policy over SGLang's native HTTP API (/generate, /update_weights_from_disk, /health, /get_model_info)."""
     import torch
@@ -180,7 +214,7 @@ def serve(
         run_server(model, host=host, port=port, api_key=api_key, no_auth=no_auth, dtype=dtype, device=device,
                    max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
                    batch_window_ms=batch_window_ms, init_seed=init_seed, max_tokens_in_flight=max_tokens_in_flight,
-                   limits=limits)
+                   limits=limits, options=_load_options("serve", attn_implementation, revision, trust_remote_code, None))
     except (ValueError, OSError) as err:  # OSError: a model that cannot be read (no hub, missing files)
         typer.secho(f"vlrl serve: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
@@ -203,6 +237,10 @@ def eval_(
     seed: int = typer.Option(0, "--seed", help="Seed of the sampled responses: the same seed gives the same numbers."),
     n: int = typer.Option(200, "--n", help="Procedural test samples when there is neither --data nor a run config."),
     out: Path | None = typer.Option(None, "--out", help="Write the result as JSON here."),
+    attn_implementation: str | None = ATTN,
+    revision: str | None = REVISION,
+    trust_remote_code: bool | None = TRUST,
+    chat_template_kwargs: str | None = TEMPLATE_KWARGS,
 ) -> None:
     """Greedy accuracy, sampled accuracy and pass@k per task on held-out data (preflight-checked first)."""
     from vlrl.config import DataConfig, ModelConfig, RolloutConfig, RunConfig
@@ -215,8 +253,14 @@ def eval_(
     given = {"samples": samples, "temperature": temperature, "top_k": top_k, "max_new_tokens": max_new_tokens}
     settings = (run.eval if run is not None else EvalConfig()).model_copy(
         update={k: v for k, v in given.items() if v is not None})
+    from vlrl.models.policy import LoadOptions
+
     bounds = {"min_pixels": run.model.min_pixels, "max_pixels": run.model.max_pixels} if run is not None else {}
-    cfg = RunConfig(model=ModelConfig(path=model, **bounds), eval=settings,
+    options = _load_options("eval", attn_implementation, revision, trust_remote_code, chat_template_kwargs,
+                            base=LoadOptions.of(run.model) if run is not None else None)
+    cfg = RunConfig(model=ModelConfig(path=model, **bounds, attn_implementation=options.attn_implementation,
+                                      revision=options.revision, trust_remote_code=options.trust_remote_code,
+                                      chat_template_kwargs=dict(options.chat_template_kwargs)), eval=settings,
                     data=DataConfig(test=data, n_test=n) if data or run is None else run.data)
     budget = "--max-new-tokens" if max_new_tokens is not None else "eval.max_new_tokens"
     typer.echo(_eval_source(model, data, run, cfg, settings), err=True)
@@ -224,7 +268,7 @@ def eval_(
     progress = _progress()
     seed_everything(seed)
     with progress.task(f"load {model}"):
-        policy = load_policy(model, **bounds)
+        policy = load_policy(model, **bounds, options=options)
     with progress.task(f"eval {len(test)} prompts × {settings.samples}"):
         result = evaluate(build_engine(RolloutConfig(), policy, max_batch_size=settings.max_batch_size), test, settings)
     text = json.dumps({**result.to_dict(examples=False), "settings": {**settings.model_dump(), "seed": seed}}, indent=2)
@@ -448,8 +492,10 @@ def plan(
         _apply_plan(apply, pick, feasible, launches, recipe, config, list(overrides or []))
     if measure:
         from vlrl.models import load_policy
+        from vlrl.models.policy import LoadOptions
 
-        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.model.init_seed)
+        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.model.init_seed,
+                             options=LoadOptions.of(cfg.model))
         typer.echo("\n" + planner.format_measurement(planner.measure_train_step(cfg, policy, work), shape, work))
 
 
@@ -527,6 +573,9 @@ def data_pack(
     video_fps: float = typer.Option(2.0, "--video-fps", help="Frames per second taken from video files (as data.video_fps)."),
     max_frames: int = typer.Option(8, "--max-frames", help="Most frames per video (as data.max_frames)."),
     max_images: int = typer.Option(32, "--max-images", help="Most images per sample, frames included (as data.max_images)."),
+    revision: str | None = REVISION,
+    trust_remote_code: bool | None = TRUST,
+    chat_template_kwargs: str | None = TEMPLATE_KWARGS,
 ) -> None:
     """Offline packing: count every sample's tokens, plan bins of --capacity tokens, write the plan once."""
     from vlrl.data import DataError, MediaLimits, read_samples
@@ -543,7 +592,9 @@ def data_pack(
             media = MediaLimits(video_fps=video_fps, max_frames=max_frames, max_images=max_images)
             samples = read_samples(data, on_error=on_error, verify_images=False, media=media).samples
         with progress.task(f"load the processor of {model}"):
-            processor = load_processor(model, seed=init_seed, min_pixels=min_pixels, max_pixels=max_pixels)
+            processor = load_processor(model, seed=init_seed, min_pixels=min_pixels, max_pixels=max_pixels,
+                                       options=_load_options("data pack", None, revision, trust_remote_code,
+                                                             chat_template_kwargs))
         with progress.task(f"count tokens of {len(samples)} samples and pack"):
             plan = plan_samples(samples, TokenCounter(processor), capacity, workers=workers, source=str(data),
                                 model={"path": model, "init_seed": init_seed, "min_pixels": min_pixels,
@@ -631,6 +682,10 @@ def data_select(
     batch_prompts: int = typer.Option(64, "--batch-prompts", help="Prompts per generate call."),
     seed: int = typer.Option(0, "--seed"),
     on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them."),
+    attn_implementation: str | None = ATTN,
+    revision: str | None = REVISION,
+    trust_remote_code: bool | None = TRUST,
+    chat_template_kwargs: str | None = TEMPLATE_KWARGS,
 ) -> None:
     """Discrepancy-driven selection: N rollouts per prompt, pass@1 / pass@k / mean reward, keep the band."""
     from vlrl.check import CheckReport, preflight, read_data
@@ -646,7 +701,11 @@ def data_select(
         raise typer.Exit(2)
     report = CheckReport()  # the preflight: every record, the model, prompt + --max-new-tokens within the context
     samples = read_data(report, "--data", data, on_error)
-    report = preflight(RunConfig(model=ModelConfig(path=model), data=DataConfig(on_error=on_error)),
+    options = _load_options("data select", attn_implementation, revision, trust_remote_code, chat_template_kwargs)
+    model_cfg = ModelConfig(path=model, attn_implementation=options.attn_implementation, revision=options.revision,
+                            trust_remote_code=options.trust_remote_code,
+                            chat_template_kwargs=dict(options.chat_template_kwargs))
+    report = preflight(RunConfig(model=model_cfg, data=DataConfig(on_error=on_error)),
                        splits={"train": samples}, budgets=[("train", "--max-new-tokens", max_new_tokens)], report=report)
     if not report.ok:
         _preflight_failed("data select", str(data), report)
@@ -664,9 +723,9 @@ def data_select(
 
                 urls = [u.strip() for u in servers.split(",") if u.strip()]
                 engine = build_engine(RolloutConfig(servers=urls, weights_dir=str(out / "weights")),
-                                      load_processor(model), sync_weights=False)
+                                      load_processor(model, options=options), sync_weights=False)
             else:
-                engine = build_engine(RolloutConfig(), load_policy(model))
+                engine = build_engine(RolloutConfig(), load_policy(model, options=options))
         sampling = SamplingParams(n=n, temperature=temperature, top_k=top_k, max_new_tokens=max_new_tokens)
         with progress.task(f"roll out {len(samples)} prompts × {n}", total=len(samples)) as task:
             rollouts, generated, failures = rollout_and_score(

@@ -24,6 +24,7 @@ from vlrl.data.packing import PackingPlan
 from vlrl.data.select import select_for_training
 from vlrl.eval import EvalResult, evaluate
 from vlrl.models import Policy, load_policy
+from vlrl.models.policy import LoadOptions
 from vlrl.report import MetricsLogger, make_sink
 from vlrl.report.environment import describe, environment
 from vlrl.report.progress import LiveProgress
@@ -105,8 +106,11 @@ def _load(cfg: RunConfig, logger: MetricsLogger, device: str | None = None) -> P
     seed_everything(cfg.seed)
     with logger.progress.task("load policy"):
         policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=str(device or cfg.model.device),
-                             seed=cfg.model.init_seed, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
-    logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}")
+                             seed=cfg.model.init_seed, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
+                             options=LoadOptions.of(cfg.model))
+    attention = getattr(policy.model.config, "_attn_implementation", None)
+    logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}, "
+                f"attention {attention}")
     return _with_lora(cfg, policy, logger)
 
 
@@ -236,7 +240,7 @@ def _eval_policy(policy: Policy, runtime: Runtime, exported: Path, cfg: RunConfi
     if not runtime.ctx.enabled:
         return policy
     return load_policy(str(exported), dtype=cfg.model.dtype, device=str(runtime.ctx.device),
-                       min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+                       min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels, options=LoadOptions.of(cfg.model))
 
 
 def _plan(data: DataConfig, logger: MetricsLogger) -> PackingPlan | None:
@@ -261,7 +265,8 @@ def _sft_stages(policy: Policy, train: list[Sample], cfg: SFTConfig, run_dir: Pa
         checkpoint = _save(policy, run_dir / "checkpoints" / stage.name, logger)
         if k + 1 < len(cfg.stages):  # the next stage continues from this checkpoint, with a fresh optimizer
             policy = _with_lora(cfg, load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
-                                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels))
+                                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
+                                                 options=LoadOptions.of(cfg.model)))
     _link_final(run_dir, cfg.stages[-1].name)
     return policy, stats
 
@@ -326,7 +331,8 @@ def _rl_stages(policy: Policy, train: list[Sample], test: list[Sample], cfg: RLC
             close_engine(engine)
         if k + 1 < len(cfg.stages):
             policy = _with_lora(cfg, load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
-                                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels))
+                                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
+                                                 options=LoadOptions.of(cfg.model)))
     summary["rl"] = summary[cfg.stages[-1].name]
     _link_final(run_dir, cfg.stages[-1].name)
     return summary
@@ -383,7 +389,8 @@ def _control(cfg: DemoConfig, train, test, sft_dir: Path, run_dir: Path, samples
     """The SFT checkpoint trained by more SFT on the same labelled samples with the RL stage's budget, evaluated."""
     budget = control_budget(cfg.control_budget, rl_flops=rl_flops, rl_seconds=rl_stats["seconds"], sft_flops=sft_flops,
                             sft_steps=sft_stats["steps"], sft_seconds=sft_stats["seconds"])
-    control = _with_lora(cfg, load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device))
+    control = _with_lora(cfg, load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device,
+                                          options=LoadOptions.of(cfg.model)))
     steps = budget["control_steps"] or 10**9  # wall: bounded by time only, not by the SFT stage's step count
     stage = cfg.sft.model_copy(update={"train": cfg.sft.train.model_copy(update={"steps": steps})})
     with FlopMeter(control.model) as meter:
