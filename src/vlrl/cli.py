@@ -556,6 +556,56 @@ def data_gen(
     typer.echo(f"wrote {len(samples)} {suite} samples to {path} (suites: {', '.join(TASK_SUITES.names())})")
 
 
+@data_app.command("import")
+def data_import(
+    source: str = typer.Argument(..., help="A data path: file, folder, glob, `save_to_disk` folder or hub id (PATH@split "
+                                 "picks a split)."),
+    out: Path = typer.Option(..., "--out", help="Output directory: <split>.jsonl and images/ (or a .jsonl / .parquet file)."),
+    fmt: str = typer.Option("auto", "--format", help="Layout of the rows: auto, vlrl, easyr1, verl or trl (as data.format)."),
+    column: list[str] | None = typer.Option(None, "--column", help="FIELD=COLUMN (repeatable), as data.columns, e.g. "
+                                            "--column prompt=question --column answer=label."),
+    split: str = typer.Option("train", "--split", help="Split of a hub id or `save_to_disk` DatasetDict (as data.split)."),
+    subset: str | None = typer.Option(None, "--subset", help="Hub dataset configuration (as data.subset)."),
+    revision: str | None = typer.Option(None, "--revision", help="Hub dataset revision (as data.revision)."),
+    prompt_template: str | None = typer.Option(None, "--prompt-template", help="Jinja text or .jinja file (as "
+                                               "data.prompt_template)."),
+    system_prompt: str | None = typer.Option(None, "--system-prompt", help="System message (as data.system_prompt)."),
+    reward: str | None = typer.Option(None, "--reward", help="Default verifier (as data.reward)."),
+    on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them (listed)."),
+) -> None:
+    """Read a dataset in any supported layout and write it as vlrl's own jsonl + images, to inspect or edit it."""
+    from vlrl.config import ConfigError, DataConfig
+    from vlrl.data import DataError, read_samples, write_samples
+    from vlrl.train.common import sample_check, schema_for
+
+    pairs = [c.partition("=") for c in column or []]
+    try:
+        if any(not sep or not field or not name for field, sep, name in pairs):
+            raise ValueError("--column: give FIELD=COLUMN, e.g. --column answer=solution")
+        cfg = DataConfig(format=fmt, columns={field: name for field, _, name in pairs}, split=split, subset=subset,
+                         revision=revision, prompt_template=prompt_template, system_prompt=system_prompt, reward=reward,
+                         on_error=on_error)
+        schema = schema_for(cfg)
+    except (ValueError, ConfigError, OSError) as err:
+        typer.secho(f"vlrl data import: {_first_line(err)}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    progress = _progress()
+    try:
+        with progress.task(f"read {source}"):
+            report = read_samples(source, on_error=cfg.on_error, check=sample_check, schema=schema, verify_images=True)
+        target = out if out.suffix in (".jsonl", ".parquet") else out / f"{schema.split}.jsonl"
+        with progress.task(f"write {target}"):
+            path = write_samples(report.samples, target)
+    except DataError as err:
+        typer.secho(f"vlrl data import: {err}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    for line in report.layout_lines():
+        typer.echo(line)
+    for where, reason in report.skipped:
+        typer.secho(f"skipped {where}: {reason}", fg="yellow", err=True)
+    typer.echo(f"wrote {len(report.samples)} samples to {path}" + (f" ({len(report.skipped)} skipped)" if report.skipped else ""))
+
+
 @data_app.command("pack")
 def data_pack(
     data: Path = typer.Option(..., "--data", help="Sample file (.jsonl/.parquet) or directory to plan."),

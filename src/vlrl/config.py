@@ -243,6 +243,17 @@ class EvalConfig(Section):
                        "rollout.top_k). Set it to the training rollout's top_k to evaluate the distribution RL sampled.")
     max_new_tokens: int = Field(16, ge=1, description="Generation budget per evaluation response.")
     max_batch_size: int = Field(256, ge=1, description="Sequences generated at once during evaluation.")
+    every: int = Field(
+        0, ge=0, description="Validate during training: evaluate the held-out prompts every N steps of each SFT / RL "
+        "stage (verl trainer.test_freq, EasyR1 trainer.val_freq, TRL eval_steps), logged as val/<stage> in "
+        "metrics.jsonl, the report's curves and the trackers, with the initial (RL) and final evaluations at its ends. "
+        "0: evaluate only before (RL) and after training. Not with rollout.mode=async or in `vlrl demo`.",
+    )
+    samples_table: int = Field(
+        0, ge=0, description="With `every`: this many held-out prompts per validation, with their greedy responses, "
+        "answers and rewards, as a table in the trackers (TensorBoard text, W&B table; verl's "
+        "trainer.log_val_generations). 0: none (samples.jsonl holds responses either way).",
+    )
 
 
 class OptimConfig(Section):
@@ -896,6 +907,10 @@ class RLConfig(RunConfig, RLStage):
     def _check_stages(self) -> RLConfig:
         _check_stages(self, ("rollout", "algo", "optim", "train", "staleness", "select"),
                       "rollout, algo, optim, train, staleness and select")
+        if self.eval.every and any(stage.rollout.mode == "async" for stage in [self, *self.stages]):
+            raise ValueError(f"eval.every={self.eval.every} with rollout.mode=async: the background rollout shares the "
+                             "engine with the evaluation; validate with rollout.mode=sync, or set eval.every=0 (the run "
+                             "still evaluates before and after training)")
         return self
 
 
@@ -918,6 +933,9 @@ class DemoConfig(RunConfig):
 
     @model_validator(mode="after")
     def _check_in_process(self) -> DemoConfig:
+        if self.eval.every:
+            raise ValueError("eval.every: the demo evaluates at its own points (base, sft, rl, control); validation "
+                             "during training is for `vlrl sft` and `vlrl rl`")
         if self.rl.rollout.mode != "sync" or self.rl.rollout.servers:
             raise ValueError("rl.rollout.mode / rl.rollout.servers: the demo runs the synchronous in-process recipe; "
                              "use `vlrl rl` for asynchronous training or rollout servers")

@@ -177,6 +177,8 @@ def row_to_sample(row: Mapping[str, Any], index: int, schema: Schema, ctx: RowCo
     answer_name, answer = column("answer", layout.answer)
     if answer_name is None:
         raise SampleError(f"no answer column ({' or '.join(layout.answer) or 'data.columns.answer'})")
+    if answer is None or answer == "":
+        raise SampleError(f"column {answer_name!r}: empty (the verifier needs the ground truth)")
     if ctx.format == "trl" and isinstance(answer, str):
         answer = _solution_answer(answer)
     _, images = column("images", layout.images)
