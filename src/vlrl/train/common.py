@@ -175,9 +175,11 @@ def load_split(cfg: DataConfig, split: str, logger: MetricsLogger | None = None)
                           schema=schema_for(cfg, split))
     _log_videos(report.samples, cfg, split, logger)
     if logger is not None:
-        logger.info(f"data {split}: {path}: {report.summary()}")
+        from rich.markup import escape  # names such as DIR[train] are not console markup
+
+        logger.info(escape(f"data {split}: {path}: {report.summary()}"))
         for line in report.layout_lines():
-            logger.info(f"data {split}: {line}")
+            logger.info(escape(f"data {split}: {line}"))
         if report.skipped:
             logger.log("data", 0, {f"data/{split}_skipped": len(report.skipped), f"data/{split}_read": len(report.samples)})
     if not report.samples:
