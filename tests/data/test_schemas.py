@@ -227,3 +227,21 @@ def test_config_paths_keep_hub_ids_and_resolve_local_data(tmp_path):
     config.write_text("data: {train: 'shards/*.parquet', test: test.jsonl}\n")
     cfg = load_config(RLConfig, config)
     assert cfg.data.train == str(tmp_path / "shards" / "*.parquet") and cfg.data.test == str(tmp_path / "test.jsonl")
+
+
+def test_a_json_array_and_a_template_file(tmp_path):
+    """A ``.json`` file holding one array (rows named ``file:row N``), TRL's layout with image paths beside it, and
+    ``data.prompt_template`` given as a ``.jinja`` file (EasyR1's format_prompt is a file path)."""
+    from vlrl.config import DataConfig
+    from vlrl.train.common import schema_for
+
+    foreign.images(1)[0].save(tmp_path / "cat.jpg")
+    rows = [{"image": "cat.jpg", "problem": "What animal?", "solution": "$cat$"}, {"image": "cat.jpg", "problem": 3}]
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    (tmp_path / "fmt.jinja").write_text("{{ content }} Answer in \\boxed{}.\n")
+    schema = schema_for(DataConfig(prompt_template=str(tmp_path / "fmt.jinja"), reward="string_match"))
+    report = read_samples(tmp_path / "d.json", schema=schema, on_error="skip")
+    (sample,) = report.samples
+    assert sample.id == "d-0" and sample.images == [str(tmp_path / "cat.jpg")] and sample.reward == "string_match"
+    assert sample.messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "What animal? Answer in \\boxed{}."}]
+    assert report.skipped[0][0] == f"{tmp_path / 'd.json'}:row 1" and "solution" in report.skipped[0][1]

@@ -115,3 +115,19 @@ def test_validation_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="eval.every: the demo evaluates at its own points"):
         load_config(DemoConfig, None, ["eval.every=2"])
     assert load_config(RLConfig, None, ["eval.every=2"]).eval.every == 2
+
+
+@pytest.mark.e2e
+def test_validation_over_two_fsdp_ranks(tiny_vlm_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 … vlrl rl … eval.every=1` (FSDP2): both ranks evaluate their share of the 3 held-out
+    prompts at every step (the generate calls are collective), rank 0 logs the whole."""
+    from .dist_helpers import run_checked, torchrun
+
+    out = tmp_path / "run"
+    run_checked(torchrun(2, "-m", "vlrl.cli", "rl", "--config", str(CONFIGS / "shapes_grpo.yaml"),
+                         f"model.path={tiny_vlm_dir}", "train.steps=2", "train.prompts_per_step=2", "rollout.n=2",
+                         "train.log_every=1", "data.n_train=8", "data.n_test=3", "eval.samples=2", "eval.every=1",
+                         "report.html=false", f"out={out}"), timeout=600, retry_native_abort=True, cwd=REPO)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    validation = [r for r in records if r["stage"] == "val/rl"]
+    assert [r["step"] for r in validation] == [0, 1, 2] and all(r["eval/prompts"] == 3 for r in validation)
