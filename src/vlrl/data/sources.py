@@ -7,7 +7,7 @@ A data path (``--data``, ``data.train``) is one of
   ``Dataset.from_file``): the table is memory-mapped and each image stays in it until a sample is encoded
   (`ArrowImage`); errors name ``file:row N``;
 - a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (memory-mapped the same way);
-- a folder of the files above, or a glob (``data/*.parquet``);
+- a folder of ``.jsonl`` / ``.parquet`` / ``.arrow`` files, or a glob (``data/*.parquet``, ``data/*.json``);
 - a hub id (``hiyouga/geometry3k``): ``datasets.load_dataset(id, name=subset, split=split, revision=revision)``.
 
 ``PATH@split`` picks a split of a hub id or a ``save_to_disk`` folder (EasyR1's ``hiyouga/geometry3k@test``).
@@ -27,6 +27,7 @@ from typing import Any
 from vlrl.data.sample import SampleError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+FOLDER_SUFFIXES = (".jsonl", ".parquet", ".arrow")
 _GLOB = re.compile(r"[*?\[]")
 _HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?")
 _PARQUET_MARKER = b"vlrl.sample.v1"
@@ -81,9 +82,11 @@ def open_tables(path: str | Path, *, split: str = "train", subset: str | None = 
     if local.is_dir():
         if _is_saved_dataset(local):
             return [_saved_table(local, split)]
-        files = sorted(f for f in local.iterdir() if f.suffix in FILE_SUFFIXES and f.is_file())
+        # a folder's .json files are not read (the sidecars vlrl writes beside data: plan and report .json files);
+        # name a .json data file itself, or with a glob
+        files = sorted(f for f in local.iterdir() if f.suffix in FOLDER_SUFFIXES and f.is_file())
         if not files:
-            raise SourceError(f"{local}: no {', '.join(FILE_SUFFIXES)} files (nor a `save_to_disk` dataset) in this "
+            raise SourceError(f"{local}: no {', '.join(FOLDER_SUFFIXES)} files (nor a `save_to_disk` dataset) in this "
                               "directory")
         return [_file_table(f) for f in files]
     if local.is_file():
