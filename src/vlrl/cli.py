@@ -271,7 +271,8 @@ def eval_(
         policy = load_policy(model, **bounds, options=options)
     with progress.task(f"eval {len(test)} prompts × {settings.samples}"):
         result = evaluate(build_engine(RolloutConfig(), policy, max_batch_size=settings.max_batch_size), test, settings)
-    text = json.dumps({**result.to_dict(examples=False), "settings": {**settings.model_dump(), "seed": seed}}, indent=2)
+    shown = settings.model_dump(exclude={"every", "samples_table"})  # (validation during training: not this command's)
+    text = json.dumps({**result.to_dict(examples=False), "settings": {**shown, "seed": seed}}, indent=2)
     if out:
         out.write_text(text + "\n")
     typer.echo(text)
@@ -576,6 +577,7 @@ def data_import(
     """Read a dataset in any supported layout and write it as vlrl's own jsonl + images, to inspect or edit it."""
     from vlrl.config import ConfigError, DataConfig
     from vlrl.data import DataError, read_samples, write_samples
+    from vlrl.data.sources import split_suffix
     from vlrl.train.common import sample_check, schema_for
 
     pairs = [c.partition("=") for c in column or []]
@@ -593,7 +595,8 @@ def data_import(
     try:
         with progress.task(f"read {source}"):
             report = read_samples(source, on_error=cfg.on_error, check=sample_check, schema=schema, verify_images=True)
-        target = out if out.suffix in (".jsonl", ".parquet") else out / f"{schema.split}.jsonl"
+        chosen = split_suffix(source)[1] or schema.split  # SOURCE@test: test.jsonl
+        target = out if out.suffix in (".jsonl", ".parquet") else out / f"{chosen}.jsonl"
         with progress.task(f"write {target}"):
             path = write_samples(report.samples, target)
     except DataError as err:

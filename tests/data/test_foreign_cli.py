@@ -138,3 +138,5 @@ def test_data_import_writes_vlrl_jsonl_that_reads_back(data, tmp_path):
     assert first.messages[0] == {"role": "system", "content": "Answer briefly."}
     assert first.metadata["extra_info"]["question"].startswith("<image>Find x")
     assert Path(first.images[0]).read_bytes() == original[0].images[0].image_source()  # bytes as stored
+    done = cli("data", "import", f"{data['easyr1']}@test", "--out", str(tmp_path / "geo"))
+    assert "easyr1 layout (auto:" in done.stdout and (tmp_path / "geo" / "test.jsonl").is_file()  # named by its split

@@ -24,7 +24,6 @@ arguments), as TRL passes them.
 from __future__ import annotations
 
 import copy
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -132,7 +131,7 @@ def detect_format(columns: list[str], schema: Schema) -> tuple[str, str]:
         return "trl", f"auto: {'prompt' if 'prompt' in cols else 'problem'} + solution, TRL's GRPO layout"
     if {"problem", "answer"} <= cols:
         return "easyr1", "auto: problem + answer, EasyR1's layout (data.prompt_key / answer_key defaults)"
-    if {"prompt", "answer"} <= set(schema.columns) or ("prompt" in schema.columns and "answer" in schema.columns):
+    if {"prompt", "answer"} <= set(schema.columns):
         return "columns", "auto: no known layout; data.columns names the prompt and the answer"
     raise SampleError(
         f"cannot tell the layout of a dataset with columns [{listed}]: set data.format (vlrl, easyr1, verl, trl) "
@@ -426,8 +425,3 @@ def _parts(content: Any) -> list[dict[str, Any]]:
         else:
             raise SampleError(f"field 'prompt': a content part of type {kind!r} (expected text or image)")
     return out
-
-
-def metadata_json(value: Any) -> Any:
-    """A JSON-safe copy of a metadata value (for `vlrl data import`)."""
-    return json.loads(json.dumps(value, default=str))
