@@ -1,11 +1,17 @@
 import functools
 import os
 import re
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# HF `datasets` writes its Arrow cache of every parquet file it reads (vlrl reads parquet through it), and transformers
+# copies a checkpoint's own modelling code before importing it: both go to a temporary directory, not ~/.cache.
+_HF_TMP = tempfile.mkdtemp(prefix="vlrl-tests-hf-")
+os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(_HF_TMP, "datasets"))
+os.environ.setdefault("HF_MODULES_CACHE", os.path.join(_HF_TMP, "modules"))
 # Under pytest-xdist (`make test` runs one worker per core) each worker keeps to one thread: two workers with two
 # threads each would oversubscribe the cores.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

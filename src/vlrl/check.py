@@ -318,7 +318,14 @@ def _check_held_out(report: CheckReport, cfg: RunConfig) -> None:
 
 
 def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]:
-    from vlrl.train.common import generate_split, hold_out_problem, holds_out, media_limits, split_held_out
+    from vlrl.train.common import (
+        generate_split,
+        hold_out_problem,
+        holds_out,
+        media_limits,
+        schema_for,
+        split_held_out,
+    )
 
     data, out = cfg.data, {}
     for split, path, count in (("train", data.train, data.n_train), ("test", data.test, data.n_test)):
@@ -337,7 +344,12 @@ def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]
             except ValueError as err:
                 report.problem("data.tasks", str(err))
             continue
-        out[split] = read_data(report, f"data.{split}", path, data.on_error, media_limits(data))
+        try:
+            schema = schema_for(data, split)
+        except (ValueError, OSError) as err:
+            report.problem("data", str(err))
+            continue
+        out[split] = read_data(report, f"data.{split}", path, data.on_error, media_limits(data), schema)
     if holds_out(data) and "train" in out:
         problem = hold_out_problem(data, len(out["train"]) or None)  # an unreadable file is reported already
         if problem:
@@ -394,19 +406,21 @@ def _check_sandbox(report: CheckReport, cfg: RunConfig, splits: dict[str, list[S
 
 
 def read_data(report: CheckReport, field_name: str, path: str | Path, on_error: str,
-              media: MediaLimits | None = None) -> list[Sample]:
-    """Every usable record of a data file (or directory), each checked as the recipes read it (reward names,
-    images, answers its verifier can score, videos as frames within the ``media`` budgets — default ones when
-    None); bad ones become problems (``on_error=raise``) or warnings
-    (``skip``) in ``report``, listed one by one, never raised."""
+              media: MediaLimits | None = None, schema: Any = None) -> list[Sample]:
+    """Every usable record of a data source (file, directory, glob, `save_to_disk` folder, hub id), each checked
+    as the recipes read it (reward names, images, answers its verifier can score, videos as frames within the
+    ``media`` budgets — default ones when None) in the layout of ``schema`` (`vlrl.data.schemas.Schema`; default:
+    detected); bad ones become problems (``on_error=raise``) or warnings (``skip``) in ``report``, listed one by
+    one with ``file:line`` / ``file:row N``, never raised. The layout each table was read as is a fact."""
     from vlrl.train.common import sample_check
 
     try:
         with _quiet("vlrl.data.io"):  # its "skipped N records" warning: every record is listed below instead
-            read = read_samples(path, on_error="skip", check=sample_check, media=media or MediaLimits())
-    except DataError as err:
+            read = read_samples(path, on_error="skip", check=sample_check, media=media or MediaLimits(), schema=schema)
+    except (DataError, ValueError) as err:
         report.problem(field_name, str(err))
         return []
+    report.facts.extend(f"{field_name}: {line}" for line in read.layout_lines())
     for where, reason in read.skipped[:_SHOWN_RECORDS]:
         (report.problem if on_error == "raise" else report.warn)(where, reason)
     if len(read.skipped) > _SHOWN_RECORDS:
@@ -468,19 +482,22 @@ class _Processor:
 
 
 def _load_processor(report: CheckReport, model) -> _Processor | None:
-    """Config, tokenizer, image processor and adapter of ``model.path``; no weights are materialised."""
+    """Config, tokenizer, image processor and adapter of ``model.path`` (with ``model.revision``,
+    ``model.trust_remote_code`` and ``model.chat_template_kwargs``); no weights are materialised."""
     import torch
 
     from vlrl.models import PRESETS, build_preset
     from vlrl.models.adapters import adapter_for
-    from vlrl.models.policy import set_pixel_bounds
+    from vlrl.models.policy import LoadOptions, load_parts, set_pixel_bounds
 
+    options = LoadOptions.of(model)
     path = model.path
     name = path.removeprefix("preset:")
     if name in PRESETS and not Path(path).exists():
         with torch.device("meta"):  # parameters get shapes, no storage: nothing is loaded onto a device
             policy = build_preset(name, seed=model.init_seed)
         set_pixel_bounds(policy.image_processor, model.min_pixels, model.max_pixels)
+        policy.adapter.chat_template_kwargs = dict(options.chat_template_kwargs)
         return _Processor(policy.model.config, policy.tokenizer, policy.adapter, f"preset {name}")
     local = Path(path)
     problem = model_path_problem(path)
@@ -488,16 +505,14 @@ def _load_processor(report: CheckReport, model) -> _Processor | None:
         report.problem("model.path", problem)
         return None
     try:
-        from transformers import AutoConfig, AutoTokenizer
-
-        from vlrl.models.policy import _load_image_processor
-
-        config = AutoConfig.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        image_processor = _load_image_processor(path) if hasattr(config, "vision_config") else None
+        config, tokenizer, image_processor, processor = load_parts(path, options)
         set_pixel_bounds(image_processor, model.min_pixels, model.max_pixels)
-        adapter = adapter_for(config, tokenizer, image_processor, source=path)
-    except Exception as err:  # OSError (missing files, no hub), ValueError (unsupported family), ...
+        adapter = adapter_for(config, tokenizer, image_processor, processor=processor, source=path)
+        adapter.chat_template_kwargs = dict(options.chat_template_kwargs)
+    except Exception as err:  # OSError (missing files, no hub), ValueError (unsupported family, remote code), ...
+        if "trust_remote_code" in str(err):
+            report.problem("model.trust_remote_code", str(err))
+            return None
         where = "" if local.exists() else f"no such directory, not a preset ({', '.join(PRESETS)}), and as a hub id: "
         report.problem("model.path", f"cannot load the config/tokenizer/processor of {path!r}: {where}{_first_line(err)}")
         return None

@@ -28,6 +28,37 @@ RESUME = typer.Option(None, "--resume", help="auto: continue from the latest com
 TEST = typer.Option(None, "--test", help="Held-out samples file/dir (sets data.test). Without it, a seeded "
                     "data.test_fraction of --data is held out (never the procedural suite).")
 
+# model.attn_implementation / revision / trust_remote_code / chat_template_kwargs of the commands without a config
+ATTN = typer.Option(None, "--attn-implementation", help="Attention implementation (eager, sdpa, flash_attention_2; "
+                    "as model.attn_implementation). Default: transformers' (sdpa), or the run's.")
+REVISION = typer.Option(None, "--revision", help="Hub revision (branch, tag, commit) of --model (as model.revision).")
+TRUST = typer.Option(None, "--trust-remote-code/--no-trust-remote-code", help="Run the modelling code the checkpoint "
+                     "ships (as model.trust_remote_code; off by default).")
+TEMPLATE_KWARGS = typer.Option(None, "--chat-template-kwargs", help="JSON object of chat-template variables, e.g. "
+                               "'{\"enable_thinking\": false}' (as model.chat_template_kwargs).")
+
+
+def _load_options(command: str, attn: str | None, revision: str | None, trust: bool | None, template_kwargs: str | None,
+                  base=None):
+    """The `LoadOptions` of a command's model flags, over ``base`` (a run's model section) when given."""
+    from vlrl.models.policy import LoadOptions
+
+    base = base or LoadOptions()
+    kwargs = dict(base.chat_template_kwargs)
+    if template_kwargs is not None:
+        try:
+            kwargs = json.loads(template_kwargs)
+        except json.JSONDecodeError:
+            kwargs = None
+        if not isinstance(kwargs, dict):
+            typer.secho(f"vlrl {command}: --chat-template-kwargs must be a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}'", fg="red", err=True)
+            raise typer.Exit(2)
+    return LoadOptions(attn_implementation=attn if attn is not None else base.attn_implementation,
+                       revision=revision if revision is not None else base.revision,
+                       trust_remote_code=trust if trust is not None else base.trust_remote_code,
+                       chat_template_kwargs=kwargs)
+
 
 NUMERICS = typer.Option(None, "--numerics", help="CPU kernels: native, portable (the same bits on any Intel CPU "
                         "with AVX2) or auto (portable where possible); see the numerics config field.")
@@ -206,6 +237,9 @@ def serve(
     init_seed: int = typer.Option(0, "--init-seed", help="Seed of a tiny preset's random initialisation."),
     numerics: str = typer.Option("native", "--numerics", help="CPU kernels: native, portable or auto (the trainer's "
                                  "numerics, for log-probs computed with the same kernels)."),
+    attn_implementation: str | None = ATTN,
+    revision: str | None = REVISION,
+    trust_remote_code: bool | None = TRUST,
 ) -> None:
     """Serve a policy over SGLang's native HTTP API (/generate, /update_weights_from_disk, /health, /server_info, ...)."""
     _apply_numerics("serve", numerics)
@@ -230,7 +264,8 @@ def serve(
         run_server(model, host=host, port=port, api_key=api_key, no_auth=no_auth, dtype=dtype, device=device,
                    max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
                    batch_window_ms=batch_window_ms, init_seed=init_seed, max_tokens_in_flight=max_tokens_in_flight,
-                   limits=limits, admin_api_key=admin_api_key)
+                   limits=limits, admin_api_key=admin_api_key,
+                   options=_load_options("serve", attn_implementation, revision, trust_remote_code, None))
     except (ValueError, OSError) as err:  # OSError: a model that cannot be read (no hub, missing files)
         typer.secho(f"vlrl serve: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
@@ -254,6 +289,10 @@ def eval_(
     n: int = typer.Option(200, "--n", help="Procedural test samples when there is neither --data nor a run config."),
     out: Path | None = typer.Option(None, "--out", help="Write the result as JSON here."),
     numerics: str | None = NUMERICS,
+    attn_implementation: str | None = ATTN,
+    revision: str | None = REVISION,
+    trust_remote_code: bool | None = TRUST,
+    chat_template_kwargs: str | None = TEMPLATE_KWARGS,
 ) -> None:
     """Greedy accuracy, sampled accuracy and pass@k per task on held-out data (preflight-checked first)."""
     from vlrl.config import DataConfig, ModelConfig, RolloutConfig, RunConfig
@@ -269,8 +308,14 @@ def eval_(
     given = {"samples": samples, "temperature": temperature, "top_k": top_k, "max_new_tokens": max_new_tokens}
     settings = (run.eval if run is not None else EvalConfig()).model_copy(
         update={k: v for k, v in given.items() if v is not None})
+    from vlrl.models.policy import LoadOptions
+
     bounds = {"min_pixels": run.model.min_pixels, "max_pixels": run.model.max_pixels} if run is not None else {}
-    cfg = RunConfig(model=ModelConfig(path=model, **bounds), eval=settings,
+    options = _load_options("eval", attn_implementation, revision, trust_remote_code, chat_template_kwargs,
+                            base=LoadOptions.of(run.model) if run is not None else None)
+    cfg = RunConfig(model=ModelConfig(path=model, **bounds, attn_implementation=options.attn_implementation,
+                                      revision=options.revision, trust_remote_code=options.trust_remote_code,
+                                      chat_template_kwargs=dict(options.chat_template_kwargs)), eval=settings,
                     data=DataConfig(test=data, n_test=n) if data or run is None else run.data)
     budget = "--max-new-tokens" if max_new_tokens is not None else "eval.max_new_tokens"
     typer.echo(_eval_source(model, data, run, cfg, settings), err=True)
@@ -278,15 +323,16 @@ def eval_(
     progress = _progress()
     seed_everything(seed)
     with progress.task(f"load {model}"):
-        policy = load_policy(model, **bounds)
+        policy = load_policy(model, **bounds, options=options)
     with progress.task(f"eval {len(test)} prompts × {settings.samples}"):
         result = evaluate(build_engine(RolloutConfig(), policy, max_batch_size=settings.max_batch_size), test, settings)
     from vlrl.numerics import applied
 
     decided = applied()
     numerics_used = {"requested": decided.requested, "mode": decided.mode, "reason": decided.reason}
+    shown = settings.model_dump(exclude={"every", "samples_table"})  # (validation during training: not this command's)
     text = json.dumps({**result.to_dict(examples=False),
-                       "settings": {**settings.model_dump(), "seed": seed, "numerics": numerics_used}}, indent=2)
+                       "settings": {**shown, "seed": seed, "numerics": numerics_used}}, indent=2)
     if out:
         out.write_text(text + "\n")
     typer.echo(text)
@@ -518,8 +564,10 @@ def plan(
         _apply_plan(apply, pick, feasible, launches, recipe, config, list(overrides or []))
     if measure:
         from vlrl.models import load_policy
+        from vlrl.models.policy import LoadOptions
 
-        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.model.init_seed)
+        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, seed=cfg.model.init_seed,
+                             options=LoadOptions.of(cfg.model))
         typer.echo("\n" + planner.format_measurement(planner.measure_train_step(cfg, policy, work), shape, work))
 
 
@@ -580,6 +628,58 @@ def data_gen(
     typer.echo(f"wrote {len(samples)} {suite} samples to {path} (suites: {', '.join(TASK_SUITES.names())})")
 
 
+@data_app.command("import")
+def data_import(
+    source: str = typer.Argument(..., help="A data path: file, folder, glob, `save_to_disk` folder or hub id (PATH@split "
+                                 "picks a split)."),
+    out: Path = typer.Option(..., "--out", help="Output directory: <split>.jsonl and images/ (or a .jsonl / .parquet file)."),
+    fmt: str = typer.Option("auto", "--format", help="Layout of the rows: auto, vlrl, easyr1, verl or trl (as data.format)."),
+    column: list[str] | None = typer.Option(None, "--column", help="FIELD=COLUMN (repeatable), as data.columns, e.g. "
+                                            "--column prompt=question --column answer=label."),
+    split: str = typer.Option("train", "--split", help="Split of a hub id or `save_to_disk` DatasetDict (as data.split)."),
+    subset: str | None = typer.Option(None, "--subset", help="Hub dataset configuration (as data.subset)."),
+    revision: str | None = typer.Option(None, "--revision", help="Hub dataset revision (as data.revision)."),
+    prompt_template: str | None = typer.Option(None, "--prompt-template", help="Jinja text or .jinja file (as "
+                                               "data.prompt_template)."),
+    system_prompt: str | None = typer.Option(None, "--system-prompt", help="System message (as data.system_prompt)."),
+    reward: str | None = typer.Option(None, "--reward", help="Default verifier (as data.reward)."),
+    on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them (listed)."),
+) -> None:
+    """Read a dataset in any supported layout and write it as vlrl's own jsonl + images, to inspect or edit it."""
+    from vlrl.config import ConfigError, DataConfig
+    from vlrl.data import DataError, read_samples, write_samples
+    from vlrl.data.sources import split_suffix
+    from vlrl.train.common import sample_check, schema_for
+
+    pairs = [c.partition("=") for c in column or []]
+    try:
+        if any(not sep or not field or not name for field, sep, name in pairs):
+            raise ValueError("--column: give FIELD=COLUMN, e.g. --column answer=solution")
+        cfg = DataConfig(format=fmt, columns={field: name for field, _, name in pairs}, split=split, subset=subset,
+                         revision=revision, prompt_template=prompt_template, system_prompt=system_prompt, reward=reward,
+                         on_error=on_error)
+        schema = schema_for(cfg)
+    except (ValueError, ConfigError, OSError) as err:
+        typer.secho(f"vlrl data import: {_first_line(err)}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    progress = _progress()
+    try:
+        with progress.task(f"read {source}"):
+            report = read_samples(source, on_error=cfg.on_error, check=sample_check, schema=schema, verify_images=True)
+        chosen = split_suffix(source)[1] or schema.split  # SOURCE@test: test.jsonl
+        target = out if out.suffix in (".jsonl", ".parquet") else out / f"{chosen}.jsonl"
+        with progress.task(f"write {target}"):
+            path = write_samples(report.samples, target)
+    except DataError as err:
+        typer.secho(f"vlrl data import: {err}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    for line in report.layout_lines():
+        typer.echo(line)
+    for where, reason in report.skipped:
+        typer.secho(f"skipped {where}: {reason}", fg="yellow", err=True)
+    typer.echo(f"wrote {len(report.samples)} samples to {path}" + (f" ({len(report.skipped)} skipped)" if report.skipped else ""))
+
+
 @data_app.command("pack")
 def data_pack(
     data: Path = typer.Option(..., "--data", help="Sample file (.jsonl/.parquet) or directory to plan."),
@@ -597,6 +697,9 @@ def data_pack(
     video_fps: float = typer.Option(2.0, "--video-fps", help="Frames per second taken from video files (as data.video_fps)."),
     max_frames: int = typer.Option(8, "--max-frames", help="Most frames per video (as data.max_frames)."),
     max_images: int = typer.Option(32, "--max-images", help="Most images per sample, frames included (as data.max_images)."),
+    revision: str | None = REVISION,
+    trust_remote_code: bool | None = TRUST,
+    chat_template_kwargs: str | None = TEMPLATE_KWARGS,
 ) -> None:
     """Offline packing: count every sample's tokens, plan bins of --capacity tokens, write the plan once."""
     from vlrl.data import DataError, MediaLimits, read_samples
@@ -613,7 +716,9 @@ def data_pack(
             media = MediaLimits(video_fps=video_fps, max_frames=max_frames, max_images=max_images)
             samples = read_samples(data, on_error=on_error, verify_images=False, media=media).samples
         with progress.task(f"load the processor of {model}"):
-            processor = load_processor(model, seed=init_seed, min_pixels=min_pixels, max_pixels=max_pixels)
+            processor = load_processor(model, seed=init_seed, min_pixels=min_pixels, max_pixels=max_pixels,
+                                       options=_load_options("data pack", None, revision, trust_remote_code,
+                                                             chat_template_kwargs))
         with progress.task(f"count tokens of {len(samples)} samples and pack"):
             plan = plan_samples(samples, TokenCounter(processor), capacity, workers=workers, source=str(data),
                                 model={"path": model, "init_seed": init_seed, "min_pixels": min_pixels,
@@ -706,6 +811,10 @@ def data_select(
     batch_prompts: int = typer.Option(64, "--batch-prompts", help="Prompts per generate call."),
     seed: int = typer.Option(0, "--seed"),
     on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them."),
+    attn_implementation: str | None = ATTN,
+    revision: str | None = REVISION,
+    trust_remote_code: bool | None = TRUST,
+    chat_template_kwargs: str | None = TEMPLATE_KWARGS,
 ) -> None:
     """Discrepancy-driven selection: N rollouts per prompt, pass@1 / pass@k / mean reward, keep the band."""
     from vlrl.check import CheckReport, preflight, read_data
@@ -721,7 +830,11 @@ def data_select(
         raise typer.Exit(2)
     report = CheckReport()  # the preflight: every record, the model, prompt + --max-new-tokens within the context
     samples = read_data(report, "--data", data, on_error)
-    report = preflight(RunConfig(model=ModelConfig(path=model), data=DataConfig(on_error=on_error)),
+    options = _load_options("data select", attn_implementation, revision, trust_remote_code, chat_template_kwargs)
+    model_cfg = ModelConfig(path=model, attn_implementation=options.attn_implementation, revision=options.revision,
+                            trust_remote_code=options.trust_remote_code,
+                            chat_template_kwargs=dict(options.chat_template_kwargs))
+    report = preflight(RunConfig(model=model_cfg, data=DataConfig(on_error=on_error)),
                        splits={"train": samples}, budgets=[("train", "--max-new-tokens", max_new_tokens)], report=report)
     if not report.ok:
         _preflight_failed("data select", str(data), report)
@@ -739,9 +852,9 @@ def data_select(
 
                 urls = [u.strip() for u in servers.split(",") if u.strip()]
                 engine = build_engine(RolloutConfig(servers=urls, weights_dir=str(out / "weights")),
-                                      load_processor(model), sync_weights=False)
+                                      load_processor(model, options=options), sync_weights=False)
             else:
-                engine = build_engine(RolloutConfig(), load_policy(model))
+                engine = build_engine(RolloutConfig(), load_policy(model, options=options))
         sampling = SamplingParams(n=n, temperature=temperature, top_k=top_k, max_new_tokens=max_new_tokens)
         with progress.task(f"roll out {len(samples)} prompts × {n}", total=len(samples)) as task:
             rollouts, generated, failures = rollout_and_score(

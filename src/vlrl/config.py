@@ -106,6 +106,24 @@ class ModelConfig(Section):
         "is the base with adapters disabled (no second copy), the final export is the merged model plus adapter/. "
         "Unset: full fine-tuning. See configs/shapes_lora_grpo.yaml.",
     )
+    attn_implementation: str | None = Field(
+        None, description="transformers' attention implementation of the policy: eager, sdpa, flash_attention_2 (a CUDA "
+        "GPU with flash-attn installed), flash_attention_3, flex_attention. Unset: transformers' default (sdpa where the "
+        "family supports it). The run's log states the one in use.",
+    )
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit) of model.path's config, weights, tokenizer and "
+        "processor files. Unset: the default branch.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run the modelling code a checkpoint ships (config.json auto_map, for a model type "
+        "transformers does not know). Off: such a checkpoint is refused, naming this field. Read the code first.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra variables of every chat-template rendering (prompts, multi-turn "
+        "observations, the preflight's token counts), e.g. {enable_thinking: false} for Qwen3 / Qwen3.5 templates "
+        "that think by default (verl's data.apply_chat_template_kwargs).",
+    )
 
     @model_validator(mode="after")
     def _check_pixels(self) -> ModelConfig:
@@ -119,17 +137,51 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     train: str | None = Field(
-        None, description="Training samples: a .jsonl/.parquet file or a directory of them (relative paths in a "
-        "config file: from that file's directory; on the command line: from the current directory). "
+        None, description="Training samples: a .jsonl / .json / .parquet / .arrow file, a directory of them, a glob "
+        "(data/*.parquet), a `save_to_disk` folder, or a hub id (hiyouga/geometry3k; PATH@split picks a split, as "
+        "EasyR1's data.train_files). Local paths in a config file are read from that file's directory; on the "
+        "command line, from the current directory. In vlrl's layout or another one (`format`). "
         "Unset: generate `n_train` samples of the procedural `suite`.",
-        json_schema_extra={"path": "file"},
+        json_schema_extra={"path": "data"},
     )
     test: str | None = Field(
-        None, description="Held-out samples (same formats and path rules). Unset with `train` set: a seeded "
-        "`test_fraction` of `train` is held out (never the procedural suite). Unset with `train` unset: generate "
-        "`n_test` samples of `suite`.",
-        json_schema_extra={"path": "file"},
+        None, description="Held-out samples (same sources, layouts and path rules; `test_split` is its split). Unset "
+        "with `train` set: a seeded `test_fraction` of `train` is held out (never the procedural suite). Unset with "
+        "`train` unset: generate `n_test` samples of `suite`.",
+        json_schema_extra={"path": "data"},
     )
+    format: Literal["auto", "vlrl", "easyr1", "verl", "trl"] = Field(
+        "auto", description="Layout of the data's rows: vlrl (README \"Data format\"); easyr1 (problem with <image> "
+        "markers, answer, images); verl (examples/data_preprocess: prompt chat list, images, data_source, "
+        "reward_model.ground_truth, extra_info); trl (prompt or problem, image or images, solution); auto: detected "
+        "from the columns, and the log and `vlrl check` say which.",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="Rename the layout's columns: vlrl field (id, task, prompt, images, answer, "
+        "response, reward) → your column, e.g. {prompt: question, images: image, answer: label, task: source}. A "
+        "dotted name reads inside a struct column (reward_model.ground_truth).",
+    )
+    prompt_template: str | None = Field(
+        None, description="Jinja template of the prompt text (EasyR1's data.format_prompt): rendered with `content` = "
+        "the prompt (image markers <image> kept in place) and every column by name; inline text or a .jinja file "
+        "(found beside the config file). E.g. '{{ content | trim }} Put the final answer in \\boxed{}.'",
+        json_schema_extra={"path": "model"},
+    )
+    system_prompt: str | None = Field(
+        None, description="A system message put first in every prompt that has none (TRL's SYSTEM_PROMPT).")
+    reward: str | dict[str, float] | None = Field(
+        None, description="The verifier of rows that name none (a registered name, 'pkg.mod:fn', or weights of "
+        "several: {math: 0.9, format: 0.1}). A row's own `reward` wins; unset: data.reward_by_source, then the "
+        "layout's default (easyr1 and trl: math; verl: by data_source).",
+    )
+    reward_by_source: dict[str, str | dict[str, float]] = Field(
+        default_factory=dict, description="Verifier by the row's task — verl's data_source — (verl's "
+        "default_compute_score dispatch), before `reward`, e.g. {hiyouga/geometry3k: math, my/ocr-set: ocr}.",
+    )
+    split: str = Field("train", description="Split of `train` when it is a hub id or a `save_to_disk` DatasetDict.")
+    test_split: str = Field("test", description="Split of `test` when it is a hub id or a `save_to_disk` DatasetDict.")
+    subset: str | None = Field(None, description="Configuration (subset) of a hub dataset (load_dataset's `name`).")
+    revision: str | None = Field(None, description="Git revision (branch, tag, commit) of a hub dataset.")
     test_fraction: float = Field(
         0.1, ge=0, lt=1, description="With `train` set and `test` unset: the share of `train` held out for evaluation "
         "(seeded by `seed`, chosen by sample id, so `vlrl sft` and `vlrl rl` on the same file hold out the same "
@@ -198,6 +250,17 @@ class EvalConfig(Section):
                        "rollout.top_k). Set it to the training rollout's top_k to evaluate the distribution RL sampled.")
     max_new_tokens: int = Field(16, ge=1, description="Generation budget per evaluation response.")
     max_batch_size: int = Field(256, ge=1, description="Sequences generated at once during evaluation.")
+    every: int = Field(
+        0, ge=0, description="Validate during training: evaluate the held-out prompts every N steps of each SFT / RL "
+        "stage (verl trainer.test_freq, EasyR1 trainer.val_freq, TRL eval_steps), logged as val/<stage> in "
+        "metrics.jsonl, the report's curves and the trackers, with the initial (RL) and final evaluations at its ends. "
+        "0: evaluate only before (RL) and after training. Not with rollout.mode=async or in `vlrl demo`.",
+    )
+    samples_table: int = Field(
+        0, ge=0, description="With `every`: this many held-out prompts per validation, with their greedy responses, "
+        "answers and rewards, as a table in the trackers (TensorBoard text, W&B table; verl's "
+        "trainer.log_val_generations). 0: none (samples.jsonl holds responses either way).",
+    )
 
 
 _Beta = Annotated[float, Field(ge=0, lt=1)]  # an AdamW beta: β = 1 never forgets, β > 1 diverges
@@ -895,6 +958,10 @@ class RLConfig(RunConfig, RLStage):
     def _check_stages(self) -> RLConfig:
         _check_stages(self, ("rollout", "algo", "optim", "train", "staleness", "select"),
                       "rollout, algo, optim, train, staleness and select")
+        if self.eval.every and any(stage.rollout.mode == "async" for stage in [self, *self.stages]):
+            raise ValueError(f"eval.every={self.eval.every} with rollout.mode=async: the background rollout shares the "
+                             "engine with the evaluation; validate with rollout.mode=sync, or set eval.every=0 (the run "
+                             "still evaluates before and after training)")
         return self
 
 
@@ -917,6 +984,9 @@ class DemoConfig(RunConfig):
 
     @model_validator(mode="after")
     def _check_in_process(self) -> DemoConfig:
+        if self.eval.every:
+            raise ValueError("eval.every: the demo evaluates at its own points (base, sft, rl, control); validation "
+                             "during training is for `vlrl sft` and `vlrl rl`")
         if self.rl.rollout.mode != "sync" or self.rl.rollout.servers:
             raise ValueError("rl.rollout.mode / rl.rollout.servers: the demo runs the synchronous in-process recipe; "
                              "use `vlrl rl` for asynchronous training or rollout servers")
@@ -1050,10 +1120,27 @@ def resolve_paths(cls: type[BaseModel], raw: dict[str, Any], base: Path) -> dict
         value = node[key]
         if value.startswith("~"):
             node[key] = str(Path(value).expanduser())
+        elif kind == "data" and value and not Path(value).is_absolute():
+            node[key] = _resolve_data_path(value, base)
         elif value and not Path(value).is_absolute() and \
                 (kind == "file" or (base / value).exists() or value.startswith(("./", "../"))):
             node[key] = str((base / value).resolve())
     return raw
+
+
+def _resolve_data_path(value: str, base: Path) -> str:
+    """A data path (kind ``data``): a local file, folder or glob is made absolute against ``base`` (an ``@split``
+    suffix kept); a hub id (``org/name``, ``name``, not a path under ``base``, no file suffix) stays as written."""
+    import re
+
+    head, sep, split = value.rpartition("@")
+    if not (sep and head and split and "/" not in split):
+        head, sep, split = value, "", ""
+    hub_like = re.fullmatch(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?", head) is not None and \
+        not head.endswith((".jsonl", ".json", ".parquet", ".arrow"))
+    if hub_like and not (base / head).exists():
+        return value
+    return str((base / head).resolve()) + sep + split
 
 
 def _explain(err: ValidationError, path: Path | None) -> str:

@@ -1,4 +1,6 @@
-"""Read and write Sample files: jsonl (images as relative files or data URLs) and parquet (images as bytes).
+"""Read and write Sample files: jsonl (images as relative files or data URLs) and parquet (images as bytes) —
+and read the datasets users bring: parquet / arrow / json files, globs, `save_to_disk` folders and hub ids
+(`vlrl.data.sources`) in vlrl's, EasyR1's, verl's or TRL's layout (`vlrl.data.schemas`).
 
 Bad input never disappears silently: with ``on_error="raise"`` the first bad record raises a `DataError`
 naming the file and line (or row); with ``on_error="skip"`` it is skipped and counted in the returned
@@ -17,13 +19,17 @@ from typing import Any, Literal
 from PIL import Image
 
 from vlrl.data.sample import (
+    DeferredImage,
     Sample,
     SampleError,
+    image_size,
     image_to_png_bytes,
     load_image,
-    sample_from_json,
+    open_image,
     sample_to_json,
 )
+from vlrl.data.schemas import LAYOUTS, RowContext, Schema, default_reward_note, detect_format, row_to_sample
+from vlrl.data.sources import SourceError, Table, open_tables
 from vlrl.data.video import MediaLimits, prepare_media
 
 log = logging.getLogger(__name__)
@@ -38,16 +44,25 @@ class DataError(ValueError):
 
 @dataclass
 class ReadReport:
-    """What a read produced: the samples, and every skipped record with its reason."""
+    """What a read produced: the samples, every skipped record with its reason, and the layout each table was
+    read as (``(table, format, why)``, plus the verifier chosen when the run names none)."""
 
     samples: list[Sample]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file:line, reason)
+    formats: list[tuple[str, str, str]] = field(default_factory=list)  # (table, format, why)
 
     def summary(self) -> str:
         text = f"{len(self.samples)} samples"
+        layouts = sorted({f for _, f, _ in self.formats})
+        if layouts and layouts != ["vlrl"]:
+            text += f" ({', '.join(layouts)} layout)"
         if self.skipped:
             text += f", {len(self.skipped)} skipped (first: {self.skipped[0][0]}: {self.skipped[0][1]})"
         return text
+
+    def layout_lines(self) -> list[str]:
+        """One line per table read: its layout and why (what ``data.format: auto`` chose)."""
+        return [f"{name}: {fmt} layout ({why})" for name, fmt, why in self.formats]
 
 
 def read_samples(
@@ -57,54 +72,44 @@ def read_samples(
     check: Callable[[Sample], None] | None = None,
     verify_images: bool = True,
     media: MediaLimits | None = MediaLimits(),  # noqa: B008  (frozen)
+    schema: Schema | None = None,
 ) -> ReadReport:
-    """Read samples from a ``.jsonl`` or ``.parquet`` file, or every such file in a directory.
+    """Read samples from a data path: a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.arrow`` file, a directory of
+    them, a glob, a ``save_to_disk`` folder or a hub id (`vlrl.data.sources`), in any layout of
+    `vlrl.data.schemas` (``schema``: the ``data.*`` settings; default: detected, vlrl's defaults).
 
     Args:
         on_error: ``"raise"`` stops at the first bad record; ``"skip"`` skips and counts it.
         check: an extra per-sample validation (e.g. that reward names are registered); it raises
             ``ValueError``/``KeyError`` with a message, which is reported with the file and line.
         verify_images: open every image once at read time so a missing or corrupt file is reported here
-            (with its line) rather than in the middle of training.
+            (with its line) rather than in the middle of training. Images that stay in a memory-mapped table
+            (`vlrl.data.sources.ArrowImage`) are checked from their header only: nothing is decoded.
         media: how videos become frames and the per-sample image budgets (`vlrl.data.video.prepare_media`);
             a sample over a budget is a bad record. None: samples are returned as read (videos kept). Its
             ``max_record_bytes`` (the default one when None) bounds each record while it is read.
     """
-    path = Path(path)
-    if path.is_dir():
-        files = sorted([*path.glob("*.jsonl"), *path.glob("*.parquet")])
-        if not files:
-            raise DataError(f"{path}: no .jsonl or .parquet files in this directory")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise DataError(f"{path}: no such file or directory")
+    schema = schema or Schema()
+    try:
+        tables = open_tables(path, split=schema.split, subset=schema.subset, revision=schema.revision,
+                             max_record_bytes=(media or MediaLimits()).max_record_bytes)
+    except SourceError as err:
+        raise DataError(str(err)) from err
     report = ReadReport(samples=[])
     seen_ids: dict[str, str] = {}
-    max_record = (media or MediaLimits()).max_record_bytes
-    for file in files:
-        if file.suffix == ".jsonl":
-            records = _jsonl_records(file, max_record)
-        elif file.suffix == ".parquet":
-            records = _parquet_records(file, max_record)
-        else:
-            raise DataError(f"{file}: unsupported file type (use .jsonl or .parquet)")
-        for where, record in records:
+    for table in tables:
+        for where, record in _table_records(table, schema, report, on_error):
             try:
                 if isinstance(record, Exception):
                     raise record
-                sample = sample_from_json(record, file.parent)
+                sample = record
                 sample.source = where
                 if media is not None:
                     sample = prepare_media(sample, media)
                 if sample.id in seen_ids:
                     raise SampleError(f"duplicate id {sample.id!r} (first seen at {seen_ids[sample.id]})")
                 if verify_images:
-                    for k, image in enumerate(sample.images):
-                        try:
-                            load_image(image)
-                        except SampleError as err:
-                            raise SampleError(f"field 'images[{k}]': {err}") from err
+                    _verify_images(sample)
                 if check is not None:
                     check(sample)
             except (ValueError, KeyError) as err:
@@ -120,87 +125,45 @@ def read_samples(
     return report
 
 
-def _too_big(size: int, limit: int, *, at_least: bool = False) -> SampleError:
-    return SampleError(f"a record of {'at least ' if at_least else ''}{size:,} bytes, more than "
-                       f"data.max_record_bytes ({limit:,})")
-
-
-def _jsonl_records(file: Path, max_record_bytes: int) -> Iterable[tuple[str, Any]]:
-    """(file:line, record or the error that makes it bad) of each non-blank line. A line is read at most
-    ``max_record_bytes`` (+ its newline) at a time: a longer one is skipped through in 1 MiB pieces, never held."""
-    with open(file, "rb") as handle:
-        number = 0
-        while line := handle.readline(max_record_bytes + 1):
-            number += 1
-            where = f"{file}:{number}"
-            if len(line) > max_record_bytes and not line.endswith(b"\n"):
-                size = len(line)
-                del line
-                while piece := handle.readline(1 << 20):
-                    size += len(piece)
-                    if piece.endswith(b"\n"):
-                        size -= 1
-                        break
-                yield where, _too_big(size, max_record_bytes)
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as err:
-                yield where, SampleError(f"not UTF-8 text (byte {err.start + 1} of the line)")
-            except json.JSONDecodeError as err:
-                yield where, SampleError(f"malformed JSON ({err.msg} at column {err.colno})")
-
-
-def _parquet_records(file: Path, max_record_bytes: int) -> Iterable[tuple[str, Any]]:
-    """(file:row N, record or the error that makes it bad), read one row group at a time. A row group whose
-    uncompressed size exceeds ``max_record_bytes`` × its rows holds a row over the bound (its largest row is at
-    least its mean): the whole group is one bad record, not read; otherwise each row is measured once read."""
-    import pyarrow.parquet as pq
-
+def _table_records(table: Table, schema: Schema, report: ReadReport, on_error: OnError) -> Iterable[tuple[str, Any]]:
+    """(where, Sample or the error that row gave) of one table, in the layout detected (or set) for it."""
     try:
-        parquet = pq.ParquetFile(file)
-        ours = (parquet.schema_arrow.metadata or {}).get(b"vlrl") == _PARQUET_MARKER
-    except Exception as err:
-        raise DataError(f"{file}: cannot read parquet ({err})") from err
-    first = 0
-    for group in range(parquet.num_row_groups):
-        meta = parquet.metadata.row_group(group)
-        rows = range(first, first + meta.num_rows)
-        first += meta.num_rows
-        if meta.total_byte_size > max_record_bytes * max(1, meta.num_rows):
-            where = f"{file}:rows {rows.start}-{rows.stop - 1}" if len(rows) > 1 else f"{file}:row {rows.start}"
-            yield where, _too_big(-(-meta.total_byte_size // max(1, meta.num_rows)), max_record_bytes, at_least=True)
+        fmt, why = ("vlrl", "vlrl's parquet") if table.vlrl_parquet else detect_format(table.columns, schema)
+    except SampleError as err:
+        raise DataError(f"{table.name}: {err}") from err
+    note = default_reward_note(fmt, schema)
+    report.formats.append((table.name, fmt, why + (f"; {note}" if note else "")))
+    lazy = [schema.columns["images"]] if "images" in schema.columns else list(LAYOUTS.get(fmt, LAYOUTS["easyr1"]).images)
+    context = RowContext(table.stem, table.id_prefix, table.base_dir, fmt)
+    for index, (where, record) in enumerate(table.rows(lazy)):
+        if isinstance(record, Exception):
+            yield where, record
             continue
         try:
-            table = parquet.read_row_group(group)
-        except Exception as err:
-            raise DataError(f"{file}: cannot read parquet row group {group} ({err})") from err
-        for row_number, row in zip(rows, table.to_pylist(), strict=True):
-            where = f"{file}:row {row_number}"
-            size = _row_bytes(row)
-            if size > max_record_bytes:
-                yield where, _too_big(size, max_record_bytes)
-                continue
-            try:
-                yield where, _decode_parquet_row(row, ours)
-            except (ValueError, TypeError) as err:
-                yield where, SampleError(str(err))
+            if not isinstance(record, dict):
+                raise SampleError(f"expected a JSON object, got {type(record).__name__}")
+            if fmt == "vlrl":
+                arrow = not table.name.endswith((".jsonl", ".json"))  # parquet / arrow: JSON-string columns
+                record = _decode_parquet_row(record, table.vlrl_parquet) if arrow else record
+            yield where, row_to_sample(record, index, schema, context)
+        except (ValueError, TypeError, KeyError) as err:
+            yield where, err if isinstance(err, ValueError) else SampleError(str(err))
 
 
-def _row_bytes(value: Any) -> int:
-    """Bytes of a parquet row's strings and binary values (what its record holds), nested values included."""
-    if isinstance(value, (bytes, str)):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_row_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_row_bytes(v) for v in value)
-    return 8
+def _verify_images(sample: Sample) -> None:
+    """Every image of ``sample`` opens: decoded in full, or — kept in its memory-mapped table — from its header."""
+    for k, image in enumerate(sample.images):
+        try:
+            if isinstance(image, DeferredImage):
+                image_size(image)
+            else:
+                load_image(image)
+        except SampleError as err:
+            raise SampleError(f"field 'images[{k}]': {err}") from err
 
 
 def _decode_parquet_row(row: dict[str, Any], ours: bool) -> dict[str, Any]:
+    """vlrl's parquet columns: messages, metadata (and, in vlrl's own files, answer and reward) as JSON strings."""
     record = {k: v for k, v in row.items() if v is not None}
     for key in ("messages", "metadata", "reward") + (("answer",) if ours else ()):
         value = record.get(key)
@@ -210,18 +173,6 @@ def _decode_parquet_row(row: dict[str, Any], ours: bool) -> dict[str, Any]:
             except json.JSONDecodeError as err:
                 if key != "reward":
                     raise ValueError(f"field {key!r}: not valid JSON ({err.msg})") from err
-    images = []
-    for k, image in enumerate(record.get("images") or []):
-        if isinstance(image, dict):  # the HF `datasets` Image feature: {"bytes": ..., "path": ...}
-            image = image.get("bytes") or image.get("path")
-        if isinstance(image, bytes):
-            import base64
-
-            image = "data:image/png;base64," + base64.b64encode(image).decode()
-        if not isinstance(image, str):
-            raise ValueError(f"field 'images[{k}]': expected bytes or a path")
-        images.append(image)
-    record["images"] = images
     return record
 
 
@@ -255,17 +206,33 @@ def _relative(path: str, root: Path) -> str | None:
 
 
 def _write_image(image: Any, root: Path, stem: str) -> str:
-    """The jsonl path of one image: its own path when it lies under ``root``, else a PNG written to images/."""
+    """The jsonl path of one image: its own path when it lies under ``root``; encoded bytes (a dataset's JPEG, a
+    data URL) written as they are, under images/ with their format's suffix; a decoded image as a PNG there."""
+    if isinstance(image, DeferredImage):
+        image = image.image_source()
     if isinstance(image, str) and not image.startswith("data:"):
         relative = _relative(image, root)
         if relative is not None:
             return relative
+    (root / "images").mkdir(exist_ok=True)
+    if isinstance(image, bytes) or (isinstance(image, str) and image.startswith("data:")):
+        data = image if isinstance(image, bytes) else _data_url_bytes(image)
+        with open_image(data) as opened:
+            suffix = {"JPEG": "jpg", "MPO": "jpg"}.get(opened.format or "PNG", (opened.format or "png").lower())
+        name = f"images/{stem}.{suffix}"
+        (root / name).write_bytes(data)
+        return name
     if not isinstance(image, Image.Image):
         image = load_image(image)
-    (root / "images").mkdir(exist_ok=True)
     name = f"images/{stem}.png"
     image.save(root / name)
     return name
+
+
+def _data_url_bytes(url: str) -> bytes:
+    import base64
+
+    return base64.b64decode(url.split(",", 1)[1])
 
 
 def _write_parquet(samples: list[Sample], out: Path) -> Path:

@@ -18,12 +18,23 @@ import io
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from PIL import Image
 
-# An image source: a path on disk, encoded bytes (PNG/JPEG/...), or an already decoded PIL image.
-ImageSource = str | bytes | Image.Image
+
+@runtime_checkable
+class DeferredImage(Protocol):
+    """An image that stays where its dataset keeps it until it is used: a row of a memory-mapped Arrow table
+    (`vlrl.data.sources.ArrowImage`). `open_image` asks it for its encoded bytes or path at that moment, so
+    reading a large dataset decodes no image."""
+
+    def image_source(self) -> str | bytes: ...
+
+
+# An image source: a path on disk, encoded bytes (PNG/JPEG/...), an already decoded PIL image, or an image read
+# from its dataset only when used (`DeferredImage`).
+ImageSource = str | bytes | Image.Image | DeferredImage
 # A video source: a video file's path (decoded with PyAV), or its frames as a list of image sources.
 VideoSource = str | list[ImageSource]
 
@@ -153,6 +164,10 @@ def open_image(source: ImageSource) -> Image.Image:
     server's ``image_data``, the synthesis server's jobs) all come through here."""
     if isinstance(source, Image.Image):
         return source
+    if isinstance(source, DeferredImage):
+        source = source.image_source()
+        if isinstance(source, Image.Image):
+            return source
     where = source if isinstance(source, str) and not _DATA_URL.match(source) and len(source) < 300 else "<bytes>"
     try:
         if isinstance(source, bytes):
@@ -190,6 +205,8 @@ def load_image(source: ImageSource, *, max_pixels: int | None = None, mode: str 
     is refused from its header, before its pixels are decoded."""
     if isinstance(source, Image.Image):
         return source if source.mode == mode else source.convert(mode)
+    if isinstance(source, DeferredImage):
+        source = source.image_source()
     image = open_image(source)
     where = source if isinstance(source, str) and not _DATA_URL.match(source) and len(source) < 300 else "<bytes>"
     try:
@@ -281,8 +298,11 @@ def _resolve(path: str, base_dir: Path) -> str:
     return str(Path(path) if Path(path).is_absolute() else base_dir / path)
 
 
-def _image_source(image: Any, base_dir: Path, name: str) -> str:
-    """One image of a jsonl record: a path (relative ones resolve against ``base_dir``) or a data URL."""
+def _image_source(image: Any, base_dir: Path, name: str) -> ImageSource:
+    """One image of a jsonl record: a path (relative ones resolve against ``base_dir``) or a data URL; a source a
+    dataset reader already resolved (encoded bytes, a PIL image, a `DeferredImage`) passes through."""
+    if isinstance(image, (bytes, Image.Image, DeferredImage)):
+        return image
     if isinstance(image, str):
         return image if _DATA_URL.match(image) else _resolve(image, base_dir)
     raise SampleError(f"field '{name}': expected a path or a data:image/...;base64 URL")

@@ -65,8 +65,21 @@ class EvalResult:
                 **{f"pass@{self.k}/{task}": v for task, v in self.pass_at_k.items()}, **self.agent}
 
 
-def evaluate(engine: Engine, samples: list[Sample], cfg: EvalConfig) -> EvalResult:
-    """Greedy and ``cfg.samples`` sampled responses per held-out prompt, scored per task."""
+def evaluate(engine: Engine, samples: list[Sample], cfg: EvalConfig, *, ctx: Any = None) -> EvalResult:
+    """Greedy and ``cfg.samples`` sampled responses per held-out prompt, scored per task.
+
+    ``ctx`` (a `vlrl.train.distributed.DistContext` of several ranks, ``eval.every`` under torchrun): every rank
+    evaluates an equal share of the prompts (the list padded with repeats, which are then left out) with its own
+    engine — the ranks' generate calls are collective under FSDP2 — and every rank returns the result of all."""
+    if ctx is not None and getattr(ctx, "enabled", False):
+        return _evaluate_over_ranks(engine, samples, cfg, ctx)
+    scores, failures, examples, agent = _score(engine, samples, cfg)
+    return _result(scores, cfg.samples, len(samples), failures, examples, agent)
+
+
+def _score(engine: Engine, samples: list[Sample], cfg: EvalConfig):
+    """Per prompt ``{task, greedy, accuracy, pass@k, reward}``, the verifier failures, a few greedy examples and
+    (episodes) the agent metrics."""
     requests = [engine.encode(s) for s in samples]
     greedy = engine.generate(requests, SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens))
     sampled = engine.generate(
@@ -75,29 +88,51 @@ def evaluate(engine: Engine, samples: list[Sample], cfg: EvalConfig) -> EvalResu
     )
     failures = len(score_trajectories(greedy).failures) + len(score_trajectories(sampled).failures)
     k = cfg.samples
-    per_task: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for t in greedy:
-        per_task[t.sample.task]["greedy"].append(correct(t))
     by_prompt: dict[int, list[Trajectory]] = defaultdict(list)
     for t in sampled:
         by_prompt[t.group_index].append(t)
-    for group in by_prompt.values():
-        task = group[0].sample.task
-        c = sum(correct(t) >= 0.5 for t in group)
-        per_task[task]["accuracy"].append(sum(correct(t) for t in group) / len(group))
-        per_task[task]["pass@k"].append(pass_at_k(len(group), c, k))
-        per_task[task]["reward"].append(sum(t.reward for t in group) / len(group))
+    greedy_of = {t.group_index: t for t in greedy}
+    scores = []
+    for index, sample in enumerate(samples):  # group_index = the request's index (the Engine contract)
+        group = by_prompt.get(index, [])
+        c = sum(correct(s) >= 0.5 for s in group)
+        scores.append({"task": sample.task, "greedy": correct(greedy_of[index]) if index in greedy_of else 0.0,
+                       "accuracy": sum(correct(s) for s in group) / max(len(group), 1),
+                       "pass@k": pass_at_k(len(group), c, k) if group else 0.0,
+                       "reward": sum(s.reward for s in group) / max(len(group), 1)})
+    examples = [{"task": t.sample.task, "id": t.sample.id, "prompt": t.sample.prompt_text(), "response": t.response_text,
+                 "answer": t.sample.answer, "reward": t.reward} for t in greedy[:8]]
+    agent = agent_metrics(sampled) if any(t.turns for t in sampled) else {}
+    return scores, failures, examples, agent
+
+
+def _result(scores: list[dict[str, Any]], k: int, n_prompts: int, failures: int, examples: list[dict[str, Any]],
+            agent: dict[str, float]) -> EvalResult:
+    per_task: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for score in scores:
+        for metric in ("greedy", "accuracy", "pass@k", "reward"):
+            per_task[score["task"]][metric].append(score[metric])
     tables = {}
     for metric in ("accuracy", "greedy", "pass@k", "reward"):
         table = {task: _mean(v[metric]) for task, v in sorted(per_task.items())}
         table["mean"] = _mean(list(table.values()))
         tables[metric] = table
-    examples = [{"task": t.sample.task, "id": t.sample.id, "response": t.response_text, "answer": t.sample.answer,
-                 "reward": t.reward} for t in greedy[:8]]
-    agent = agent_metrics(sampled) if any(t.turns for t in sampled) else {}
     return EvalResult(accuracy=tables["accuracy"], greedy=tables["greedy"], pass_at_k=tables["pass@k"],
-                      reward=tables["reward"], k=k, n_prompts=len(samples), reward_failures=failures, examples=examples,
+                      reward=tables["reward"], k=k, n_prompts=n_prompts, reward_failures=failures, examples=examples,
                       agent=agent)
+
+
+def _evaluate_over_ranks(engine: Engine, samples: list[Sample], cfg: EvalConfig, ctx: Any) -> EvalResult:
+    world = ctx.world_size
+    padded = list(samples) + [samples[i % len(samples)] for i in range(-len(samples) % world)]
+    size = len(padded) // world
+    mine = padded[ctx.rank * size : (ctx.rank + 1) * size]
+    scores, failures, examples, agent = _score(engine, mine, cfg)
+    real = max(0, min(size, len(samples) - ctx.rank * size))  # this share's prompts that are not repeats
+    parts = ctx.gather_objects((scores[:real], failures, examples))
+    everything = [s for part, _, _ in parts for s in part]
+    return _result(everything, cfg.samples, len(samples), sum(f for _, f, _ in parts),
+                   [e for _, _, ex in parts for e in ex][:8], agent)
 
 
 def _mean(values: list[float]) -> float:

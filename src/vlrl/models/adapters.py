@@ -222,6 +222,9 @@ class TextAdapter:
 
     # Padding-free rows hold one sequence each (set by `adapter_for`, see `one_sequence_per_row`).
     one_sequence_per_row = False
+    # Extra variables of every chat-template rendering (`model.chat_template_kwargs`, e.g. enable_thinking=False);
+    # set by `load_policy` / `load_processor` and the preflight check.
+    chat_template_kwargs: dict[str, Any] = {}  # noqa: RUF012  (replaced per instance, never mutated)
 
     def __init__(self, tokenizer: Any, eos_token_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
@@ -242,7 +245,7 @@ class TextAdapter:
         """
         full = self.tokenizer.apply_chat_template(
             DUMMY_MESSAGES + list(messages), tokenize=False, add_generation_prompt=True,
-            **({"tools": tools} if tools else {}),
+            **({"tools": tools} if tools else {}), **self.chat_template_kwargs,
         )
         at = full.find(_DUMMY_ASSISTANT)
         markers = [m for m in self.tokenizer.convert_ids_to_tokens(self.eos_token_ids) if m]
@@ -274,7 +277,7 @@ class TextAdapter:
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
         )
 
     def encode_prompt(self, messages: list[dict[str, Any]], images: list[Image.Image]) -> EncodedPrompt:

@@ -7,7 +7,9 @@ plain transformers, vLLM and SGLang load.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,38 @@ import torch
 from vlrl.models.adapters import TextAdapter, adapter_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a checkpoint is loaded (``model.attn_implementation`` / ``revision`` / ``trust_remote_code`` /
+    ``chat_template_kwargs``). Every command that loads a model passes them (`LoadOptions.of` its model section).
+
+    Attributes:
+        attn_implementation: transformers' ``attn_implementation`` (eager, sdpa, flash_attention_2, ...); None:
+            transformers' default (sdpa where the family supports it).
+        revision: the hub revision (branch, tag, commit) of the config, weights, tokenizer and processor files.
+        trust_remote_code: run the modelling code a checkpoint ships (``auto_map`` in its config.json). Off: such
+            a checkpoint is refused with a message that says so.
+        chat_template_kwargs: extra variables of every ``apply_chat_template`` (``{enable_thinking: false}``).
+    """
+
+    attn_implementation: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model_cfg: Any) -> LoadOptions:
+        """The options of a ``model`` config section (`vlrl.config.ModelConfig`)."""
+        return cls(attn_implementation=getattr(model_cfg, "attn_implementation", None),
+                   revision=getattr(model_cfg, "revision", None),
+                   trust_remote_code=bool(getattr(model_cfg, "trust_remote_code", False)),
+                   chat_template_kwargs=dict(getattr(model_cfg, "chat_template_kwargs", None) or {}))
+
+    def hub(self) -> dict[str, Any]:
+        """The keyword arguments every ``from_pretrained`` of the checkpoint's files gets."""
+        return {"revision": self.revision, "trust_remote_code": self.trust_remote_code}
 
 
 @dataclass
@@ -89,50 +123,143 @@ class Policy:
 
 def load_policy(
     name_or_path: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
-    min_pixels: int | None = None, max_pixels: int | None = None,
+    min_pixels: int | None = None, max_pixels: int | None = None, options: LoadOptions | None = None,
 ) -> Policy:
     """Load a policy from a preset name, a local directory, or a hub id.
 
     ``min_pixels`` / ``max_pixels``: native-resolution bounds set on the image processor (`set_pixel_bounds`).
+    ``options``: attention implementation, revision, remote code and chat-template variables (`LoadOptions`).
     """
     from vlrl.models.presets import PRESETS, build_preset
 
+    options = options or LoadOptions()
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype: unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
     name = name_or_path.removeprefix("preset:")
     if name in PRESETS and not Path(name_or_path).exists():
         policy = build_preset(name, seed=seed)
+        if options.attn_implementation is not None:
+            _attention(options.attn_implementation, lambda impl: policy.model.set_attn_implementation(impl))
     else:
-        policy = _load_pretrained(name_or_path, DTYPES[dtype])
+        policy = _load_pretrained(name_or_path, DTYPES[dtype], options)
     policy.model.to(device=device, dtype=DTYPES[dtype])
     set_pixel_bounds(policy.image_processor, min_pixels, max_pixels)
+    policy.adapter.chat_template_kwargs = dict(options.chat_template_kwargs)
     return policy
 
 
 def load_processor(
-    name_or_path: str, *, seed: int = 0, min_pixels: int | None = None, max_pixels: int | None = None
+    name_or_path: str, *, seed: int = 0, min_pixels: int | None = None, max_pixels: int | None = None,
+    options: LoadOptions | None = None,
 ) -> Policy:
     """The tokenizer, image processor and adapter of a model with no weights in memory: a preset is built on
     the ``meta`` device, a directory or hub id reads only its config, tokenizer and processor files. The
     returned `Policy` encodes and counts tokens; its model cannot run."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from vlrl.models.presets import PRESETS, build_preset
 
+    options = options or LoadOptions()
     name = name_or_path.removeprefix("preset:")
     with torch.device("meta"):  # parameters get shapes, no storage
         if name in PRESETS and not Path(name_or_path).exists():
             policy = build_preset(name, seed=seed)
         else:
-            _check_local(name_or_path)
-            config = AutoConfig.from_pretrained(name_or_path)
+            config, tokenizer, image_processor, processor = load_parts(name_or_path, options)
             is_vision = hasattr(config, "vision_config")
-            model = (AutoModelForImageTextToText if is_vision else AutoModelForCausalLM).from_config(config)
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-            image_processor = _load_image_processor(name_or_path) if is_vision else None
-            policy = Policy.from_parts(model, tokenizer, image_processor, source=str(name_or_path))
+            model = (AutoModelForImageTextToText if is_vision else AutoModelForCausalLM).from_config(
+                config, trust_remote_code=options.trust_remote_code)
+            policy = Policy.from_parts(model, tokenizer, image_processor, source=str(name_or_path), processor=processor)
     set_pixel_bounds(policy.image_processor, min_pixels, max_pixels)
+    policy.adapter.chat_template_kwargs = dict(options.chat_template_kwargs)
     return policy
+
+
+def load_parts(path: str, options: LoadOptions | None = None) -> tuple[Any, Any, Any | None, Any | None]:
+    """(config, tokenizer, image processor, processor) of a directory or hub id, no weights: what the preflight
+    check and `load_processor` read. `remote_code_problem` refuses a checkpoint that needs its own code."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    options = options or LoadOptions()
+    _check_local(path)
+    problem = remote_code_problem(path, options.trust_remote_code)
+    if problem:
+        raise ValueError(problem)
+    with _remote_code_refusal(path):
+        config = AutoConfig.from_pretrained(path, **options.hub())
+        tokenizer = AutoTokenizer.from_pretrained(path, **options.hub())
+    if not hasattr(config, "vision_config"):
+        return config, tokenizer, None, None
+    from vlrl.models.processor import build_processor, load_processor_settings
+
+    image_processor = _load_image_processor(path, options)
+    settings = load_processor_settings(path, revision=options.revision)
+    return config, tokenizer, image_processor, build_processor(config, tokenizer, image_processor, **settings)
+
+
+def remote_code_problem(path: str, trust_remote_code: bool) -> str | None:
+    """Why a local checkpoint cannot load without ``model.trust_remote_code``: its config.json maps its classes
+    to modelling code it ships (``auto_map``) for a model type transformers does not know. None otherwise (a hub
+    id is checked by transformers itself; `_remote_code_refusal` words its refusal the same way)."""
+    if trust_remote_code:
+        return None
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not auto_map:
+        return None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config.get("model_type") in CONFIG_MAPPING:
+        return None  # transformers has the family's own code: the shipped code is not needed
+    return _remote_code_message(path, ", ".join(sorted({str(v).split(".")[0] + ".py" for v in auto_map.values()})))
+
+
+def _remote_code_message(path: str, files: str) -> str:
+    return (f"model.path {path}: this checkpoint ships its own modelling code ({files}), which transformers would "
+            "import and run; vlrl does not run it unless you set model.trust_remote_code=true (`vlrl serve "
+            "--trust-remote-code`) — read that code first, or use a checkpoint transformers supports natively")
+
+
+class _remote_code_refusal:
+    """transformers' "contains custom code which must be executed" refusal, reworded with the field to set."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if err is not None and isinstance(err, ValueError) and "trust_remote_code" in str(err):
+            raise ValueError(_remote_code_message(self.path, "auto_map in its config.json")) from None
+        return False
+
+
+def _attention(impl: str | None, apply) -> Any:
+    """``apply(impl)`` (set ``model.attn_implementation``, or load with it); transformers' refusals of the
+    implementation (an unknown name, a kernel package that is not installed) reworded with the field."""
+    try:
+        return apply(impl)
+    except ImportError as err:
+        if impl is None:
+            raise
+        raise ValueError(f"model.attn_implementation={impl}: {_first_line(err)} (sdpa and eager need nothing "
+                         "installed; flash_attention_2 needs the flash-attn package on a CUDA GPU)") from None
+    except ValueError as err:
+        if impl is None or "attn_implementation" not in str(err):
+            raise
+        raise ValueError(f"model.attn_implementation={impl}: {_first_line(err)}") from None
+
+
+def _first_line(err: Exception) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def set_pixel_bounds(image_processor: Any | None, min_pixels: int | None, max_pixels: int | None) -> None:
@@ -170,28 +297,26 @@ def _check_local(path: str) -> None:
         raise FileNotFoundError(f"{path}: no such model directory (and not a preset: {', '.join(PRESETS)})")
 
 
-def _load_pretrained(path: str, dtype: torch.dtype) -> Policy:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+def _load_pretrained(path: str, dtype: torch.dtype, options: LoadOptions) -> Policy:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    _check_local(path)
-    config = AutoConfig.from_pretrained(path)
-    is_vision = hasattr(config, "vision_config")
-    model_cls = AutoModelForImageTextToText if is_vision else AutoModelForCausalLM
-    model = model_cls.from_pretrained(path, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    image_processor = None
-    if is_vision:
-        image_processor = _load_image_processor(path)
-    return Policy.from_parts(model, tokenizer, image_processor, source=str(path))
+    config, tokenizer, image_processor, processor = load_parts(path, options)
+    model_cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    extra = {"attn_implementation": options.attn_implementation} if options.attn_implementation else {}
+    with _remote_code_refusal(path):
+        model = _attention(options.attn_implementation,
+                           lambda _: model_cls.from_pretrained(path, dtype=dtype, **options.hub(), **extra))
+    return Policy.from_parts(model, tokenizer, image_processor, source=str(path), processor=processor)
 
 
-def _load_image_processor(path: str):
+def _load_image_processor(path: str, options: LoadOptions | None = None):
     """The PIL image processor (no torchvision needed); falls back to AutoProcessor's."""
     from transformers import AutoImageProcessor
 
+    hub = (options or LoadOptions()).hub()
     try:
-        return AutoImageProcessor.from_pretrained(path, backend="pil")
+        return AutoImageProcessor.from_pretrained(path, backend="pil", **hub)
     except (OSError, ValueError):
         from transformers import AutoProcessor
 
-        return AutoProcessor.from_pretrained(path).image_processor
+        return AutoProcessor.from_pretrained(path, **hub).image_processor

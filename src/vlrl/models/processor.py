@@ -61,8 +61,9 @@ def build_processor(model_config: Any, tokenizer: Any, image_processor: Any, *, 
     return _relaxed(cls).from_args_and_dict(args, dict(settings))
 
 
-def load_processor_settings(path: str | Path) -> dict[str, Any]:
-    """The processor's own settings from ``processor_config.json`` of a model directory (or hub id)."""
+def load_processor_settings(path: str | Path, *, revision: str | None = None) -> dict[str, Any]:
+    """The processor's own settings from ``processor_config.json`` of a model directory (or hub id, at
+    ``revision``)."""
     local = Path(path)
     if local.is_dir():
         file = local / PROCESSOR_CONFIG
@@ -76,7 +77,7 @@ def load_processor_settings(path: str | Path) -> dict[str, Any]:
         from transformers import ProcessorMixin
 
         try:
-            settings, _ = ProcessorMixin.get_processor_dict(str(path))
+            settings, _ = ProcessorMixin.get_processor_dict(str(path), **({"revision": revision} if revision else {}))
         except OSError:
             return {}
     return {k: v for k, v in settings.items() if k not in _NOT_SETTINGS and not isinstance(v, dict)}

@@ -257,12 +257,24 @@ def _chart(title: str, keys: list[tuple[str, str, str]], series, multi_run: bool
 
 def dynamics_charts(runs: list[Run], series) -> list[Chart]:
     """The `DYNAMICS` charts over the RL stages (those logging ``reward/…``), or every stage of an SFT-only run."""
-    rl_stages = {(key[0], key[1]) for key in series if key[2].startswith("reward/")}
+    rl_stages = {(key[0], key[1]) for key in series if key[2].startswith("reward/") and not key[1].startswith("val/")}
     keep = (lambda key: (key[0], key[1]) in rl_stages) if rl_stages else (lambda key: True)
     charts = []
     for title, patterns, excluded in DYNAMICS:
         keys = [key for key in series if keep(key) and key[2] not in excluded
                 and any(fnmatch.fnmatchcase(key[2], p) for p in patterns)]
+        if keys:
+            charts.append(_chart(title, _ordered(keys, runs), series, len(runs) > 1))
+    return charts
+
+
+def validation_charts(runs: list[Run], series) -> list[Chart]:
+    """``eval.every``: held-out sampled and greedy accuracy (mean over tasks) and mean reward against the training
+    step of each ``val/<stage>`` — the run's initial and final evaluations at its ends."""
+    charts = []
+    for title, metrics in (("Held-out accuracy during training", ("accuracy/mean", "greedy/mean")),
+                           ("Held-out reward during training", ("reward/mean",))):
+        keys = [key for key in series if key[1].startswith("val/") and key[2] in metrics]
         if keys:
             charts.append(_chart(title, _ordered(keys, runs), series, len(runs) > 1))
     return charts
@@ -476,6 +488,7 @@ def build_report(run_dirs: list[str | Path], *, title: str | None = None) -> str
         runs=runs,
         headlines=[_headline(r) for r in runs],
         dynamics=dynamics_charts(runs, series),
+        validation=validation_charts(runs, series),
         eval_tables=tables,
         eval_chart=eval_chart(tables),
         samples=[(run.label, sample_sections(run)) for run in runs],

@@ -62,6 +62,15 @@ class MetricsLogger:
         if not self.quiet:
             self.console.print(f"[bold]{stage}[/bold] step {step} {parts}")
 
+    def table(self, stage: str, step: int, columns: list[str], rows: list[dict[str, Any]]) -> None:
+        """A small table (``eval.samples_table``: prompts, responses, rewards) for the sinks that show tables:
+        TensorBoard as text, W&B as a ``wandb.Table``; metrics.jsonl keeps metrics only (samples.jsonl has the
+        responses)."""
+        for sink in self.sinks:
+            write = getattr(sink, "write_table", None)
+            if write is not None:
+                write(stage, step, columns, rows)
+
     def info(self, message: str) -> None:
         if not self.quiet:
             self.console.print(message)

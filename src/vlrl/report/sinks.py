@@ -130,10 +130,30 @@ class TensorBoardSink:
             writer.add_scalar(name, value, step)
         writer.flush()
 
+    def write_table(self, stage: str, step: int, columns: list[str], rows: list[dict[str, Any]]) -> None:
+        """``eval.samples_table``: a markdown table under the text tag ``samples`` of the stage's sub-run."""
+        if stage not in self._writers:
+            self._writers[stage] = self._writer_cls(log_dir=str(self.log_dir / stage))
+        self._writers[stage].add_text("samples", markdown_table(columns, rows), step)
+        self._writers[stage].flush()
+
     def close(self) -> None:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
+
+
+def markdown_table(columns: list[str], rows: list[dict[str, Any]], *, limit: int = 400) -> str:
+    """Rows as a markdown table (TensorBoard renders markdown in its text tab); cells cut at ``limit`` characters,
+    pipes and newlines escaped."""
+    def cell(value: Any) -> str:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+        text = text if len(text) <= limit else text[:limit] + "…"
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 @SINKS.register("tensorboard")
@@ -161,6 +181,13 @@ class WandbSink:
         payload = {f"{stage}/{name}": value for name, value in numeric_metrics(record)}
         payload[f"{stage}/step"] = int(record.get("step", 0))
         self.run.log(payload)
+
+    def write_table(self, stage: str, step: int, columns: list[str], rows: list[dict[str, Any]]) -> None:
+        """``eval.samples_table``: a ``wandb.Table`` logged as ``<stage>/samples`` at the stage's step."""
+        import wandb
+
+        data = [[row.get(c) if isinstance(row.get(c), (int, float)) else str(row.get(c)) for c in columns] for row in rows]
+        self.run.log({f"{stage}/samples": wandb.Table(columns=list(columns), data=data), f"{stage}/step": int(step)})
 
     def close(self) -> None:
         self.run.finish()

@@ -118,6 +118,17 @@ class WatchedEngine:
             self.stage, self._snapshots, self._last = None, set(), []
 
     @contextmanager
+    def aside(self) -> Iterator[None]:
+        """Generation that is not the training loop's (an evaluation within it, ``eval.every``): not noted as the
+        stage's rollout statistics, not a training snapshot."""
+        stage, last, label = self.stage, self._last, self._last_label
+        self.stage = None
+        try:
+            yield
+        finally:
+            self.stage, self._last, self._last_label = stage, last, label
+
+    @contextmanager
     def capture(self) -> Iterator[list[tuple[str, list[Any]]]]:
         """Collect ``(sampling label, trajectories)`` of every generate call in the block (e.g. one eval)."""
         self._captured = captured = []

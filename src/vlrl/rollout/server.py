@@ -1566,8 +1566,9 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: st
           no_auth: bool = False, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 256,
           max_queued_requests: int = 1024, batch_window_ms: float = 10.0, init_seed: int = 0,
           max_tokens_in_flight: int = 1 << 20, limits: ServeLimits = ServeLimits(),
-          admin_api_key: str | None = None) -> None:
-    """`vlrl serve`: load the policy and serve it until SIGTERM/SIGINT, then drain (``limits.drain_seconds``)."""
+          admin_api_key: str | None = None, options: Any = None) -> None:
+    """`vlrl serve`: load the policy and serve it until SIGTERM/SIGINT, then drain (``limits.drain_seconds``).
+    ``options``: the model's `vlrl.models.policy.LoadOptions` (attention implementation, revision, remote code)."""
     from vlrl.models import load_policy
 
     if dtype not in DTYPES:
@@ -1576,7 +1577,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, api_key: st
         if not os.path.isdir(root):
             raise ValueError(f"--image-root {root}: not a directory")
     api_key = resolve_api_key(api_key, no_auth=no_auth, host=host, command="vlrl serve")
-    policy = load_policy(model, dtype=dtype, device=device, seed=init_seed)
+    policy = load_policy(model, dtype=dtype, device=device, seed=init_seed, options=options)
     policy.model.eval()
     batcher = ContinuousBatcher(policy, max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
                                 batch_window=batch_window_ms / 1000, max_tokens_in_flight=max_tokens_in_flight)

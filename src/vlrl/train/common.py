@@ -138,6 +138,19 @@ def media_limits(cfg: DataConfig) -> MediaLimits:
                        max_record_bytes=cfg.max_record_bytes)
 
 
+def schema_for(cfg: DataConfig, split: str = "train"):
+    """The layout settings of ``cfg`` for its ``train`` or ``test`` data (`vlrl.data.schemas.Schema`); a
+    ``prompt_template`` naming a file is read here. `ValueError` names the field."""
+    from vlrl.data.schemas import Schema
+
+    template = cfg.prompt_template
+    if template is not None and "{" not in template and Path(template).expanduser().is_file():
+        template = Path(template).expanduser().read_text(encoding="utf-8")
+    return Schema(format=cfg.format, columns=dict(cfg.columns), prompt_template=template,
+                  system_prompt=cfg.system_prompt, reward=cfg.reward, reward_by_source=dict(cfg.reward_by_source),
+                  split=cfg.split if split == "train" else cfg.test_split, subset=cfg.subset, revision=cfg.revision)
+
+
 def generate_split(cfg: DataConfig, split: str, n: int) -> list[Sample]:
     """``n`` samples of the procedural suite, their videos as sampled frames and within the budgets (a sample
     over one raises `DataError` naming it and the field: the suite's options are then wrong for the budgets)."""
@@ -159,10 +172,15 @@ def load_split(cfg: DataConfig, split: str, logger: MetricsLogger | None = None)
         samples = generate_split(cfg, split, cfg.n_train if split == "train" else cfg.n_test)
         _log_videos(samples, cfg, split, logger)
         return samples
-    report = read_samples(path, on_error=cfg.on_error, check=sample_check, media=media_limits(cfg))
+    report = read_samples(path, on_error=cfg.on_error, check=sample_check, media=media_limits(cfg),
+                          schema=schema_for(cfg, split))
     _log_videos(report.samples, cfg, split, logger)
     if logger is not None:
-        logger.info(f"data {split}: {path}: {report.summary()}")
+        from rich.markup import escape  # names such as DIR[train] are not console markup
+
+        logger.info(escape(f"data {split}: {path}: {report.summary()}"))
+        for line in report.layout_lines():
+            logger.info(escape(f"data {split}: {line}"))
         if report.skipped:
             logger.log("data", 0, {f"data/{split}_skipped": len(report.skipped), f"data/{split}_read": len(report.samples)})
     if not report.samples:

@@ -21,6 +21,7 @@ shared with the asynchronous recipe: the `Group` records, scoring, the informati
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 
 from vlrl.config import RLStage
@@ -52,8 +53,10 @@ def train_grpo(
     stage_name: str = "rl",
     max_seconds: float | None = None,
     runtime: Runtime | None = None,
+    validate: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
-    """Run the RL loop; returns the last step's metrics plus ``steps`` and ``seconds``.
+    """Run the RL loop; returns the last step's metrics plus ``steps`` and ``seconds``. ``validate(step)`` runs
+    after every step (``eval.every``: `vlrl.train.validation.Validation`).
 
     ``runtime`` (`vlrl.train.runtime`; default one process, no checkpoints): under torchrun each rank
     generates and trains on its share of every step's prompts, advantages and logged metrics are those of the
@@ -122,6 +125,8 @@ def train_grpo(
                 rt.after_step(step, stage_name, optimizer, scheduler, cursor, carry_over=SyncState(
                     AlgorithmState.of(algorithm), sampler.drawn, [GroupRecord.of(g) for g in sampler.carry],
                     synthesis.state() if synthesis is not None else None))
+            if validate is not None:
+                validate(step)
     finally:
         stack.close()
         if synthesis is not None:

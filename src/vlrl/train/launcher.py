@@ -316,9 +316,13 @@ def server_plan(cfg, recipe: str) -> ServerPlan | None:
         raise LaunchRefused(f"launch.rollout_servers={launch_cfg.rollout_servers}: rollout servers serve RL runs "
                             f"(this is a {recipe} run); set launch.rollout_servers=0")
     rollout = cfg.rollout
+    model = cfg.model  # the servers load the checkpoint as the trainer does (the launch's server_args come after)
+    model_flags = [*(["--attn-implementation", model.attn_implementation] if model.attn_implementation else []),
+                   *(["--revision", model.revision] if model.revision else []),
+                   *(["--trust-remote-code"] if model.trust_remote_code else [])]
     return ServerPlan(
         launch_cfg.rollout_servers, launch_cfg.server_model or cfg.model.path, threads=launch_cfg.server_threads,
-        args=tuple(launch_cfg.server_args), timeout=launch_cfg.server_timeout, api_key_env=rollout.api_key_env,
+        args=(*model_flags, *launch_cfg.server_args), timeout=launch_cfg.server_timeout, api_key_env=rollout.api_key_env,
         cpus=launch_cfg.server_cpus, gpus=launch_cfg.gpus_per_server, device=launch_cfg.server_device or cfg.model.device,
         dtype=launch_cfg.server_dtype or COMPUTE_DTYPES.get(cfg.dist.mixed_precision, cfg.model.dtype),
         wire_sync_address=rollout.weight_sync == "distributed" and rollout.weight_sync_address == "127.0.0.1")

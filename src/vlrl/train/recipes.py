@@ -24,6 +24,7 @@ from vlrl.data.packing import PackingPlan
 from vlrl.data.select import select_for_training
 from vlrl.eval import EvalResult, evaluate
 from vlrl.models import Policy, load_policy
+from vlrl.models.policy import LoadOptions
 from vlrl.report import MetricsLogger, make_sink
 from vlrl.report.environment import describe, environment
 from vlrl.report.progress import LiveProgress
@@ -39,6 +40,7 @@ from vlrl.train.distributed import DistContext, check_scalable, init_distributed
 from vlrl.train.grpo import train_grpo
 from vlrl.train.runtime import Runtime, make_runtime
 from vlrl.train.sft import train_sft
+from vlrl.train.validation import Validation
 
 
 # ----------------------------------------------------------------------------------------------- set-up
@@ -128,8 +130,11 @@ def _load(cfg: RunConfig, logger: MetricsLogger, device: str | None = None) -> P
     seed_everything(cfg.seed)
     with logger.progress.task("load policy"):
         policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=str(device or cfg.model.device),
-                             seed=cfg.model.init_seed, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
-    logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}")
+                             seed=cfg.model.init_seed, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
+                             options=LoadOptions.of(cfg.model))
+    attention = getattr(policy.model.config, "_attn_implementation", None)
+    logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}, "
+                f"attention {attention}")
     return _with_lora(cfg, policy, logger)
 
 
@@ -170,26 +175,39 @@ def _save(policy: Policy, target: Path, logger: MetricsLogger) -> Path:
         return policy.save(target)
 
 
-def _eval(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, stage: str) -> dict:
-    """Evaluate on the held-out prompts, log ``eval/<stage>`` and return the result as summary.json holds it."""
+def _eval(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, stage: str, *,
+          validation: Validation | None = None, step: int = 0) -> dict:
+    """Evaluate on the held-out prompts, log ``eval/<stage>`` and return the result as summary.json holds it;
+    ``validation`` (``eval.every``): the result is also its curve's point at ``step`` (the start or the end)."""
     with logger.progress.task(f"eval/{stage}"), engine.capture() as batches:
         result: EvalResult = evaluate(engine, test, cfg.eval)
     engine.samples.write(f"eval/{stage}", 0, batches)
     logger.log(f"eval/{stage}", 0, result.metrics(), show=("accuracy/mean", "greedy/mean", f"pass@{result.k}/mean"))
+    if validation is not None:
+        validation.log(step, result)
     return result.to_dict()
 
 
+def _validation(cfg: RunConfig, engine, test, logger: MetricsLogger, stage: str, total_steps: int,
+                ctx: DistContext | None = None) -> Validation | None:
+    """``eval.every``: the stage's validation during training (None when off)."""
+    if not cfg.eval.every:
+        return None
+    return Validation(engine, test, cfg.eval, logger, stage=stage, total_steps=total_steps, ctx=ctx)
+
+
 def _sft(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: int, name: str = "sft",
-         max_seconds: float | None = None, plan: PackingPlan | None = None, runtime: Runtime | None = None) -> dict:
+         max_seconds: float | None = None, plan: PackingPlan | None = None, runtime: Runtime | None = None,
+         validate: Validation | None = None) -> dict:
     with logger.progress.task(name, total=None if max_seconds else stage.train.steps, stage=name):
         stats = train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds,
-                          plan=plan, runtime=runtime)
+                          plan=plan, runtime=runtime, validate=validate)
     _log_last_step(logger, name, stats)
     return stats
 
 
 def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger, name: str = "rl",
-        runtime: Runtime | None = None) -> dict:
+        runtime: Runtime | None = None, validate: Validation | None = None) -> dict:
     selected = None
     if stage.select.enabled:  # pass@N-vs-pass@1 selection of the prompts, by the starting policy
         if runtime is not None and runtime.ctx.enabled:
@@ -204,7 +222,7 @@ def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: Met
                                      runtime=runtime)
         else:
             stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name,
-                               runtime=runtime)
+                               runtime=runtime, validate=validate)
     _log_last_step(logger, name, stats)
     return stats if selected is None else {**stats, "select": selected}
 
@@ -234,16 +252,21 @@ def run_sft(cfg: SFTConfig) -> dict:
         setup = _check(cfg, logger, train, test)
         policy = _load(cfg, logger, ctx.device)
         if cfg.stages:  # one process, no resumable checkpoints (check_scalable)
-            policy, stats = _sft_stages(policy, train, cfg, run_dir, logger)
+            policy, stats = _sft_stages(policy, train, cfg, run_dir, logger, test)
             final, runtime = run_dir / "checkpoints" / "final", Runtime(ctx, policy.model)
+            validation = None
         else:
             runtime = make_runtime(cfg, ctx, policy, run_dir, resume)
-            stats = _sft(policy, train, cfg, cfg, logger, seed=cfg.seed, plan=_plan(cfg.data, logger), runtime=runtime)
+            validation = _validation(cfg, _engine(RolloutConfig(), policy, run_dir, logger, _samples(cfg, run_dir)),
+                                     test, logger, "sft", cfg.train.steps, ctx) if cfg.eval.every else None
+            stats = _sft(policy, train, cfg, cfg, logger, seed=cfg.seed, plan=_plan(cfg.data, logger), runtime=runtime,
+                         validate=validation)
             final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
         if ctx.is_main:
             engine = _engine(RolloutConfig(), _eval_policy(policy, runtime, final, cfg), run_dir, logger,
                              _samples(cfg, run_dir))
-            summary = {"sft": _eval(engine, test, cfg, logger, "final"), "train": stats, **setup}
+            summary = {"sft": _eval(engine, test, cfg, logger, "final", validation=validation,
+                                    step=int(stats.get("steps", 0))), "train": stats, **setup}
             write_json(run_dir / "summary.json", summary)
     return summary
 
@@ -259,7 +282,7 @@ def _eval_policy(policy: Policy, runtime: Runtime, exported: Path, cfg: RunConfi
     if not runtime.ctx.enabled:
         return policy
     return load_policy(str(exported), dtype=cfg.model.dtype, device=str(runtime.ctx.device),
-                       min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+                       min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels, options=LoadOptions.of(cfg.model))
 
 
 def _plan(data: DataConfig, logger: MetricsLogger) -> PackingPlan | None:
@@ -272,19 +295,23 @@ def _plan(data: DataConfig, logger: MetricsLogger) -> PackingPlan | None:
     return plan
 
 
-def _sft_stages(policy: Policy, train: list[Sample], cfg: SFTConfig, run_dir: Path, logger: MetricsLogger):
+def _sft_stages(policy: Policy, train: list[Sample], cfg: SFTConfig, run_dir: Path, logger: MetricsLogger,
+                test: list[Sample] | None = None):
     """Staged SFT (LLaVA-OV-1.5: align → midtrain → instruct): each stage trains with its own data, optimizer
     and trainable modules, is saved to checkpoints/<name>, and the next stage starts from that checkpoint."""
     stats = {}
     for k, stage in enumerate(cfg.stages):
         data = stage.data or cfg.data
         samples = train if stage.data is None else load_split(stage.data, "train", logger)
+        validation = _validation(cfg, _engine(RolloutConfig(), policy, run_dir, logger, _samples(cfg, run_dir)), test,
+                                 logger, stage.name, stage.train.steps) if cfg.eval.every else None
         stats[stage.name] = _sft(policy, samples, stage, cfg, logger, seed=cfg.seed, name=stage.name,
-                                 plan=_plan(data, logger))
+                                 plan=_plan(data, logger), validate=validation)
         checkpoint = _save(policy, run_dir / "checkpoints" / stage.name, logger)
         if k + 1 < len(cfg.stages):  # the next stage continues from this checkpoint, with a fresh optimizer
             policy = _with_lora(cfg, load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
-                                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels))
+                                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
+                                                 options=LoadOptions.of(cfg.model)))
     _link_final(run_dir, cfg.stages[-1].name)
     return policy, stats
 
@@ -309,17 +336,19 @@ def run_rl(cfg: RLConfig) -> dict:
         # in-process, threaded (rollout.mode=async) or rollout.servers over HTTP; single- or multi-turn
         # (rollout.servers under torchrun: rank 0 gives the servers the initial weights, every rank generates on them)
         engine = _engine(cfg.rollout, policy, run_dir, logger, _samples(cfg, run_dir), sync_weights=ctx.is_main)
+        validation = _validation(cfg, engine, test, logger, "rl", cfg.train.steps, ctx)
         try:
             if ctx.is_main and resume is None:
-                summary["initial"] = _eval(engine, test, cfg, logger, "initial")
+                summary["initial"] = _eval(engine, test, cfg, logger, "initial", validation=validation)
             runtime = make_runtime(cfg, ctx, policy, run_dir, resume)  # (collective: rank 0's servers are ready)
             _share_servers(engine, ctx)
-            stats = _rl(policy, engine, train, cfg, cfg, logger, runtime=runtime)
+            stats = _rl(policy, engine, train, cfg, cfg, logger, runtime=runtime, validate=validation)
             final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
             if ctx.is_main:  # the servers hold the final weights; an in-process engine must load the exported ones
                 evaluator = engine if not ctx.enabled or cfg.rollout.servers else \
                     _engine(cfg.rollout, _eval_policy(policy, runtime, final, cfg), run_dir, logger, engine.samples)
-                summary.update({"rl": _eval(evaluator, test, cfg, logger, "final"), "train": stats})
+                summary.update({"rl": _eval(evaluator, test, cfg, logger, "final", validation=validation,
+                                            step=int(stats.get("steps", 0))), "train": stats})
         finally:
             close_engine(engine)
         if ctx.is_main:
@@ -339,17 +368,21 @@ def _rl_stages(policy: Policy, train: list[Sample], test: list[Sample], cfg: RLC
         if stage.prompt_template is not None:
             samples, held_out = with_template(samples, stage.prompt_template), with_template(test, stage.prompt_template)
         engine = _engine(stage.rollout, policy, run_dir, logger, _samples(cfg, run_dir))
+        validation = _validation(cfg, engine, held_out, logger, stage.name, stage.train.steps)
         try:
             if k == 0:
-                summary["initial"] = _eval(engine, held_out, cfg, logger, "initial")
-            summary["train"][stage.name] = _rl(policy, engine, samples, stage, cfg, logger, name=stage.name)
+                summary["initial"] = _eval(engine, held_out, cfg, logger, "initial", validation=validation)
+            summary["train"][stage.name] = _rl(policy, engine, samples, stage, cfg, logger, name=stage.name,
+                                               validate=validation)
             checkpoint = _save(policy, run_dir / "checkpoints" / stage.name, logger)
-            summary[stage.name] = _eval(engine, held_out, cfg, logger, stage.name)
+            summary[stage.name] = _eval(engine, held_out, cfg, logger, stage.name, validation=validation,
+                                        step=int(summary["train"][stage.name].get("steps", 0)))
         finally:
             close_engine(engine)
         if k + 1 < len(cfg.stages):
             policy = _with_lora(cfg, load_policy(str(checkpoint), dtype=cfg.model.dtype, device=cfg.model.device,
-                                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels))
+                                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
+                                                 options=LoadOptions.of(cfg.model)))
     summary["rl"] = summary[cfg.stages[-1].name]
     _link_final(run_dir, cfg.stages[-1].name)
     return summary
@@ -406,7 +439,8 @@ def _control(cfg: DemoConfig, train, test, sft_dir: Path, run_dir: Path, samples
     """The SFT checkpoint trained by more SFT on the same labelled samples with the RL stage's budget, evaluated."""
     budget = control_budget(cfg.control_budget, rl_flops=rl_flops, rl_seconds=rl_stats["seconds"], sft_flops=sft_flops,
                             sft_steps=sft_stats["steps"], sft_seconds=sft_stats["seconds"])
-    control = _with_lora(cfg, load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device))
+    control = _with_lora(cfg, load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device,
+                                          options=LoadOptions.of(cfg.model)))
     steps = budget["control_steps"] or 10**9  # wall: bounded by time only, not by the SFT stage's step count
     stage = cfg.sft.model_copy(update={"train": cfg.sft.train.model_copy(update={"steps": steps})})
     with FlopMeter(control.model) as meter:

@@ -21,6 +21,7 @@ all-reduced over the ranks, so N ranks compute the gradient of the same big batc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,9 +83,11 @@ def train_sft(
     max_seconds: float | None = None,
     plan: PackingPlan | None = None,
     runtime: Runtime | None = None,
+    validate: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Run the SFT loop on ``samples`` (or on the bins of ``plan``, a plan computed for ``samples``); returns
-    the last logged metrics plus ``steps``, ``seconds`` and ``epochs``.
+    the last logged metrics plus ``steps``, ``seconds`` and ``epochs``. ``validate(step)`` runs after every step
+    (``eval.every``: `vlrl.train.validation.Validation`; the model is in eval mode meanwhile).
 
     ``runtime`` (`vlrl.train.runtime`): the ranks, the wrapped module and the checkpointer; default one
     process, no checkpoints. Resuming restores the step, cursor, optimizer and RNG from its checkpoint."""
@@ -124,6 +127,10 @@ def train_sft(
                 if step % train.log_every == 0 or step == train.steps:
                     logger.log(stage_name, step, last, show=("sft/loss", "sft/grad_norm", "perf/step_seconds"))
                 rt.after_step(step, stage_name, optimizer, scheduler, cursor)
+                if validate is not None:
+                    model.eval()
+                    validate(step)
+                    model.train()
         finally:
             model.eval()
     return {**last, "steps": step, "seconds": time.time() - start, "epochs": cursor.epoch}
