@@ -167,7 +167,7 @@ class WandbSink:
 
     def __init__(self, run_dir: Path, *, run_name: str, config: dict, project: str = "vlrl",
                  entity: str | None = None, mode: str = "offline") -> None:
-        wandb = _require("wandb", "wandb")
+        self._wandb = wandb = _require("wandb", "wandb")
         self.run = wandb.init(project=project, entity=entity, name=run_name, dir=str(run_dir), mode=mode,
                               config=config)
         self._stages: set[str] = set()
@@ -184,10 +184,9 @@ class WandbSink:
 
     def write_table(self, stage: str, step: int, columns: list[str], rows: list[dict[str, Any]]) -> None:
         """``eval.samples_table``: a ``wandb.Table`` logged as ``<stage>/samples`` at the stage's step."""
-        import wandb
-
         data = [[row.get(c) if isinstance(row.get(c), (int, float)) else str(row.get(c)) for c in columns] for row in rows]
-        self.run.log({f"{stage}/samples": wandb.Table(columns=list(columns), data=data), f"{stage}/step": int(step)})
+        self.run.log({f"{stage}/samples": self._wandb.Table(columns=list(columns), data=data),
+                      f"{stage}/step": int(step)})
 
     def close(self) -> None:
         self.run.finish()
