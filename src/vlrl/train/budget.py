@@ -176,3 +176,67 @@ def control_budget(unit: str, *, rl_flops: Flops, rl_seconds: float, sft_flops: 
         "control_steps": flops_steps if unit == "flops" else None,  # wall: whatever the control reaches in time
         "max_seconds": rl_seconds if unit == "wall" else None,
     }
+
+
+class PhaseMeter:
+    """The model FLOPs and seconds of a training loop's phases, as ``perf/…`` metrics (`vlrl.report.perf`):
+    ``perf/mfu`` and ``perf/tflops`` for the update, ``perf/gen_mfu`` and ``perf/gen_tflops`` for generation.
+
+    A `FlopMeter` on the policy's model while installed (a context manager); ``begin()`` marks the start of a
+    step, ``phase(prefix)`` closes the phase since the last mark, ``metrics()`` returns the closed phases' metrics
+    — under torchrun the mean over the ranks (one all-reduce; every rank calls it) — and starts afresh. Counted:
+    the passes of the policy's own model (generation in the in-process engine, the π_old / π_ref scoring passes
+    that run on it, the update's forward and backward); not a rollout server's, a private async engine copy's, a
+    separate reference copy's or the critic's."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype, ctx: Any = None) -> None:
+        from vlrl.report.perf import device_peak
+
+        self.meter = FlopMeter(model)
+        self.peak = device_peak(device, dtype)
+        self.ctx = ctx
+        self._mark = (0.0, Flops())
+        self._phases: dict[str, tuple[float, float]] = {}  # prefix → (FLOPs, seconds)
+
+    def __enter__(self) -> PhaseMeter:
+        self.meter.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.meter.__exit__(*exc)
+
+    def begin(self) -> None:
+        import time
+
+        self._mark = (time.perf_counter(), self.meter.snapshot())
+
+    def phase(self, prefix: str) -> None:
+        import time
+
+        now, flops = time.perf_counter(), self.meter.snapshot()
+        self._phases[prefix] = ((flops - self._mark[1]).total, now - self._mark[0])
+        self._mark = (now, flops)
+
+    def metrics(self) -> dict[str, float]:
+        from vlrl.report.perf import phase_metrics
+
+        out: dict[str, float] = {}
+        for prefix, (flops, seconds) in self._phases.items():
+            out.update(phase_metrics(flops, seconds, self.peak, prefix=prefix))
+        if self.ctx is not None and self.ctx.enabled:  # the mean over ranks: the same names (and order) on every rank
+            names = [f"perf/{p}{k}" for p in self._phases for k in ("tflops", "mfu")]
+            means = [v / self.ctx.world_size for v in self.ctx.all_reduce_sum([out.get(k, 0.0) for k in names])]
+            out = {k: v for k, v in zip(names, means) if v > 0}
+        self._phases = {}
+        if out:
+            out["perf/peak_tflops"] = self.peak.tflops
+        return out
+
+
+def compute_dtype(model: torch.nn.Module, mixed_precision: str = "none") -> torch.dtype:
+    """The dtype the matmuls run in: ``dist.mixed_precision``'s (bf16 / fp16), else the parameters'."""
+    if mixed_precision == "bf16":
+        return torch.bfloat16
+    if mixed_precision == "fp16":
+        return torch.float16
+    return next(model.parameters()).dtype

@@ -85,6 +85,8 @@ from typing import Any
 
 import torch
 
+from vlrl.models.config_only import is_config_only  # noqa: F401  (`vlrl plan` asks: a bare config.json plans too)
+
 GB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -290,13 +292,19 @@ def _count(module: torch.nn.Module) -> int:
 
 
 def meta_model(path: str, *, init_seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    """(model on the meta device, adapter) of a preset, a local directory or a hub id — nothing is loaded."""
+    """(model on the meta device, adapter) of a preset, a local directory, a hub id, or a ``config.json`` alone
+    (a file, or a directory without tokenizer files: the family's stand-in tokenizer and image processor,
+    `vlrl.models.config_only`) — nothing is loaded."""
     from vlrl.models import PRESETS, build_preset
+    from vlrl.models.config_only import is_config_only, stand_in_policy
 
     name = path.removeprefix("preset:")
     if name in PRESETS and not Path(path).exists():
         with torch.device("meta"):
             policy = build_preset(name, seed=init_seed)
+        return policy.model, policy.adapter
+    if is_config_only(path):
+        policy = stand_in_policy(path, device="meta")
         return policy.model, policy.adapter
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
