@@ -707,6 +707,18 @@ class DistConfig(Section):
         False, description="torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG on GPUs): bitwise "
         "reproducible steps on GPUs at some speed cost. CPU kernels are deterministic already.",
     )
+    rank0_load: bool = Field(
+        True, description="FSDP2 start-up: only rank 0 reads the weights (or builds the preset); the other ranks build "
+        "the model on the meta device (no memory) and receive their shards from rank 0 (set_model_state_dict with "
+        "broadcast_from_rank0) — one full copy in host memory per node at start instead of one per rank. false: every "
+        "rank loads the whole model, then shards it. DDP needs the whole model on every rank either way.",
+    )
+    cpu_offload: bool = Field(
+        False, description="FSDP2 CPUOffloadPolicy: the sharded parameters, their gradients and the AdamW moments live "
+        "in host memory (pinned on GPUs) and the optimizer steps on the CPU; each unit's shard is copied to the device "
+        "for its all-gather. Frees ~16 bytes per parameter / d of device memory (fp32) for PCIe traffic every step; "
+        "`vlrl plan` counts it. No effect on DDP or one process.",
+    )
 
 
 class CheckpointConfig(Section):

@@ -113,7 +113,8 @@ def load_processor(
 ) -> Policy:
     """The tokenizer, image processor and adapter of a model with no weights in memory: a preset is built on
     the ``meta`` device, a directory or hub id reads only its config, tokenizer and processor files. The
-    returned `Policy` encodes and counts tokens; its model cannot run."""
+    returned `Policy` encodes and counts tokens; its model runs only once given weights (FSDP2's memory-lean
+    start, `vlrl.train.distributed.shard`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from vlrl.models.presets import PRESETS, build_preset
@@ -127,6 +128,11 @@ def load_processor(
             config = AutoConfig.from_pretrained(name_or_path)
             is_vision = hasattr(config, "vision_config")
             model = (AutoModelForImageTextToText if is_vision else AutoModelForCausalLM).from_config(config)
+            model.eval()  # as from_pretrained leaves it
+            if (Path(name_or_path) / "generation_config.json").is_file():  # EOS ids as `load_policy` reads them
+                from transformers import GenerationConfig
+
+                model.generation_config = GenerationConfig.from_pretrained(name_or_path)
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
             image_processor = _load_image_processor(name_or_path) if is_vision else None
             policy = Policy.from_parts(model, tokenizer, image_processor, source=str(name_or_path))

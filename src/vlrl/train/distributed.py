@@ -148,7 +148,8 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def wrap_model(model: torch.nn.Module, ctx: DistContext, cfg: DistConfig) -> torch.nn.Module:
     """The module to train: ``model`` itself (one process), a DDP wrapper (same parameters), or ``model``
-    sharded in place by FSDP2 (its parameters become DTensor shards)."""
+    sharded in place by FSDP2 (its parameters become DTensor shards). A model built on the meta device on ranks
+    other than 0 (``dist.rank0_load``) gets its shards from rank 0's weights (`shard`)."""
     if not ctx.enabled:
         return model
     if cfg.strategy == "ddp":
@@ -156,16 +157,7 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, cfg: DistConfig) -> tor
 
         return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                                        find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    kwargs: dict[str, Any] = {"mesh": mesh}
-    if cfg.mixed_precision != "none":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
-    for unit in fsdp_units(model):
-        fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    shard(model, fsdp_units(model), ctx, cfg)
     _keep_output_capturing(model)
     model._is_fsdp_managed_module = True  # transformers' generate() then runs with synced_gpus
     device = ctx.device
@@ -185,18 +177,64 @@ def wrap_critic(value_model: torch.nn.Module, ctx: DistContext, cfg: DistConfig)
 
         return DistributedDataParallel(value_model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                                        find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kwargs: dict[str, Any] = {"mesh": init_device_mesh(ctx.device.type, (ctx.world_size,))}
-    if cfg.mixed_precision != "none":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
-    backbone = value_model.backbone
-    for unit in fsdp_units(backbone):
-        fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
-    fully_shard(value_model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    shard(value_model, fsdp_units(value_model.backbone), ctx, cfg)
     _keep_output_capturing(value_model)
     return value_model
+
+
+def fsdp_options(ctx: DistContext, cfg: DistConfig) -> dict[str, Any]:
+    """`fully_shard`'s keyword arguments for ``cfg``: the 1-D mesh over the ranks, ``dist.reshard_after_forward``,
+    ``dist.mixed_precision`` (MixedPrecisionPolicy: gathered in bf16/fp16, reduced in fp32) and ``dist.cpu_offload``
+    (CPUOffloadPolicy: the sharded parameters, their gradients and so the optimizer's state live in host memory;
+    each unit's shard is copied to the device for its all-gather, its gradient back after the reduce-scatter;
+    pinned host memory on GPUs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    options: dict[str, Any] = {"mesh": init_device_mesh(ctx.device.type, (ctx.world_size,)),
+                               "reshard_after_forward": cfg.reshard_after_forward}
+    if cfg.mixed_precision != "none":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
+    if cfg.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+    return options
+
+
+def shard(root: torch.nn.Module, units: list[torch.nn.Module], ctx: DistContext, cfg: DistConfig) -> None:
+    """`fully_shard` each of ``units``, then ``root`` (FSDP2, in place, `fsdp_options`).
+
+    **Memory-lean start** (``dist.rank0_load``): when ``root`` was built on the meta device on the ranks other than
+    0 — no weights read, no memory — rank 0 keeps its full tensors until the model is sharded, the other ranks
+    allocate their (empty) shards, and `load_from_rank0` sends every rank its shards of rank 0's weights. Each
+    rank then holds its shards only; rank 0 alone held the whole model, once. Collective: every rank calls it."""
+    from torch.distributed.fsdp import fully_shard
+
+    on_meta = any(p.is_meta for p in root.parameters())
+    from_rank0 = ctx.any(on_meta)  # the same answer on every rank
+    if from_rank0 and on_meta and ctx.is_main:
+        raise ValueError("dist.rank0_load: rank 0 must hold the weights (it was built on the meta device)")
+    full = root.state_dict() if from_rank0 and ctx.is_main else {}  # references to rank 0's full tensors
+    options = fsdp_options(ctx, cfg)
+    for unit in units:
+        fully_shard(unit, **options)
+    fully_shard(root, **options)
+    if from_rank0:
+        load_from_rank0(root, full, ctx)
+
+
+def load_from_rank0(root: torch.nn.Module, full: dict[str, torch.Tensor], ctx: DistContext) -> None:
+    """Fill the FSDP2-sharded ``root`` on every rank from rank 0's ``full`` state dict (empty on the other ranks):
+    ranks built on the meta device first allocate their shards (``to_empty``); `set_model_state_dict` broadcasts
+    each tensor from rank 0 and every rank keeps its shard (one full tensor in flight at a time); buffers — a
+    rotary embedding's ``inv_freq`` is computed in ``__init__`` and kept out of the state dict — are broadcast as
+    they are."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not ctx.is_main:
+        root.to_empty(device=ctx.device)
+    set_model_state_dict(root, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in root.buffers():
+        dist.broadcast(buffer.data, src=0)
 
 
 def _keep_output_capturing(model: torch.nn.Module) -> None:
