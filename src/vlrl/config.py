@@ -269,6 +269,13 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(16, ge=1, description="Response budget; longer responses are TRUNCATED.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
     max_batch_size: int = Field(256, ge=1, description="Sequences generated at once by the in-process engine.")
+    compile: bool = Field(
+        False, description="In-process engine (rollout.mode=sync, no servers): decode against a static KV cache with one "
+        "decode step compiled by torch.compile (CUDA graphs on GPUs, mode reduce-overhead; inductor on CPU) instead of "
+        "the eager per-token loop. Same greedy ids and log-probs; the first batch of each shape pays the compile "
+        "(seconds on a GPU, ~a minute for a tiny model on 2 CPU cores). Layers other than full attention and FSDP2 "
+        "shards decode eagerly.",
+    )
     # multi-turn agents (vlrl.rollout.agent): README "Multi-turn agents"
     function: str = Field(
         "single_turn", description="Rollout function: single_turn (= engine.generate), multi_turn (the batched agent "

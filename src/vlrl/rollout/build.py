@@ -67,7 +67,7 @@ def _generation_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None, syn
         from vlrl.rollout.server import ThreadedEngine
 
         return ThreadedEngine(policy, max_batch_size=max_batch_size, abort_on_update=abort)
-    return HFEngine(policy, max_batch_size=max_batch_size)
+    return HFEngine(policy, max_batch_size=max_batch_size, compile=getattr(cfg, "compile", False))
 
 
 def close_engine(engine: Any) -> None:

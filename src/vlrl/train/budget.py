@@ -101,6 +101,7 @@ class FlopMeter:
         else:
             self.flops.inference += forward_flops
 
+    @torch.compiler.disable  # a compiled decode step (rollout.compile) runs the count eagerly
     def _on_decoder(self, module, args, kwargs, output) -> None:
         s = self.sizes
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state  # (B, L, h)
@@ -110,10 +111,12 @@ class FlopMeter:
         keys = max(int(keys), L)
         self._add(2 * s.decoder_params * B * L + 4 * s.layers * s.attn_dim * B * L * keys, module)
 
+    @torch.compiler.disable
     def _on_head(self, module, args, output) -> None:
         tokens = args[0].numel() // self.sizes.hidden
         self._add(2 * self.sizes.hidden * self.sizes.vocab * tokens, module)
 
+    @torch.compiler.disable
     def _on_vision(self, module, args, kwargs, output) -> None:
         s = self.sizes
         pixels = args[0] if args else kwargs["hidden_states"]  # (N_p, C)
@@ -226,7 +229,7 @@ class PhaseMeter:
         if self.ctx is not None and self.ctx.enabled:  # the mean over ranks: the same names (and order) on every rank
             names = [f"perf/{p}{k}" for p in self._phases for k in ("tflops", "mfu")]
             means = [v / self.ctx.world_size for v in self.ctx.all_reduce_sum([out.get(k, 0.0) for k in names])]
-            out = {k: v for k, v in zip(names, means) if v > 0}
+            out = {k: v for k, v in zip(names, means, strict=True) if v > 0}
         self._phases = {}
         if out:
             out["perf/peak_tflops"] = self.peak.tflops

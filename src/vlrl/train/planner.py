@@ -85,7 +85,7 @@ from typing import Any
 
 import torch
 
-from vlrl.models.config_only import is_config_only  # noqa: F401  (`vlrl plan` asks: a bare config.json plans too)
+from vlrl.models.config_only import is_config_only  # (`vlrl plan` asks: a bare config.json plans too)
 
 GB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -300,7 +300,7 @@ def meta_model(path: str, *, init_seed: int = 0) -> tuple[torch.nn.Module, Any]:
     (a file, or a directory without tokenizer files: the family's stand-in tokenizer and image processor,
     `vlrl.models.config_only`) — nothing is loaded."""
     from vlrl.models import PRESETS, build_preset
-    from vlrl.models.config_only import is_config_only, stand_in_policy
+    from vlrl.models.config_only import stand_in_policy
 
     name = path.removeprefix("preset:")
     if name in PRESETS and not Path(path).exists():
