@@ -73,10 +73,12 @@ def stand_in_preset(model_type: str) -> str:
 
 
 def stand_in_policy(path: str | Path, *, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32,
-                    seed: int = 0, overrides: dict[str, Any] | None = None):
+                    seed: int = 0, overrides: dict[str, Any] | None = None,
+                    vision_overrides: dict[str, Any] | None = None):
     """A `Policy` of the config at ``path`` with the stand-in tokenizer and image processor (module docstring):
     on the ``meta`` device (shapes only: `vlrl plan`) or with random weights (seeded) on ``device``.
-    ``overrides``: text-config fields to change first (e.g. ``num_hidden_layers`` for a shortened model)."""
+    ``overrides`` / ``vision_overrides``: text- / vision-config fields to change first (e.g. ``num_hidden_layers``
+    / ``depth`` for a shortened model)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from vlrl.models.policy import Policy
@@ -87,6 +89,8 @@ def stand_in_policy(path: str | Path, *, device: str | torch.device = "meta", dt
     text = config.get_text_config()
     for key, value in (overrides or {}).items():
         setattr(text, key, value)
+    for key, value in (vision_overrides or {}).items():
+        setattr(config.vision_config, key, value)
     preset = stand_in_preset(config.model_type)
     tokenizer = preset_tokenizer(preset)
     ids = dict(tokenizer.get_vocab())
