@@ -89,6 +89,8 @@ def stand_in_policy(path: str | Path, *, device: str | torch.device = "meta", dt
     text = config.get_text_config()
     for key, value in (overrides or {}).items():
         setattr(text, key, value)
+    if overrides and "num_hidden_layers" in overrides and isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[: overrides["num_hidden_layers"]]  # one type per layer, or no reload
     for key, value in (vision_overrides or {}).items():
         setattr(config.vision_config, key, value)
     preset = stand_in_preset(config.model_type)

@@ -204,37 +204,55 @@ def shard(root: torch.nn.Module, units: list[torch.nn.Module], ctx: DistContext,
     """`fully_shard` each of ``units``, then ``root`` (FSDP2, in place, `fsdp_options`).
 
     **Memory-lean start** (``dist.rank0_load``): when ``root`` was built on the meta device on the ranks other than
-    0 — no weights read, no memory — rank 0 keeps its full tensors until the model is sharded, the other ranks
-    allocate their (empty) shards, and `load_from_rank0` sends every rank its shards of rank 0's weights. Each
-    rank then holds its shards only; rank 0 alone held the whole model, once. Collective: every rank calls it."""
+    0 (no weights read, no memory), every unit, just before it is sharded, gets rank 0's tensors (`from_rank0`):
+    the ranks on meta allocate that unit alone, rank 0 broadcasts its parameters and buffers one tensor at a time,
+    and `fully_shard` then keeps each rank's shard and frees the rest. A rank holds its shards plus one unit at a
+    time — rank 0 the model it loaded, released unit by unit as it is sharded, as without the lean start. (The same
+    end as `set_model_state_dict(…, broadcast_from_rank0=True)` on a model sharded on meta, without holding rank 0's
+    whole model beside all of its shards.) Collective: every rank calls it, with the same units."""
     from torch.distributed.fsdp import fully_shard
 
     on_meta = any(p.is_meta for p in root.parameters())
-    from_rank0 = ctx.any(on_meta)  # the same answer on every rank
-    if from_rank0 and on_meta and ctx.is_main:
+    from_rank0_needed = ctx.any(on_meta)  # the same answer on every rank
+    if from_rank0_needed and on_meta and ctx.is_main:
         raise ValueError("dist.rank0_load: rank 0 must hold the weights (it was built on the meta device)")
-    full = root.state_dict() if from_rank0 and ctx.is_main else {}  # references to rank 0's full tensors
     options = fsdp_options(ctx, cfg)
-    for unit in units:
+    for unit in [*units, root]:
+        if from_rank0_needed:
+            from_rank0(unit, ctx)
         fully_shard(unit, **options)
-    fully_shard(root, **options)
-    if from_rank0:
-        load_from_rank0(root, full, ctx)
 
 
-def load_from_rank0(root: torch.nn.Module, full: dict[str, torch.Tensor], ctx: DistContext) -> None:
-    """Fill the FSDP2-sharded ``root`` on every rank from rank 0's ``full`` state dict (empty on the other ranks):
-    ranks built on the meta device first allocate their shards (``to_empty``); `set_model_state_dict` broadcasts
-    each tensor from rank 0 and every rank keeps its shard (one full tensor in flight at a time); buffers — a
-    rotary embedding's ``inv_freq`` is computed in ``__init__`` and kept out of the state dict — are broadcast as
-    they are."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def from_rank0(unit: torch.nn.Module, ctx: DistContext) -> None:
+    """Give every rank rank 0's values of ``unit``'s own parameters and buffers — those not inside a sub-module
+    already sharded — allocating them where they are on the meta device. A parameter shared by two modules (tied
+    embeddings) is sent once and stays shared."""
+    from torch.distributed.fsdp import FSDPModule
 
-    if not ctx.is_main:
-        root.to_empty(device=ctx.device)
-    set_model_state_dict(root, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for buffer in root.buffers():
-        dist.broadcast(buffer.data, src=0)
+    done: dict[int, torch.Tensor] = {}
+    for module in _own_modules(unit, FSDPModule):
+        for table in (module._parameters, module._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in done:
+                    value = tensor.detach()
+                    if value.is_meta:
+                        value = torch.empty(value.shape, dtype=value.dtype, device=ctx.device)
+                    dist.broadcast(value if value.is_contiguous() else value.contiguous(), src=0)
+                    done[id(tensor)] = (torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
+                                        if isinstance(tensor, torch.nn.Parameter) else value) if tensor.is_meta else tensor
+                table[name] = done[id(tensor)]
+
+
+def _own_modules(unit: torch.nn.Module, sharded: type) -> list[torch.nn.Module]:
+    """``unit`` and its sub-modules, without those inside a sub-module that is already an FSDP2 unit."""
+    out, stack = [], [unit]
+    while stack:
+        module = stack.pop()
+        out.append(module)
+        stack.extend(child for child in module.children() if not isinstance(child, sharded))
+    return out
 
 
 def _keep_output_capturing(model: torch.nn.Module) -> None:
