@@ -716,9 +716,10 @@ class DistConfig(Section):
     )
     rank0_load: bool = Field(
         True, description="FSDP2 start-up: only rank 0 reads the weights (or builds the preset); the other ranks build "
-        "the model on the meta device (no memory) and receive their shards from rank 0 (set_model_state_dict with "
-        "broadcast_from_rank0) — one full copy in host memory per node at start instead of one per rank. false: every "
-        "rank loads the whole model, then shards it. DDP needs the whole model on every rank either way.",
+        "the model on the meta device (no memory) and get each unit's tensors broadcast from rank 0 just before it is "
+        "sharded — they never hold more than their shards and one unit, instead of a whole copy each (the broadcast "
+        "set_model_state_dict(broadcast_from_rank0=True) does, unit by unit). false: every rank loads the whole model, "
+        "then shards it. DDP needs the whole model on every rank either way.",
     )
     cpu_offload: bool = Field(
         False, description="FSDP2 CPUOffloadPolicy: the sharded parameters, their gradients and the AdamW moments live "
