@@ -54,6 +54,15 @@ of the targeted projections are fp32 with fp32 gradients and moments — under F
 parameters of the chosen groups get gradients and moments; a vision tower that trains nothing keeps no
 activations.
 
+``dist.cpu_offload`` (FSDP2 on ≥ 2 ranks): the parameters, gradients and moments above (and a reference copy) are
+a per-rank host figure instead of device memory; the time adds their copies, steps·(2·micro·Ψ + Ψ_t)·b_w/n over
+PCIe (P_cie), a host AdamW step (7 reads and writes of b_w per trained parameter of the shard, host bandwidth H), and
+for colocated generation one copy of the rank's shards per decode step (`offload_seconds`).
+
+**A config alone.** ``model.path`` may be a ``config.json`` (or a directory with one and no tokenizer): the model is
+built on the meta device from it, with the family's stand-in tokenizer and image processor
+(`vlrl.models.config_only`), so a model can be planned before it is downloaded.
+
 **Time** (per step; F peak FLOP/s, η the MFU assumption, W memory bandwidth, Λ link bandwidth):
 
     train      (c·Ψ_t·T + c_v·Ψ_v·T_v + 12·n_layers·h·L·T) · epochs / (n_train·F·η)   (Kaplan et al. 2020)
