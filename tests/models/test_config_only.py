@@ -72,3 +72,9 @@ def test_vlrl_plan_plans_a_real_model_from_its_config_json_alone(tmp_path, as_di
     assert "Ψ = 8.29e+03M parameters (vision Ψ_v = 677M), 28 layers, h = 3584" in result.output
     assert "V = 152064" in result.output
     assert "#1 colocated fsdp×1" in result.output and "51.07 GiB of 80 GiB" in result.output
+
+
+def test_plan_measure_refuses_a_config_alone_and_says_why():
+    result = CliRunner().invoke(app, ["plan", str(REPO / "configs" / "shapes_grpo.yaml"), "--measure",
+                                      f"model.path={FIXTURES / 'qwen2_5_vl_3b.json'}"])
+    assert result.exit_code == 2 and "needs the model's tokenizer and weights" in result.output
