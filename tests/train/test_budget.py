@@ -139,3 +139,37 @@ def test_every_sft_and_grpo_step_logs_its_mfu(tiny_vlm):
         for prefix in phases:
             mfu = metrics[f"perf/{prefix}mfu"]
             assert 0 < mfu < 1 and mfu == pytest.approx(metrics[f"perf/{prefix}tflops"] / peak)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-glm4v", "tiny-internvl",
+                                  "tiny-gemma3", "tiny-llava-onevision", "tiny-smolvlm", "tiny-qwen2"])
+def test_the_meter_counts_every_familys_passes(name):
+    """Every SFT and RL run meters its passes (`PhaseMeter`): each family's tower and decoder are counted, whatever
+    its vision inputs look like (Qwen-style patch rows, or tiles of pixels)."""
+    policy = load_policy(name)
+    if policy.is_vision:
+        samples = generate("shapes", 2, split="test", tasks=["count"])
+        encoded = [policy.adapter.encode_prompt(s.messages, [load_image(x) for x in s.images]) for s in samples]
+        responses = [policy.adapter.encode_text(s.response) for s in samples]
+    else:
+        samples = generate("arith", 2)
+        encoded = [policy.adapter.encode_prompt(s.messages, []) for s in samples]
+        responses = [policy.adapter.encode_text(s.response) for s in samples]
+    tokens = collate([e.input_ids for e in encoded], responses, [e.vision for e in encoded],
+                     pad_token_id=policy.pad_token_id)
+    with FlopMeter(policy.model) as meter:
+        logp, _ = response_logprobs(policy.model, policy.adapter, tokens)
+        (-logp.sum()).backward()
+        trained = meter.snapshot()
+        with torch.no_grad():
+            response_logprobs(policy.model, policy.adapter, tokens)
+    assert trained.train > 0 and meter.flops.inference == pytest.approx(trained.train / 3)  # 3×: fwd + bwd
+    if meter.vision is not None:
+        counted = []
+        handle = meter.vision.register_forward_hook(lambda *a: counted.append(1))
+        with FlopMeter(policy.model) as vision_only:
+            vision_only._on_decoder = vision_only._on_head = lambda *a, **k: None
+            with torch.no_grad():
+                response_logprobs(policy.model, policy.adapter, tokens)
+        handle.remove()
+        assert counted and vision_only.flops.inference > 0  # the tower ran, and was counted

@@ -10,13 +10,16 @@ processed (padding included — it is computed):
     head       2·h·V per token given to the output head (generation asks it for the last position only)
     vision     2·(Ψ_v − Ψ_m)·N_p + 2·Ψ_m·N_p/m² + 4·depth·h_v·Σ_i n_i²
                                                        N_p patches, n_i of them in image i, Ψ_m the merger,
-                                                       which sees N_p/m² merged tokens (m = spatial merge)
+                                                       which sees N_p/m² merged tokens (m = spatial merge);
+                                                       a tower fed tiles of pixels (InternVL, Gemma 3, …):
+                                                       n_i the patches of tile i
 
 A pass run with autograd on is counted 3× (forward + backward = 6Ψ per token, Kaplan et al.); a pass without
 (generation's prefill and decode steps, π_old / π_ref scoring) 1×. The count is deterministic for a given run
 (it depends on the tokens generated, so on the seed and the torch thread count, never on load or speed).
 
-`vlrl demo` uses it to give the SFT control the RL stage's compute (`control_steps`). What this unit hides:
+`vlrl demo` uses it to give the SFT control the RL stage's compute (`control_steps`); `PhaseMeter` turns it into every
+SFT and RL step's ``perf/mfu`` (`vlrl.report.perf`). What this unit hides:
 FLOPs treat a decode step as costly as a training step per FLOP, while on CPUs (and for small batches on
 GPUs) decoding is memory-bound and much slower per FLOP — the FLOP-matched control gets fewer steps than a
 wall-time-matched one would, which flatters RL; the demo records both numbers (``budget`` in summary.json).
@@ -60,6 +63,7 @@ class _Sizes:
     merge: int = 1  # spatial merge size m
     vision_depth: int = 0
     vision_hidden: int = 0  # h_v
+    patch: int = 14  # pixels per patch side (towers fed tiles of pixels)
 
 
 class FlopMeter:
@@ -119,10 +123,17 @@ class FlopMeter:
     @torch.compiler.disable
     def _on_vision(self, module, args, kwargs, output) -> None:
         s = self.sizes
-        pixels = args[0] if args else kwargs["hidden_states"]  # (N_p, C)
-        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)  # (images, 3)
-        patches = int(pixels.shape[0])
-        per_image = [int(t * h * w) for t, h, w in grid.tolist()] if grid is not None else [patches]
+        pixels = args[0] if args else kwargs.get("hidden_states", kwargs.get("pixel_values"))
+        if not isinstance(pixels, torch.Tensor):
+            return
+        if pixels.dim() == 2:  # Qwen-style rows of patch values (N_p, C), images given by grid_thw (images, 3)
+            grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+            patches = int(pixels.shape[0])
+            per_image = [int(t * h * w) for t, h, w in grid.tolist()] if grid is not None else [patches]
+        else:  # tiles of pixels (…, C, H, W) (InternVL, Gemma 3, LLaVA-OneVision, SmolVLM): attention within a tile
+            tiles = int(torch.tensor(pixels.shape[:-3]).prod()) if pixels.dim() > 3 else 1
+            per_tile = (pixels.shape[-2] // s.patch) * (pixels.shape[-1] // s.patch)
+            patches, per_image = tiles * per_tile, [per_tile] * tiles
         linear = 2 * (s.vision_params - s.merger_params) * patches + 2 * s.merger_params * patches / s.merge**2
         attention = 4 * s.vision_depth * s.vision_hidden * sum(n * n for n in per_image)
         self._add(linear + attention, module)
@@ -142,9 +153,12 @@ def _sizes(model, decoder, head, vision) -> _Sizes:
                                  attn_dim=heads * head_dim, hidden=head.in_features, vocab=head.out_features)
     vision_config = getattr(config, "vision_config", None)
     if vision is not None and vision_config is not None:
+        patch = getattr(vision_config, "patch_size", 14) or 14
         sizes.update(vision_params=_count(vision), merger_params=_count(getattr(vision, "merger", None)),
-                     merge=getattr(vision_config, "spatial_merge_size", 1), vision_depth=vision_config.depth,
-                     vision_hidden=getattr(vision_config, "embed_dim", None) or vision_config.hidden_size)
+                     merge=getattr(vision_config, "spatial_merge_size", 1) or 1,
+                     vision_depth=getattr(vision_config, "depth", None) or getattr(vision_config, "num_hidden_layers", 0),
+                     vision_hidden=getattr(vision_config, "embed_dim", None) or vision_config.hidden_size,
+                     patch=patch[0] if isinstance(patch, (list, tuple)) else patch)
     return _Sizes(**sizes)
 
 
