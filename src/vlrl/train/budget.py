@@ -209,28 +209,40 @@ class PhaseMeter:
     def __init__(self, model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype, ctx: Any = None) -> None:
         from vlrl.report.perf import device_peak
 
-        self.meter = FlopMeter(model)
+        try:
+            self.meter: FlopMeter | None = FlopMeter(model)
+        except (AttributeError, TypeError, ValueError) as err:  # a model FlopMeter cannot size: train without MFU
+            import logging
+
+            logging.getLogger(__name__).warning("perf/mfu not logged: %s cannot be metered (%s: %s)",
+                                                type(model).__name__, type(err).__name__, err)
+            self.meter = None
         self.peak = device_peak(device, dtype)
         self.ctx = ctx
         self._mark = (0.0, Flops())
         self._phases: dict[str, tuple[float, float]] = {}  # prefix → (FLOPs, seconds)
 
     def __enter__(self) -> PhaseMeter:
-        self.meter.__enter__()
+        if self.meter is not None:
+            self.meter.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.meter.__exit__(*exc)
+        if self.meter is not None:
+            self.meter.__exit__(*exc)
+
+    def _flops(self) -> Flops:
+        return self.meter.snapshot() if self.meter is not None else Flops()
 
     def begin(self) -> None:
         import time
 
-        self._mark = (time.perf_counter(), self.meter.snapshot())
+        self._mark = (time.perf_counter(), self._flops())
 
     def phase(self, prefix: str) -> None:
         import time
 
-        now, flops = time.perf_counter(), self.meter.snapshot()
+        now, flops = time.perf_counter(), self._flops()
         self._phases[prefix] = ((flops - self._mark[1]).total, now - self._mark[0])
         self._mark = (now, flops)
 
