@@ -7,12 +7,16 @@ Arms, on the same prompts, alternated, each repeated ``--repeats`` times (median
   n times;
 - ``loop, prefill per row``: vlrl's sampling loop (`vlrl.rollout.decode`) with prompt sharing turned off —
   the per-token cost of the loop against `generate`'s;
-- ``loop, prefill per group``: the engine as shipped — each prompt prefilled once, its cache expanded.
+- ``loop, prefill per group``: the engine as shipped — each prompt prefilled once, its cache expanded;
+- ``loop, compiled step`` (``--compile``): the same with ``rollout.compile`` — a static KV cache and one decode
+  step under ``torch.compile`` (`decode.CompiledStep`); its first call (the compile) is timed apart and left out
+  of the median. ``--no-generate`` leaves out the (slow) ``generate`` arm.
 
 EOS is replaced by a suppressed token so every arm decodes exactly ``max_new_tokens`` steps; ``generate``'s
 prefill is measured as a ``max_new_tokens=1`` call, so its per-token cost is (t(T) − t(1)) / (T − 1).
 
-    PYTHONPATH=src python benchmarks/generation.py [--preset tiny-qwen2-vl] [--shape realistic] [--threads 1]
+    PYTHONPATH=src python benchmarks/generation.py [--preset tiny-qwen2-vl] [--shape realistic] [--threads 1] \
+        [--compile] [--no-generate]
 
 Shapes: ``today`` = 8 prompts × n 4 × 32 new tokens, 112×112 images (16 vision tokens); ``realistic`` = 4
 prompts × n 8 × 64 new tokens, 448×448 images (256 vision tokens).
@@ -55,6 +59,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="realistic")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="add the compiled-step arm (rollout.compile)")
+    parser.add_argument("--no-generate", action="store_true", help="leave out the generate arm")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shape = SHAPES[args.shape]
@@ -76,7 +82,7 @@ def main() -> None:
           f"{shape['n']} × {T} new tokens, {vision_tokens} vision tokens/image, prompt {len(requests[0].prompt_ids)} "
           f"tokens, {args.threads} thread(s)")
 
-    def run_loop(share: bool) -> tuple[float, float, float]:
+    def run_loop(share: bool, compiled: decode.CompiledStep | None = None) -> tuple[float, float, float]:
         real = decode.distinct_prompts
         if not share:
             decode.distinct_prompts = lambda rs: (list(rs), list(range(len(rs))))
@@ -84,7 +90,7 @@ def main() -> None:
             stats = decode.DecodeStats()
             start = time.perf_counter()
             decode.sample(policy.model, policy.adapter, rows, sampling, pad_token_id=policy.pad_token_id,
-                          eos_token_ids=[eos], suppress=suppress, stats=stats)
+                          eos_token_ids=[eos], suppress=suppress, stats=stats, compiled=compiled)
             return time.perf_counter() - start, stats.prefill_seconds, stats.decode_seconds
         finally:
             decode.distinct_prompts = real
@@ -102,6 +108,14 @@ def main() -> None:
 
     arms = {"generate": run_generate, "loop, prefill per row": lambda: run_loop(False),
             "loop, prefill per group": lambda: run_loop(True)}
+    if args.no_generate:
+        del arms["generate"]
+    if args.compile:
+        compiled = decode.CompiledStep()
+        start = time.perf_counter()
+        run_loop(True, compiled)  # the compile (and one rollout)
+        print(f"compiled step: first rollout {time.perf_counter() - start:.1f} s (torch.compile included)")
+        arms["loop, compiled step"] = lambda: run_loop(True, compiled)
     run_loop(True)  # warm-up
     results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in arms}
     for _ in range(args.repeats):
@@ -114,9 +128,10 @@ def main() -> None:
         total, prefill, steps = (statistics.median(r[i] for r in runs) for i in range(3))
         medians[name] = total
         print(f"{name:26s} {total:9.2f} {tokens / total:9.0f} {prefill:9.2f} {steps:9.2f} {1e3 * steps / (T - 1):13.1f}")
-    base = medians["generate"]
-    for name in list(arms)[1:]:
-        print(f"speed-up of '{name}' over generate: {base / medians[name]:.2f}x")
+    base_name = "generate" if "generate" in medians else "loop, prefill per group"
+    for name in arms:
+        if name != base_name:
+            print(f"speed-up of '{name}' over {base_name}: {medians[base_name] / medians[name]:.2f}x")
 
 
 if __name__ == "__main__":

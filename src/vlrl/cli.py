@@ -547,8 +547,11 @@ def plan(
     cfg = _load(RECIPES[recipe], config, overrides, [])
     try:
         problem = model_path_problem(cfg.model.path)
-        if problem:
+        if problem and not planner.is_config_only(cfg.model.path):  # a bare config.json plans too
             raise FileNotFoundError(problem)
+        if measure and planner.is_config_only(cfg.model.path):
+            raise ValueError("--measure runs a training step on this CPU: it needs the model's tokenizer and weights, "
+                             "not a config.json alone")
         model, adapter = planner.meta_model(cfg.model.path, init_seed=cfg.model.init_seed)
     except (OSError, ValueError) as err:  # a missing directory, no hub, an unsupported family
         typer.secho(f"vlrl plan: model.path: {err}", fg="red", err=True)

@@ -344,6 +344,13 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(16, ge=1, description="Response budget; longer responses are TRUNCATED.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
     max_batch_size: int = Field(256, ge=1, description="Sequences generated at once by the in-process engine.")
+    compile: bool = Field(
+        False, description="In-process engine (rollout.mode=sync, no servers): decode against a static KV cache with one "
+        "decode step compiled by torch.compile (CUDA graphs on GPUs, mode reduce-overhead; inductor on CPU) instead of "
+        "the eager per-token loop. Same greedy ids and log-probs; the first batch of each shape pays the compile "
+        "(seconds on a GPU, ~a minute for a tiny model on 2 CPU cores). Layers other than full attention and FSDP2 "
+        "shards decode eagerly.",
+    )
     # multi-turn agents (vlrl.rollout.agent): README "Multi-turn agents"
     function: str = Field(
         "single_turn", description="Rollout function: single_turn (= engine.generate), multi_turn (the batched agent "
@@ -815,6 +822,19 @@ class DistConfig(Section):
     deterministic: bool = Field(
         False, description="torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG on GPUs): bitwise "
         "reproducible steps on GPUs at some speed cost. CPU kernels are deterministic already.",
+    )
+    rank0_load: bool = Field(
+        True, description="FSDP2 start-up: only rank 0 reads the weights (or builds the preset); the other ranks build "
+        "the model on the meta device (no memory) and get each unit's tensors broadcast from rank 0 just before it is "
+        "sharded — they never hold more than their shards and one unit, instead of a whole copy each (the broadcast "
+        "set_model_state_dict(broadcast_from_rank0=True) does, unit by unit). false: every rank loads the whole model, "
+        "then shards it. DDP needs the whole model on every rank either way.",
+    )
+    cpu_offload: bool = Field(
+        False, description="FSDP2 CPUOffloadPolicy: the sharded parameters, their gradients and the AdamW moments live "
+        "in host memory (pinned on GPUs) and the optimizer steps on the CPU; each unit's shard is copied to the device "
+        "for its all-gather. Frees ~16 bytes per parameter / d of device memory (fp32) for PCIe traffic every step; "
+        "`vlrl plan` counts it. No effect on DDP or one process.",
     )
 
 

@@ -8,7 +8,7 @@ from vlrl.data import generate
 from vlrl.data.sample import load_image
 from vlrl.models import collate, load_policy, response_logprobs
 from vlrl.rollout import HFEngine, SamplingParams
-from vlrl.train.budget import FlopMeter, Flops, control_budget, control_steps
+from vlrl.train.budget import FlopMeter, Flops, PhaseMeter, control_budget, control_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,3 +89,87 @@ def test_a_wall_time_control_refuses_a_decaying_sft_schedule():
     assert load_config(DemoConfig, demo, ["sft.optim.schedule=cosine"]).sft.optim.schedule == "cosine"  # flops: fine
     with pytest.raises(ConfigError, match="sft.optim.schedule=cosine with control_budget=wall"):
         load_config(DemoConfig, demo, ["sft.optim.schedule=cosine", "control_budget=wall"])
+
+
+def test_the_phase_meter_divides_each_phases_flops_by_its_seconds_and_the_peak(eager_policy, monkeypatch):
+    import time
+
+    from vlrl.report.perf import Peak
+
+    _, tokens = _batch(eager_policy)
+    with PhaseMeter(eager_policy.model, "cpu", torch.float32) as perf:
+        perf.peak = Peak(1e12, "test")  # 1 TFLOP/s
+        clock = iter([10.0, 12.0, 15.0])  # begin, after generation (2 s), after the update (3 s)
+        monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+        perf.begin()
+        with torch.no_grad():
+            response_logprobs(eager_policy.model, eager_policy.adapter, tokens)
+        perf.phase("gen_")
+        generated = perf.meter.snapshot()
+        logp, _ = response_logprobs(eager_policy.model, eager_policy.adapter, tokens)
+        (-logp.sum()).backward()
+        perf.phase("")
+        trained = perf.meter.snapshot() - generated
+    eager_policy.model.zero_grad(set_to_none=True)
+    metrics = perf.metrics()
+    assert metrics["perf/gen_tflops"] == pytest.approx(generated.inference / 2 / 1e12)
+    assert metrics["perf/gen_mfu"] == pytest.approx(generated.inference / 2 / 1e12)  # of 1 TFLOP/s
+    assert metrics["perf/mfu"] == pytest.approx(trained.train / 3 / 1e12) and trained.inference == 0
+    assert metrics["perf/peak_tflops"] == 1.0
+    assert perf.metrics() == {}  # the phases were consumed
+
+
+def test_every_sft_and_grpo_step_logs_its_mfu(tiny_vlm):
+    from vlrl.config import RLStage, SFTStage
+    from vlrl.report import MetricsLogger
+    from vlrl.report.perf import device_peak
+    from vlrl.train.grpo import train_grpo
+    from vlrl.train.sft import train_sft
+
+    sft = SFTStage.model_validate({"train": {"steps": 1, "batch_size": 4, "micro_batch_size": 4}})
+    stats = train_sft(tiny_vlm, generate("shapes", 4), sft, logger=MetricsLogger(None, quiet=True), seed=0)
+    rl = RLStage.model_validate({"rollout": {"n": 2, "max_new_tokens": 4},
+                                 "train": {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 4}})
+    logger = MetricsLogger(None, quiet=True)
+    train_grpo(tiny_vlm, HFEngine(tiny_vlm), generate("shapes", 2), rl, logger=logger, seed=0)
+    (record,) = logger.records
+    peak = device_peak("cpu").tflops  # this process's measured CPU matmul peak, the one the loops divide by
+    for metrics, phases in ((stats, [""]), (record, ["", "gen_"])):
+        assert metrics["perf/peak_tflops"] == peak
+        for prefix in phases:
+            mfu = metrics[f"perf/{prefix}mfu"]
+            assert 0 < mfu < 1 and mfu == pytest.approx(metrics[f"perf/{prefix}tflops"] / peak)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-glm4v", "tiny-internvl",
+                                  "tiny-gemma3", "tiny-llava-onevision", "tiny-smolvlm", "tiny-qwen2"])
+def test_the_meter_counts_every_familys_passes(name):
+    """Every SFT and RL run meters its passes (`PhaseMeter`): each family's tower and decoder are counted, whatever
+    its vision inputs look like (Qwen-style patch rows, or tiles of pixels)."""
+    policy = load_policy(name)
+    if policy.is_vision:
+        samples = generate("shapes", 2, split="test", tasks=["count"])
+        encoded = [policy.adapter.encode_prompt(s.messages, [load_image(x) for x in s.images]) for s in samples]
+        responses = [policy.adapter.encode_text(s.response) for s in samples]
+    else:
+        samples = generate("arith", 2)
+        encoded = [policy.adapter.encode_prompt(s.messages, []) for s in samples]
+        responses = [policy.adapter.encode_text(s.response) for s in samples]
+    tokens = collate([e.input_ids for e in encoded], responses, [e.vision for e in encoded],
+                     pad_token_id=policy.pad_token_id)
+    with FlopMeter(policy.model) as meter:
+        logp, _ = response_logprobs(policy.model, policy.adapter, tokens)
+        (-logp.sum()).backward()
+        trained = meter.snapshot()
+        with torch.no_grad():
+            response_logprobs(policy.model, policy.adapter, tokens)
+    assert trained.train > 0 and meter.flops.inference == pytest.approx(trained.train / 3)  # 3×: fwd + bwd
+    if meter.vision is not None:
+        counted = []
+        handle = meter.vision.register_forward_hook(lambda *a: counted.append(1))
+        with FlopMeter(policy.model) as vision_only:
+            vision_only._on_decoder = vision_only._on_head = lambda *a, **k: None
+            with torch.no_grad():
+                response_logprobs(policy.model, policy.adapter, tokens)
+        handle.remove()
+        assert counted and vision_only.flops.inference > 0  # the tower ran, and was counted

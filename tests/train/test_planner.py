@@ -189,3 +189,32 @@ def test_lora_under_fsdp2_shards_the_base_and_the_adapters_and_reduces_only_the_
     # a full fine-tune, unchanged: DDP 2·1000·4·1/2 = 4000; FSDP2 (2·1 + 1)·1000·4·1/2 = 6000
     assert [t.value for t in sync_seconds(SHAPE, full, dev, 2, "ddp")] == [pytest.approx(4000)]
     assert [t.value for t in sync_seconds(SHAPE, full, dev, 2, "fsdp")] == [pytest.approx(6000)]
+
+
+def test_cpu_offload_moves_the_trained_state_to_the_host_and_counts_its_copies():
+    import dataclasses
+
+    big = ModelShape(params=7_000_000_000, params_vision=0, largest_unit=400_000_000, layers=32, hidden=4096,
+                     intermediate=11008, kv_dim=1024, vocab=32000)
+    w = Workload("rl", prompt_tokens=100, response_tokens=100, patches=0, sequences=64, micro_batch=8, reference=True,
+                 weight_bytes=2, compute_bytes=2)
+    off = dataclasses.replace(w, cpu_offload=True)
+    dev = Device(2, 24.0)  # offloaded: 9.3 GiB per device; not: 9.3 + 32.6
+    plain, offloaded = ({p.name: p for p in plan_placements(big, x, dev)} for x in (w, off))
+    fsdp, fsdp_off = plain["colocated fsdp×2"], offloaded["colocated fsdp×2"]
+    # per rank, d = 2: parameters 7e9·2/2, gradients the same, moments twice that, the reference 7e9·2/2
+    state = 7e9 + 7e9 + 14e9 + 7e9
+    assert sum(t.value for t in fsdp_off.host["all devices"]) == state
+    assert fsdp.peak("all devices") - fsdp_off.peak("all devices") == state and not fsdp.host
+    assert fsdp_off.feasible(dev) and not fsdp.feasible(dev)  # 35 GB of state off a 24 GiB device
+    times = {t.name: t.value for t in fsdp_off.time}
+    # one optimizer step; a rank's 32 rows in micro-batches of 8 = 4: (2·4·7e9 + 7e9)·2 bytes / 2 ranks / 25 GB/s
+    assert times["offload copies"] == pytest.approx((2 * 4 * 7e9 + 7e9) * 2 / 2 / 25e9)
+    assert times["host AdamW step"] == pytest.approx(7 * 7e9 * 2 / 2 / 20e9)
+    assert "decode offload copies" in times and "offload copies" not in {t.name for t in fsdp.time}
+    # DDP and a single device are not offloaded (one process wraps nothing)
+    assert not offloaded["colocated ddp×2"].host and offloaded["colocated ddp×2"].peak("all devices") == \
+        plain["colocated ddp×2"].peak("all devices")
+    single = {p.name: p for p in plan_placements(big, off, Device(1, 80.0))}
+    assert not single["colocated fsdp×1"].host
+    assert "host memory per rank" in format_plans(list(offloaded.values()), dev, off, big)

@@ -154,7 +154,8 @@ def load_processor(
 ) -> Policy:
     """The tokenizer, image processor and adapter of a model with no weights in memory: a preset is built on
     the ``meta`` device, a directory or hub id reads only its config, tokenizer and processor files. The
-    returned `Policy` encodes and counts tokens; its model cannot run."""
+    returned `Policy` encodes and counts tokens; its model runs only once given weights (FSDP2's memory-lean
+    start, `vlrl.train.distributed.shard`)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from vlrl.models.presets import PRESETS, build_preset
@@ -164,11 +165,19 @@ def load_processor(
     with torch.device("meta"):  # parameters get shapes, no storage
         if name in PRESETS and not Path(name_or_path).exists():
             policy = build_preset(name, seed=seed)
+            if options.attn_implementation is not None:  # as `load_policy` sets it (FSDP2's meta ranks match rank 0's)
+                _attention(options.attn_implementation, lambda impl: policy.model.set_attn_implementation(impl))
         else:
             config, tokenizer, image_processor, processor = load_parts(name_or_path, options)
             is_vision = hasattr(config, "vision_config")
+            extra = {"attn_implementation": options.attn_implementation} if options.attn_implementation else {}
             model = (AutoModelForImageTextToText if is_vision else AutoModelForCausalLM).from_config(
-                config, trust_remote_code=options.trust_remote_code)
+                config, trust_remote_code=options.trust_remote_code, **extra)
+            model.eval()  # as from_pretrained leaves it
+            if (Path(name_or_path) / "generation_config.json").is_file():  # EOS ids as `load_policy` reads them
+                from transformers import GenerationConfig
+
+                model.generation_config = GenerationConfig.from_pretrained(name_or_path, **options.hub())
             policy = Policy.from_parts(model, tokenizer, image_processor, source=str(name_or_path), processor=processor)
     set_pixel_bounds(policy.image_processor, min_pixels, max_pixels)
     policy.adapter.chat_template_kwargs = dict(options.chat_template_kwargs)

@@ -50,6 +50,7 @@ DYNAMICS: list[tuple[str, list[str], list[str]]] = [
     ("Staleness / behaviour weights", ["*stale*", "*behaviour*", "*behavior*", "*is_weight*", "*version_lag*"], []),
     ("Diversity (distinct responses per group)", ["*unique*", "*divers*", "*distinct*"], []),
     ("Groups with zero advantage", ["*zero_adv*"], []),
+    ("Model FLOPs utilisation (perf/mfu: update, perf/gen_mfu: generation)", ["perf/*mfu"], []),
 ]
 GROUP_ORDER = ["reward", "accuracy", "policy", "response", "rollout", "sft", "perf", "data"]
 

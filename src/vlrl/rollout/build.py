@@ -68,7 +68,7 @@ def _generation_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None, syn
         from vlrl.rollout.server import ThreadedEngine
 
         return ThreadedEngine(policy, max_batch_size=max_batch_size, on_weight_update=cfg.on_weight_update)
-    return HFEngine(policy, max_batch_size=max_batch_size)
+    return HFEngine(policy, max_batch_size=max_batch_size, compile=cfg.compile)
 
 
 def close_engine(engine: Any) -> None:

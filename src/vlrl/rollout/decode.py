@@ -19,6 +19,16 @@ vision tokens per image, n = 8–16) that prefill, vision tower included, is mos
    tokens, nothing else; EOS and the request's ``stop_token_ids`` end a row. Finished rows leave the batch (the cache is compacted when a
    quarter of its rows are done).
 
+**Compiled decode** (``rollout.compile``, `CompiledStep`): after the prefill the expanded cache is copied into a
+transformers ``StaticCache`` of ``P + max_new_tokens`` positions (rounded up to `STATIC_LENGTH_STEP`), and one decode
+step — the model's forward on one token per row — runs under ``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA
+graphs, on GPUs; inductor's default on CPU): every step has the same shapes (rows never leave the batch, the mask
+spans the whole static cache, zeros past each row's last token), so it compiles once per batch shape and replays.
+Greedy ids and behaviour log-probs equal the eager loop's (tests/rollout/test_decode_compile.py); sampled ids are
+equal in distribution (finished rows keep drawing, so the random stream is consumed differently). A model whose
+layers are not all full attention (sliding windows, linear attention) or whose parameters are FSDP2 shards decodes
+eagerly (logged once).
+
 Behaviour log-probs are ``log_softmax(logits / temperature)`` of the raw logits (before bias, suppression, top-k
 and top-p) at the sampled token: the quantity the teacher-forced pass computes. The samples are equal in
 distribution to `generate`'s (the same processors in the same order, then one draw per row from the global
@@ -245,10 +255,12 @@ def _stopped_by_string(tokenizer, tokens: list[int], stops: Sequence[str], tail:
 @torch.no_grad()
 def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request], sampling: SamplingParams, *,
            pad_token_id: int, eos_token_ids: Sequence[int], suppress: Sequence[int] = (),
-           on_step: Callable[[], torch.Tensor] | None = None, stats: DecodeStats | None = None) -> Decoded:
+           on_step: Callable[[], torch.Tensor] | None = None, stats: DecodeStats | None = None,
+           compiled: CompiledStep | None = None) -> Decoded:
     """One sample per entry of ``rows`` (a request repeated n times is prefilled once).
 
-    ``on_step``: called after every decode step, returns a (rows,) bool tensor — those rows stop there."""
+    ``on_step``: called after every decode step, returns a (rows,) bool tensor — those rows stop there.
+    ``compiled``: decode through this compiled step over a static cache (``rollout.compile``; module docstring)."""
     stats = stats if stats is not None else DecodeStats()
     stats.rows, stats.steps, stats.compactions = len(rows), 0, 0
     start = time.perf_counter()
@@ -263,6 +275,8 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
     elif len(prompts) != len(rows):
         logits, prompt_mask, last_position = logits[index], prompt_mask[index], last_position[..., index, :]
 
+    static = compiled.start(model, cache, prompt_mask, sampling.max_new_tokens, adapter.family) \
+        if compiled is not None else None  # None: this model decodes eagerly
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     N, T = len(rows), sampling.max_new_tokens
@@ -297,6 +311,9 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
             done |= on_step().to(device)
         if bool(done.all()) or step == T - 1:
             break
+        if static is not None:  # static shapes: every row stays, the mask grows by one position
+            logits = static.step(new, last_position + step + 1, type_keys)
+            continue
         keep = ~done[live]  # (live,)
         if int(keep.sum()) <= 3 * len(live) // 4:  # compact: finished rows leave the cache
             cache.reorder_cache(keep.nonzero().flatten())
@@ -311,3 +328,101 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
     stats.decode_seconds = time.perf_counter() - start
     return Decoded(tokens=tokens, logp=[torch.stack(lp) if lp else torch.zeros(0) for lp in logps],
                    eos=ended_eos, stop_string=ended_stop)
+
+
+# ----------------------------------------------------------------------------------------------- compiled step
+STATIC_LENGTH_STEP = 64  # static cache lengths are rounded up to a multiple: batches of similar length share a graph
+_EAGER: set[str] = set()  # families decoded eagerly under rollout.compile (logged once each)
+
+
+def _decode_step(model: torch.nn.Module, cache_key: str, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor, extra: dict) -> torch.Tensor:
+    """The model's forward on one token per row against ``cache``; the last position's logits (rows, V)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                **{cache_key: cache}, **extra)
+    return out.logits[:, -1]
+
+
+class CompiledStep:
+    """``rollout.compile``: one decode step under ``torch.compile`` over a transformers ``StaticCache`` (module
+    docstring). Holds the compiled step and the static cache, reused while the batch shape (rows, cache length,
+    dtype, device) stays the same — a new shape allocates a new cache and compiles again. ``mode``: torch.compile's
+    (default: ``reduce-overhead`` — CUDA graphs — on a GPU, inductor's default elsewhere); ``backend``: its backend
+    (the tests also use ``aot_eager``: the same traced graph, no code generation)."""
+
+    def __init__(self, mode: str | None = None, backend: str = "inductor") -> None:
+        self.mode, self.backend = mode, backend
+        self._fn: Callable | None = None
+        self._cache = None
+        self._shape: tuple | None = None
+        self.compiles = 0  # static caches allocated (each new batch shape compiles the step again)
+
+    def start(self, model: torch.nn.Module, cache, prompt_mask: torch.Tensor, max_new_tokens: int,
+              family: str) -> _StaticRun | None:
+        """Copy the prefilled (expanded) ``cache`` into the static cache and return the run that decodes against
+        it; None when this model cannot decode statically (then the loop runs eagerly, logged once per family)."""
+        reason = _static_problem(model, cache)
+        if reason is not None:
+            if family not in _EAGER:
+                _EAGER.add(family)
+                log.warning("rollout.compile: %s decodes eagerly (%s)", family, reason)
+            return None
+        from transformers.cache_utils import StaticCache
+
+        module = getattr(model, "module", model)
+        rows, prompt_len = prompt_mask.shape
+        length = -(-(prompt_len + max_new_tokens) // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP
+        first = cache.layers[0].keys
+        shape = (rows, length, first.dtype, first.device)
+        if self._shape != shape:
+            self._cache, self._shape = StaticCache(config=module.config, max_cache_len=length), shape
+            self.compiles += 1
+        else:
+            self._cache.reset()
+        for source, target in zip(cache.layers, self._cache.layers, strict=True):
+            if not target.is_initialized:
+                target.lazy_initialization(source.keys, source.values)
+            target.keys[:, :, :prompt_len].copy_(source.keys)
+            target.values[:, :, :prompt_len].copy_(source.values)
+            target.cumulative_length.fill_(prompt_len)
+        if self._fn is None:
+            mode = self.mode or ("reduce-overhead" if first.device.type == "cuda" else None)
+            self._fn = torch.compile(_decode_step, backend=self.backend, mode=mode, dynamic=False)
+        mask = prompt_mask.new_zeros(rows, length)
+        mask[:, :prompt_len] = prompt_mask
+        return _StaticRun(self._fn, model, cache_argument(model), self._cache, mask, prompt_len)
+
+
+@dataclass
+class _StaticRun:
+    """One `sample` call's decoding against the static cache: the mask over all its positions grows by one
+    column per step."""
+
+    fn: Callable
+    model: torch.nn.Module
+    cache_key: str
+    cache: object
+    mask: torch.Tensor  # (rows, static length)
+    position: int  # the cache position the next token is written to
+
+    def step(self, tokens: torch.Tensor, position_ids: torch.Tensor, type_keys: list[str]) -> torch.Tensor:
+        """Logits (rows, V) after feeding ``tokens`` (rows,) at ``position_ids``."""
+        self.mask[:, self.position] = 1
+        self.position += 1
+        input_ids = tokens.unsqueeze(-1)  # (rows, 1)
+        extra: dict = {k: torch.zeros_like(input_ids, dtype=torch.int32) for k in type_keys}
+        if "logits_to_keep" in _forward_params(type(getattr(self.model, "module", self.model))):
+            extra["logits_to_keep"] = 1
+        return self.fn(self.model, self.cache_key, self.cache, input_ids, self.mask, position_ids, extra).clone()
+
+
+def _static_problem(model: torch.nn.Module, cache) -> str | None:
+    """Why ``model`` (with its prefilled ``cache``) cannot decode against a static cache; None when it can."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    if any(hasattr(p, "to_local") for p in model.parameters()):
+        return "its parameters are FSDP2 shards, gathered anew at every step"
+    if not isinstance(cache, Cache) or not all(type(layer) is DynamicLayer for layer in cache.layers):
+        kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])}) or [type(cache).__name__]
+        return f"its cache layers are {kinds}, not full attention only"
+    return None

@@ -42,9 +42,10 @@ def _gather_root(model: torch.nn.Module) -> None:
 class HFEngine:
     """Generate with a `Policy` living in this process (colocated with the trainer, weights shared)."""
 
-    def __init__(self, policy: Policy, *, max_batch_size: int = 256) -> None:
+    def __init__(self, policy: Policy, *, max_batch_size: int = 256, compile: bool = False) -> None:
         self.policy = policy
         self.max_batch_size = max_batch_size
+        self.compiled = decode.CompiledStep() if compile else None  # rollout.compile: a static cache, one compiled step
         self.weight_version = 0
         eos = set(policy.eos_token_ids)
         self._suppress = [t for t in policy.adapter.special_token_ids() if t not in eos]
@@ -101,6 +102,7 @@ class HFEngine:
             policy.model, policy.adapter, [request for _, request in rows], sampling,
             pad_token_id=policy.pad_token_id, eos_token_ids=policy.eos_token_ids, suppress=self._suppress,
             on_step=_row_flags(rows, on_step) if on_step is not None else None, stats=self.last_stats,
+            compiled=self.compiled,
         )
         self.total_stats.add(self.last_stats)
         trajectories = []

@@ -46,6 +46,7 @@ from vlrl.rollout.http_engine import AsyncEngine
 from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.async_rollout import AsyncRollout, GroupBuffer, hand_out
 from vlrl.train.batch import build_algorithm, prepare_batch
+from vlrl.train.budget import PhaseMeter, compute_dtype
 from vlrl.train.common import PromptCursor, make_optimizer
 from vlrl.train.distributed import DistContext, GlobalAdvantage, GlobalRewardShaping
 from vlrl.train.metrics import step_metrics
@@ -107,6 +108,7 @@ def train_async_grpo(
     model = policy.model
     stack = ExitStack()  # train.trainable and gradient checkpointing, undone when the loop ends
     modules = stack.enter_context(stage_modules(policy, train))
+    perf = stack.enter_context(PhaseMeter(model, ctx.device, compute_dtype(model, rt.cfg.mixed_precision), ctx))
     optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups,
                                           total_steps=stage.train.steps)
     max_concurrent = stage.rollout.max_concurrent_rollouts or 2 * P
@@ -160,6 +162,7 @@ def train_async_grpo(
             versions = torch.tensor([t.weight_version for t in trajectories])
             assert_fresh(versions, step, eta=eta)  # no sample older than η reaches the loss below
             t_wait = time.time() - t0
+            perf.begin()  # the update's MFU (generation runs on the rollout's own copy or servers, overlapped)
             # 2-3. π_prox = the current weights (one teacher-forced pass, only when the weights move within the
             #      step; otherwise the update's own forward pass), shaped rewards → advantages
             s = staleness(versions, step)  # (B,) this rank's share
@@ -168,6 +171,7 @@ def train_async_grpo(
             # 4. decoupled PPO update (and the critic's, when the estimator uses values)
             stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
                                critic=algorithm.critic, runtime=rt)
+            perf.phase("")
             # 5-8. pause → update weights → set version → resume
             #      (one process with servers: they load in the background while the trainer goes on, `_publish`)
             t_sync = time.time()
@@ -194,7 +198,8 @@ def train_async_grpo(
             last.update({"perf/step_seconds": time.time() - t0, "perf/wait_seconds": t_wait, "perf/sync_seconds": t_sync,
                          "policy/trainable_params": modules.trainable_params, "policy/lr": scheduler.get_last_lr()[0],
                          "perf/gradient_checkpointing": float(modules.gradient_checkpointing),
-                         "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9)})
+                         "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
+                         **perf.metrics()})
             if step % train.log_every == 0 or step == train.steps:
                 logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "staleness/mean", "perf/step_seconds"))
             if rt.checkpoint_due(step):

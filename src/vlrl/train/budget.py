@@ -10,13 +10,16 @@ processed (padding included — it is computed):
     head       2·h·V per token given to the output head (generation asks it for the last position only)
     vision     2·(Ψ_v − Ψ_m)·N_p + 2·Ψ_m·N_p/m² + 4·depth·h_v·Σ_i n_i²
                                                        N_p patches, n_i of them in image i, Ψ_m the merger,
-                                                       which sees N_p/m² merged tokens (m = spatial merge)
+                                                       which sees N_p/m² merged tokens (m = spatial merge);
+                                                       a tower fed tiles of pixels (InternVL, Gemma 3, …):
+                                                       n_i the patches of tile i
 
 A pass run with autograd on is counted 3× (forward + backward = 6Ψ per token, Kaplan et al.); a pass without
 (generation's prefill and decode steps, π_old / π_ref scoring) 1×. The count is deterministic for a given run
 (it depends on the tokens generated, so on the seed and the torch thread count, never on load or speed).
 
-`vlrl demo` uses it to give the SFT control the RL stage's compute (`control_steps`). What this unit hides:
+`vlrl demo` uses it to give the SFT control the RL stage's compute (`control_steps`); `PhaseMeter` turns it into every
+SFT and RL step's ``perf/mfu`` (`vlrl.report.perf`). What this unit hides:
 FLOPs treat a decode step as costly as a training step per FLOP, while on CPUs (and for small batches on
 GPUs) decoding is memory-bound and much slower per FLOP — the FLOP-matched control gets fewer steps than a
 wall-time-matched one would, which flatters RL; the demo records both numbers (``budget`` in summary.json).
@@ -60,6 +63,7 @@ class _Sizes:
     merge: int = 1  # spatial merge size m
     vision_depth: int = 0
     vision_hidden: int = 0  # h_v
+    patch: int = 14  # pixels per patch side (towers fed tiles of pixels)
 
 
 class FlopMeter:
@@ -101,6 +105,7 @@ class FlopMeter:
         else:
             self.flops.inference += forward_flops
 
+    @torch.compiler.disable  # a compiled decode step (rollout.compile) runs the count eagerly
     def _on_decoder(self, module, args, kwargs, output) -> None:
         s = self.sizes
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state  # (B, L, h)
@@ -110,16 +115,25 @@ class FlopMeter:
         keys = max(int(keys), L)
         self._add(2 * s.decoder_params * B * L + 4 * s.layers * s.attn_dim * B * L * keys, module)
 
+    @torch.compiler.disable
     def _on_head(self, module, args, output) -> None:
         tokens = args[0].numel() // self.sizes.hidden
         self._add(2 * self.sizes.hidden * self.sizes.vocab * tokens, module)
 
+    @torch.compiler.disable
     def _on_vision(self, module, args, kwargs, output) -> None:
         s = self.sizes
-        pixels = args[0] if args else kwargs["hidden_states"]  # (N_p, C)
-        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)  # (images, 3)
-        patches = int(pixels.shape[0])
-        per_image = [int(t * h * w) for t, h, w in grid.tolist()] if grid is not None else [patches]
+        pixels = args[0] if args else kwargs.get("hidden_states", kwargs.get("pixel_values"))
+        if not isinstance(pixels, torch.Tensor):
+            return
+        if pixels.dim() == 2:  # Qwen-style rows of patch values (N_p, C), images given by grid_thw (images, 3)
+            grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+            patches = int(pixels.shape[0])
+            per_image = [int(t * h * w) for t, h, w in grid.tolist()] if grid is not None else [patches]
+        else:  # tiles of pixels (…, C, H, W) (InternVL, Gemma 3, LLaVA-OneVision, SmolVLM): attention within a tile
+            tiles = int(torch.tensor(pixels.shape[:-3]).prod()) if pixels.dim() > 3 else 1
+            per_tile = (pixels.shape[-2] // s.patch) * (pixels.shape[-1] // s.patch)
+            patches, per_image = tiles * per_tile, [per_tile] * tiles
         linear = 2 * (s.vision_params - s.merger_params) * patches + 2 * s.merger_params * patches / s.merge**2
         attention = 4 * s.vision_depth * s.vision_hidden * sum(n * n for n in per_image)
         self._add(linear + attention, module)
@@ -139,9 +153,12 @@ def _sizes(model, decoder, head, vision) -> _Sizes:
                                  attn_dim=heads * head_dim, hidden=head.in_features, vocab=head.out_features)
     vision_config = getattr(config, "vision_config", None)
     if vision is not None and vision_config is not None:
+        patch = getattr(vision_config, "patch_size", 14) or 14
         sizes.update(vision_params=_count(vision), merger_params=_count(getattr(vision, "merger", None)),
-                     merge=getattr(vision_config, "spatial_merge_size", 1), vision_depth=vision_config.depth,
-                     vision_hidden=getattr(vision_config, "embed_dim", None) or vision_config.hidden_size)
+                     merge=getattr(vision_config, "spatial_merge_size", 1) or 1,
+                     vision_depth=getattr(vision_config, "depth", None) or getattr(vision_config, "num_hidden_layers", 0),
+                     vision_hidden=getattr(vision_config, "embed_dim", None) or vision_config.hidden_size,
+                     patch=patch[0] if isinstance(patch, (list, tuple)) else patch)
     return _Sizes(**sizes)
 
 
@@ -176,3 +193,79 @@ def control_budget(unit: str, *, rl_flops: Flops, rl_seconds: float, sft_flops: 
         "control_steps": flops_steps if unit == "flops" else None,  # wall: whatever the control reaches in time
         "max_seconds": rl_seconds if unit == "wall" else None,
     }
+
+
+class PhaseMeter:
+    """The model FLOPs and seconds of a training loop's phases, as ``perf/…`` metrics (`vlrl.report.perf`):
+    ``perf/mfu`` and ``perf/tflops`` for the update, ``perf/gen_mfu`` and ``perf/gen_tflops`` for generation.
+
+    A `FlopMeter` on the policy's model while installed (a context manager); ``begin()`` marks the start of a
+    step, ``phase(prefix)`` closes the phase since the last mark, ``metrics()`` returns the closed phases' metrics
+    — under torchrun the mean over the ranks (one all-reduce; every rank calls it) — and starts afresh. Counted:
+    the passes of the policy's own model (generation in the in-process engine, the π_old / π_ref scoring passes
+    that run on it, the update's forward and backward); not a rollout server's, a private async engine copy's, a
+    separate reference copy's or the critic's."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype, ctx: Any = None) -> None:
+        from vlrl.report.perf import device_peak
+
+        try:
+            self.meter: FlopMeter | None = FlopMeter(model)
+        except (AttributeError, TypeError, ValueError) as err:  # a model FlopMeter cannot size: train without MFU
+            import logging
+
+            logging.getLogger(__name__).warning("perf/mfu not logged: %s cannot be metered (%s: %s)",
+                                                type(model).__name__, type(err).__name__, err)
+            self.meter = None
+        self.peak = device_peak(device, dtype)
+        self.ctx = ctx
+        self._mark = (0.0, Flops())
+        self._phases: dict[str, tuple[float, float]] = {}  # prefix → (FLOPs, seconds)
+
+    def __enter__(self) -> PhaseMeter:
+        if self.meter is not None:
+            self.meter.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.meter is not None:
+            self.meter.__exit__(*exc)
+
+    def _flops(self) -> Flops:
+        return self.meter.snapshot() if self.meter is not None else Flops()
+
+    def begin(self) -> None:
+        import time
+
+        self._mark = (time.perf_counter(), self._flops())
+
+    def phase(self, prefix: str) -> None:
+        import time
+
+        now, flops = time.perf_counter(), self._flops()
+        self._phases[prefix] = ((flops - self._mark[1]).total, now - self._mark[0])
+        self._mark = (now, flops)
+
+    def metrics(self) -> dict[str, float]:
+        from vlrl.report.perf import phase_metrics
+
+        out: dict[str, float] = {}
+        for prefix, (flops, seconds) in self._phases.items():
+            out.update(phase_metrics(flops, seconds, self.peak, prefix=prefix))
+        if self.ctx is not None and self.ctx.enabled:  # the mean over ranks: the same names (and order) on every rank
+            names = [f"perf/{p}{k}" for p in self._phases for k in ("tflops", "mfu")]
+            means = [v / self.ctx.world_size for v in self.ctx.all_reduce_sum([out.get(k, 0.0) for k in names])]
+            out = {k: v for k, v in zip(names, means, strict=True) if v > 0}
+        self._phases = {}
+        if out:
+            out["perf/peak_tflops"] = self.peak.tflops
+        return out
+
+
+def compute_dtype(model: torch.nn.Module, mixed_precision: str = "none") -> torch.dtype:
+    """The dtype the matmuls run in: ``dist.mixed_precision``'s (bf16 / fp16), else the parameters'."""
+    if mixed_precision == "bf16":
+        return torch.bfloat16
+    if mixed_precision == "fp16":
+        return torch.float16
+    return next(model.parameters()).dtype

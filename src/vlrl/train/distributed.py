@@ -147,7 +147,8 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def wrap_model(model: torch.nn.Module, ctx: DistContext, cfg: DistConfig) -> torch.nn.Module:
     """The module to train: ``model`` itself (one process), a DDP wrapper (same parameters), or ``model``
-    sharded in place by FSDP2 (its parameters become DTensor shards)."""
+    sharded in place by FSDP2 (its parameters become DTensor shards). A model built on the meta device on ranks
+    other than 0 (``dist.rank0_load``) gets its shards from rank 0's weights (`shard`)."""
     if not ctx.enabled:
         return model
     if cfg.strategy == "ddp":
@@ -155,16 +156,7 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, cfg: DistConfig) -> tor
 
         return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                                        find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    kwargs: dict[str, Any] = {"mesh": mesh}
-    if cfg.mixed_precision != "none":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
-    for unit in fsdp_units(model):
-        fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    shard(model, fsdp_units(model), ctx, cfg)
     _keep_output_capturing(model)
     device = ctx.device
     with torch.no_grad():  # FSDP2 takes the first module to run forward as its root: make it the model
@@ -183,18 +175,82 @@ def wrap_critic(value_model: torch.nn.Module, ctx: DistContext, cfg: DistConfig)
 
         return DistributedDataParallel(value_model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                                        find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kwargs: dict[str, Any] = {"mesh": init_device_mesh(ctx.device.type, (ctx.world_size,))}
-    if cfg.mixed_precision != "none":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
-    backbone = value_model.backbone
-    for unit in fsdp_units(backbone):
-        fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
-    fully_shard(value_model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    shard(value_model, fsdp_units(value_model.backbone), ctx, cfg)
     _keep_output_capturing(value_model)
     return value_model
+
+
+def fsdp_options(ctx: DistContext, cfg: DistConfig) -> dict[str, Any]:
+    """`fully_shard`'s keyword arguments for ``cfg``: the 1-D mesh over the ranks, ``dist.reshard_after_forward``,
+    ``dist.mixed_precision`` (MixedPrecisionPolicy: gathered in bf16/fp16, reduced in fp32) and ``dist.cpu_offload``
+    (CPUOffloadPolicy: the sharded parameters, their gradients and so the optimizer's state live in host memory;
+    each unit's shard is copied to the device for its all-gather, its gradient back after the reduce-scatter;
+    pinned host memory on GPUs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    options: dict[str, Any] = {"mesh": init_device_mesh(ctx.device.type, (ctx.world_size,)),
+                               "reshard_after_forward": cfg.reshard_after_forward}
+    if cfg.mixed_precision != "none":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
+    if cfg.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+    return options
+
+
+def shard(root: torch.nn.Module, units: list[torch.nn.Module], ctx: DistContext, cfg: DistConfig) -> None:
+    """`fully_shard` each of ``units``, then ``root`` (FSDP2, in place, `fsdp_options`).
+
+    **Memory-lean start** (``dist.rank0_load``): when ``root`` was built on the meta device on the ranks other than
+    0 (no weights read, no memory), every unit, just before it is sharded, gets rank 0's tensors (`from_rank0`):
+    the ranks on meta allocate that unit alone, rank 0 broadcasts its parameters and buffers one tensor at a time,
+    and `fully_shard` then keeps each rank's shard and frees the rest. A rank holds its shards plus one unit at a
+    time — rank 0 the model it loaded, released unit by unit as it is sharded, as without the lean start. (The same
+    end as `set_model_state_dict(…, broadcast_from_rank0=True)` on a model sharded on meta, without holding rank 0's
+    whole model beside all of its shards.) Collective: every rank calls it, with the same units."""
+    from torch.distributed.fsdp import fully_shard
+
+    on_meta = any(p.is_meta for p in root.parameters())
+    from_rank0_needed = ctx.any(on_meta)  # the same answer on every rank
+    if from_rank0_needed and on_meta and ctx.is_main:
+        raise ValueError("dist.rank0_load: rank 0 must hold the weights (it was built on the meta device)")
+    options = fsdp_options(ctx, cfg)
+    for unit in [*units, root]:
+        if from_rank0_needed:
+            from_rank0(unit, ctx)
+        fully_shard(unit, **options)
+
+
+def from_rank0(unit: torch.nn.Module, ctx: DistContext) -> None:
+    """Give every rank rank 0's values of ``unit``'s own parameters and buffers — those not inside a sub-module
+    already sharded — allocating them where they are on the meta device. A parameter shared by two modules (tied
+    embeddings) is sent once and stays shared."""
+    from torch.distributed.fsdp import FSDPModule
+
+    done: dict[int, torch.Tensor] = {}
+    for module in _own_modules(unit, FSDPModule):
+        for table in (module._parameters, module._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in done:
+                    value = tensor.detach()
+                    if value.is_meta:
+                        value = torch.empty(value.shape, dtype=value.dtype, device=ctx.device)
+                    dist.broadcast(value if value.is_contiguous() else value.contiguous(), src=0)
+                    done[id(tensor)] = (torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
+                                        if isinstance(tensor, torch.nn.Parameter) else value) if tensor.is_meta else tensor
+                table[name] = done[id(tensor)]
+
+
+def _own_modules(unit: torch.nn.Module, sharded: type) -> list[torch.nn.Module]:
+    """``unit`` and its sub-modules, without those inside a sub-module that is already an FSDP2 unit."""
+    out, stack = [], [unit]
+    while stack:
+        module = stack.pop()
+        out.append(module)
+        stack.extend(child for child in module.children() if not isinstance(child, sharded))
+    return out
 
 
 def _keep_output_capturing(model: torch.nn.Module) -> None:

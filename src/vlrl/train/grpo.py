@@ -31,6 +31,7 @@ from vlrl.report import MetricsLogger
 from vlrl.rollout import Engine
 from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.batch import build_algorithm, prepare_batch
+from vlrl.train.budget import PhaseMeter, compute_dtype
 from vlrl.train.common import PromptCursor, make_optimizer
 from vlrl.train.distributed import GlobalAdvantage, GlobalRewardShaping
 from vlrl.train.metrics import step_metrics
@@ -79,6 +80,8 @@ def train_grpo(
                                shard=lambda draws: rt.ctx.shard(draws, what="train.prompts_per_step"),
                                gather=rt.ctx.gather_objects, world_size=rt.ctx.world_size)
         modules = stack.enter_context(stage_modules(policy, train))  # train.trainable, gradient checkpointing
+        perf = stack.enter_context(PhaseMeter(policy.model, rt.ctx.device,  # perf/mfu: generation and update
+                                              compute_dtype(policy.model, rt.cfg.mixed_precision), rt.ctx))
         optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups,
                                               total_steps=stage.train.steps)
         step, carry = rt.restore(stage_name, optimizer, scheduler, cursor)
@@ -94,8 +97,10 @@ def train_grpo(
         zero_advantage = ZeroAdvantageWatch(logger, stage_name)  # one warning when most groups carry no signal
         while step < train.steps and not rt.out_of_time(time.time() - start, budget):
             t0 = time.time()
+            perf.begin()
             # 1-3. prompts (this rank's share) → n responses each → rewards, as groups
             sampled = sampler.next_batch()
+            perf.phase("gen_")
             if sampled.metrics.get("sampling/starved"):
                 logger.warn(starved_warning(step + 1, sampled.metrics, prompts_per_step=train.prompts_per_step))
             trajectories, baselines = flatten(sampled.groups)
@@ -106,6 +111,7 @@ def train_grpo(
             # 5. updates (and the critic's, when the estimator uses values)
             stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
                                critic=algorithm.critic, runtime=rt)
+            perf.phase("")
             # 6. the engine samples from the new weights from now on
             step += 1
             engine.update_weights(version=step)
@@ -116,7 +122,8 @@ def train_grpo(
             last.update({**sampled.metrics, "perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
                          "policy/trainable_params": modules.trainable_params, "policy/lr": scheduler.get_last_lr()[0],
                          "perf/gradient_checkpointing": float(modules.gradient_checkpointing),
-                         "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9)})
+                         "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
+                         **perf.metrics()})
             if rt.ctx.is_main:
                 zero_advantage.update(step, last)
             if step % train.log_every == 0 or step == train.steps:

@@ -54,6 +54,15 @@ of the targeted projections are fp32 with fp32 gradients and moments — under F
 parameters of the chosen groups get gradients and moments; a vision tower that trains nothing keeps no
 activations.
 
+``dist.cpu_offload`` (FSDP2 on ≥ 2 ranks): the parameters, gradients and moments above (and a reference copy) are
+a per-rank host figure instead of device memory; the time adds their copies, steps·(2·micro·Ψ + Ψ_t)·b_w/n over
+PCIe (P_cie), a host AdamW step (7 reads and writes of b_w per trained parameter of the shard, host bandwidth H), and
+for colocated generation one copy of the rank's shards per decode step (`offload_seconds`).
+
+**A config alone.** ``model.path`` may be a ``config.json`` (or a directory with one and no tokenizer): the model is
+built on the meta device from it, with the family's stand-in tokenizer and image processor
+(`vlrl.models.config_only`), so a model can be planned before it is downloaded.
+
 **Time** (per step; F peak FLOP/s, η the MFU assumption, W memory bandwidth, Λ link bandwidth):
 
     train      (c·Ψ_t·T + c_v·Ψ_v·T_v + 12·n_layers·h·L·T) · epochs / (n_train·F·η)   (Kaplan et al. 2020)
@@ -84,6 +93,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from vlrl.models.config_only import is_config_only  # (`vlrl plan` asks: a bare config.json plans too)
 
 GB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -137,6 +148,7 @@ class Workload:
     trained_vision: int | None = None  # of which in the vision tower (None: all of Ψ_v)
     adapter_params: int = 0  # Ψ_lora: fp32 adapter parameters (model.lora)
     shared_prefix: bool = False  # train.shared_prefix: teacher-forced passes run a group's prompt once
+    cpu_offload: bool = False  # dist.cpu_offload: FSDP2 keeps the trained state (and a reference) in host memory
 
     @property
     def length(self) -> int:  # L
@@ -151,6 +163,8 @@ class Device:
     bandwidth_gbs: float = 2039.0  # HBM, A100-80GB
     link_gbs: float = 300.0  # NVLink (use ~25 between machines)
     mfu: float = 0.4
+    pcie_gbs: float = 25.0  # host ↔ device (PCIe 4.0 x16, what a copy reaches; dist.cpu_offload)
+    host_gbs: float = 20.0  # host memory bandwidth one rank's CPU optimizer step gets (dist.cpu_offload)
 
 
 @dataclass
@@ -211,6 +225,7 @@ class Plan:
     step_seconds: float
     notes: list[str] = field(default_factory=list)
     placement: Placement | None = None
+    host: dict[str, list[Term]] = field(default_factory=dict)  # dist.cpu_offload: per-rank host memory, by group
 
     def peak(self, group: str) -> float:
         return sum(t.value for t in self.memory[group])
@@ -290,13 +305,19 @@ def _count(module: torch.nn.Module) -> int:
 
 
 def meta_model(path: str, *, init_seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    """(model on the meta device, adapter) of a preset, a local directory or a hub id — nothing is loaded."""
+    """(model on the meta device, adapter) of a preset, a local directory, a hub id, or a ``config.json`` alone
+    (a file, or a directory without tokenizer files: the family's stand-in tokenizer and image processor,
+    `vlrl.models.config_only`) — nothing is loaded."""
     from vlrl.models import PRESETS, build_preset
+    from vlrl.models.config_only import stand_in_policy
 
     name = path.removeprefix("preset:")
     if name in PRESETS and not Path(path).exists():
         with torch.device("meta"):
             policy = build_preset(name, seed=init_seed)
+        return policy.model, policy.adapter
+    if is_config_only(path):
+        policy = stand_in_policy(path, device="meta")
         return policy.model, policy.adapter
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -383,9 +404,10 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
             old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1,
             reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.max_batch_size,
             asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute,
-            shared_prefix=cfg.train.shared_prefix)
+            shared_prefix=cfg.train.shared_prefix, cpu_offload=cfg.dist.cpu_offload)
     return Workload("sft", prompt, response, patches, cfg.train.batch_size,
-                    min(cfg.train.micro_batch_size, cfg.train.batch_size), weight_bytes=weight, compute_bytes=compute)
+                    min(cfg.train.micro_batch_size, cfg.train.batch_size), weight_bytes=weight, compute_bytes=compute,
+                    cpu_offload=cfg.dist.cpu_offload)
 
 
 # ----------------------------------------------------------------------------------------------- memory terms
@@ -532,7 +554,8 @@ def sync_seconds(s: ModelShape, w: Workload, dev: Device, n: int, strategy: str)
                  f"{steps}·(2·{micro}+1)·{_mb(s.params)}·{w.compute_bytes}·{link}")]
 
 
-def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, shard: int = 1) -> list[Term]:
+def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, shard: int = 1,
+                     offload: bool = False) -> list[Term]:
     rows = w.sequences
     per_replica = math.ceil(rows / replicas)
     calls = math.ceil(per_replica / w.gen_batch)
@@ -552,7 +575,40 @@ def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, 
         gathered = s.params * b * (shard - 1) / shard
         terms.append(Term("decode all-gathers", R * calls * gathered / (dev.link_gbs * 1e9), "R·calls·Ψ·b_c·(d−1)/d/Λ",
                           f"{R}·{calls}·{_mb(s.params)}·{b}·{shard - 1}/{shard}/{dev.link_gbs:g}G"))
+    if offload:  # every decode step copies the rank's offloaded shards to the device before gathering them
+        copied = s.params * w.weight_bytes / shard
+        terms.append(Term("decode offload copies", R * calls * copied / (dev.pcie_gbs * 1e9), "R·calls·Ψ·b_w/d/P_cie",
+                          f"{R}·{calls}·{_mb(s.params)}·{w.weight_bytes}/{shard}/{dev.pcie_gbs:g}G"))
     return terms
+
+
+def model_state(s: ModelShape, w: Workload, d: int) -> list[Term]:
+    """Per device: the actor's parameters, gradients and AdamW moments, the critic's, and a frozen reference copy
+    (not under LoRA: its reference is the base with the adapters off), each sharded d ways — what FSDP2's
+    ``dist.cpu_offload`` keeps in host memory instead."""
+    state = trained_state(s, w, d, "actor")
+    if w.critic:
+        state += trained_state(s, w, d, "critic")
+    if w.reference and not w.adapter_params:
+        state += frozen(s, w, d, "reference")
+    return state
+
+
+def offload_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]:
+    """``dist.cpu_offload`` per step on n FSDP2 ranks: each micro-batch's forward and backward copy a rank's
+    parameter shards host → device before their all-gathers, the reduce-scattered gradient shards go back once
+    per optimizer step (PCIe, P_cie), and AdamW steps on the host: read parameter, gradient and two moments, write
+    three, 28 bytes per fp32 parameter of the shard (host bandwidth H per rank)."""
+    steps = w.epochs * w.minibatches
+    rows = math.ceil(w.sequences / (n * w.minibatches))
+    micro = math.ceil(rows / max(1, min(w.micro_batch, rows)))
+    trained = (s.params if w.trained_params is None else w.trained_params) + w.adapter_params
+    copies = steps * (2 * micro * s.params * w.weight_bytes + trained * w.weight_bytes) / n
+    adam = steps * trained * 7 * w.weight_bytes / n
+    return [Term("offload copies", copies / (dev.pcie_gbs * 1e9), "steps·(2·micro·Ψ + Ψ_t)·b_w/n/P_cie",
+                 f"{steps}·(2·{micro}·{_mb(s.params)} + {_mb(trained)})·{w.weight_bytes}/{n}/{dev.pcie_gbs:g}G"),
+            Term("host AdamW step", adam / (dev.host_gbs * 1e9), "steps·7·Ψ_t·b_w/n/H",
+                 f"{steps}·7·{_mb(trained)}·{w.weight_bytes}/{n}/{dev.host_gbs:g}G")]
 
 
 def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
@@ -561,33 +617,34 @@ def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
     plans = []
     for strategy in ("fsdp", "ddp"):
         d = N if strategy == "fsdp" else 1
-        memory = trained_state(s, w, d, "actor") + gather_buffers(s, w, d)
-        if w.critic:
-            memory += trained_state(s, w, d, "critic")
-        if w.reference and not w.adapter_params:  # LoRA's reference is the base with adapters off: no copy
-            memory += frozen(s, w, d, "reference")
+        offload = w.cpu_offload and strategy == "fsdp" and N > 1  # one process wraps nothing: no FSDP, no offload
+        state = model_state(s, w, d)
+        memory = ([] if offload else state) + gather_buffers(s, w, d)
         rows_per_rank = math.ceil(w.sequences / N)
         train_peak = activations(s, w, ranks=N)
         phases = {"train": train_peak}
         time = train_seconds(s, w, dev, N) + sync_seconds(s, w, dev, N, strategy)
+        if offload:
+            time += offload_seconds(s, w, dev, N)
         if w.recipe == "rl":
             phases["generate"] = generation(s, w, rows_per_rank)
-            time = generate_seconds(s, w, dev, N, shard=d) + time
+            time = generate_seconds(s, w, dev, N, shard=d, offload=offload) + time
         phase, terms = max(phases.items(), key=lambda kv: sum(t.value for t in kv[1]))
         notes = [f"peak phase: {phase} (the other phases reuse the same memory)"] if len(phases) > 1 else []
         plans.append(Plan(f"colocated {strategy}×{N}", {"all devices": memory + terms}, time,
-                          sum(t.value for t in time), notes, Placement(strategy, N, asynchronous=w.asynchronous)))
+                          sum(t.value for t in time), notes, Placement(strategy, N, asynchronous=w.asynchronous),
+                          host={"all devices": state} if offload else {}))
     if w.recipe == "rl" and N > 1:
         for g in range(1, N):
             d = N - g
-            trainer = trained_state(s, w, d, "actor") + gather_buffers(s, w, d) + activations(s, w, ranks=d)
-            if w.critic:
-                trainer += trained_state(s, w, d, "critic")
-            if w.reference and not w.adapter_params:
-                trainer += frozen(s, w, d, "reference")
+            offload = w.cpu_offload and d > 1
+            state = model_state(s, w, d)
+            trainer = ([] if offload else state) + gather_buffers(s, w, d) + activations(s, w, ranks=d)
             server = [Term("rollout parameters", s.params * w.compute_bytes, "Ψ·b_c",
                            f"{_mb(s.params)}·{w.compute_bytes}")] + generation(s, w, math.ceil(w.sequences / g))
             gen, train = generate_seconds(s, w, dev, g), train_seconds(s, w, dev, d) + sync_seconds(s, w, dev, d, "fsdp")
+            if offload:
+                train += offload_seconds(s, w, dev, d)
             sync = Term("weight sync", s.params * w.compute_bytes / (dev.link_gbs * 1e9), "Ψ·b_c/Λ",
                         f"{_mb(s.params)}·{w.compute_bytes}/{dev.link_gbs:g}G")
             g_sec, t_sec = sum(t.value for t in gen), sum(t.value for t in train)
@@ -595,7 +652,8 @@ def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
             notes = ["rollout.mode=async: generation overlaps training"] if w.asynchronous else []
             plans.append(Plan(f"separate: trainer fsdp×{d} + {g} rollout server(s)",
                               {f"trainer ({d})": trainer, f"rollout ({g})": server}, gen + train + [sync], step, notes,
-                              Placement("fsdp", d, g, asynchronous=w.asynchronous)))
+                              Placement("fsdp", d, g, asynchronous=w.asynchronous),
+                              host={f"trainer ({d})": state} if offload else {}))
     return plans
 
 
@@ -651,6 +709,10 @@ def _plan_lines(plan: Plan, dev: Device) -> list[str]:
     lines = []
     for group, terms in plan.memory.items():
         lines.append(f"  memory per device, {group}: {human_bytes(plan.peak(group))} of {dev.memory_gb:g} GiB")
+        lines += [t.line("bytes") for t in terms]
+    for group, terms in plan.host.items():
+        lines.append(f"  host memory per rank, {group} (dist.cpu_offload, not on the device): "
+                     f"{human_bytes(sum(t.value for t in terms))}")
         lines += [t.line("bytes") for t in terms]
     lines.append("  time:")
     lines += [t.line("seconds") for t in plan.time]

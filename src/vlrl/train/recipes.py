@@ -24,7 +24,7 @@ from vlrl.data.packing import PackingPlan
 from vlrl.data.select import select_for_training
 from vlrl.eval import EvalResult, evaluate
 from vlrl.models import Policy, load_policy
-from vlrl.models.policy import LoadOptions
+from vlrl.models.policy import DTYPES, LoadOptions, load_processor
 from vlrl.report import MetricsLogger, make_sink
 from vlrl.report.environment import describe, environment
 from vlrl.report.progress import LiveProgress
@@ -126,12 +126,22 @@ def _check(cfg: RunConfig, logger: MetricsLogger, train: list[Sample], test: lis
     return {"sandbox": record}
 
 
-def _load(cfg: RunConfig, logger: MetricsLogger, device: str | None = None) -> Policy:
+def _load(cfg: RunConfig, logger: MetricsLogger, ctx: DistContext | None = None) -> Policy:
+    """The policy (``model.lora``: with its adapters). Under FSDP2 with ``dist.rank0_load`` the ranks other than 0
+    build it on the meta device — tokenizer, processor and module tree, no weights — and `make_runtime` gives
+    them their shards of rank 0's weights (`vlrl.train.distributed.shard`)."""
     seed_everything(cfg.seed)
+    device = str(ctx.device if ctx is not None else cfg.model.device)
+    on_meta = ctx is not None and ctx.enabled and not ctx.is_main and cfg.dist.strategy == "fsdp" and cfg.dist.rank0_load
     with logger.progress.task("load policy"):
-        policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=str(device or cfg.model.device),
-                             seed=cfg.model.init_seed, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
-                             options=LoadOptions.of(cfg.model))
+        if on_meta:
+            policy = load_processor(cfg.model.path, seed=cfg.model.init_seed, min_pixels=cfg.model.min_pixels,
+                                    max_pixels=cfg.model.max_pixels, options=LoadOptions.of(cfg.model))
+            policy.model.to(dtype=DTYPES[cfg.model.dtype])
+        else:
+            policy = load_policy(cfg.model.path, dtype=cfg.model.dtype, device=device, seed=cfg.model.init_seed,
+                                 min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
+                                 options=LoadOptions.of(cfg.model))
     attention = getattr(policy.model.config, "_attn_implementation", None)
     logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}, "
                 f"attention {attention}")
@@ -250,7 +260,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     with _reporting(cfg, run_dir, logger, ctx):
         train, test = _data(cfg, logger)
         setup = _check(cfg, logger, train, test)
-        policy = _load(cfg, logger, ctx.device)
+        policy = _load(cfg, logger, ctx)
         if cfg.stages:  # one process, no resumable checkpoints (check_scalable)
             policy, stats = _sft_stages(policy, train, cfg, run_dir, logger, test)
             final, runtime = run_dir / "checkpoints" / "final", Runtime(ctx, policy.model)
@@ -328,7 +338,7 @@ def run_rl(cfg: RLConfig) -> dict:
         train, test = _data(cfg, logger)
         test = syn_eval_samples(cfg.synth, test)  # Syn-GRPO: held-out prompts ask for the training template
         summary.update(_check(cfg, logger, train, test))
-        policy = _load(cfg, logger, ctx.device)
+        policy = _load(cfg, logger, ctx)
         if cfg.stages:  # one process, no resumable checkpoints (check_scalable)
             summary.update(_rl_stages(policy, train, test, cfg, run_dir, logger))
             write_json(run_dir / "summary.json", summary)

@@ -34,6 +34,7 @@ from vlrl.models import Policy
 from vlrl.models.adapters import VisionInputs
 from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
+from vlrl.train.budget import PhaseMeter, compute_dtype
 from vlrl.train.common import PromptCursor, make_optimizer, step_or_skip
 from vlrl.train.modules import stage_modules
 from vlrl.train.runtime import Runtime
@@ -98,7 +99,8 @@ def train_sft(
     packed = plan is not None or train.padding_free
     cursor = PromptCursor(list(range(len(units))), seed)  # type: ignore[arg-type]  (any list works)
     model = rt.module
-    with stage_modules(policy, train) as modules:  # train.trainable (model.lora: the adapters), gradient checkpointing
+    perf = PhaseMeter(policy.model, rt.ctx.device, compute_dtype(policy.model, rt.cfg.mixed_precision), rt.ctx)
+    with stage_modules(policy, train) as modules, perf:  # train.trainable (model.lora: the adapters), gradient checkpointing
         model.train()
         optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups,  # names unwrapped
                                               total_steps=stage.train.steps)
@@ -107,6 +109,7 @@ def train_sft(
         try:
             while step < train.steps and not rt.out_of_time(time.time() - start, budget):
                 step_start = time.time()
+                perf.begin()
                 batch = [[examples[i] for i in units[u]]
                          for u in rt.ctx.shard(cursor.next(train.batch_size), what="train.batch_size")]
                 total_loss, processed, real = sft_backward(policy, rt, batch, train.micro_batch_size, packed=packed,
@@ -115,11 +118,12 @@ def train_sft(
                                          ctx=rt.ctx, on_nonfinite=train.on_nonfinite,
                                          where=f"{stage_name} step {step + 1}")
                 step += 1
+                perf.phase("")  # perf/mfu, perf/tflops of the step
                 seconds = time.time() - step_start
                 last = {"sft/loss": total_loss, "perf/step_seconds": seconds,
                         "perf/tokens_per_s": real / max(seconds, 1e-9), "perf/padding_frac": 1 - real / max(processed, 1),
                         "sft/lr": scheduler.get_last_lr()[0], "sft/trainable_params": modules.trainable_params,
-                        "perf/gradient_checkpointing": float(modules.gradient_checkpointing)}
+                        "perf/gradient_checkpointing": float(modules.gradient_checkpointing), **perf.metrics()}
                 if grad_norm is not None:
                     last["sft/grad_norm"] = grad_norm
                 if train.on_nonfinite == "skip":

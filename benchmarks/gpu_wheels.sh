@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The Python packages benchmarks/gpu_check.py needs that the lent GPU machine's image lacks, gathered as wheels into
+# .whl/ (git-ignored) for the `device` tool to carry. The image has torch 2.11 + CUDA 13, transformers 5.17, peft,
+# accelerate, numpy, pillow, pyyaml, jinja2, rich, typer, httpx, safetensors, tokenizers (KINDS.md), not pydantic —
+# which vlrl.config needs. RapidFuzz and Pebble are vlrl dependencies too (rewards, the reward pool): small, and a
+# `vlrl rl` run on the device imports them. Versions: this project's venv's. Python 3.12 there (cp312 wheels).
+#
+#     bash benchmarks/gpu_wheels.sh        # then carry ".whl" in the `run` call (docs/gpu.md has the command)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(
+  pydantic==2.14.4
+  pydantic-core==2.50.5
+  annotated-types==0.8.0
+  typing-inspection==0.4.5
+  typing-extensions==4.16.0
+  rapidfuzz==3.14.6
+  pebble==5.2.3
+)
+mkdir -p .whl
+python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl "${WHEELS[@]}"
+ls -la .whl
+du -sh .whl
