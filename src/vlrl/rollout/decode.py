@@ -289,6 +289,7 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
     ended_eos, ended_stop = [False] * N, [False] * N
     live = torch.arange(N, device=device)  # the rows still in the batch (the cache's rows, in order)
     done = torch.zeros(N, dtype=torch.bool, device=device)  # over all rows
+    ranks = _sharded_ranks(model)
     for step in range(T):
         new = next_tokens(logits, sampling, suppress_ids)  # (live,)
         logp = F.log_softmax(logits.float() / temperature, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
@@ -309,13 +310,14 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
         stats.steps = step + 1
         if on_step is not None:
             done |= on_step().to(device)
-        if bool(done.all()) or step == T - 1:
+        if step == T - 1 or _all_ranks_done(bool(done.all()), ranks):
             break
         if static is not None:  # static shapes: every row stays, the mask grows by one position
             logits = static.step(new, last_position + step + 1, type_keys)
             continue
         keep = ~done[live]  # (live,)
-        if int(keep.sum()) <= 3 * len(live) // 4:  # compact: finished rows leave the cache
+        if 0 < int(keep.sum()) <= 3 * len(live) // 4:  # compact: finished rows leave the cache (all done here,
+            # other ranks not: the rows stay and step on, their tokens unused — see `_sharded_ranks`)
             cache.reorder_cache(keep.nonzero().flatten())
             live, new, last_position = live[keep], new[keep], last_position[..., keep, :]
             prompt_mask = prompt_mask[keep]
@@ -328,6 +330,34 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
     stats.decode_seconds = time.perf_counter() - start
     return Decoded(tokens=tokens, logp=[torch.stack(lp) if lp else torch.zeros(0) for lp in logps],
                    eos=ended_eos, stop_string=ended_stop)
+
+
+def _sharded_ranks(model: torch.nn.Module) -> torch.device | None:
+    """The device of the all-reduce that keeps FSDP2 ranks decoding in step, or None when ``model`` is not
+    sharded over several ranks. Each forward of an FSDP2 model all-gathers every unit's parameters — a
+    collective of all ranks — so a rank whose rows all ended must go on stepping (rows unused) until every rank's
+    have: otherwise its next collective (the next batch's prefill, the update's forward) meets another rank's
+    decode step and the ranks deadlock or exchange mismatched tensors (gloo: "Received data size doesn't match").
+    transformers' ``generate(synced_gpus=True)`` does the same."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    return next(model.parameters()).device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _all_ranks_done(local: bool, ranks: torch.device | None) -> bool:
+    """Whether every rank's rows have ended (this rank's alone when the model is not sharded)."""
+    if ranks is None:
+        return local
+    import torch.distributed as dist
+
+    pending = torch.tensor([0.0 if local else 1.0], device=ranks)
+    dist.all_reduce(pending)
+    return float(pending) == 0.0
 
 
 # ----------------------------------------------------------------------------------------------- compiled step
