@@ -160,12 +160,20 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
         return base
 
 
-def _decoder_configs(decoder: torch.nn.Module) -> list:
-    """The config objects the language model's modules read their attention implementation from."""
+def _decoder_configs(model: torch.nn.Module, decoder: torch.nn.Module) -> list:
+    """The config objects the language model's modules read their attention implementation from (never the vision
+    tower's, should ``decoder`` hold it: a model without ``get_decoder``)."""
     from transformers import PretrainedConfig
 
-    configs = {id(m.config): m.config for m in decoder.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)}
-    return list(configs.values())
+    from vlrl.models.adapters import vision_tower
+
+    def held(module: torch.nn.Module | None) -> dict:
+        if module is None:
+            return {}
+        return {id(m.config): m.config for m in module.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)}
+
+    tower = held(vision_tower(model))
+    return [c for key, c in held(decoder).items() if key not in tower]
 
 
 @contextmanager
@@ -317,7 +325,7 @@ def grouped_response_logprobs(model: torch.nn.Module, adapter: TextAdapter, batc
                                            batch.vision.to(device) if batch.vision is not None else None)
     keep, source = batch.keep.to(device), batch.source.to(device)
     decoder = _decoder(model)
-    configs = _decoder_configs(decoder)
+    configs = _decoder_configs(model, decoder)
     layout = batch.layout
 
     def select(hidden: torch.Tensor) -> torch.Tensor:  # kept (K, H) → one row per scored token (T, H)
