@@ -33,7 +33,8 @@ from vlrl.models.adapters import TextAdapter, VisionInputs
 
 LogprobChunk = int | Literal["auto"]  # train.logprob_chunk: tokens per chunk, 0 = never chunk, auto = above a size
 AUTO_CHUNK_ELEMENTS = 1 << 26  # auto: chunk when a pass's fp32 logits would exceed 2^26 values (256 MiB), in
-# chunks of ⌊2^26 / V⌋ tokens (441 at Qwen's V = 151,936; one chunk's logits, log-softmax, product: ~0.8 GiB)
+# chunks of ⌊2^26 / V⌋ tokens (441 at Qwen's V = 151,936: a chunk's backward holds ~5 such buffers, 1.3 GiB,
+# benchmarks/logprob_memory.py)
 
 
 @dataclass
