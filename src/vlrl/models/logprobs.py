@@ -15,7 +15,9 @@ backward (``torch.utils.checkpoint``) — so the full fp32 ``[tokens, vocab]`` l
 the same rows), so the values agree to float rounding (tests/models/test_logprobs.py: atol 1e-6 fp32, log-probs,
 entropy and gradients, every family preset, padded, packed and shared). The head runs inside the forward, so a
 DDP / FSDP2 module's hooks see one forward whose output is the scores (FSDP2 has the head's weight unsharded
-there), and verl's / TRL's way — ``logits[:, -R-1:-1]`` then a chunked loss outside the model — is not needed.
+there). For comparison: TRL's ``selective_log_softmax`` and chunked ``entropy_from_logits`` save the log-softmax
+buffer but start from the logits the model already returned; verl's ``use_fused_kernels`` and Liger's fused
+linear cross-entropy take the hidden states and the head's weight, as here, in fused (GPU) kernels.
 """
 
 from __future__ import annotations
