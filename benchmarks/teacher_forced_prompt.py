@@ -2,13 +2,15 @@
 
 The plain pass scores ``prompts × n`` rows of P + R tokens: the n rows of a group repeat the same P prompt tokens
 (the vision tower already runs once per group: `VisionInputs.concat_shared`). The shared-prefix pass
-(``train.shared_prefix``, on by default) prefills each distinct prompt once and runs only the responses against
-its keys/values copied to the rows. This script times, on the same weights and rows, arms alternated, median of
-``--repeats``:
+(``train.shared_prefix``, on by default) runs each distinct prompt once: without gradients it prefills the prompt and
+runs only the responses against its keys/values copied to the rows; with gradients (the update) it is one grouped
+forward, the responses beside their prompt (`vlrl.models.grouped`). This script times, on the same weights and rows,
+arms alternated, median of ``--repeats``:
 
 - ``π_old / π_ref pass``: one no-grad teacher-forced pass over every row (eval mode), plain and shared — a step
   runs one (π_old, or π_ref) or two of them;
-- ``update forward+backward``: log-probs with grad, loss = −mean log-prob, backward, plain and shared;
+- ``update forward+backward``: log-probs with grad, loss = −mean log-prob, backward, plain and shared, each also
+  with gradient checkpointing (``+ ckpt``: train.gradient_checkpointing);
 - ``bound``: the update's forward+backward over the distinct prompts alone (B/n rows × P) plus the responses
   alone (B rows × R, text only) — the work a shared pass does without its prompt → response attention.
 
@@ -43,7 +45,14 @@ def no_grad_pass(policy, rows, responses, *, shared: bool) -> tuple[float, torch
     return time.perf_counter() - start, logp
 
 
-def update_pass(policy, rows, responses, *, shared: bool) -> float:
+def update_pass(policy, rows, responses, *, shared: bool, checkpointing: bool = False) -> float:
+    from vlrl.train.modules import gradient_checkpointing
+
+    with gradient_checkpointing(policy.model, checkpointing):
+        return _update_pass(policy, rows, responses, shared=shared)
+
+
+def _update_pass(policy, rows, responses, *, shared: bool) -> float:
     policy.model.train()
     start = time.perf_counter()
     logp, _ = teacher_forced(policy.model, policy.adapter, [r.prompt_ids for r in rows], responses,
@@ -87,6 +96,8 @@ def measure(preset: str, shape: dict, repeats: int) -> None:
         "π_old/π_ref pass, shared": lambda: no_grad_pass(policy, rows, responses, shared=True)[0],
         "update fwd+bwd, plain": lambda: update_pass(policy, rows, responses, shared=False),
         "update fwd+bwd, shared": lambda: update_pass(policy, rows, responses, shared=True),
+        "update fwd+bwd, plain + ckpt": lambda: update_pass(policy, rows, responses, shared=False, checkpointing=True),
+        "update fwd+bwd, shared + ckpt": lambda: update_pass(policy, rows, responses, shared=True, checkpointing=True),
         "update fwd+bwd, bound": bound,
     }
     _, plain = no_grad_pass(policy, rows, responses, shared=False)  # warm-up, and the values to compare
@@ -104,7 +115,8 @@ def measure(preset: str, shape: dict, repeats: int) -> None:
         print(f"  {name:<26} {seconds:7.2f} s")
     print(f"  π_old/π_ref pass: shared {t['π_old/π_ref pass, plain'] / t['π_old/π_ref pass, shared']:.2f}x faster; "
           f"update: shared {t['update fwd+bwd, plain'] / t['update fwd+bwd, shared']:.2f}x faster "
-          f"(bound {t['update fwd+bwd, plain'] / t['update fwd+bwd, bound']:.2f}x)")
+          f"(bound {t['update fwd+bwd, plain'] / t['update fwd+bwd, bound']:.2f}x); with checkpointing: shared "
+          f"{t['update fwd+bwd, plain + ckpt'] / t['update fwd+bwd, shared + ckpt']:.2f}x faster")
 
 
 def main() -> None:

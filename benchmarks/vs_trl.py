@@ -3,9 +3,11 @@
 Both arms train a copy of the same preset (same initial weights, fp32, one process, CPU) on the same shapes
 prompts with the same reward (a dense length reward: every group has mixed rewards), one optimizer step per
 batch of ``prompts × n`` responses: lr 1e-4, AdamW, no KL (β = 0), one update per batch (TRL
-``num_iterations=1``; vlrl ``ppo_epochs=1``, so neither runs a π_old pass), temperature 1. TRL runs twice:
-gradient checkpointing off and on (its default). The arms alternate (vlrl, TRL, TRL+ckpt, vlrl, …) and every
-step is timed on its own; the medians are reported, with the phases:
+``num_iterations=1``; vlrl ``ppo_epochs=1``, so neither runs a π_old pass), temperature 1. Both run twice:
+gradient checkpointing off and on (TRL's default; vlrl's ``train.gradient_checkpointing``, on by default from
+100M parameters — its update still shares each group's prompt, `vlrl.models.grouped`). Each arm trains its own
+copy of the weights. The arms alternate (vlrl, vlrl+ckpt, TRL, TRL+ckpt, vlrl, …) and every step is timed on its
+own; the medians are reported, with the phases:
 
 - vlrl: ``prefill`` (prompts, vision tower included, each prompt once per group) and ``decode`` from the
   engine; ``forward`` (the teacher-forced pass), ``optimizer`` (clip + AdamW) timed around their calls,
@@ -68,10 +70,13 @@ class Phases:
 
 # ----------------------------------------------------------------------------------------------- vlrl
 class VlrlArm:
-    def __init__(self, policy, samples, shape) -> None:
+    def __init__(self, policy, samples, shape, *, checkpointing: bool = False) -> None:
+        import dataclasses
+
         from vlrl.config import RLStage
         from vlrl.rollout import HFEngine
 
+        policy = dataclasses.replace(policy, model=copy.deepcopy(policy.model))  # this arm's own weights
         self.policy, self.samples = policy, samples
         for s in self.samples:
             s.reward = "bench_length"
@@ -80,7 +85,8 @@ class VlrlArm:
         self.stage = RLStage.model_validate({
             "optim": {"lr": LR}, "algo": {"kl_coef": 0.0},
             "rollout": {"n": shape["n"], "temperature": 1.0, "max_new_tokens": shape["new"]},
-            "train": {"steps": 1, "prompts_per_step": shape["prompts"], "micro_batch_size": rows},
+            "train": {"steps": 1, "prompts_per_step": shape["prompts"], "micro_batch_size": rows,
+                      "gradient_checkpointing": checkpointing},
         })
         self.phases = Phases()
         self.tokens: list[int] = []
@@ -109,6 +115,7 @@ class VlrlArm:
         phases.current["backward"] = update_total - phases.current["forward"] - phases.current["optimizer"]
         phases.finish(total)
         record = logger.records[-1]
+        self.signature = {k: record.get(k) for k in ("perf/shared_prefix_frac", "perf/gradient_checkpointing")}
         self.tokens.append(round(record["response/length_mean"] * len(self.samples[: self.stage.train.prompts_per_step])
                                  * self.stage.rollout.n))
 
@@ -211,7 +218,8 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="today")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3, help="timed steps per arm (after one warm-up step each)")
-    parser.add_argument("--no-checkpointing-arm", action="store_true", help="skip TRL with gradient checkpointing")
+    parser.add_argument("--no-checkpointing-arm", action="store_true",
+                        help="skip the arms with gradient checkpointing (vlrl's and TRL's)")
     args = parser.parse_args()
     try:
         import trl
@@ -243,7 +251,10 @@ def main() -> int:
     if not args.no_checkpointing_arm:
         arms["trl+ckpt"] = TrlArm(policy, samples, shape, checkpointing=True, workdir=workdir)
     policy.model.load_state_dict(initial)
-    arms = {"vlrl": VlrlArm(policy, samples, shape), **arms}
+    vlrl_arms = {"vlrl": VlrlArm(policy, samples, shape)}
+    if not args.no_checkpointing_arm:
+        vlrl_arms["vlrl+ckpt"] = VlrlArm(policy, samples, shape, checkpointing=True)
+    arms = {**vlrl_arms, **arms}
     vision = sum(1 for t in arms["vlrl"].engine.encode(samples[0]).prompt_ids if t == policy.model.config.image_token_id)
     print(f"vlrl vs TRL {trl.__version__} (transformers {transformers.__version__}, torch {torch.__version__}); "
           f"{args.preset} ({policy.num_parameters() / 1e6:.1f}M), shape {args.shape}: {shape['prompts']} prompts × n "
@@ -269,6 +280,10 @@ def main() -> int:
     for name in arms:
         if name != "vlrl":
             print(f"vlrl throughput / {name}: {medians[name] / medians['vlrl']:.2f}x")
+    for name, arm in vlrl_arms.items():  # what the update ran: the shared prompt, checkpointing
+        print(f"{name}: " + ", ".join(f"{k} = {v}" for k, v in arm.signature.items()))
+    if "vlrl+ckpt" in medians and "trl+ckpt" in medians:
+        print(f"vlrl+ckpt throughput / trl+ckpt: {medians['trl+ckpt'] / medians['vlrl+ckpt']:.2f}x")
     return 0
 
 

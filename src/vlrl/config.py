@@ -670,11 +670,19 @@ class RLTrainConfig(Section):
     )
     shared_prefix: bool = Field(
         True, description="Teacher-forced passes (π_old, π_ref, the update's forward) run each distinct prompt of a "
-        "micro-batch once, vision tower included, and score its group's n responses against its keys/values copied "
-        "to their rows (same log-probs, loss and gradients; vlrl.train.shared_prefix; logged as "
-        "perf/shared_prefix_frac). Wherever that is exact; elsewhere the plain pass, said once in the log (a "
-        "response holding images, a cache that cannot be expanded; for the update also DDP/FSDP2, gradient "
-        "checkpointing, recurrent layers, dropout). false: always the plain pass.",
+        "micro-batch once, vision tower included, and score its group's n responses against it: the update in one "
+        "forward with the responses beside their prompt (also under DDP/FSDP2 and gradient checkpointing), π_old / "
+        "π_ref against its keys/values copied to their rows (same log-probs, loss and gradients; "
+        "vlrl.train.shared_prefix; logged as perf/shared_prefix_frac). Wherever that is exact; elsewhere the plain "
+        "pass, said once in the log (a response holding images, a cache that cannot be expanded; for the update "
+        "recurrent layers, token-type attention masks (Gemma 3), dropout). false: always the plain pass.",
+    )
+    logprob_chunk: int | Literal["auto"] = Field(
+        "auto", description="Teacher-forced passes (update, π_old, π_ref) run the LM head and the fp32 log-softmax / "
+        "entropy over this many tokens at a time, each chunk recomputed in the backward, instead of holding the full "
+        "fp32 [tokens, vocab] logits (same values; vlrl.models.logprobs). auto: chunks of ⌊2^26 / vocab⌋ tokens once "
+        "a pass's logits would exceed 2^26 values (256 MiB; 441 tokens at a 151,936-token vocabulary); 0: never "
+        "(the full logits). SFT always uses auto.",
     )
     skip_zero_advantage: bool = Field(
         False, description="Leave sequences whose advantages are all 0 out of the update's forward/backward (one "
@@ -683,6 +691,12 @@ class RLTrainConfig(Section):
     )
     gradient_checkpointing: bool | Literal["auto"] = _gradient_checkpointing_field()
     trainable: list[str] = _trainable_field()
+
+    @model_validator(mode="after")
+    def _check_logprob_chunk(self) -> RLTrainConfig:
+        if self.logprob_chunk != "auto" and self.logprob_chunk < 0:
+            raise ValueError(f"train.logprob_chunk = {self.logprob_chunk}: a number of tokens ≥ 1, 0 (never chunk) or auto")
+        return self
 
 
 class SelectConfig(Section):

@@ -1,5 +1,9 @@
+import pytest
 import torch
 
+# tests/ is on sys.path: one preset per family, loaded once per session, and the shared-prefix tests' rollout
+from rollout.test_decode import FAMILY_PRESETS, _policy
+from train.test_shared_prefix import _rollout
 from vlrl.data import generate
 from vlrl.models import collate, response_logprobs
 from vlrl.rollout import HFEngine, SamplingParams
@@ -58,3 +62,96 @@ def test_gradient_reaches_vision_tower(tiny_vlm):
     assert grad is not None and grad.abs().sum() > 0
 
 # The shared-image path (a GRPO group's image encoded once) is tested for every family in test_families.py.
+
+
+# ----------------------------------------------------------------------------------------------- chunked scoring
+# (train.logprob_chunk, `vlrl.models.logprobs.head_scores`): the LM head and the fp32 log-softmax / entropy run over
+# chunks of tokens inside the forward, each chunk recomputed in the backward; the values are the whole pass's.
+CHUNK = 3  # tokens per chunk: every pass below scores ~25-30 tokens, so 8-10 chunks
+
+
+def test_chunk_tokens_by_setting_and_size():
+    from vlrl.models.logprobs import AUTO_CHUNK_ELEMENTS, chunk_tokens
+
+    assert AUTO_CHUNK_ELEMENTS == 2**26
+    assert chunk_tokens(0, 10_000, 151_936) is None  # 0: never
+    assert chunk_tokens(256, 10_000, 151_936) == 256
+    assert chunk_tokens(256, 256, 151_936) is None  # one chunk would hold everything: the whole pass
+    assert chunk_tokens("auto", 441, 151_936) is None  # 441 × 151,936 = 67.0M ≤ 2^26 = 67.1M values
+    assert chunk_tokens("auto", 442, 151_936) == 441  # ⌊2^26 / 151,936⌋ tokens per chunk
+    assert chunk_tokens("auto", 64 * 1024, 2048) == 32_768
+
+
+def _layouts():
+    """name → (scorer(policy, trajectories, chunk) → (logp, entropy), with gradients?) of every teacher-forced pass."""
+    from vlrl.models.packed import sequence_logprobs
+    from vlrl.train.shared_prefix import teacher_forced
+
+    def inputs(trajectories):
+        return [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories], [t.vision for t in trajectories]
+
+    def plain(padding_free):
+        def run(policy, trajectories, chunk):
+            logp, entropy, _ = sequence_logprobs(policy.model, policy.adapter, *inputs(trajectories),
+                                                 pad_token_id=policy.pad_token_id, temperature=0.9, with_entropy=True,
+                                                 padding_free=padding_free, logprob_chunk=chunk)
+            return logp, entropy
+        return run
+
+    def shared(policy, trajectories, chunk):  # grouped with grad, the KV-cache pass without
+        return teacher_forced(policy.model, policy.adapter, *inputs(trajectories), pad_token_id=policy.pad_token_id,
+                              temperature=0.9, with_entropy=True, shared_prefix=True, logprob_chunk=chunk)
+
+    return {"padded": (plain(False), True), "packed": (plain(True), True), "shared": (shared, True),
+            "shared, no grad": (shared, False)}
+
+
+def _scores_and_gradients(policy, run, trajectories, chunk, *, grad):
+    model = policy.model
+    if not grad:
+        with torch.no_grad():
+            return *run(policy, trajectories, chunk), {}
+    model.zero_grad(set_to_none=True)
+    model.train()
+    logp, entropy = run(policy, trajectories, chunk)
+    mask = (logp != 0).float()
+    weights = torch.linspace(-1, 1, logp.numel()).view_as(logp)  # a loss whose gradient each token shapes
+    ((weights * logp * mask).sum() / mask.sum() + 0.1 * (entropy * mask).sum() / mask.sum()).backward()
+    model.eval()
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logp.detach(), entropy.detach(), grads
+
+
+@pytest.mark.parametrize("name", FAMILY_PRESETS)
+def test_chunked_scores_and_gradients_equal_the_whole_pass(name, monkeypatch):
+    """Every family preset, every layout (padded, packed, shared prefix: grouped with grad, KV cache without):
+    log-probs, entropy and every gradient, chunks of 3 tokens vs the whole logits,
+    fp32 (values to atol 1e-6 + rtol 1e-6 — an entropy of 7 nats is rounded at 4.8e-7 —, gradients to atol 1e-6;
+    the head's matmul over 3 rows rounds differently from one over 40); the chunked passes never hand the log-softmax more than 3 rows of logits."""
+    from vlrl.models import logprobs
+
+    sizes: list[int] = []
+    real = logprobs.token_logprobs
+
+    def spy(logits, targets, **kwargs):
+        sizes.append(logits.shape[0])
+        return real(logits, targets, **kwargs)
+
+    monkeypatch.setattr(logprobs, "token_logprobs", spy)
+    policy = _policy(name)
+    trajectories = _rollout(policy, 3)  # 2 prompts × 3 responses of 2 ... 8 tokens
+    for layout, (run, grad) in _layouts().items():
+        sizes.clear()
+        whole = _scores_and_gradients(policy, run, trajectories, 0, grad=grad)
+        assert max(sizes) >= 2 * CHUNK, (layout, sizes)
+        sizes.clear()
+        chunked = _scores_and_gradients(policy, run, trajectories, CHUNK, grad=grad)
+        assert sizes and max(sizes) <= CHUNK, (layout, sizes)
+        for k, (a, b) in enumerate(zip(whole[:2], chunked[:2], strict=True)):  # values of ~7 nats: ≤ 1e-6 + 1 ulp
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"{layout} {k}")
+        assert float(whole[0].abs().max()) > 0 and float(whole[1].abs().max()) > 0
+        grads, chunked_grads = whole[2], chunked[2]
+        assert grads.keys() == chunked_grads.keys() and (not grad or max(float(g.abs().max()) for g in grads.values()) > 1e-3)
+        for key, g in grads.items():
+            assert torch.allclose(chunked_grads[key], g, rtol=0, atol=1e-6), (layout, key)

@@ -40,6 +40,9 @@ def test_formulas_on_hand_worked_numbers():
     # n_layers·m·L·(8h+2k+4I)·b_c = 2·1·10·(32+4+32)·4 = 5440; embeddings 2·m·L·h·b_c = 2·1·10·4·4 = 320;
     # logits 3·m·(R+1)·V·4 = 3·1·5·10·4 = 600
     assert terms == {"actor activations": 5440, "input embeddings": 320, "logits (fp32)": 600}
+    # train.logprob_chunk = 2 tokens: one chunk's logits, 3·c·V·4 = 3·2·10·4 = 240
+    chunked = Workload("sft", prompt_tokens=6, response_tokens=4, patches=0, sequences=8, micro_batch=1, logprob_chunk=2)
+    assert {t.name: t.value for t in activations(SHAPE, chunked)}["logits (fp32)"] == 240
     line = trained_state(SHAPE, w, d=2, role="actor")[0].line("bytes")
     assert "Ψ·b_w/d" in line and "1000·4/2" in line  # the formula and its values beside the number
 
@@ -160,11 +163,15 @@ def test_a_shared_prefix_counts_a_groups_prompt_once_in_the_teacher_forced_passe
     # π_ref: 2Ψ·T/(F·η) with T = rows·L = 32·110 = 3520 tokens plain, prompts·P + rows·R = 400 + 320 = 720 shared
     assert shared["scoring passes"] == pytest.approx(plain["scoring passes"] * 720 / 3520)
     assert shared["train"] == pytest.approx(plain["train"] * 720 / 3520)  # no vision, so every term scales with T
-    # on 2 ranks (DDP/FSDP2 wrap the model) the update's forward runs the plain pass; π_ref still shares
-    two = {t.name: t.value for t in train_seconds(SHAPE, Workload("rl", **base, shared_prefix=True), dev, 2)}
-    two_plain = {t.name: t.value for t in train_seconds(SHAPE, Workload("rl", **base), dev, 2)}
-    assert two["train"] == pytest.approx(two_plain["train"])
-    assert two["scoring passes"] == pytest.approx(two_plain["scoring passes"] * 720 / 3520)
+    # on 2 ranks (DDP/FSDP2 wrap the model) and with checkpointing the update's forward shares too (one grouped
+    # forward, `vlrl.models.grouped`), and so does π_ref
+    for ranks, checkpointing in ((2, False), (1, True)):
+        two = {t.name: t.value for t in train_seconds(
+            SHAPE, Workload("rl", **base, shared_prefix=True, checkpointing=checkpointing), dev, ranks)}
+        two_plain = {t.name: t.value for t in train_seconds(
+            SHAPE, Workload("rl", **base, checkpointing=checkpointing), dev, ranks)}
+        assert two["train"] == pytest.approx(two_plain["train"] * 720 / 3520)
+        assert two["scoring passes"] == pytest.approx(two_plain["scoring passes"] * 720 / 3520)
 
 
 def test_lora_under_fsdp2_shards_the_base_and_the_adapters_and_reduces_only_the_adapters():

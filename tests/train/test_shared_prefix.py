@@ -25,6 +25,7 @@ from vlrl.rollout import HFEngine, SamplingParams, decode
 from vlrl.rollout.agent import AgentSettings, multi_turn
 from vlrl.train import shared_prefix
 from vlrl.train.batch import build_algorithm, prepare_batch, teacher_logprobs
+from vlrl.train.modules import gradient_checkpointing
 from vlrl.train.shared_prefix import SHARED_METRIC, prompt_groups, shared_prefix_refusal
 from vlrl.train.update import UpdateSettings, accumulate
 
@@ -88,7 +89,9 @@ def _update_loss_and_gradients(policy, batch, rows, settings):
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
 def test_update_loss_and_gradients_equal_the_plain_pass(name, caplog, fresh_log):
     """GRPO with a KL loss term (π_ref) and two epochs (π_old): prepare_batch's passes shared, then the update's
-    forward + backward over micro-batches of 5 rows (the second holds 2 rows of one prompt and 1 of the other)."""
+    forward + backward over micro-batches of 5 rows (the second holds 2 rows of one prompt and 1 of the other), with
+    and without gradient checkpointing (train.gradient_checkpointing: the grouped forward's layers recomputed in the
+    backward attend as in the forward)."""
     policy = _policy(name)
     trajectories = _rollout(policy, 4)
     score_trajectories(trajectories)
@@ -115,17 +118,22 @@ def test_update_loss_and_gradients_equal_the_plain_pass(name, caplog, fresh_log)
         shared = dataclasses.replace(settings, shared_prefix=True)
         loss, grads, count = _update_loss_and_gradients(policy, plain_batch, rows, shared)
         _update_loss_and_gradients(policy, plain_batch, rows, shared)  # a second time: no second warning
+        with gradient_checkpointing(policy.model, True):  # the shared pass under activation checkpointing
+            ckpt_loss, ckpt_grads, ckpt_count = _update_loss_and_gradients(policy, plain_batch, rows, shared)
     assert plain_count == [0.0, 8.0]
-    assert abs(loss - plain_loss) < GRAD_TOL and abs(plain_loss) > 1e-3  # a real loss
-    assert grads.keys() == plain_grads.keys() and max(float(g.abs().max()) for g in grads.values()) > 1e-3
-    for key, g in plain_grads.items():
-        assert torch.allclose(grads[key], g, rtol=0, atol=GRAD_TOL), (name, key, float((grads[key] - g).abs().max()))
+    assert abs(plain_loss) > 1e-3 and max(float(g.abs().max()) for g in plain_grads.values()) > 1e-3  # real ones
+    for what, (arm_loss, arm_grads) in {"shared": (loss, grads), "shared + checkpointing": (ckpt_loss, ckpt_grads)}.items():
+        assert abs(arm_loss - plain_loss) < GRAD_TOL, what
+        assert arm_grads.keys() == plain_grads.keys(), what
+        for key, g in plain_grads.items():
+            assert torch.allclose(arm_grads[key], g, rtol=0, atol=GRAD_TOL), (name, what, key,
+                                                                               float((arm_grads[key] - g).abs().max()))
     refusal = shared_prefix_refusal(policy.model)
     warnings = [r.getMessage() for r in caplog.records if "does not share" in r.getMessage()]
     if refusal is None:  # micro-batches rows 0-4 (4 of prompt 0 + 1) and 5-7 (3 of prompt 1) both share
-        assert count == [8.0, 8.0] and warnings == []
+        assert count == ckpt_count == [8.0, 8.0] and warnings == []
     else:  # Qwen3.5's Gated DeltaNet: the plain pass, said once
-        assert "linear_attention" in refusal and count == [0.0, 8.0]
+        assert "linear_attention" in refusal and count == ckpt_count == [0.0, 8.0]
         assert len(warnings) == 1 and refusal in warnings[0]
 
 

@@ -4,17 +4,39 @@ Layout (the same as the rollout's): prompts are left-padded to ``P`` columns and
 ``R`` columns, so every response starts at column ``P``. The logits at column ``t`` predict token ``t + 1``,
 so the response is scored by the ``R + 1`` last logit columns minus the final one — the model is asked for
 only those (`logits_to_keep`), never for the prompt's.
+
+Every teacher-forced pass (this padded one, the packed one in `vlrl.models.packed`, the shared-prefix passes in
+`vlrl.train.shared_prefix`) scores its tokens through `head_scores`: inside the model's forward, the LM head
+(its output embedding) is replaced by `score_tokens`, which turns the final hidden states it is handed into
+per-token log-probs and entropies. Above a size (`chunk_tokens`, ``train.logprob_chunk``) it does so chunk by
+chunk — the head, the fp32 log-softmax and the entropy of ``c`` tokens at a time, each chunk recomputed in the
+backward (``torch.utils.checkpoint``) — so the full fp32 ``[tokens, vocab]`` logits (27.9 GiB in the README's
+7B plan) never exist: a chunk's are ``c × V``. The arithmetic per token is the unchunked pass's (the same ops on
+the same rows), so the values agree to float rounding (tests/models/test_logprobs.py: atol 1e-6 fp32, log-probs,
+entropy and gradients, every family preset, padded, packed and shared). The head runs inside the forward, so a
+DDP / FSDP2 module's hooks see one forward whose output is the scores (FSDP2 has the head's weight unsharded
+there). For comparison: TRL's ``selective_log_softmax`` and chunked ``entropy_from_logits`` save the log-softmax
+buffer but start from the logits the model already returned; verl's ``use_fused_kernels`` and Liger's fused
+linear cross-entropy take the hidden states and the head's weight, as here, in fused (GPU) kernels.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from vlrl.models.adapters import TextAdapter, VisionInputs
+
+LogprobChunk = int | Literal["auto"]  # train.logprob_chunk: tokens per chunk, 0 = never chunk, auto = above a size
+AUTO_CHUNK_ELEMENTS = 1 << 26  # auto: chunk when a pass's fp32 logits would exceed 2^26 values (256 MiB), in
+# chunks of ⌊2^26 / V⌋ tokens (441 at Qwen's V = 151,936: a chunk's backward holds ~5 such buffers, 1.3 GiB,
+# benchmarks/logprob_memory.py)
 
 
 @dataclass
@@ -78,26 +100,143 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    logprob_chunk: LogprobChunk = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every response token under ``model`` (logits / temperature), and optionally the entropy.
 
     Returns ``(logp, entropy)``, each (B, R); padded positions hold 0. Gradients flow when called with
-    grad enabled.
-    """
-    R = batch.response_len
+    grad enabled. ``logprob_chunk``: `chunk_tokens`."""
+    B, R = batch.response_ids.shape
     device = next(model.parameters()).device
     kwargs = adapter.forward_inputs(
         model, batch.input_ids.to(device), batch.attention_mask.to(device), batch.vision.to(device) if batch.vision is not None else None
     )
-    logits = model(**kwargs, logits_to_keep=R + 1, use_cache=False).logits[:, :-1]  # (B, R, V)
-    logits = logits.float() / max(temperature, 1e-6)
-    log_probs = F.log_softmax(logits, dim=-1)  # (B, R, V)
-    targets = batch.response_ids.to(device)
-    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, R)
+    targets = batch.response_ids.to(device).reshape(-1)  # (B·R,)
+
+    def select(hidden: torch.Tensor) -> torch.Tensor:  # (B, R + 1, H) → (B·R, H): the last column predicts nothing
+        return hidden[:, :-1].reshape(-1, hidden.shape[-1])
+
+    logp, entropy = head_scores(model, lambda: model(**kwargs, logits_to_keep=R + 1, use_cache=False), select,
+                                targets, temperature=temperature, with_entropy=with_entropy, chunk=logprob_chunk)
     mask = batch.response_mask.to(device).to(logp.dtype)
-    logp = logp * mask
-    entropy = None
-    if with_entropy:
-        entropy = -(log_probs.exp() * log_probs).sum(-1) * mask  # (B, R)
+    logp = logp.view(B, R) * mask
+    if entropy is not None:
+        entropy = entropy.view(B, R) * mask
     return logp, entropy
 
+
+# ----------------------------------------------------------------------------------------------- scoring
+def chunk_tokens(setting: LogprobChunk, tokens: int, vocab: int) -> int | None:
+    """Tokens per chunk when ``tokens`` positions are scored over a ``vocab``-sized head (None: one piece, the
+    full logits). ``setting``: a number of tokens (0: never chunk), or ``auto`` — chunks of ⌊2^26 / vocab⌋ tokens
+    once the fp32 logits would hold more than 2^26 values (`AUTO_CHUNK_ELEMENTS`)."""
+    if setting == "auto":
+        if tokens * vocab <= AUTO_CHUNK_ELEMENTS:
+            return None
+        size = max(1, AUTO_CHUNK_ELEMENTS // vocab)
+    else:
+        size = int(setting)
+    return size if 0 < size < tokens else None
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float,
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / T) at ``targets`` (K,) and the entropy of that distribution (K,), from logits (K, V)
+    in fp32 — the arithmetic of every teacher-forced pass."""
+    log_probs = F.log_softmax(logits.float() / max(temperature, 1e-6), dim=-1)  # (K, V)
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (K,)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # (K,)
+    return logp, entropy
+
+
+def score_tokens(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, *,
+                 temperature: float, with_entropy: bool, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of ``head(hidden)`` — hidden (K, H) final hidden states, targets (K,) — whole, or
+    ``chunk`` tokens at a time: a chunk's logits live only while it is scored, and with gradients each chunk is
+    a ``torch.utils.checkpoint`` unit (its head, log-softmax and entropy recomputed in the backward), so the
+    forward keeps only the hidden states and the backward holds one chunk's ``[chunk, V]`` at a time."""
+    def piece(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logp, entropy = token_logprobs(head(h), t, temperature=temperature, with_entropy=with_entropy)
+        return (logp,) if entropy is None else (logp, entropy)
+
+    if chunk is None:
+        parts = [piece(hidden, targets)]
+    else:
+        recompute = torch.is_grad_enabled()
+        parts = [checkpoint(piece, h, t, use_reentrant=False) if recompute else piece(h, t)
+                 for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)]
+    logp = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+    if not with_entropy:
+        return logp, None
+    return logp, torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The LM head (output embedding) of ``model``, through a DDP wrapper or `AdaptersOff` (``.module``)."""
+    base = getattr(model, "module", model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError(f"{type(base).__name__} has no output embedding (LM head) to score tokens with")
+    return head
+
+
+def _vocab(head: torch.nn.Module) -> int:
+    size = getattr(head, "out_features", None)
+    return int(size) if size is not None else int(head.weight.shape[0])
+
+
+# Configuration attributes by which a transformers model rescales its logits after the head (Gemma 2's soft cap,
+# Cohere's logit scale, Granite's divisor): the head's output is then not the logits, and `head_scores` asks
+# the model for its logits instead (whole: no chunks).
+_POST_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _rescales_logits(model: torch.nn.Module) -> bool:
+    config = getattr(getattr(model, "module", model), "config", None)
+    configs = [config, config.get_text_config() if hasattr(config, "get_text_config") else None]
+    return any(getattr(c, name, None) not in (None, 1, 1.0) for c in configs if c is not None for name in _POST_HEAD)
+
+
+@contextmanager
+def _head_replaced(head: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    had_own = "forward" in vars(head)  # an instance-level forward (e.g. a hook library's): put it back after
+    own = vars(head).get("forward")
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if had_own:
+            head.forward = own
+        else:
+            del head.forward
+
+
+def head_scores(model: torch.nn.Module, run: Callable[[], object], select: Callable[[torch.Tensor], torch.Tensor],
+                targets: torch.Tensor, *, temperature: float, with_entropy: bool, chunk: LogprobChunk = "auto",
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (K,) and entropies (K,) (or None) of ``targets`` (K,) from one forward of ``model``.
+
+    ``run()`` calls the model (the only call made); inside it the LM head is handed the final hidden states the
+    model keeps (``logits_to_keep``) and, instead of the logits, returns the scores (K, 1 or 2), which come back as
+    the output's ``.logits`` — so DDP / FSDP2 see them as the forward's output. ``select`` maps the hidden states
+    the head receives to the (K, H) rows that predict ``targets``, in order (an index may repeat: a shared prompt's
+    last position predicts the first token of each of its responses). ``chunk``: `chunk_tokens`. A model that
+    rescales its logits after the head (`_POST_HEAD`) is scored from its own logits, whole."""
+    if _rescales_logits(model):
+        logits = run().logits
+        return token_logprobs(select(logits), targets, temperature=temperature, with_entropy=with_entropy)
+    head = output_head(model)
+    original = head.forward
+    vocab = _vocab(head)
+
+    def scores(hidden: torch.Tensor) -> torch.Tensor:
+        rows = select(hidden)  # (K, H)
+        size = chunk_tokens(chunk, rows.shape[0], vocab)
+        logp, entropy = score_tokens(original, rows, targets, temperature=temperature, with_entropy=with_entropy,
+                                     chunk=size)
+        return torch.stack([logp, entropy], dim=-1) if entropy is not None else logp.unsqueeze(-1)  # (K, 1 | 2)
+
+    with _head_replaced(head, scores):
+        out = run().logits
+    out = out.reshape(-1, out.shape[-1])
+    return out[:, 0], (out[:, 1] if with_entropy else None)

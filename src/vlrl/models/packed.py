@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from vlrl.models.adapters import TextAdapter, VisionInputs
+from vlrl.models.logprobs import LogprobChunk, head_scores
 
 
 @dataclass
@@ -158,26 +158,29 @@ def packed_response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    logprob_chunk: LogprobChunk = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every response token (logits / temperature) from one packed forward pass, laid out (B, R)
-    right-padded with 0 at padding, exactly as `response_logprobs` returns it; optionally the entropy."""
+    right-padded with 0 at padding, exactly as `response_logprobs` returns it; optionally the entropy.
+    ``logprob_chunk``: `vlrl.models.logprobs.chunk_tokens`."""
     device = next(model.parameters()).device
     kwargs = adapter.packed_forward_inputs(
         batch.input_ids.to(device), batch.position_ids.to(device),
         batch.vision.to(device) if batch.vision is not None else None,
     )
     keep = batch.keep.to(device)
-    logits = model(**kwargs, logits_to_keep=keep, use_cache=False).logits  # (K, V) or (1, K, V)
-    logits = logits.reshape(-1, logits.shape[-1]).float() / max(temperature, 1e-6)  # (K, V)
-    log_probs = F.log_softmax(logits, dim=-1)
-    targets = batch.targets.to(device)
-    logp_k = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (K,)
+
+    def select(hidden: torch.Tensor) -> torch.Tensor:  # (K, H) or (1, K, H): the kept positions, row-major
+        return hidden.reshape(-1, hidden.shape[-1])
+
+    logp_k, entropy_k = head_scores(model, lambda: model(**kwargs, logits_to_keep=keep, use_cache=False), select,
+                                    batch.targets.to(device), temperature=temperature, with_entropy=with_entropy,
+                                    chunk=logprob_chunk)  # (K,) each
     B, R = batch.batch_size, batch.response_len
     index = batch.out_index.to(device)
     logp = torch.zeros(B * R, device=device, dtype=logp_k.dtype).index_put((index,), logp_k).view(B, R)
     entropy = None
-    if with_entropy:
-        entropy_k = -(log_probs.exp() * log_probs).sum(-1)  # (K,)
+    if entropy_k is not None:
         entropy = torch.zeros(B * R, device=device, dtype=entropy_k.dtype).index_put((index,), entropy_k).view(B, R)
     return logp, entropy
 
@@ -194,21 +197,24 @@ def sequence_logprobs(
     with_entropy: bool = False,
     padding_free: bool = False,
     groups: Sequence[Sequence[int]] | None = None,
+    logprob_chunk: LogprobChunk = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """(B, R) response log-probs (and entropy) of a micro-batch, padded (`collate` + `response_logprobs`) or
     padding-free; also the number of token positions the forward pass processed. Padding-free rows: ``groups``
     (e.g. the bins of a packing plan) or the sequences first-fit into rows as long as the longest one; with
-    flash-attention, one flat row."""
+    flash-attention, one flat row. ``logprob_chunk``: `vlrl.models.logprobs.chunk_tokens`."""
     from vlrl.models.logprobs import collate, response_logprobs
 
     if not padding_free:
         tokens = collate(prompts, responses, visions, pad_token_id=pad_token_id)
-        logp, entropy = response_logprobs(model, adapter, tokens, temperature=temperature, with_entropy=with_entropy)
+        logp, entropy = response_logprobs(model, adapter, tokens, temperature=temperature, with_entropy=with_entropy,
+                                            logprob_chunk=logprob_chunk)
         return logp, entropy, tokens.input_ids.numel()
     if groups is None:
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
         groups = first_fit_rows(lengths, max(lengths))
     batch = pack_sequences(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
                            rows=default_rows(model, groups, len(prompts)))
-    logp, entropy = packed_response_logprobs(model, adapter, batch, temperature=temperature, with_entropy=with_entropy)
+    logp, entropy = packed_response_logprobs(model, adapter, batch, temperature=temperature, with_entropy=with_entropy,
+                                             logprob_chunk=logprob_chunk)
     return logp, entropy, batch.num_tokens

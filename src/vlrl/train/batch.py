@@ -130,6 +130,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         apply_behaviour_weight=apply_behaviour_weight and not applies_behaviour_weight(loss),
         padding_free=train.padding_free,
         shared_prefix=train.shared_prefix,
+        logprob_chunk=train.logprob_chunk,
         skip_zero_advantage=train.skip_zero_advantage,
         on_nonfinite=train.on_nonfinite,
         loss_agg_max_length=loss_agg_max_length(stage),
@@ -190,7 +191,8 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
     need_old = (n_updates > 1 or (algorithm.kl_in_reward > 0 and algorithm.reference is not None)
                 or settings.cov_selection is not None or correction.enabled)
     token_sums: dict[str, list[float]] = {}  # per-token metrics (and perf/shared_prefix_frac's rows), over ranks
-    layout = {"padding_free": settings.padding_free, "shared_prefix": settings.shared_prefix, "sums": token_sums}
+    layout = {"padding_free": settings.padding_free, "shared_prefix": settings.shared_prefix, "sums": token_sums,
+              "logprob_chunk": settings.logprob_chunk}
     old_logp = teacher_logprobs(policy.model, policy, trajectories, settings.temperature, **layout) if need_old else None
     rollout_weights, corrected = None, {}
     if correction.enabled:  # TIS weights on the loss, MIS-rejected tokens out of the loss and its normaliser
@@ -273,16 +275,18 @@ def place_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, last_index: to
 
 def teacher_logprobs(model: torch.nn.Module, policy: Policy, trajectories: Sequence[Trajectory], temperature: float, *,
                      padding_free: bool = False, shared_prefix: bool = False, prompts: Sequence[Any] | None = None,
-                     visions: Sequence[Any] | None = None, sums: dict[str, list[float]] | None = None) -> torch.Tensor:
+                     visions: Sequence[Any] | None = None, sums: dict[str, list[float]] | None = None,
+                     logprob_chunk: int | str = "auto") -> torch.Tensor:
     """(B, R) log-probs of the trajectories' responses under ``model`` (no gradient, eval mode), after their own
     prompts or the given ``prompts`` / ``visions`` (a teacher's context): the one teacher-forced function,
     `vlrl.models.packed.sequence_logprobs`, padded or packed (the same values) — or, with ``shared_prefix``, each
     distinct prompt prefilled once and its keys/values expanded to its rows (`vlrl.train.shared_prefix`; the same
-    values, the plain pass where that does not apply; ``sums``: where its rows are counted, `tally`)."""
+    values, the plain pass where that does not apply; ``sums``: where its rows are counted, `tally`);
+    ``logprob_chunk``: `vlrl.models.logprobs.chunk_tokens`."""
     prompts = [t.prompt_ids for t in trajectories] if prompts is None else prompts
     visions = [t.vision for t in trajectories] if visions is None else visions
     with evaluating(model):
         logp, _ = teacher_forced(model, policy.adapter, prompts, [t.response_ids for t in trajectories], visions,
                                  pad_token_id=policy.pad_token_id, temperature=temperature, padding_free=padding_free,
-                                 shared_prefix=shared_prefix, sums=sums)
+                                 shared_prefix=shared_prefix, sums=sums, logprob_chunk=logprob_chunk)
     return logp

@@ -29,7 +29,8 @@ starts; ``vlrl plan --apply OUT.yaml`` writes #1's (``--pick N``: #N's) settings
                per patch: 2 LayerNorms' input and output 4h_v, q, k, v around the rotary embedding and SDPA's
                contiguous copies ≈ 6h_v, attention output and its concatenation over images 2h_v, quick-GELU
                MLP 3I_v; the pixel patches themselves C)
-        logits 3 · m·(R + 1)·V · 4                (fp32 logits of the response, log-softmax, its gradient)
+        logits 3 · min(m·(R + 1), c)·V · 4        (fp32 logits of the response, log-softmax, its gradient; c the
+               tokens of one chunk under ``train.logprob_chunk``, `vlrl.models.logprobs.chunk_tokens`)
     KV cache (generation) 2 · n_layers · k · (P + R) · B · b_c; B = sequences generated at once (the engine keeps
         one log-prob per sampled token, not the step logits)
 
@@ -69,9 +70,10 @@ built on the meta device from it, with the family's stand-in tokenizer and image
                c = 2 forward + 2 input gradients + 2·(share of the text weights trained) + 2 with checkpointing
                (the recomputed forward); c_v the same for the vision tower, 2 when it trains nothing
     extra passes (π_old when several optimizer steps, π_ref with a KL term) 2Ψ·T / (n_train·F·η) each
-               ``train.shared_prefix``: a group's prompt runs once in the π_old / π_ref passes, and in the update's
-               forward on one rank without checkpointing (`vlrl.train.shared_prefix`): there T = prompts·P +
-               rows·R and T_v = prompts·N_p instead of rows·L and rows·N_p (the critic's pass does not share)
+               ``train.shared_prefix``: a group's prompt runs once in the π_old / π_ref passes and in the update
+               (`vlrl.train.shared_prefix`; also under DDP / FSDP2 and checkpointing — not for recurrent layers): there
+               T = prompts·P + rows·R and T_v = prompts·N_p instead of rows·L and rows·N_p (the critic's pass does
+               not share)
     generate   prefill 2Ψ·P·prompts / (n_gen·F·η) + R · ⌈rows/(n_gen·B)⌉ · (Ψ·b_c + KV/2)/W   (each prompt is
                prefilled once for its n samples, `vlrl.rollout.decode` — rows = prompts · n; decode is
                memory-bound; the cache is half full on average)
@@ -149,6 +151,7 @@ class Workload:
     adapter_params: int = 0  # Ψ_lora: fp32 adapter parameters (model.lora)
     shared_prefix: bool = False  # train.shared_prefix: teacher-forced passes run a group's prompt once
     cpu_offload: bool = False  # dist.cpu_offload: FSDP2 keeps the trained state (and a reference) in host memory
+    logprob_chunk: int | str = "auto"  # train.logprob_chunk: tokens per chunk of the LM head and log-softmax
 
     @property
     def length(self) -> int:  # L
@@ -404,7 +407,8 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
             old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1,
             reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.max_batch_size,
             asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute,
-            shared_prefix=cfg.train.shared_prefix, cpu_offload=cfg.dist.cpu_offload)
+            shared_prefix=cfg.train.shared_prefix, cpu_offload=cfg.dist.cpu_offload,
+            logprob_chunk=cfg.train.logprob_chunk)
     return Workload("sft", prompt, response, patches, cfg.train.batch_size,
                     min(cfg.train.micro_batch_size, cfg.train.batch_size), weight_bytes=weight, compute_bytes=compute,
                     cpu_offload=cfg.dist.cpu_offload)
@@ -467,8 +471,14 @@ def activations(s: ModelShape, w: Workload, role: str = "actor", *, ranks: int =
                               "(depth·(12h_v+3I_v) + C)·m·N_p·b_c",
                               f"({s.vision_depth}·(12·{s.vision_hidden}+3·{s.vision_intermediate}) + {s.patch_values})"
                               f"·{m}·{w.patches}·{b}"))
+    from vlrl.models.logprobs import chunk_tokens
+
     R = w.response_tokens
-    terms.append(Term("logits (fp32)", 3 * m * (R + 1) * s.vocab * 4, "3·m·(R+1)·V·4", f"3·{m}·{R + 1}·{s.vocab}·4"))
+    chunk = chunk_tokens(w.logprob_chunk, m * (R + 1), s.vocab)  # None: the whole logits
+    if chunk is None:
+        terms.append(Term("logits (fp32)", 3 * m * (R + 1) * s.vocab * 4, "3·m·(R+1)·V·4", f"3·{m}·{R + 1}·{s.vocab}·4"))
+    else:
+        terms.append(Term("logits (fp32)", 3 * chunk * s.vocab * 4, "3·c·V·4  [chunked]", f"3·{chunk}·{s.vocab}·4"))
     return terms
 
 
@@ -493,8 +503,7 @@ def train_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]
     T = w.sequences * w.length
     shares = w.shared_prefix and 0 < w.prompts < w.sequences  # a group's prompt once (`vlrl.train.shared_prefix`)
     T_shared = w.prompts * w.prompt_tokens + w.sequences * w.response_tokens if shares else T
-    # the update's forward shares on one unwrapped rank without checkpointing; π_old / π_ref wherever it is on
-    T_train = T_shared if n == 1 and not w.checkpointing else T
+    T_train = T_shared  # the update's forward shares too: one grouped forward, any ranks, checkpointing or not
     Tv = (w.prompts if T_train != T else w.sequences) * w.patches
     rate = n * dev.tflops * 1e12 * dev.mfu
     c, c_v = train_flop_factors(s, w)

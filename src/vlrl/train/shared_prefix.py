@@ -1,29 +1,39 @@
-"""The shared-prefix teacher-forced pass: a group's n responses scored against one prefill of their prompt.
+"""The shared-prefix teacher-forced passes: a group's n responses scored against one run of their prompt.
 
 The plain pass (`vlrl.models.packed.sequence_logprobs`) runs prompt + response for every row, so a GRPO group's
 n rows repeat the same P prompt tokens n times (the vision tower already runs once per group:
-`VisionInputs.concat_shared`). Here, as in the engine's group prefill (`vlrl.rollout.decode`):
+`VisionInputs.concat_shared`). Here the language model runs over G·P + B·(R − 1) positions instead of B·(P + R),
+in one of two ways:
 
-    prefill     the distinct prompts (vision tower included), once each        (G, P) → KV cache, last logits
-    expand      the cache's rows to the rows of the micro-batch                 (G, ...) → (B, ...)  index_select
-    responses   every row's response tokens but the last, against that cache    (B, R − 1), positions after the prompt
-    scores      logits that predict response token k: the prompt's last (k = 0), the response's k − 1 (k ≥ 1)
+- **with gradients (the update's forward): one forward** (`vlrl.models.grouped`, verl's PrefixGrouper layout):
+  each distinct prompt once with its rows' responses beside it in the same row, every response attending to its
+  prompt and to itself only. One forward per backward, no KV cache: it runs as it is under DDP / FSDP2 (their
+  hooks see one forward) and under gradient checkpointing (the recomputed layers attend as the forward did).
+  Autograd sums each prompt's gradient over its rows — the gradient of the plain pass, whose n prompt copies
+  each receive their row's share.
+- **without gradients (π_old, π_ref): the KV cache**, as the engine's group prefill (`vlrl.rollout.decode`):
 
-so the language model runs over G·P + B·(R − 1) positions instead of B·(P + R). The result is the plain pass's
-(B, R) log-probs (and entropy), equal up to float summation order (tests/train/test_shared_prefix.py: < 1e-5).
-With gradients, autograd through the expansion (``index_select``) sums each prompt's gradient over its rows —
-the gradient of the plain pass, whose n prompt copies each receive their row's share.
+      prefill     the distinct prompts (vision tower included), once each        (G, P) → KV cache, last logits
+      expand      the cache's rows to the rows of the micro-batch                 (G, ...) → (B, ...)  index_select
+      responses   every row's response tokens but the last, against that cache    (B, R − 1), positions after the prompt
 
-It applies when it can be exact and saves work, else it returns None and the caller runs the plain pass:
+  which also serves recurrent layers (Qwen3.5's Gated DeltaNet: the cache copies their state).
+
+Both score the token k of a response from the prompt's last position (k = 0) or the response's k − 1, chunked
+above a size (`vlrl.models.logprobs.head_scores`), and return the plain pass's (B, R) log-probs (and entropy),
+equal up to float summation order (tests/train/test_shared_prefix.py: < 1e-5; loss and every gradient atol 1e-6).
+
+They apply when they can be exact and save work, else they return None and the caller runs the plain pass:
 
 - no two rows share a prompt (equal token ids and equal vision inputs): nothing to share (silent);
 - a response holds vision tokens (a multi-turn observation with an image: its features would have to be fed
   to the response part): logged once;
-- the family's cache cannot be expanded (`vlrl.rollout.decode.expand_cache`, logged once per family);
-- with gradients: a DDP / FSDP2 wrapper (two forwards before one backward), gradient checkpointing (transformers
-  then returns no cache), recurrent layers (Qwen3.5's Gated DeltaNet writes its cached conv / recurrent state in
-  place, which autograd cannot differentiate through) or active dropout (the n rows would share one dropout mask
-  over the prompt): logged once.
+- without gradients: the family's cache cannot be expanded (`vlrl.rollout.decode.expand_cache`, logged once per
+  family);
+- with gradients (`shared_prefix_refusal`): recurrent layers (a response would continue the previous one's state
+  in the grouped row), token-type attention masks other than Gemma 3's image blocks (which the grouped attention
+  builds), attention-logit soft caps or active dropout (the n rows would share one dropout mask over the prompt):
+  logged once.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ import torch.nn.functional as F
 
 from vlrl.compat import cache_argument
 from vlrl.models.adapters import TextAdapter, VisionInputs
+from vlrl.models.grouped import group_sequences, grouped_response_logprobs
+from vlrl.models.logprobs import LogprobChunk, head_scores
 from vlrl.rollout import decode
 from vlrl.rollout.types import Request
 
@@ -73,21 +85,21 @@ def _ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
 
 
 def shared_prefix_refusal(model: torch.nn.Module) -> str | None:
-    """Why a pass with gradients through ``model`` cannot share its prompts' work exactly (None: it can)."""
-    from vlrl.models.adapters import _ATTENTION_LAYERS, _wrapped
+    """Why a pass with gradients through ``model`` cannot share its prompts' work exactly in one grouped forward
+    (`vlrl.models.grouped`); None: it can (under DDP / FSDP2 and gradient checkpointing too)."""
+    from vlrl.models.adapters import _ATTENTION_LAYERS, _parameters
 
-    if _wrapped(model):
-        return "a DDP / FSDP2 module runs one forward per backward"
     base = getattr(model, "module", model)
-    checkpointing = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"  # transformers ≥ 5.24 renamed it
-    if getattr(base, checkpointing, False):
-        return "gradient checkpointing is on (transformers returns no cache then)"
     config = getattr(base, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     recurrent = set(getattr(text, "layer_types", None) or []) - _ATTENTION_LAYERS
     if recurrent:
-        return f"layers {sorted(recurrent)} update their cached state in place (no gradient through it)"
+        return f"layers {sorted(recurrent)} carry a recurrent state from one response into the next"
+    if "token_type_ids" in _parameters(type(base), "forward") and (
+            getattr(config, "model_type", None) != "gemma3" or getattr(text, "use_bidirectional_attention", False)):
+        return "its attention mask depends on token types in a way the grouped attention does not build"
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return "its attention logits are soft-capped"
     dropout = [name for name, m in base.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     if dropout or float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
         return "dropout is active (the n rows would share one dropout mask over the prompt)"
@@ -97,10 +109,11 @@ def shared_prefix_refusal(model: torch.nn.Module) -> str | None:
 def shared_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter,
                            prompts: Sequence[Sequence[int] | torch.Tensor], responses: Sequence[Sequence[int] | torch.Tensor],
                            visions: Sequence[VisionInputs | None], *, pad_token_id: int, temperature: float = 1.0,
-                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                           with_entropy: bool = False, logprob_chunk: LogprobChunk = "auto",
+                           ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(B, R) response log-probs (and entropy), right-padded with 0, as `response_logprobs` lays them out —
-    computed with one prefill per distinct prompt; None when that does not apply (see the module docstring).
-    Gradients flow when grad is enabled."""
+    computed with each distinct prompt run once: in one grouped forward when grad is enabled, against an expanded
+    KV cache otherwise; None when that does not apply (see the module docstring)."""
     first, index = prompt_groups(prompts, visions)
     B = len(prompts)
     if len(first) == B:
@@ -119,9 +132,25 @@ def shared_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter,
             _log_once(f"{family}/grad/{refusal}", "%s: the update's forward does not share a group's prompt (%s); "
                       "it runs every row's prompt", family, refusal)
             return None
+        batch = group_sequences(model, adapter, prompts, responses, visions, index, pad_token_id=pad_token_id)
+        return grouped_response_logprobs(model, adapter, batch, temperature=temperature, with_entropy=with_entropy,
+                                         logprob_chunk=logprob_chunk)
+    return _cached_prefix_logprobs(model, adapter, prompts, responses, visions, first, index,
+                                   pad_token_id=pad_token_id, temperature=temperature, with_entropy=with_entropy,
+                                   logprob_chunk=logprob_chunk)
+
+
+def _cached_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter, prompts: Sequence, responses: list[torch.Tensor],
+                            visions: Sequence[VisionInputs | None], first: list[int], index: list[int], *,
+                            pad_token_id: int, temperature: float, with_entropy: bool, logprob_chunk: LogprobChunk,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The no-grad pass: one prefill per distinct prompt, its KV cache expanded to its rows, the responses run
+    against it (None: the cache cannot be expanded)."""
+    family = adapter.family
     device = next(model.parameters()).device
     if family in decode._NOT_EXPANDABLE:  # found (and logged) before: not one more prefill to find it again
         return None
+    B = len(prompts)
     groups = [Request(sample=None, prompt_ids=_ids(prompts[k]), vision=visions[k]) for k in first]
     logits, cache, prompt_mask, last_position, type_keys = decode.prefill(model, adapter, groups, pad_token_id)
     rows = torch.tensor(index, dtype=torch.long, device=device)  # (B,) row → prompt
@@ -134,20 +163,26 @@ def shared_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter,
         response_ids[i, : len(r)] = r
         response_mask[i, : len(r)] = 1
     response_ids, response_mask = response_ids.to(device), response_mask.to(device)
-    scores = [logits[rows].unsqueeze(1)]  # (B, 1, V): the prompt's last logits predict response token 0
+    # response token 0: the prompt's last logits (G, V) — the log-softmax per prompt, then each row's token
+    log_probs = F.log_softmax(logits.float() / max(temperature, 1e-6), dim=-1)  # (G, V)
+    logp = log_probs[rows, response_ids[:, 0]].unsqueeze(1)  # (B, 1)
+    entropy = (-(log_probs.exp() * log_probs).sum(-1))[rows].unsqueeze(1) if with_entropy else None  # (B, 1)
     if R > 1:
         inputs = response_ids[:, : R - 1]  # (B, R − 1): the last response token is never an input
         kwargs = {"input_ids": inputs,
                   "attention_mask": torch.cat([prompt_mask[rows], response_mask[:, : R - 1]], dim=-1),  # (B, P + R − 1)
                   "position_ids": last_position[..., rows, :] + 1 + torch.arange(R - 1, device=device)}
         kwargs.update({k: torch.zeros_like(inputs, dtype=torch.int32) for k in type_keys})  # response tokens: text
-        out = model(**kwargs, use_cache=True, **{cache_argument(model): cache})
-        scores.append(out.logits)  # (B, R − 1, V)
-    log_probs = F.log_softmax(torch.cat(scores, dim=1).float() / max(temperature, 1e-6), dim=-1)  # (B, R, V)
-    mask = response_mask.to(log_probs.dtype)
-    logp = log_probs.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) * mask  # (B, R)
-    entropy = -(log_probs.exp() * log_probs).sum(-1) * mask if with_entropy else None
-    return logp, entropy
+        key = cache_argument(model)
+        rest_logp, rest_entropy = head_scores(
+            model, lambda: model(**kwargs, use_cache=True, **{key: cache}),
+            lambda hidden: hidden.reshape(-1, hidden.shape[-1]), response_ids[:, 1:].reshape(-1),
+            temperature=temperature, with_entropy=with_entropy, chunk=logprob_chunk)  # (B·(R − 1),) each
+        logp = torch.cat([logp, rest_logp.view(B, R - 1)], dim=1)
+        if with_entropy:
+            entropy = torch.cat([entropy, rest_entropy.view(B, R - 1)], dim=1)
+    mask = response_mask.to(logp.dtype)
+    return logp * mask, entropy * mask if with_entropy else None
 
 
 SHARED_METRIC = "perf/shared_prefix_frac"  # of a step's teacher-forced rows (π_old, π_ref, update): shared prefill
@@ -165,20 +200,22 @@ def tally(sums: dict[str, list[float]] | None, *, shared: bool, rows: int) -> No
 def teacher_forced(model: torch.nn.Module, adapter: TextAdapter, prompts: Sequence[Sequence[int] | torch.Tensor],
                    responses: Sequence[Sequence[int] | torch.Tensor], visions: Sequence[VisionInputs | None], *,
                    pad_token_id: int, temperature: float = 1.0, with_entropy: bool = False, padding_free: bool = False,
-                   shared_prefix: bool = True, sums: dict[str, list[float]] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   shared_prefix: bool = True, sums: dict[str, list[float]] | None = None,
+                   logprob_chunk: LogprobChunk = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, R) response log-probs (and entropy) of a micro-batch: the shared-prefix pass when ``shared_prefix``
     and it applies, else the plain one (`vlrl.models.packed.sequence_logprobs`, padded or ``padding_free``).
-    ``sums``: where to count the rows under ``perf/shared_prefix_frac`` (`tally`)."""
+    ``sums``: where to count the rows under ``perf/shared_prefix_frac`` (`tally`); ``logprob_chunk``: tokens per
+    chunk of the LM head and log-softmax (`vlrl.models.logprobs.chunk_tokens`)."""
     from vlrl.models.packed import sequence_logprobs
 
     if shared_prefix:
         out = shared_prefix_logprobs(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
-                                     temperature=temperature, with_entropy=with_entropy)
+                                     temperature=temperature, with_entropy=with_entropy, logprob_chunk=logprob_chunk)
         if out is not None:
             tally(sums, shared=True, rows=len(prompts))
             return out
     tally(sums, shared=False, rows=len(prompts))
     logp, entropy, _ = sequence_logprobs(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
-                                         temperature=temperature, with_entropy=with_entropy, padding_free=padding_free)
+                                         temperature=temperature, with_entropy=with_entropy, padding_free=padding_free,
+                                         logprob_chunk=logprob_chunk)
     return logp, entropy

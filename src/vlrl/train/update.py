@@ -5,8 +5,8 @@
             N = normaliser of the whole minibatch (tokens or sequences)         ← same gradient for any split
             I = Clip-Cov / KL-Cov tokens, chosen once over the minibatch        (those losses only; seeded)
             for micro in minibatch.split(micro_batch_size):                    ← `accumulate`
-                logp, entropy = πθ(response)                                   teacher-forced, with grad (one
-                                                                                 prefill per prompt: train.shared_prefix)
+                logp, entropy = πθ(response)                                   teacher-forced, with grad (each
+                                                                                 prompt once: train.shared_prefix)
                 L_t = policy_loss(logp, π_old, Â, π_behave, entropy, I)         per token (B, T)
                 L_t ← w_t · L_t   (async: w = min(π_prox / π_behave, cap))     when enabled
                 L_t ← ρ̃_t · L_t   (TIS: ρ̃ = min(π_old / π_sampler, C))         algo.rollout_correction.tis_cap
@@ -80,7 +80,8 @@ class UpdateSettings:
     loss_agg_max_length: int | None = None  # the constant L of seq_mean_token_sum_norm
     cov_selection: Callable | None = None  # Clip-Cov / KL-Cov: select(old_logp, Â, mask, *, generator) over a minibatch
     padding_free: bool = False  # pack each micro-batch into rows, no padding between sequences (vlrl.models.packed)
-    shared_prefix: bool = False  # one prefill per distinct prompt, its KV expanded to its rows (vlrl.train.shared_prefix)
+    shared_prefix: bool = False  # each distinct prompt run once for its rows (vlrl.train.shared_prefix)
+    logprob_chunk: int | str = "auto"  # tokens per chunk of the LM head + log-softmax (vlrl.models.logprobs.chunk_tokens)
     skip_zero_advantage: bool = False  # leave rows with Â = 0 everywhere out of the forward/backward (loss 0 there)
     on_nonfinite: str = "stop"  # train.on_nonfinite: a NaN/Inf loss or grad norm stops the run, or its update is skipped
 
@@ -194,7 +195,8 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
                     model, policy.adapter, [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
                     [t.vision for t in trajectories], pad_token_id=policy.pad_token_id, temperature=settings.temperature,
                     with_entropy=True, padding_free=settings.padding_free,
-                    shared_prefix=settings.shared_prefix, sums=stats.token_sums)  # (b, R) each, 0 at padding
+                    shared_prefix=settings.shared_prefix, sums=stats.token_sums,
+                    logprob_chunk=settings.logprob_chunk)  # (b, R) each, 0 at padding
             R = logp.shape[1]
             mask = batch.loss_mask[micro, :R]
             behaviour = batch.behaviour_logp[micro, :R]
