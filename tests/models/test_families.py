@@ -1,6 +1,6 @@
 """Every vision-language family preset through every in-process path, exactly.
 
-For each family (`vlrl.models.presets.FAMILY_PRESETS`): sampling n = 4 responses to a prompt with two images
+For each family (`vlrl.models.presets.FAMILY_PRESETS`: one preset per vision model type of `vlrl.models.families`): sampling n = 4 responses to a prompt with two images
 and to a video (its sampled frames fed as images, `vlrl.data.video`), a three-turn episode with an image in turn 3, padded and padding-free scoring, the shared-image path, a text-only
 prompt, an SFT step, a GRPO step, token counting and a save → plain-transformers load. "Exact" means the
 trainer's teacher-forced log-probs equal the sampler's behaviour log-probs (max |Δ| < 1e-4 per row), which
@@ -18,9 +18,10 @@ from PIL import Image
 from vlrl.config import RLStage, SFTStage
 from vlrl.data import Sample, generate, load_image
 from vlrl.models import collate, load_policy, response_logprobs
-from vlrl.models.adapters import VisionInputs, _inner
+from vlrl.models.introspect import inner_model
 from vlrl.models.packed import sequence_logprobs
 from vlrl.models.presets import FAMILY_PRESETS
+from vlrl.models.vision_inputs import VisionInputs
 from vlrl.report import MetricsLogger
 from vlrl.rollout import HFEngine, SamplingParams
 from vlrl.rollout.agent import AgentSettings, multi_turn
@@ -60,7 +61,7 @@ def _max_drift(logp, trajectories) -> float:
 
 def _vision_calls(policy) -> list[int]:
     """A counter of the vision tower's forward calls (a hook on it)."""
-    inner = _inner(policy.model)
+    inner = inner_model(policy.model)
     tower = next(getattr(inner, n) for n in ("visual", "vision_tower", "vision_model") if hasattr(inner, n))
     calls: list[int] = []
     tower.register_forward_hook(lambda *_: calls.append(1))
@@ -195,9 +196,9 @@ def test_the_check_refuses_sharing_that_drops_vision_features(monkeypatch):
     """The defect this check exists for: Qwen3-VL's DeepStack features, left out of the shared path, changed
     log-probs by up to 0.29 nats. Drop them again: the check sees the difference, the per-row path is used, and
     the log-probs stay exact."""
-    import vlrl.models.adapters as adapters
+    import vlrl.models.shared_images as shared_images
 
-    monkeypatch.setattr(adapters, "_DIAGNOSTIC_FIELDS", (*adapters._DIAGNOSTIC_FIELDS, "deepstack_features"))
+    monkeypatch.setattr(shared_images, "DIAGNOSTIC_FIELDS", (*shared_images.DIAGNOSTIC_FIELDS, "deepstack_features"))
     policy = load_policy("tiny-qwen3-vl")
     engine = HFEngine(policy)
     request = engine.encode(_two_image_sample())
