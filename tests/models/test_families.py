@@ -18,7 +18,7 @@ from PIL import Image
 from vlrl.config import RLStage, SFTStage
 from vlrl.data import Sample, generate, load_image
 from vlrl.models import collate, load_policy, response_logprobs
-from vlrl.models.introspect import inner_model
+from vlrl.models.adapters import vision_tower
 from vlrl.models.packed import sequence_logprobs
 from vlrl.models.presets import FAMILY_PRESETS
 from vlrl.models.vision_inputs import VisionInputs
@@ -30,6 +30,15 @@ from vlrl.rollout.env import Observation
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = pytest.mark.parametrize("name", FAMILY_PRESETS)
 TOL = 1e-4
+
+# Per-family test parameters: a new family (one module in vlrl/models/families) is run by every test here through
+# FAMILY_PRESETS; it adds a line below only where it differs from the other families.
+# Padding-free rows that hold one sequence each: recurrent layers (Qwen3.5), token-type attention masks (Gemma 3).
+ONE_SEQUENCE_PER_ROW = {"tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma3"}
+# The planner's stated approximation (vlrl/train/planner.py, "Families"): estimated / measured total memory of one
+# training step, (0.8, 1.2) unless given. Qwen3.5's Gated DeltaNet layers are counted as attention layers
+# (activations ~0.5×).
+PLAN_TOTAL = {"tiny-qwen3.5": (0.65, 0.95), "tiny-qwen3.5-moe": (0.65, 0.95)}
 
 
 def _two_image_sample(k: int = 0) -> Sample:
@@ -61,8 +70,7 @@ def _max_drift(logp, trajectories) -> float:
 
 def _vision_calls(policy) -> list[int]:
     """A counter of the vision tower's forward calls (a hook on it)."""
-    inner = inner_model(policy.model)
-    tower = next(getattr(inner, n) for n in ("visual", "vision_tower", "vision_model") if hasattr(inner, n))
+    tower = vision_tower(policy.model)
     calls: list[int] = []
     tower.register_forward_hook(lambda *_: calls.append(1))
     return calls
@@ -186,8 +194,7 @@ def test_the_shared_image_path_equals_the_per_row_path(name):
                                                                              _private(a.vision), _private(a.vision)])
     assert private.vision.parts is None and len(calls) == 1  # per-row: one tower call on all four rows' images
     assert torch.allclose(lp_s, lp_p, atol=1e-5) and torch.allclose(ent_s, ent_p, atol=1e-5)
-    tower = {"visual", "vision_tower", "vision_model"}
-    assert g_s.keys() == g_p.keys() and any(part in n for n in g_s for part in tower)
+    assert g_s.keys() == g_p.keys() and any(n.startswith(policy.adapter.module_groups["vision"]) for n in g_s)
     for param, g in g_p.items():
         assert torch.allclose(g_s[param], g, rtol=1e-4, atol=1e-6), param
 
@@ -226,7 +233,7 @@ def test_padding_free_scoring_equals_padded(name):
                                          groups=[[0, 1, 2], [3, 4], [5]])
     assert torch.allclose(padded, packed, atol=TOL)
     # recurrent layers (Qwen3.5) and token-type attention masks (Gemma 3) keep one sequence per packed row
-    assert policy.adapter.one_sequence_per_row == (name in ("tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma3"))
+    assert policy.adapter.one_sequence_per_row == (name in ONE_SEQUENCE_PER_ROW)
 
 
 @FAMILIES
@@ -357,11 +364,6 @@ def test_the_rollout_server_and_http_engine_sample_exactly(name, tmp_path):
         batcher.close()
 
 
-# The planner's stated approximation (vlrl/train/planner.py, "Families"): estimated / measured total memory of one
-# training step. Qwen3.5's Gated DeltaNet layers are counted as attention layers (activations ~0.5×).
-PLAN_TOTAL = {"tiny-qwen3.5": (0.65, 0.95), "tiny-qwen3.5-moe": (0.65, 0.95)}
-
-
 @FAMILIES
 def test_the_planner_estimates_a_measured_training_step(name, tmp_path):
     from vlrl.config import SFTConfig, load_config
@@ -374,8 +376,6 @@ def test_the_planner_estimates_a_measured_training_step(name, tmp_path):
     shape, w = model_shape(model), workload(cfg, adapter)
     assert shape.vision_depth == 2 and w.patches > 0
     # FSDP2 units: the decoder layers and the vision tower (its own unit, as transformers 5 needs)
-    from vlrl.models.adapters import vision_tower
-
     units = fsdp_units(model)
     assert units[-1] is vision_tower(model) is not None
     layers = model.config.get_text_config().num_hidden_layers

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -62,7 +62,7 @@ class PresetSpec:
     post_init: Callable[[torch.nn.Module], None] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: a family is itself (hashable, compared by identity)
 class Family:
     """What vlrl knows about one model family beyond what transformers derives from its config and processor.
 
@@ -90,12 +90,13 @@ class Family:
 FAMILIES = Registry("model family", signature="Family (vlrl.models.families), under each of its model types")
 
 
-@cache
-def all_families() -> tuple[Family, ...]:
-    """Every family module's `Family`, in `Family.order`; registered in `FAMILIES` at the first call."""
+def load_families(package: str, path: Iterable[str], registry: Registry) -> tuple[Family, ...]:
+    """Import every module of ``package`` (its folder(s) ``path``), register each one's ``FAMILY`` in ``registry``
+    under its model types, and return them in `Family.order`. A module without a `Family`, or two modules claiming
+    one model type or one preset name, is an error naming both."""
     found: list[tuple[Family, str]] = []
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
+    for info in pkgutil.iter_modules(list(path)):
+        module = importlib.import_module(f"{package}.{info.name}")
         family = getattr(module, "FAMILY", None)
         if not isinstance(family, Family):
             raise RegistryError(f"{module.__name__}: a family module defines FAMILY = Family(...)")
@@ -107,9 +108,17 @@ def all_families() -> tuple[Family, ...]:
             if key in owners:
                 raise RegistryError(f"{key!r} is claimed by two family modules: {owners[key]} and {module}")
             owners[key] = module
+    for family, _ in found:
         for model_type in family.model_types:
-            FAMILIES.register(model_type)(family)
+            registry.register(model_type)(family)
     return tuple(family for family, _ in found)
+
+
+@cache
+def all_families() -> tuple[Family, ...]:
+    """Every family module's `Family` (this package's modules), in `Family.order`; registered in `FAMILIES` at the
+    first call."""
+    return load_families(__name__, __path__, FAMILIES)
 
 
 def family_of(model_type: str | None) -> Family | None:
