@@ -74,9 +74,9 @@ from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.server import (
     API_KEY_ENV,
     WeightSyncError,
-    sampling_key,
     encode_image,
     quiet_transformers,
+    sampling_key,
     settle,
     weight_checksum,
 )
