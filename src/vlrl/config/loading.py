@@ -1,0 +1,174 @@
+"""Loading a config: a YAML file and dotted overrides merged, input paths resolved, validated once into a
+config class, the plug-in options checked; `dump_config` writes one back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, get_args
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from vlrl import safe_yaml
+from vlrl.config.base import ConfigError, Section
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[BaseModel] | None = None,
+                    base: Path | None = None) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place; a number indexes a
+    list already there (``stages.0.train.steps=10``). Given the config class and a ``base`` directory, input
+    paths among the values are resolved against it (`resolve_paths`)."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.clip_high=0.28")
+        parts = key.strip().split(".")
+        try:
+            value = safe_yaml.load(text, f"override {item!r}") if text.strip() else ""
+        except safe_yaml.YamlRefused as err:  # an unclosed bracket, a tag, a billion laughs: one line
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err.reason})") from None
+        if cls is not None and base is not None:  # resolve the value where it sits in a config of its own
+            alone: dict[str, Any] = {}
+            node = alone
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = value
+            resolve_paths(cls, alone, base)
+            value = node[parts[-1]]
+        node = raw
+        for part in parts[:-1]:
+            if isinstance(node, list):  # stages.1.train.steps: an index into a list of sections
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"override {item!r}: {part!r} is not an index of the {len(node)} item(s) there")
+                child = node[int(part)]
+            else:
+                child = node.setdefault(part, {})
+            if not isinstance(child, (dict, list)):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        if isinstance(node, list):
+            raise ConfigError(f"override {item!r}: {parts[-1]!r} would replace one item of a list; set a field inside it")
+        node[parts[-1]] = value
+    return raw
+
+
+def load_config(cls: type[Section], path: str | Path | None = None, overrides: list[str] | None = None, *,
+                prepare: Callable[[Any], None] | None = None) -> Any:
+    """Read YAML (optional), apply dotted overrides, validate into ``cls``; ``prepare(cfg)`` runs between the
+    validation and the plug-in checks, which run tensor operations (the CLI pins ``numerics`` there).
+
+    Input paths (the fields marked ``json_schema_extra={"path": ...}``: data files, packing plans, model
+    directories) are made absolute: a relative one written in the YAML file is taken from the file's own
+    directory, one given as an override (or ``--data`` / ``--test``) from the current directory. Output
+    locations (``out``, ``rollout.weights_dir``) stay as written, relative to the current directory.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = safe_yaml.load_file(path) or {}
+        except safe_yaml.YamlRefused as err:  # bounded: aliases, depth, duplicate keys, tags (`vlrl.safe_yaml`)
+            raise ConfigError(str(err)) from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        resolve_paths(cls, raw, path.resolve().parent)
+    apply_overrides(raw, overrides or [], cls=cls, base=Path.cwd())
+    try:
+        cfg = cls.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_explain(err, path)) from None
+    if prepare is not None:
+        prepare(cfg)
+    problems = plugin_option_problems(cfg)
+    if problems:
+        where = f"{path}: " if path else ""
+        raise ConfigError("\n".join(f"{where}config field '{field}': {message}" for field, message in problems))
+    return cfg
+
+
+def plugin_option_problems(cfg: Section) -> list[tuple[str, str]]:
+    """Hook: every plug-in option of ``cfg`` (estimator, loss, shapers, environment, rollout function) checked
+    against the plug-in's keyword-only signature, and settings that cannot work together; (field, message) each.
+    The checks live with the recipes that bind the options (`vlrl.train.options`)."""
+    from vlrl.train.options import config_problems
+
+    return config_problems(cfg)
+
+
+def _sections(annotation: Any) -> list[type[BaseModel]]:
+    """The config classes inside a field's annotation (``DataConfig | None``, ``list[SFTStageSpec]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [cls for arg in get_args(annotation) for cls in _sections(arg)]
+
+
+def _path_fields(cls: type[BaseModel], node: Any):
+    """(dict holding the field, key, kind) of every input-path field set in the raw config dict ``node``."""
+    if not isinstance(node, dict):
+        return
+    for name, field in cls.model_fields.items():
+        if name not in node:
+            continue
+        extra = field.json_schema_extra
+        kind = extra.get("path") if isinstance(extra, dict) else None
+        if kind is not None:
+            if isinstance(node[name], str):
+                yield node, name, kind
+            continue
+        children = node[name] if isinstance(node[name], list) else [node[name]]
+        if isinstance(node[name], dict) and node[name] and all(str(k).isdigit() for k in node[name]):
+            children = list(node[name].values())  # an override into a list item: {"0": {...}}
+        for section in _sections(field.annotation):
+            for child in children:
+                yield from _path_fields(section, child)
+
+
+def resolve_paths(cls: type[BaseModel], raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Make the input paths of a raw config dict absolute against ``base``, in place.
+
+    A data file or packing plan (kind ``file``) is always a path. A ``model.path`` (kind ``model``) may also
+    be a preset name or a hub id (``Qwen/Qwen2-VL-2B-Instruct``), so a relative one is resolved only when it
+    exists under ``base`` or is written as a path (``./…``, ``../…``); otherwise it is left as written."""
+    for node, key, kind in _path_fields(cls, raw):
+        value = node[key]
+        if value.startswith("~"):
+            node[key] = str(Path(value).expanduser())
+        elif kind == "data" and value and not Path(value).is_absolute():
+            node[key] = _resolve_data_path(value, base)
+        elif value and not Path(value).is_absolute() and \
+                (kind == "file" or (base / value).exists() or value.startswith(("./", "../"))):
+            node[key] = str((base / value).resolve())
+    return raw
+
+
+def _resolve_data_path(value: str, base: Path) -> str:
+    """A data path (kind ``data``): a local file, folder or glob is made absolute against ``base`` (an ``@split``
+    suffix kept); a hub id (``org/name``, ``name``, not a path under ``base``, no file suffix) stays as written."""
+    import re
+
+    head, sep, split = value.rpartition("@")
+    if not (sep and head and split and "/" not in split):
+        head, sep, split = value, "", ""
+    hub_like = re.fullmatch(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?", head) is not None and \
+        not head.endswith((".jsonl", ".json", ".parquet", ".arrow"))
+    if hub_like and not (base / head).exists():
+        return value
+    return str((base / head).resolve()) + sep + split
+
+
+def _explain(err: ValidationError, path: Path | None) -> str:
+    where = f"{path}: " if path else ""
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        message = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{where}config field '{field}': {message}")
+    return "\n".join(lines)
+
+
+def dump_config(config: Section) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

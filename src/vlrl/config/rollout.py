@@ -1,0 +1,183 @@
+"""The RL stage's rollout sections: how responses are sampled (`RolloutConfig`), the asynchronous staleness
+bound (`StalenessConfig`) and the DAPO dynamic sampling (`DynamicSamplingConfig`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from vlrl.config.base import Section
+
+
+# ----------------------------------------------------------------------------------------------- RL stage
+class RolloutConfig(Section):
+    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size; LLaVA-OV-1.5: 16).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (LLaVA-OV-1.5: 1.0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold; 1 disables.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables (the full vocabulary, as verl, TRL, SGLang "
+                       "and vLLM). The shipped configs set 50: what they were tuned with (transformers' `generate` "
+                       "default, which the in-process engine applied silently before it sampled with its own loop).")
+    max_new_tokens: int = Field(16, ge=1, description="Response budget; longer responses are TRUNCATED.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
+    max_batch_size: int = Field(256, ge=1, description="Sequences generated at once by the in-process engine.")
+    compile: bool = Field(
+        False, description="In-process engine (rollout.mode=sync, no servers): decode against a static KV cache with one "
+        "decode step compiled by torch.compile (CUDA graphs on GPUs, mode reduce-overhead; inductor on CPU) instead of "
+        "the eager per-token loop. Same greedy ids and log-probs; the first batch of each shape pays the compile "
+        "(seconds on a GPU, ~a minute for a tiny model on 2 CPU cores). Layers other than full attention and FSDP2 "
+        "shards decode eagerly.",
+    )
+    # multi-turn agents (vlrl.rollout.agent): README "Multi-turn agents"
+    function: str = Field(
+        "single_turn", description="Rollout function: single_turn (= engine.generate), multi_turn (the batched agent "
+        "loop over rollout.env), per_sample (rollout.generate per sample), or 'pkg.mod:fn' with the same signature.",
+    )
+    generate: str = Field(
+        "agent", description="Per-sample generate used by rollout.function=per_sample: agent (one episode of the "
+        "agent loop) or 'pkg.mod:fn' — slime's second plug-in level.",
+    )
+    function_options: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form options handed to a custom rollout function (AgentSettings.options).",
+    )
+    env: str | None = Field(
+        None, description="Environment of multi-turn rollouts: shapes_feedback, tool_zoom, judge, or 'pkg.mod:Class'.",
+    )
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Typed keyword options of the environment's constructor (checked at start-up), "
+        "e.g. {zoom: true} for shapes_feedback.",
+    )
+    max_turns: int = Field(1, ge=1, description="Model turns per episode at most (slime's geo3k: 3).")
+    max_total_tokens: int | None = Field(
+        None, ge=1, description="Token budget of a whole episode (prompt + turns + observations); hitting it marks "
+        "the trajectory TRUNCATED. Unset: only max_turns × max_new_tokens bound it.",
+    )
+    max_env_retries_per_turn: int = Field(
+        2, ge=0, description="Failed environment calls (raised or timed out) retried per turn; one more marks the "
+        "trajectory FAILED (excluded from the loss, counted in agent/failed).",
+    )
+    env_timeout_seconds: float = Field(
+        30.0, gt=0, description="An environment reset/step taking longer counts as failed (and is retried on a fresh instance).",
+    )
+
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate a batch, then train on it (on-policy). async: rollout workers generate "
+        "continuously into a buffer while the trainer trains (AReaL-style decoupled PPO; see the `staleness` section)."
+    )
+    servers: list[str] = Field(
+        default_factory=list, description="Rollout server base URLs (`vlrl serve` or SGLang, e.g. "
+        "http://127.0.0.1:30000). Empty: generate in this process (async mode uses a private copy of the policy)."
+    )
+    api_key_env: str = Field(
+        "VLRL_API_KEY", description="Environment variable holding the servers' bearer token (never put the key itself in a config)."
+    )
+    max_concurrent_rollouts: int | None = Field(
+        None, ge=1, description="Async mode: prompts (each with n samples) in flight at once. Unset: 2 × train.prompts_per_step."
+    )
+    on_weight_update: Literal["finish", "abort", "retract", "in_place"] = Field(
+        "finish", description="Requests in flight during a weight update (async mode; servers are sent SGLang's "
+        "/pause_generation with this mode before each update and /continue_generation after, and this client holds "
+        "new requests meanwhile): 'finish' them on the old weights, tagged with the old version (a disk update waits "
+        "for them; a distributed one first lets them end, then pauses); 'abort' them and re-queue their prompts; "
+        "'retract' them (SGLang: re-queued inside the server and continued on the new weights after the update — "
+        "their tokens span two versions and the answer is tagged with the older; vlrl serve decodes them again from "
+        "the prompt on the new weights); 'in_place' (SGLang: held with their KV cache and continued on the new "
+        "weights, the prefix cache not flushed — prompts cached before the update are reused; vlrl serve finishes "
+        "them on the old weights). README \"Rollout servers\"."
+    )
+    prompt_check: Literal["error", "warn", "off"] = Field(
+        "error", description="Rollout servers: compare each answer's meta_info.prompt_tokens with the prompt the "
+        "trainer scores; a mismatch (SGLang re-processed the images with other pixel bounds, or a context did not "
+        "survive decode → encode) is an error naming the sample and both counts, a logged warning, or not checked."
+    )
+    weight_update_timeout: float = Field(
+        600.0, gt=0, description="Rollout servers: seconds each weight call (/update_weights_from_disk, "
+        "/pause_generation, /continue_generation, /destroy_weights_update_group) may take before its server counts "
+        "as failed — apart from request_timeout, so a long load is never taken for a stalled generation."
+    )
+    admin_api_key_env: str = Field(
+        "VLRL_ADMIN_API_KEY", description="Environment variable holding the servers' admin key (SGLang's / vlrl "
+        "serve's --admin-api-key), sent on the weight and pause calls; unset: they carry the api_key_env key."
+    )
+    request_timeout: float = Field(300.0, gt=0, description="Seconds a server may take for one /generate before it counts as stalled.")
+    max_retries: int = Field(3, ge=0, description="Times a failed request is retried on another server before the run stops.")
+    max_server_failures: int = Field(
+        2, ge=1, description="Consecutive failures (errors or timeouts) after which a server is dropped from the pool."
+    )
+    weights_dir: str | None = Field(
+        None, description="Where weights are saved for the servers to load (must be visible to them). Unset: <out>/rollout_weights."
+    )
+    weight_sync: Literal["disk", "distributed"] = Field(
+        "disk", description="How the servers get each weight version: 'disk' (save_pretrained under weights_dir, then "
+        "SGLang's /update_weights_from_disk; works with any server pool) or 'distributed' (SGLang's "
+        "/init_weights_update_group + /update_weights_from_distributed: the servers join a process group hosted by "
+        "the trainer, which broadcasts the weights bucket by bucket — gloo on CPU, NCCL on GPUs; no disk; falls back "
+        "to disk for an update when a server dies mid-broadcast). README \"Scaling out\"."
+    )
+    weight_sync_address: str = Field(
+        "127.0.0.1", description="weight_sync=distributed: the trainer's address as the servers reach it (its rendezvous "
+        "store listens there); set the trainer node's IP when servers run on other machines."
+    )
+    weight_sync_port: int = Field(
+        0, ge=0, le=65535, description="weight_sync=distributed: the rendezvous port on weight_sync_address; 0 = a free port."
+    )
+    weight_sync_bucket_mb: float = Field(
+        256.0, gt=0, description="weight_sync=distributed: megabytes of parameters per broadcast bucket (one HTTP call "
+        "per bucket; an FSDP2 trainer gathers one bucket of full tensors at a time)."
+    )
+    weight_sync_timeout: float = Field(
+        120.0, gt=0, description="weight_sync=distributed: seconds the trainer waits for the servers to join a group, "
+        "for a bucket's broadcast and for its answers; past it (or as soon as a server's call fails) the group is "
+        "closed, that update goes by disk to the servers left and the next one forms a new group."
+    )
+
+    @model_validator(mode="after")
+    def _check_agent(self) -> RolloutConfig:
+        if self.function in ("multi_turn", "per_sample") and self.env is None:
+            raise ValueError(f"rollout.env must name an environment when rollout.function={self.function!r}")
+        if self.env is not None and self.function == "single_turn":
+            raise ValueError("rollout.env is set but rollout.function=single_turn would ignore it; use multi_turn")
+        if self.weight_sync == "distributed" and not self.servers:
+            raise ValueError("rollout.weight_sync=distributed sends weights to rollout servers: set rollout.servers "
+                             "(in-process engines share the trainer's weights)")
+        return self
+
+
+class StalenessConfig(Section):
+    eta: int = Field(
+        4, ge=0, description="Async mode: max staleness η (AReaL max_head_offpolicyness; LLaVA-OV-1.5: 4). A sample generated "
+        "by weights more than η updates older than the trainer's is discarded; 0 = on-policy."
+    )
+    behaviour_weight_cap: float = Field(
+        5.0, gt=0, description="Cap of the behaviour importance weight min(π_prox / π_behave, cap) (LLaVA-OV-1.5: 5.0)."
+    )
+    apply_behaviour_weight: bool = Field(
+        True, description="Async mode: multiply the per-token policy loss by the behaviour weight (the decoupled PPO "
+        "objective). Set false if `algo.policy_loss` applies it itself, or to correct with "
+        "algo.rollout_correction.tis_cap instead."
+    )
+    behaviour_weight_mode: Literal["clamp", "drop"] = Field(
+        "clamp", description="What a behaviour weight above behaviour_weight_cap becomes: clamp = the cap (the "
+        "LLaVA-OV-1.5 seed's BehavWeight), drop = 0, the token leaves the loss but stays in the normaliser (AReaL "
+        "behav_imp_weight_cap). Used by the async recipe's weight and by policy_loss=decoupled."
+    )
+
+
+class DynamicSamplingConfig(Section):
+    enabled: bool = Field(
+        False, description="DAPO dynamic sampling (eq. 11): drop groups whose rewards are all equal (zero advantage) "
+        "and back-fill with newly generated groups until the batch holds train.prompts_per_step prompts."
+    )
+    metric: Literal["reward", "accuracy"] = Field(
+        "reward", description="What must differ within a group: the scalar reward (before shaping), or the "
+        "'accuracy' sub-score (DAPO's is_equivalent; responses without it count as 0)."
+    )
+    oversample: float = Field(
+        1.0, ge=1.0, description="Prompts generated per round = ceil(missing prompts × oversample); surplus "
+        "informative groups are carried over to the next step."
+    )
+    max_extra_rounds: int = Field(
+        4, ge=0, description="Cap on extra generation rounds per step (verl max_num_gen_batches − 1); when reached, "
+        "the step trains on the informative groups it has (logged as sampling/prompts_used)."
+    )
+
