@@ -38,13 +38,13 @@ LEVEL = {
 
 # Files over MAX_FILE_LINES on 2026-11-28, with their lengths then: each may shrink, none may grow.
 LONG_FILES = {
-    "check.py": 687, "cli.py": 911, "rewards/_sandbox_child.py": 639,
+    "check.py": 687, "rewards/_sandbox_child.py": 639,
     "rollout/http_engine.py": 1087, "rollout/server.py": 1607, "synth/server.py": 634, "synth/workflow.py": 618,
     "train/checkpoint.py": 631, "train/planner.py": 839,
 }
 # Functions over MAX_FUNCTION_LINES on 2026-11-28 ("file:function": lines).
 LONG_FUNCTIONS = {
-    "cli.py:data_select": 84, "rewards/probes.py:probes": 104, "rollout/server.py:create_app": 168,
+    "rewards/probes.py:probes": 104, "rollout/server.py:create_app": 168,
     "synth/server.py:create_app": 101, "train/async_grpo.py:train_async_grpo": 162, "train/grpo.py:train_grpo": 96,
 }
 # Imports from a higher room into a lower one on 2026-11-28, as (room, room it imports from).
