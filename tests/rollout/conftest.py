@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
+from vlrl.rollout.batcher import ContinuousBatcher, private_copy
 from vlrl.rollout.http_engine import HTTPEngine
 from vlrl.rollout.http_settings import ClientSettings, SyncSettings
-from vlrl.rollout.batcher import ContinuousBatcher, private_copy
 from vlrl.rollout.server import create_app
 from vlrl.serving import ServerThread
 

@@ -260,8 +260,8 @@ def test_a_bucket_is_received_straight_into_the_weights_once_they_are_views_of_i
     as a broadcast would) and the model's tensors become views of it; the next time the same layout comes, that
     very storage is handed out again — received into, it *is* the weights (no copy). Layouts that cannot be taken
     in place get None: another dtype (the copy must cast), a name the model lacks."""
-    from vlrl.rollout.dist_sync import ByteBuffer, pack
     from vlrl.rollout.batcher import private_copy
+    from vlrl.rollout.dist_sync import ByteBuffer, pack
     from vlrl.rollout.weights import FlatBuckets, WeightWriter
 
     model = private_copy(tiny_vlm).model

@@ -285,8 +285,8 @@ def test_a_server_that_sampled_from_another_prompt_is_caught(tiny_vlm, http_engi
     sample and both counts (rollout.prompt_check=error), a counted warning (warn), or nothing (off)."""
     import logging
 
-    from vlrl.rollout.server import app as server_module
     from vlrl.rollout.http_engine import PromptMismatchError
+    from vlrl.rollout.server import app as server_module
 
     real_output = server_module.sglang_output
 

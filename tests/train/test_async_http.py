@@ -12,9 +12,9 @@ import pytest
 import vlrl.train.async_grpo as async_grpo
 from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
+from vlrl.rollout.batcher import ContinuousBatcher, private_copy
 from vlrl.rollout.http_engine import HTTPEngine
 from vlrl.rollout.http_settings import ClientSettings, SyncSettings
-from vlrl.rollout.batcher import ContinuousBatcher, private_copy
 from vlrl.rollout.server import create_app
 from vlrl.serving import ServerThread
 from vlrl.train.async_grpo import train_async_grpo

@@ -87,8 +87,7 @@ def train_async_grpo(
     gradients), log the whole batch's metrics (`step_metrics`), then update the rollout's weights together
     (`_update_over_ranks`: pause → update → set version → resume on rank 0). Rank 0's checkpoint carries the
     buffer, draws and ledger; every rank its own shaper states."""
-    generator = capability(engine, AsyncEngine)  # (behind the report's watcher: its engine's own agenerate)
-    if generator is None:
+    if (generator := capability(engine, AsyncEngine)) is None:  # (behind the watcher: its engine's own agenerate)
         raise TypeError(f"rollout.mode=async needs an engine with `agenerate` (ThreadedEngine or HTTPEngine), "
                         f"got {type(engine).__name__}")
     rt = runtime or Runtime.single(policy.model)
