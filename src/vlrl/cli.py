@@ -556,7 +556,14 @@ def plan(
     except (OSError, ValueError) as err:  # a missing directory, no hub, an unsupported family
         typer.secho(f"vlrl plan: model.path: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
-    shape, work = planner.model_shape(model), planner.workload(cfg, adapter, model=model)
+    from vlrl.data import DataError
+
+    try:
+        shape, work = planner.model_shape(model), planner.workload(cfg, adapter, model=model)
+    except DataError as err:  # the prompts' sizes come from a few samples of data.train (a hub id may be unreachable)
+        typer.secho(f"vlrl plan: data.train: {err} — plan with a local sample of the data (data.train=FILE) or the "
+                    "procedural prompts (data.train=null)", fg="red", err=True)
+        raise typer.Exit(2) from None
     device = planner.Device(gpus, gpu_mem, tflops=tflops, bandwidth_gbs=bandwidth, link_gbs=link, mfu=mfu)
     plans = planner.plan_placements(shape, work, device)
     launches = {p.name: planner.launch_settings(p, cfg, recipe, config, list(overrides or []))

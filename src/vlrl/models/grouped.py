@@ -304,7 +304,7 @@ def image_blocks(model: torch.nn.Module, adapter: TextAdapter, input_ids: torch.
     """(G, P) image block ids of the prompt columns (−1 elsewhere; transformers'
     ``get_block_sequence_ids_for_mask``) for a family whose forward takes ``token_type_ids`` to let an image's
     tokens attend to each other (Gemma 3), else None."""
-    from vlrl.models.adapters import _parameters
+    from vlrl.models.introspect import method_parameters as _parameters
 
     if "token_type_ids" not in _parameters(type(getattr(model, "module", model)), "forward"):
         return None

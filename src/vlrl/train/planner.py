@@ -325,13 +325,13 @@ def meta_model(path: str, *, init_seed: int = 0) -> tuple[torch.nn.Module, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from vlrl.models.adapters import adapter_for
-    from vlrl.models.policy import _load_image_processor
+    from vlrl.models.policy import load_image_processor
 
     config = AutoConfig.from_pretrained(path)
     is_vision = hasattr(config, "vision_config")
     with torch.device("meta"):
         model = (AutoModelForImageTextToText if is_vision else AutoModelForCausalLM).from_config(config)
-    processor = _load_image_processor(path) if is_vision else None
+    processor = load_image_processor(path) if is_vision else None
     return model, adapter_for(config, AutoTokenizer.from_pretrained(path), processor, source=path, model=model)
 
 

@@ -87,7 +87,8 @@ def _ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
 def shared_prefix_refusal(model: torch.nn.Module) -> str | None:
     """Why a pass with gradients through ``model`` cannot share its prompts' work exactly in one grouped forward
     (`vlrl.models.grouped`); None: it can (under DDP / FSDP2 and gradient checkpointing too)."""
-    from vlrl.models.adapters import _ATTENTION_LAYERS, _parameters
+    from vlrl.models.introspect import ATTENTION_LAYERS as _ATTENTION_LAYERS
+    from vlrl.models.introspect import method_parameters as _parameters
 
     base = getattr(model, "module", model)
     config = getattr(base, "config", None)
