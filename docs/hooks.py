@@ -7,7 +7,7 @@
   class, its docstring, and per field the type, the default, the bounds and the pydantic ``description``;
 - ``cli``: every command of the `vlrl` typer app, its usage, help and options (read from click's objects);
 - ``registries``: every `vlrl.registry.Registry` defined in a module of vlrl, its signature and its entries;
-- ``presets``: the tiny offline model presets (`vlrl.models.PRESETS`);
+- ``presets``: the tiny offline model presets, by the family module that declares each (`vlrl.models.families`);
 - ``metrics``: every metric name written literally in vlrl's source (``"policy/entropy"``, ``f"reward/{task}"``),
   by group, with the modules that write it.
 
@@ -259,11 +259,17 @@ def registries_reference() -> str:
 
 
 def presets_reference() -> str:
-    from vlrl.models import PRESETS
+    """The tiny presets, by the family module that declares each (`vlrl.models.families`)."""
+    from vlrl.models.families import all_families
 
-    lines = ["| `model.path` | family (`model_type`) | tokenizer markup |", "| --- | --- | --- |"]
-    for name, spec in PRESETS.items():
-        lines.append(f"| {_code(name)} | {_code(spec.family)} | {_code(spec.markup)} |")
+    lines = ["| `model.path` | family (`model_type`) | declared in | vision tower | tokenizer eos / pad |",
+             "| --- | --- | --- | --- | --- |"]
+    for family in all_families():
+        for name, spec in family.presets.items():
+            module = inspect.getmodule(spec.build)
+            lines.append(f"| {_code(name)} | {_code(spec.family)} | {_code(module.__name__ if module else '?')} | "
+                         f"{_code(family.vision_tower) if family.vision_tower else '(text only)'} | "
+                         f"{_code(spec.markup.eos)} / {_code(spec.markup.pad)} |")
     return "\n".join(lines) + "\n"
 
 
