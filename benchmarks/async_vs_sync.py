@@ -64,6 +64,7 @@ def main() -> None:
     from vlrl.report import MetricsLogger
     from vlrl.rollout import SamplingParams
     from vlrl.rollout.http_engine import HTTPEngine
+    from vlrl.rollout.http_settings import ClientSettings, SyncSettings
     from vlrl.train.async_grpo import train_async_grpo
     from vlrl.train.grpo import train_grpo
 
@@ -84,7 +85,7 @@ def main() -> None:
 
         def fresh():
             policy = load_policy(args.model)
-            engine = HTTPEngine(policy, [url], weights_dir=weights, api_key=key)
+            engine = HTTPEngine(policy, [url], SyncSettings(weights_dir=weights), ClientSettings(api_key=key))
             engine.update_weights(version=0)
             return policy, engine
 

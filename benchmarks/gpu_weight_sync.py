@@ -120,15 +120,16 @@ def _sync_to_server(model: str, trainer_device: str, server_device: str, backend
 
     from vlrl.models import load_policy
     from vlrl.rollout.http_engine import HTTPEngine
+    from vlrl.rollout.http_settings import ClientSettings, SyncSettings
     from vlrl.rollout.weights import weight_checksum
 
     with tempfile.TemporaryDirectory() as tmp:
         process, url = _serve(model, server_device, Path(tmp) / "serve.log", timeout)
         try:
             policy = load_policy(model, device=trainer_device)
-            engine = HTTPEngine(policy, [url], weights_dir=Path(tmp) / "weights", api_key=KEY,
-                                weight_sync="distributed", sync_backend=backend, sync_timeout=timeout,
-                                on_weight_update="retract", bucket_mb=1.0)
+            engine = HTTPEngine(policy, [url], SyncSettings(
+                weights_dir=Path(tmp) / "weights", method="distributed", backend=backend, timeout=timeout,
+                on_weight_update="retract", bucket_mb=1.0), ClientSettings(api_key=KEY))
             try:
                 for version in (1, 2):
                     with torch.no_grad():
@@ -141,7 +142,7 @@ def _sync_to_server(model: str, trainer_device: str, server_device: str, backend
                     assert info["weight_checksum"] == weight_checksum(policy.model), "checksum mismatch"
                 assert not (Path(tmp) / "weights").exists(), "an update went through the disk"
                 return {"buckets": engine.last_sync.buckets, "bytes": engine.last_sync.bytes,
-                        "update_seconds": round(engine.last_sync.seconds, 3), "backend": engine._group_backend}
+                        "update_seconds": round(engine.last_sync.seconds, 3), "backend": engine.weights.group.backend}
             finally:
                 engine.close()
         finally:

@@ -32,6 +32,7 @@ import torch
 
 from vlrl.models import load_policy
 from vlrl.rollout.http_engine import HTTPEngine
+from vlrl.rollout.http_settings import ClientSettings, SyncSettings
 
 KEY = "bench-key"
 
@@ -69,8 +70,8 @@ def nudge(model: torch.nn.Module) -> None:
 def measure(policy, urls: list[str], weights_dir: Path, updates: int) -> dict[str, dict]:
     """Both methods on the same servers, their updates interleaved (disk, distributed, disk, ...) so a load change
     on the shared machine hits both alike."""
-    engines = {method: HTTPEngine(policy, urls, weights_dir=weights_dir / method, api_key=KEY, weight_sync=method,
-                                  request_timeout=600) for method in ("disk", "distributed")}
+    engines = {method: HTTPEngine(policy, urls, SyncSettings(weights_dir=weights_dir / method, method=method),
+                                  ClientSettings(api_key=KEY, request_timeout=600)) for method in ("disk", "distributed")}
     times: dict[str, list[float]] = {method: [] for method in engines}
     version = 0
     try:

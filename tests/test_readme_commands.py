@@ -1,10 +1,15 @@
-"""Every command in the README's ```bash blocks that a user can run here is run, in README order, in one working
-directory (with the shipped `configs/`), with tiny overrides where it trains — and must exit 0. The rest are
-listed in `NOT_RUN` with the reason; a README command that is neither run nor listed fails the test, and so does
-a `NOT_RUN` entry that matches no README command. So the README cannot drift from the code.
+"""Every command in the ```bash blocks of the README and of the documentation site (docs/, in the site's nav
+order) that a user can run here is run, in that order, in one working directory (with the shipped `configs/`),
+with tiny overrides where it trains — and must exit 0. The rest are listed in `NOT_RUN` with the reason; a command
+that is neither run nor listed fails the test, and so does a `NOT_RUN` entry that matches no command. So neither
+the README nor the docs can drift from the code.
+
+The pages of measurements (docs/experiments/, docs/benchmarks/, docs/gpu.md) are not run — their commands take
+minutes to hours and their numbers are on the page — but parsed and validated: a `vlrl` command must name an
+existing command and options, a `python benchmarks/X.py` an existing script, a `make` target a Makefile target.
 
 The commands run in this process (the `vlrl` app through typer's runner, as `vlrl` would run it); the servers a
-block starts with `&` run as subprocesses on free ports (the README's port numbers are replaced everywhere in
+block starts with `&` run as subprocesses on free ports (the page's port numbers are replaced everywhere in
 the block's later commands), and are stopped at the end.
 """
 
@@ -25,11 +30,41 @@ from typer.testing import CliRunner
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
+MEASURED = ("docs/experiments/", "docs/benchmarks/", "docs/gpu.md")  # validated, not run
 
-# README command (its start, after joining continuation lines and dropping comments) → why it is not run here.
+
+def doc_pages() -> list[Path]:
+    """The README, then every page of the site in its nav order (mkdocs.yml): the order a reader meets them."""
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+
+    def walk(entry) -> list[str]:
+        if isinstance(entry, str):
+            return [entry]
+        if isinstance(entry, dict):
+            return [p for value in entry.values() for p in walk(value)]
+        return [p for item in entry for p in walk(item)]
+
+    return [README, *(ROOT / "docs" / page for page in walk(nav))]
+
+
+def _measured(page: Path) -> bool:
+    return page.relative_to(ROOT).as_posix().startswith(MEASURED)
+
+
+def all_commands(measured: bool = False) -> list[list[str]]:
+    """The commands of the pages that are run (``measured=False``) or only validated (``measured=True``)."""
+    return [argv for page in doc_pages() if _measured(page) == measured
+            for argv in readme_commands(page.read_text())]
+
+# A README or docs command (its start, after joining continuation lines and dropping comments) → why it is not run here.
 NOT_RUN = {
-    "make demo": "the full demo takes 7–11 minutes on 2 cores (README, Quickstart); the same recipe runs tiny in tests/report/test_html.py and tests/test_numerics.py, its quick configuration in tests/e2e/test_demo.py",
+    "make demo": "the full demo takes 7–11 minutes on 2 cores (docs/guides/demo.md); the same recipe runs tiny in tests/report/test_html.py and tests/test_numerics.py, its quick configuration in tests/e2e/test_demo.py",
     "make test": "runs this test suite",
+    "pip install -e .[docs] && mkdocs serve": "a web server; tests/test_docs.py builds the same site strictly",
+    "vlrl plan configs/recipes/qwen2_5_vl_7b_lora_grpo.yaml": "reads Qwen2.5-VL-7B's config.json from the hub (no "
+    "network here); `vlrl plan` on that config.json as a fixture: tests/models/test_config_only.py",
+    "vlrl rl --config configs/recipes/qwen2_5_vl_7b_lora_grpo.yaml": "a GPU and a hub download (the recipe runs "
+    "with its family's tiny preset in tests/test_shipped_configs.py)",
     "source .venv/bin/activate": "a shell builtin: these tests run inside the environment it activates",
     "vlrl check configs/shapes_sft.yaml --data sft.jsonl": "your own files (sft.jsonl, rl.jsonl, test.jsonl); "
     "tests/test_newcomer.py runs this path on real images",
@@ -54,7 +89,7 @@ NOT_RUN = {
     "preset beside torchrun ranks: tests/train/test_servers_ranks.py)",
     "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 torchrun": "6 GPUs beside the two servers above",
     "vlrl plan configs/shapes_lora_grpo.yaml --gpus 1 --gpu-mem 80 model.path=Qwen/Qwen2.5-VL-7B-Instruct": "reads "
-    "the model's config.json from the Hugging Face hub (no network here); the README's table under it was computed "
+    "the model's config.json from the Hugging Face hub (no network here); the memory guide's table under it was computed "
     "from a local copy of that config.json, and tests/train/test_planner.py covers LoRA + checkpointing",
     "vlrl plan configs/shapes_grpo.yaml --gpus 8 --gpu-mem 80 model.path=Qwen/Qwen2.5-VL-7B-Instruct": "reads "
     "Qwen2.5-VL-7B's config from the hub (`vlrl plan` on the tiny presets: tests/train/test_planner.py)",
@@ -104,14 +139,56 @@ def _not_run(argv: list[str]) -> str | None:
 
 
 def test_every_readme_command_is_run_or_listed():
-    """The classification alone (fast): every command is run by the e2e test below or listed with a reason,
-    and every listed reason still matches a README command."""
-    commands = readme_commands(README.read_text())
+    """The classification alone (fast): every command of the README and the docs' guides is run by the e2e test
+    below or listed with a reason, and every listed reason still matches a command."""
+    commands = all_commands()
     assert len(commands) > 30
     unmatched = [" ".join(argv) for argv in commands if argv[0] != "vlrl" and _not_run(argv) is None]
-    assert not unmatched, f"README commands that are neither vlrl commands nor listed in NOT_RUN: {unmatched}"
+    assert not unmatched, f"commands that are neither vlrl commands nor listed in NOT_RUN: {unmatched}"
     stale = [key for key in NOT_RUN if not any(" ".join(argv).startswith(key) for argv in commands)]
-    assert not stale, f"NOT_RUN entries that match no README command any more: {stale}"
+    assert not stale, f"NOT_RUN entries that match no README or docs command any more: {stale}"
+    assert [" ".join(a) for a in readme_commands(README.read_text())][:2] == ["make demo", "make test"]
+
+
+def _validate(argv: list[str]) -> str | None:
+    """Why a command that is not run would not work as written (None: it would parse): a `vlrl` command must name
+    an existing (sub)command and its options, a script an existing file, a make target a Makefile target."""
+    import typer
+
+    from vlrl.cli import app
+
+    while argv and re.match(r"[A-Z_]+=", argv[0]):  # VAR=value prefixes
+        argv = argv[1:]
+    if not argv or argv[0] in ("export", "source"):
+        return None
+    if argv[0] == "make":
+        targets = re.findall(r"^([A-Za-z0-9_-]+):", (ROOT / "Makefile").read_text(), re.M)
+        return None if argv[1] in targets else f"no make target {argv[1]}"
+    if argv[0] == "python" and argv[1].endswith(".py"):
+        return None if (ROOT / argv[1]).is_file() else f"no script {argv[1]}"
+    if argv[0] != "vlrl":
+        return None
+    command, k = typer.main.get_command(app), 1
+    while hasattr(command, "list_commands") and k < len(argv):  # a group (typer carries its own copy of click)
+        sub = command.get_command(command.context_class(command), argv[k])
+        if sub is None:
+            return f"no command {' '.join(argv[:k + 1])}"
+        command, k = sub, k + 1
+    if hasattr(command, "list_commands"):
+        return None  # `vlrl data` alone prints its help
+    options = {o for p in command.params for o in [*p.opts, *p.secondary_opts]}
+    unknown = [a.split("=")[0] for a in argv[k:] if a.startswith("--") and a.split("=")[0] not in options]
+    return f"unknown options {unknown}" if unknown else None
+
+
+def test_every_listed_or_measured_command_parses():
+    """The commands that are not run — listed in NOT_RUN, or on the measurement pages — name commands, options,
+    scripts and make targets that exist."""
+    listed = [argv for argv in all_commands() if _not_run(argv) is not None]
+    measured = all_commands(measured=True)
+    assert measured, "the measurement pages lost their commands"
+    problems = [f"{' '.join(argv)}: {why}" for argv in [*listed, *measured] if (why := _validate(argv))]
+    assert not problems, problems
 
 
 def _free_port() -> int:
@@ -180,11 +257,11 @@ def test_readme_commands_run(tmp_path, monkeypatch):
     env = {**os.environ, "VLRL_API_KEY": token, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     runner = CliRunner()
-    ports: dict[str, str] = {}  # README port → free port, for the servers and every later command naming them
+    ports: dict[str, str] = {}  # the page's port → free port, for the servers and every later command naming them
     servers: list[subprocess.Popen] = []
     ran = []
     try:
-        for argv in readme_commands(README.read_text()):
+        for argv in all_commands():
             if _not_run(argv) is not None:
                 continue
             argv = [re.sub(r"\b(30\d\d\d)\b", lambda m: ports.get(m.group(1), m.group(1)), a) for a in argv]
@@ -217,7 +294,7 @@ def test_readme_commands_run(tmp_path, monkeypatch):
 
 
 def test_the_plain_transformers_snippet_matches_vlrl(tmp_path, monkeypatch, tiny_vlm_dir):
-    """The README's "Run a checkpoint in plain transformers" code, run as written on a saved checkpoint: its
+    """The own-data guide's "Run a checkpoint in plain transformers" code, run as written on a saved checkpoint: its
     prompt tokens are vlrl's, its first generated token's logits equal vlrl's own forward pass, and leaving
     mm_token_type_ids out of `generate` changes them without an error (a forward call without it raises;
     `generate` goes on with wrong positions)."""
@@ -229,8 +306,9 @@ def test_the_plain_transformers_snippet_matches_vlrl(tmp_path, monkeypatch, tiny
     from vlrl.data import generate, load_image
     from vlrl.models import load_policy
 
-    code = re.search(r"### Run a checkpoint in plain transformers.*?```python\n(.*?)```", README.read_text(), re.S)
-    assert code, "the README lost its plain-transformers example"
+    guide = ROOT / "docs" / "guides" / "own-data.md"
+    code = re.search(r"## Run a checkpoint in plain transformers.*?```python\n(.*?)```", guide.read_text(), re.S)
+    assert code, "the own-data guide lost its plain-transformers example"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "mine_rl" / "checkpoints").mkdir(parents=True)
     (tmp_path / "runs" / "mine_rl" / "checkpoints" / "final").symlink_to(tiny_vlm_dir, target_is_directory=True)
@@ -240,7 +318,7 @@ def test_the_plain_transformers_snippet_matches_vlrl(tmp_path, monkeypatch, tiny
     image.save(tmp_path / "images" / "q-0001.png")
     namespace: dict = {}
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        exec(compile(code.group(1), "README.md", "exec"), namespace)  # noqa: S102 (the README's own example)
+        exec(compile(code.group(1), str(guide), "exec"), namespace)  # noqa: S102 (the guide's own example)
     assert printed.getvalue().strip() != "" or namespace["output"].shape[1] > namespace["inputs"]["input_ids"].shape[1]
 
     policy = load_policy(str(tiny_vlm_dir))

@@ -39,12 +39,12 @@ LEVEL = {
 # Files over MAX_FILE_LINES on 2026-11-28, with their lengths then: each may shrink, none may grow.
 LONG_FILES = {
     "check.py": 687, "rewards/_sandbox_child.py": 639,
-    "rollout/http_engine.py": 1087, "rollout/server.py": 1607, "synth/server.py": 634, "synth/workflow.py": 618,
+    "synth/server.py": 634, "synth/workflow.py": 618,
     "train/checkpoint.py": 631, "train/planner.py": 839,
 }
 # Functions over MAX_FUNCTION_LINES on 2026-11-28 ("file:function": lines).
 LONG_FUNCTIONS = {
-    "rewards/probes.py:probes": 104, "rollout/server.py:create_app": 168,
+    "rewards/probes.py:probes": 104,
     "synth/server.py:create_app": 101, "train/async_grpo.py:train_async_grpo": 162, "train/grpo.py:train_grpo": 96,
 }
 # Imports from a higher room into a lower one on 2026-11-28, as (room, room it imports from).
@@ -52,7 +52,6 @@ UPWARD_EDGES = {
     ("config", "train"),
     ("rewards", "data"), ("rewards", "rollout"),
     ("data", "eval"), ("data", "models"), ("data", "report"), ("data", "rollout"),
-    ("rollout", "report"),
     ("synth", "train"),
     ("train", "check"),
 }

@@ -332,13 +332,16 @@ def test_the_rollout_server_and_http_engine_sample_exactly(name, tmp_path):
     placeholder per image (as a chat template writes it) decodes like the expanded token ids."""
     import httpx
 
-    from vlrl.rollout.http_engine import HTTPEngine
-    from vlrl.rollout.server import ContinuousBatcher, ServerThread, create_app, encode_image, private_copy
+    from vlrl.rollout.batcher import ContinuousBatcher, private_copy
+    from vlrl.rollout.http_engine import HTTPEngine, encode_image
+    from vlrl.rollout.http_settings import ClientSettings, SyncSettings
+    from vlrl.rollout.server import create_app
+    from vlrl.serving import ServerThread
 
     policy = load_policy(name)
     batcher = ContinuousBatcher(private_copy(policy))
     server = ServerThread(create_app(batcher, api_key="k"))
-    engine = HTTPEngine(policy, [server.url], weights_dir=tmp_path / "weights", api_key="k")
+    engine = HTTPEngine(policy, [server.url], SyncSettings(tmp_path / "weights"), ClientSettings(api_key="k"))
     try:
         sample = _two_image_sample()
         request = engine.encode(sample)

@@ -146,7 +146,6 @@ def captured(monkeypatch):
     """`load_policy` / `load_processor` as the CLI imports them, recording the options and stopping the command."""
     import vlrl.models
     import vlrl.models.policy
-    import vlrl.rollout.server
 
     calls: list[LoadOptions] = []
 
@@ -159,7 +158,6 @@ def captured(monkeypatch):
 
     monkeypatch.setattr(vlrl.models, "load_policy", record)
     monkeypatch.setattr(vlrl.models.policy, "load_processor", record)
-    monkeypatch.setattr(vlrl.rollout.server, "load_policy", record, raising=False)
     monkeypatch.setattr("vlrl.models.load_policy", record)
     return calls
 

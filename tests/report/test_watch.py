@@ -1,5 +1,6 @@
 """WatchedEngine and the rollout statistics it notes: worked by hand on tiny fake trajectories."""
 
+import concurrent.futures
 import json
 import math
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ from vlrl.data import Sample
 from vlrl.report import MetricsLogger
 from vlrl.report.samples import SampleLog
 from vlrl.report.watch import WatchedEngine, generation_prob, snapshot_steps, unique_fraction
+from vlrl.rollout.types import AsyncEngine, WeightPublisher, capability
 
 
 def _traj(group, text, logp, task="t/a", reward=None):
@@ -38,7 +40,7 @@ def test_snapshot_steps():
 
 
 class FakeEngine:
-    """Two prompts × 2 responses per call; ``extra`` stands for anything else a real engine offers."""
+    """Two prompts × 2 responses per call; ``extra`` stands for anything else a real engine has, outside its protocols."""
 
     weight_version = 0
     extra = "forwarded"
@@ -64,7 +66,7 @@ def test_training_notes_metrics_and_records_the_scored_batch(tmp_path):
                 t.reward = 1.0
             engine.update_weights(version=step)
             logger.log("rl", step, {"reward/mean": 1.0})
-    assert engine.weight_version == 3 and engine.extra == "forwarded"
+    assert engine.weight_version == 3 and not hasattr(engine, "extra")  # the Engine protocol, nothing forwarded
     assert logger.records[0]["rollout/gen_prob"] == 0.5 and logger.records[0]["rollout/unique_frac"] == 1.0
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert sorted({(r["stage"], r["step"]) for r in rows}) == [("rl", 1), ("rl", 3)]
@@ -92,3 +94,28 @@ def test_capture_collects_eval_batches_without_noting_metrics():
     assert [label for label, _ in batches] == ["greedy", "t=0.7"]
     logger.log("eval/x", 0, {"a": 1.0})
     assert "rollout/gen_prob" not in logger.records[0]  # eval batches are not training statistics
+
+
+class FakePublisher(FakeEngine):
+    """An engine whose weights live on servers (`WeightPublisher`)."""
+
+    world_size = 1
+
+    def publish(self, *, version, state_dict=None):
+        self.update_weights(version=version)
+        done = concurrent.futures.Future()
+        done.set_result(version)
+        return done
+
+    def join_trainer_ranks(self, rank, world_size):
+        self.world_size = world_size
+
+
+def test_the_watched_engines_capabilities_are_passed_on_through_their_protocols():
+    """A recipe asks the watched engine for a capability (`capability`); the watcher passes on its engine's own,
+    unwatched, and offers none the engine lacks."""
+    inner = FakePublisher()
+    engine = WatchedEngine(inner, MetricsLogger(None, quiet=True))
+    assert capability(engine, WeightPublisher) is inner and capability(engine, AsyncEngine) is None
+    assert capability(WatchedEngine(FakeEngine(), MetricsLogger(None, quiet=True)), WeightPublisher) is None
+    assert capability(engine, WeightPublisher).publish(version=2).result() == 2 and engine.weight_version == 2

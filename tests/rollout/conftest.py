@@ -5,8 +5,11 @@ import dataclasses
 
 import pytest
 
+from vlrl.rollout.batcher import ContinuousBatcher, private_copy
 from vlrl.rollout.http_engine import HTTPEngine
-from vlrl.rollout.server import ContinuousBatcher, ServerThread, create_app, private_copy
+from vlrl.rollout.http_settings import ClientSettings, SyncSettings
+from vlrl.rollout.server import create_app
+from vlrl.serving import ServerThread
 
 API_KEY = "test-key"
 
@@ -33,14 +36,16 @@ def running_server(policy, *, api_key=API_KEY, **batcher_options):
 
 @pytest.fixture
 def http_engine_factory(tmp_path):
-    """``make(policy, n_servers=1, **engine_options) -> (engine, [Served, ...])``."""
+    """``make(policy, n_servers=1, sync_options=None, **client_options) -> (engine, [Served, ...])``: the engine's
+    `SyncSettings` (weights under tmp_path) with ``sync_options``, its `ClientSettings` with ``client_options``."""
     stack = contextlib.ExitStack()
     engines = []
 
-    def make(policy, n_servers=1, batcher_options=None, **options):
+    def make(policy, n_servers=1, batcher_options=None, sync_options=None, **client_options):
         servers = [stack.enter_context(running_server(policy, **(batcher_options or {}))) for _ in range(n_servers)]
-        options.setdefault("api_key", API_KEY)
-        engine = HTTPEngine(policy, [s.url for s in servers], weights_dir=tmp_path / "weights", **options)
+        client_options.setdefault("api_key", API_KEY)
+        engine = HTTPEngine(policy, [s.url for s in servers], SyncSettings(tmp_path / "weights", **(sync_options or {})),
+                            ClientSettings(**client_options))
         engines.append(engine)
         return engine, servers
 

@@ -1,5 +1,6 @@
 """`build_engine`: one place builds every engine, and the configured rollout function is always applied — in the
-synchronous engine, behind the asynchronous engine's ``agenerate``, and under the report's watcher."""
+synchronous engine, behind the asynchronous engine's ``agenerate``, and under the report's watcher (which the recipe
+adds: `vlrl.report.watch.watch`)."""
 
 import asyncio
 
@@ -8,10 +9,10 @@ import pytest
 from vlrl.config import RLConfig, load_config
 from vlrl.data import generate
 from vlrl.report import MetricsLogger
-from vlrl.report.watch import WatchedEngine
+from vlrl.report.watch import WatchedEngine, watch
 from vlrl.rollout import HFEngine, SamplingParams, build_engine, close_engine
 from vlrl.rollout.agent import AsyncRolloutEngine, RolloutEngine
-from vlrl.rollout.http_engine import AsyncEngine
+from vlrl.rollout.types import AsyncEngine, capability
 
 MULTI_TURN = ["rollout.function=multi_turn", "rollout.env=shapes_feedback", "rollout.max_turns=3"]
 
@@ -23,15 +24,16 @@ def _rollout(*overrides):
 def test_single_turn_in_process_is_the_plain_engine(tiny_vlm):
     engine = build_engine(_rollout("rollout.max_batch_size=7"), tiny_vlm)
     assert type(engine) is HFEngine and engine.max_batch_size == 7
-    watched = build_engine(_rollout(), tiny_vlm, logger=MetricsLogger(None, quiet=True))
+    watched = watch(build_engine(_rollout(), tiny_vlm), MetricsLogger(None, quiet=True))
     assert isinstance(watched, WatchedEngine) and type(watched.engine) is HFEngine
     assert not hasattr(watched, "agenerate")  # the synchronous engine stays synchronous behind the watcher
+    assert capability(watched, AsyncEngine) is None
 
 
 def test_a_multi_turn_rollout_wraps_the_synchronous_engine(tiny_vlm):
     """A random tiny model never answers a count question right: every episode takes all 3 turns."""
-    engine = build_engine(_rollout(*MULTI_TURN, "rollout.max_new_tokens=4"), tiny_vlm,
-                          logger=MetricsLogger(None, quiet=True))
+    engine = watch(build_engine(_rollout(*MULTI_TURN, "rollout.max_new_tokens=4"), tiny_vlm),
+                   MetricsLogger(None, quiet=True))
     assert type(engine.engine) is RolloutEngine and not hasattr(engine, "agenerate")
     samples = generate("shapes", 2, tasks=["count"])
     out = engine.generate([engine.encode(s) for s in samples], SamplingParams(n=2, max_new_tokens=4))
@@ -44,15 +46,17 @@ def test_a_multi_turn_rollout_wraps_the_synchronous_engine(tiny_vlm):
 def test_a_multi_turn_rollout_runs_behind_the_asynchronous_engines_agenerate(tiny_vlm):
     """rollout.mode=async: a ThreadedEngine (a private copy of the policy) under the rollout function; its
     `agenerate` runs whole episodes (what the asynchronous recipe awaits per prompt)."""
-    engine = build_engine(_rollout(*MULTI_TURN, "rollout.mode=async", "rollout.max_new_tokens=4"), tiny_vlm,
-                          logger=MetricsLogger(None, quiet=True))
+    engine = watch(build_engine(_rollout(*MULTI_TURN, "rollout.mode=async", "rollout.max_new_tokens=4"), tiny_vlm),
+                   MetricsLogger(None, quiet=True))
     try:
-        assert isinstance(engine.engine, AsyncRolloutEngine) and isinstance(engine, AsyncEngine)
+        generator = capability(engine, AsyncEngine)  # what the asynchronous recipe awaits, behind the watcher
+        assert isinstance(engine.engine, AsyncRolloutEngine) and generator is engine.engine
         samples = generate("shapes", 2, tasks=["count"])
         requests = [engine.encode(s) for s in samples]
 
         async def two_prompts_at_once():
-            return await asyncio.gather(*(engine.agenerate([r], SamplingParams(n=2, max_new_tokens=4)) for r in requests))
+            return await asyncio.gather(*(generator.agenerate([r], SamplingParams(n=2, max_new_tokens=4))
+                                          for r in requests))
 
         groups = asyncio.run(two_prompts_at_once())
         assert [len(g) for g in groups] == [2, 2]
@@ -64,7 +68,7 @@ def test_a_multi_turn_rollout_runs_behind_the_asynchronous_engines_agenerate(tin
 
 @pytest.mark.usefixtures("one_thread")
 def test_single_turn_async_keeps_the_engines_own_batched_agenerate(tiny_vlm):
-    from vlrl.rollout.server import ThreadedEngine
+    from vlrl.rollout.threaded_engine import ThreadedEngine
 
     engine = build_engine(_rollout("rollout.mode=async"), tiny_vlm)
     try:

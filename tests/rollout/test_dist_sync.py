@@ -11,6 +11,7 @@ from vlrl.models import load_policy
 from vlrl.rollout import SamplingParams
 from vlrl.rollout.dist_sync import Entry, StreamingChecksum, buckets, close_group, plan_entries
 from vlrl.rollout.http_engine import HTTPEngine
+from vlrl.rollout.http_settings import ClientSettings, SyncSettings
 from vlrl.rollout.weights import weight_checksum
 
 from .conftest import API_KEY, running_server, vlrl_serve
@@ -32,8 +33,8 @@ def _nudge(model, amount):
 def test_every_server_ends_with_the_trainers_checksum_after_a_distributed_update(tiny_vlm_dir, tmp_path):
     policy = load_policy(str(tiny_vlm_dir))
     with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2) as urls:
-        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "weights", api_key=API_KEY,
-                            weight_sync="distributed", bucket_mb=0.5, request_timeout=60)
+        engine = HTTPEngine(policy, urls, SyncSettings(tmp_path / "weights", method="distributed", bucket_mb=0.5),
+                            ClientSettings(api_key=API_KEY, request_timeout=60))
         try:
             for version in (1, 2):  # the second update reuses the group formed by the first
                 _nudge(policy.model, 0.01 * version)
@@ -136,8 +137,8 @@ def test_a_server_killed_between_updates_sends_that_update_by_disk_and_the_next_
 
     policy = load_policy(str(tiny_vlm_dir))
     with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2, keep_processes=True) as (urls, processes):
-        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "weights", api_key=API_KEY,
-                            weight_sync="distributed", request_timeout=60, max_server_failures=1)
+        engine = HTTPEngine(policy, urls, SyncSettings(tmp_path / "weights", method="distributed"),
+                            ClientSettings(api_key=API_KEY, request_timeout=60, max_server_failures=1))
         try:
             engine.update_weights(version=1)
             processes[0].send_signal(signal.SIGKILL)
@@ -173,8 +174,9 @@ def test_a_server_dying_mid_broadcast_sends_that_update_by_disk_and_the_next_ove
     sync_timeout = 60.0
     with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2, keep_processes=True,
                     env=[{EXIT_AT_BUCKET_ENV: "2"}, {}]) as (urls, processes):
-        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "weights", api_key=API_KEY, weight_sync="distributed",
-                            bucket_mb=0.5, request_timeout=60, max_server_failures=1, sync_timeout=sync_timeout)
+        engine = HTTPEngine(policy, urls, SyncSettings(tmp_path / "weights", method="distributed", bucket_mb=0.5,
+                                                       timeout=sync_timeout),
+                            ClientSettings(api_key=API_KEY, request_timeout=60, max_server_failures=1))
         try:
             _nudge(policy.model, 0.01)
             started = time.monotonic()
@@ -207,8 +209,8 @@ def test_a_server_that_cannot_join_the_group_fails_its_formation_at_once(tiny_vl
     policy = load_policy(str(tiny_vlm_dir))
     with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2, keep_processes=True) as (urls, processes):
         # a short rendezvous timeout: the trainer's abandoned rendezvous ends soon after, and with it the survivor's
-        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "weights", api_key=API_KEY, weight_sync="distributed",
-                            request_timeout=60, max_server_failures=1, sync_timeout=5)
+        engine = HTTPEngine(policy, urls, SyncSettings(tmp_path / "weights", method="distributed", timeout=5),
+                            ClientSettings(api_key=API_KEY, request_timeout=60, max_server_failures=1))
         try:
             processes[1].send_signal(signal.SIGKILL)
             processes[1].wait(30)
@@ -258,8 +260,8 @@ def test_a_bucket_is_received_straight_into_the_weights_once_they_are_views_of_i
     as a broadcast would) and the model's tensors become views of it; the next time the same layout comes, that
     very storage is handed out again — received into, it *is* the weights (no copy). Layouts that cannot be taken
     in place get None: another dtype (the copy must cast), a name the model lacks."""
+    from vlrl.rollout.batcher import private_copy
     from vlrl.rollout.dist_sync import ByteBuffer, pack
-    from vlrl.rollout.server import private_copy
     from vlrl.rollout.weights import FlatBuckets, WeightWriter
 
     model = private_copy(tiny_vlm).model
@@ -369,16 +371,17 @@ def test_the_bucket_buffer_lives_on_the_groups_device(tiny_vlm, monkeypatch):
         raise Stop
 
     with running_server(tiny_vlm) as served:
-        engine = HTTPEngine(tiny_vlm, [served.url], weights_dir="/nonexistent", api_key=API_KEY,
-                            weight_sync="distributed")
+        engine = HTTPEngine(tiny_vlm, [served.url], SyncSettings("/nonexistent", method="distributed"),
+                            ClientSettings(api_key=API_KEY))
         try:
             monkeypatch.setattr(dist_sync, "full_tensors", gather)
             monkeypatch.setattr(dist_sync, "pack", pack)
             live = engine.live_servers()
-            plan = engine._bucket_plan(live)
-            engine._group_device = dist_sync.group_device("nccl")  # what `_form_group` sets for an NCCL group
+            group = engine.weights.group
+            plan = group.bucket_plan(live)
+            group.device = dist_sync.group_device("nccl")  # what `WeightGroup.form` sets for an NCCL group
             with pytest.raises(Stop):
-                engine._broadcast(1, tiny_vlm.model.state_dict(), live, plan)
+                group.broadcast(1, tiny_vlm.model.state_dict(), live, plan, on_weight_update="finish")
         finally:
             engine.close()
     assert seen[:2] == [("gather", torch.device("cuda", 0)), ("pack", torch.device("cuda", 0))]
@@ -396,12 +399,12 @@ def test_a_group_the_trainer_replaces_is_destroyed_on_its_servers(tiny_vlm, monk
     port = sock.getsockname()[1]
     sock.close()
     with running_server(tiny_vlm) as served:
-        engine = HTTPEngine(tiny_vlm, [served.url], weights_dir="/nonexistent", api_key=API_KEY,
-                            weight_sync="distributed", sync_timeout=5)
+        engine = HTTPEngine(tiny_vlm, [served.url], SyncSettings("/nonexistent", method="distributed", timeout=5),
+                            ClientSettings(api_key=API_KEY))
         try:
             receiver = served.thread.app.state.weights.receiver
             receiver.groups["old"] = open_group("127.0.0.1", port, rank=0, world_size=1, group_name="old", timeout=30)
-            engine._group_name, engine._group_servers = "old", [served.url]  # as if "old" had been formed
+            engine.weights.group.name, engine.weights.group.servers = "old", [served.url]  # as if "old" had been formed
             assert _info(served.url)["weight_groups"] == ["old"]
 
             def refuse(*args, **kwargs):
@@ -409,7 +412,7 @@ def test_a_group_the_trainer_replaces_is_destroyed_on_its_servers(tiny_vlm, monk
 
             monkeypatch.setattr(dist_sync, "open_group", refuse)
             with pytest.raises(RuntimeError):
-                engine._form_group(engine.live_servers())
+                engine.weights.group.form(engine.live_servers())
             assert _info(served.url)["weight_groups"] == []
         finally:
             engine.close()

@@ -7,7 +7,7 @@ import torch
 from vlrl.data import generate
 from vlrl.models import collate, response_logprobs
 from vlrl.rollout import Engine, HFEngine, SamplingParams, Status
-from vlrl.rollout.server import ThreadedEngine
+from vlrl.rollout.threaded_engine import ThreadedEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,8 +7,11 @@ import torch
 
 from vlrl.data import generate
 from vlrl.rollout import SamplingParams, Status
-from vlrl.rollout.http_engine import HTTPEngine, NoServersLeft, RolloutRequestError
-from vlrl.rollout.server import WeightSyncError, private_copy
+from vlrl.rollout.batcher import private_copy
+from vlrl.rollout.http_engine import HTTPEngine
+from vlrl.rollout.http_settings import ClientSettings, SyncSettings
+from vlrl.rollout.server_pool import NoServersLeft, RolloutRequestError
+from vlrl.rollout.weights import WeightSyncError
 
 from .test_server import _Gate
 
@@ -91,7 +94,7 @@ def test_versions_bump_only_after_every_server_loaded(tiny_vlm, http_engine_fact
 def test_wrong_api_key_fails_at_start(tiny_vlm, http_engine_factory, tmp_path):
     _, servers = http_engine_factory(tiny_vlm)
     with pytest.raises(RolloutRequestError, match="401"):
-        HTTPEngine(tiny_vlm, [servers[0].url], weights_dir=tmp_path, api_key="wrong", startup_timeout=5)
+        HTTPEngine(tiny_vlm, [servers[0].url], SyncSettings(tmp_path), ClientSettings(api_key="wrong", startup_timeout=5))
 
 
 def test_publish_returns_before_the_servers_confirm_and_bumps_the_version_after(tiny_vlm, http_engine_factory):
@@ -99,7 +102,7 @@ def test_publish_returns_before_the_servers_confirm_and_bumps_the_version_after(
     what was published; `weight_version` moves only when the slow server confirmed."""
     import threading
 
-    from vlrl.rollout.server import weight_checksum
+    from vlrl.rollout.weights import weight_checksum
 
     engine, servers = http_engine_factory(tiny_vlm)
     batcher = servers[0].batcher
@@ -225,7 +228,7 @@ def test_each_update_pauses_the_servers_in_the_configured_mode_and_continues_aft
                                                                                    mode, paused):
     """SGLang's /pause_generation before the load and /continue_generation after (mode: rollout.on_weight_update);
     ``finish`` on the disk path pauses nothing (SGLang's load waits for the requests in flight by itself)."""
-    engine, servers = http_engine_factory(tiny_vlm, on_weight_update=mode)
+    engine, servers = http_engine_factory(tiny_vlm, sync_options={"on_weight_update": mode})
     batcher, seen = servers[0].batcher, []
     real_pause, real_resume, real_load = batcher.pause, batcher.resume, batcher.load_in_place
     batcher.pause = lambda m: seen.append(("pause", m, batcher.version[0])) or real_pause(m)
@@ -249,7 +252,7 @@ def test_requests_decoding_through_a_paused_update_are_tagged_with_the_weights_t
     from .test_engine_contract import _teacher_forced
     from .test_server_hardening import never_ends
 
-    engine, servers = http_engine_factory(tiny_vlm, on_weight_update=mode)
+    engine, servers = http_engine_factory(tiny_vlm, sync_options={"on_weight_update": mode})
     batcher = servers[0].batcher
     never_ends(batcher)  # (EOS suppressed: the batch decodes its 40 tokens, long enough to be caught mid-way)
     old = private_copy(tiny_vlm)
@@ -282,8 +285,8 @@ def test_a_server_that_sampled_from_another_prompt_is_caught(tiny_vlm, http_engi
     sample and both counts (rollout.prompt_check=error), a counted warning (warn), or nothing (off)."""
     import logging
 
-    from vlrl.rollout import server as server_module
     from vlrl.rollout.http_engine import PromptMismatchError
+    from vlrl.rollout.server import app as server_module
 
     real_output = server_module.sglang_output
 
@@ -321,24 +324,26 @@ def test_answer_versions_tolerate_labels_and_take_the_oldest_span():
 
 
 def test_server_facts_are_read_in_sglangs_spellings_and_ranks_follow_tp_size(tiny_vlm, http_engine_factory):
-    from vlrl.rollout.http_engine import ServerState
+    from vlrl.rollout.server_pool import ServerState
 
     engine, _ = http_engine_factory(tiny_vlm)
     a, b = ServerState("http://a"), ServerState("http://b")
-    engine._read_facts(a, {"dtype": "half", "tp_size": 2, "max_running_requests": 64})
-    engine._read_facts(b, {"dtype": "auto", "tp_size": 4})
+    engine.pool.read_facts(a, {"dtype": "half", "tp_size": 2, "max_running_requests": 64})
+    engine.pool.read_facts(b, {"dtype": "auto", "tp_size": 4})
     assert (a.dtype, a.ranks, a.max_batch_size) == ("float16", 2, 64) and (b.dtype, b.ranks) == (None, 4)
-    bodies = engine._init_bodies([a, b], 29500, "g", "nccl")
+    bodies = engine.weights.group.init_bodies([a, b], 29500, "g", "nccl")
     assert [(x["rank_offset"], x["world_size"]) for x in bodies] == [(1, 7), (3, 7)]  # trainer 0, a 1-2, b 3-6
-    engine.weight_sync = "distributed"
+    engine.pool.distributed = True  # (rollout.weight_sync=distributed)
     with pytest.raises(RolloutRequestError, match="dp_size 2"):
-        engine._read_facts(a, {"tp_size": 1, "dp_size": 2})
+        engine.pool.read_facts(a, {"tp_size": 1, "dp_size": 2})
 
 
 def test_an_admin_key_guards_the_weight_routes_and_the_client_sends_it(tiny_vlm, tmp_path):
     import httpx
 
-    from vlrl.rollout.server import ContinuousBatcher, ServerThread, create_app
+    from vlrl.rollout.batcher import ContinuousBatcher
+    from vlrl.rollout.server import create_app
+    from vlrl.serving import ServerThread
 
     batcher = ContinuousBatcher(private_copy(tiny_vlm))
     server = ServerThread(create_app(batcher, api_key="user", admin_api_key="admin"))
@@ -349,14 +354,14 @@ def test_an_admin_key_guards_the_weight_routes_and_the_client_sends_it(tiny_vlm,
             assert client.post("/generate", json={"text": "hi"}, headers=admin).status_code == 401
             assert client.post("/pause_generation", json={"mode": "retract"}, headers=admin).status_code == 200
             assert client.post("/continue_generation", json={}, headers=admin).status_code == 200
-        without = HTTPEngine(tiny_vlm, [server.url], weights_dir=tmp_path / "a", api_key="user")
+        without = HTTPEngine(tiny_vlm, [server.url], SyncSettings(tmp_path / "a"), ClientSettings(api_key="user"))
         try:
             with pytest.raises(WeightSyncError, match="401"):
                 without.update_weights(version=1)
         finally:
             without.close()
-        engine = HTTPEngine(tiny_vlm, [server.url], weights_dir=tmp_path / "b", api_key="user", admin_api_key="admin",
-                            on_weight_update="retract")
+        engine = HTTPEngine(tiny_vlm, [server.url], SyncSettings(tmp_path / "b", on_weight_update="retract"),
+                            ClientSettings(api_key="user", admin_api_key="admin"))
         try:
             engine.update_weights(version=1)
             out = engine.generate(_requests(engine, 1), SamplingParams(max_new_tokens=2))

@@ -9,15 +9,11 @@ import torch
 
 from vlrl.data import generate
 from vlrl.rollout import HFEngine, SamplingParams, Status
-from vlrl.rollout.server import (
-    ContinuousBatcher,
-    QueueFullError,
-    ServerThread,
-    create_app,
-    encode_image,
-    private_copy,
-    weight_checksum,
-)
+from vlrl.rollout.batcher import ContinuousBatcher, QueueFullError, private_copy
+from vlrl.rollout.http_engine import encode_image
+from vlrl.rollout.server import create_app
+from vlrl.rollout.weights import weight_checksum
+from vlrl.serving import ServerThread
 
 from .conftest import API_KEY, running_server
 
@@ -257,7 +253,7 @@ def test_a_batched_generate_decodes_as_one_batch_answered_prompt_major(served, t
 def test_updates_from_disk_copy_in_place_into_the_spare_copy(served, tiny_vlm, tmp_path, monkeypatch):
     """No model is built per update: version 1 goes into a new spare copy, version 2 into the weights version 1
     retired, and each answer carries its version and the checksum of exactly what was written."""
-    import vlrl.rollout.server as server_module
+    import vlrl.rollout.server.weight_routes as server_module
 
     client, batcher = served
     monkeypatch.setattr(server_module, "_load_weights", lambda *a: pytest.fail("from_pretrained was called"))

@@ -27,14 +27,10 @@ from PIL import Image
 
 from vlrl.data import generate
 from vlrl.rollout import HFEngine
-from vlrl.rollout.server import (
-    ContinuousBatcher,
-    ServeLimits,
-    ServerThread,
-    create_app,
-    encode_image,
-    private_copy,
-)
+from vlrl.rollout.batcher import ContinuousBatcher, private_copy
+from vlrl.rollout.http_engine import encode_image
+from vlrl.rollout.server import ServeLimits, create_app
+from vlrl.serving import ServerThread
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,7 +55,7 @@ def serving(policy, limits=ServeLimits(), **batcher_options):
 def never_ends(batcher):
     """Suppress EOS in the served engine, so a generation runs to its max_new_tokens (a long job on demand)."""
     engine = batcher._active
-    engine._suppress = sorted(set(engine._suppress) | set(engine.policy.eos_token_ids))
+    engine.suppress = sorted(set(engine.suppress) | set(engine.policy.eos_token_ids))
 
 
 def png(width, height, mode="RGB"):
@@ -466,7 +462,7 @@ def test_thirty_4000_square_images_are_refused_from_their_headers_before_any_is_
     """Issue 38, finding 4: one 1.8 MB request of 30 PNGs of 4000² took 35 s and 3.4 GB. Each is within the limit
     of one image; together they pass ``max_request_pixels``, read from their headers: refused before any pixel is
     decoded (the decoder is replaced by one that records its calls)."""
-    from vlrl.rollout import server as server_module
+    from vlrl.rollout.server import prompts as server_module
 
     client, _ = served
     decoded = []

@@ -20,8 +20,8 @@ from vlrl.data import Sample, generate
 from vlrl.models import load_policy
 from vlrl.rollout import SamplingParams, Status
 from vlrl.rollout.agent import RolloutEngine, build_rollout
-from vlrl.rollout.http_engine import HTTPEngine
-from vlrl.rollout.server import encode_image
+from vlrl.rollout.http_engine import HTTPEngine, encode_image
+from vlrl.rollout.http_settings import ClientSettings, SyncSettings
 
 from .conftest import API_KEY, running_server
 from .sglang_contract import SGLANG_VERSION, load_contract
@@ -48,7 +48,7 @@ def served(policy):
 
 @pytest.fixture(scope="module")
 def engine(policy, served, tmp_path_factory):
-    engine = HTTPEngine(policy, [served.url], weights_dir=tmp_path_factory.mktemp("weights"), api_key=API_KEY)
+    engine = HTTPEngine(policy, [served.url], SyncSettings(tmp_path_factory.mktemp("weights")), ClientSettings(api_key=API_KEY))
     yield engine
     engine.close()
 
@@ -57,7 +57,7 @@ def engine(policy, served, tmp_path_factory):
 def recorded(engine):
     """Every POST the client makes from now on: (path, body as JSON, status, answer)."""
     calls = []
-    original = engine._client.post
+    original = engine.pool.client.post
 
     async def post(url, *args, json=None, **kwargs):
         response = await original(url, *args, json=json, **kwargs)
@@ -65,9 +65,9 @@ def recorded(engine):
         calls.append((urlsplit(url).path, _as_json(json), response.status_code, response.json() if is_json else None))
         return response
 
-    engine._client.post = post
+    engine.pool.client.post = post
     yield calls
-    engine._client.post = original
+    engine.pool.client.post = original
 
 
 def _as_json(body):
@@ -167,11 +167,11 @@ def test_multi_turn_contexts_pass_sglangs_schema(contract, engine, recorded):
 def test_every_weight_call_matches_sglangs_request_structs(mode, contract, engine, recorded):
     """The disk path as sent (pause / load / continue) in every ``rollout.on_weight_update`` mode, and the
     distributed path's bodies (join, each bucket, the last bucket, leave) as the client builds them."""
-    engine.on_weight_update, engine.abort_on_update = mode, mode == "abort"
+    engine.weights.on_weight_update = mode
     try:
         engine.update_weights(version=engine.weight_version + 1)
     finally:
-        engine.on_weight_update, engine.abort_on_update = "finish", False
+        engine.weights.on_weight_update = "finish"
     structs = {"/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
                "/pause_generation": "PauseGenerationReqInput", "/continue_generation": "ContinueGenerationReqInput"}
     sent = [(path, body) for path, body, status, _ in recorded]
@@ -184,14 +184,15 @@ def test_every_weight_call_matches_sglangs_request_structs(mode, contract, engin
 
     server = engine.servers[0]
     live = [server, dataclasses.replace(server, url="http://other", ranks=2)]
-    for body in engine._init_bodies(live, 29500, "g", "nccl"):
+    group = engine.weights.group
+    for body in group.init_bodies(live, 29500, "g", "nccl"):
         assert contract.struct_problems("InitWeightsUpdateGroupReqInput", body) == []
     model = engine.policy.model
-    entries = engine._bucket_plan(engine.live_servers())[1]
+    entries = group.bucket_plan(engine.live_servers())[1]
     for last in (False, True):
         bucket = entries[-1] if last else entries[0]
         dtypes = [model.state_dict()[e.name].dtype for e in bucket]
-        body = _as_json(engine._bucket_body(3, bucket, dtypes, last=last))
+        body = _as_json(group.bucket_body(3, bucket, dtypes, last=last, on_weight_update="finish"))
         assert contract.struct_problems("UpdateWeightsFromDistributedReqInput", body) == []
     assert contract.struct_problems("DestroyWeightsUpdateGroupReqInput", {"group_name": "g"}) == []
 
@@ -240,7 +241,7 @@ def test_the_client_reads_server_facts_from_server_info_first(engine, served, mo
     """/server_info is asked first (SGLang 0.5.23 deprecates /get_model_info, which lacks tp_size); a server without
     it is read from /get_model_info."""
     asked = []
-    original = engine._client.get
+    original = engine.pool.client.get
 
     async def get(url, *args, **kwargs):
         asked.append(urlsplit(url).path)
@@ -248,12 +249,12 @@ def test_the_client_reads_server_facts_from_server_info_first(engine, served, mo
             return httpx.Response(404, json={"detail": "Not Found"})
         return await original(url, *args, **kwargs)
 
-    monkeypatch.setattr(engine._client, "get", get)
+    monkeypatch.setattr(engine.pool.client, "get", get)
     server = engine.servers[0]
-    engine._call(engine._wait_ready(10))
+    engine.pool.call(engine.pool.wait_ready(10))
     assert asked == ["/server_info"] and server.max_batch_size == served.batcher.max_batch_size
     asked[:] = ["old"]
     server.max_batch_size = server.dtype = None
-    engine._call(engine._wait_ready(10))
+    engine.pool.call(engine.pool.wait_ready(10))
     assert asked == ["old", "/server_info", "/get_model_info"]
     assert server.max_batch_size == served.batcher.max_batch_size and server.dtype == "float32"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vlrl.rollout.server import private_copy
+from vlrl.rollout.batcher import private_copy
 from vlrl.rollout.weights import (
     WeightLoadError,
     checkpoint_names,

@@ -12,8 +12,11 @@ import pytest
 import vlrl.train.async_grpo as async_grpo
 from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
+from vlrl.rollout.batcher import ContinuousBatcher, private_copy
 from vlrl.rollout.http_engine import HTTPEngine
-from vlrl.rollout.server import ContinuousBatcher, ServerThread, create_app, private_copy
+from vlrl.rollout.http_settings import ClientSettings, SyncSettings
+from vlrl.rollout.server import create_app
+from vlrl.serving import ServerThread
 from vlrl.train.async_grpo import train_async_grpo
 
 from .test_async_grpo import _samples, _stage, accounted_for
@@ -53,7 +56,7 @@ def test_a_slow_servers_late_groups_are_discarded_not_trained(monkeypatch, tmp_p
 
     slow._run = slow_run
     servers = [ServerThread(create_app(b, api_key=KEY)) for b in batchers]
-    engine = HTTPEngine(policy, [s.url for s in servers], weights_dir=tmp_path / "w", api_key=KEY)
+    engine = HTTPEngine(policy, [s.url for s in servers], SyncSettings(tmp_path / "w"), ClientSettings(api_key=KEY))
     state = {}
     try:
         stats = train_async_grpo(policy, engine, _samples(), _stage(train={"steps": 6}, staleness={"eta": 1}),
@@ -109,8 +112,8 @@ def test_killing_one_of_two_servers_mid_run_loses_no_prompt(monkeypatch, tmp_pat
                     victim.kill()  # SIGKILL: requests in flight on it fail, new connections are refused
 
         policy = load_policy("tiny-qwen2-vl")
-        engine = HTTPEngine(policy, urls, weights_dir=tmp_path / "w", api_key=KEY, request_timeout=30,
-                            max_server_failures=1)
+        engine = HTTPEngine(policy, urls, SyncSettings(tmp_path / "w"),
+                            ClientSettings(api_key=KEY, request_timeout=30, max_server_failures=1))
         state = {}
         try:
             stats = train_async_grpo(policy, engine, _samples(), _stage(train={"steps": 6}, staleness={"eta": 1}),
@@ -149,7 +152,7 @@ def test_the_trainer_trains_on_while_servers_load_and_versions_stay_exact(monkey
 
     batcher.load_in_place = slow_load
     server = ServerThread(create_app(batcher, api_key=KEY))
-    engine = HTTPEngine(policy, [server.url], weights_dir=tmp_path / "w", api_key=KEY)
+    engine = HTTPEngine(policy, [server.url], SyncSettings(tmp_path / "w"), ClientSettings(api_key=KEY))
     logger = MetricsLogger(None, quiet=True)
     state = {}
     try:

@@ -21,7 +21,7 @@ from vlrl.config import CheckpointConfig, RLConfig, load_config
 from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import SamplingParams
-from vlrl.rollout.server import ThreadedEngine
+from vlrl.rollout.threaded_engine import ThreadedEngine
 from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.async_rollout import AsyncRollout, GroupBuffer
 from vlrl.train.checkpoint import (

@@ -14,7 +14,7 @@ from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
 from vlrl.rewards import register_reward
 from vlrl.rollout import HFEngine
-from vlrl.rollout.server import ThreadedEngine
+from vlrl.rollout.threaded_engine import ThreadedEngine
 from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.grpo import train_grpo
 

@@ -15,7 +15,7 @@ from vlrl.config import RLStage
 from vlrl.data import generate
 from vlrl.report import MetricsLogger
 from vlrl.rollout import HFEngine
-from vlrl.rollout.server import ThreadedEngine
+from vlrl.rollout.threaded_engine import ThreadedEngine
 from vlrl.serving import ServerThread
 from vlrl.synth.server import SynthService, SynthSettings, create_app
 from vlrl.train.async_grpo import train_async_grpo

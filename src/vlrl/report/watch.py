@@ -1,7 +1,8 @@
 """`WatchedEngine`: an `Engine` seen by the report — without touching the training loops.
 
-The recipes hand the loops a `WatchedEngine` around the real engine. It forwards every call unchanged and,
-on the side:
+The recipes hand the loops a `WatchedEngine` around the real engine (`watch`). It forwards the `Engine` calls
+unchanged, passes on the engine's other capabilities (`WatchedEngine.offer`: a recipe asks for them with
+`vlrl.rollout.types.capability`) and, on the side:
 
 - shows the rollout phase in the live progress (``sample 16×8``) and moves the RL bar at every weight update;
 - notes rollout statistics of each training batch for the next logged record of the stage
@@ -22,6 +23,7 @@ import torch
 
 from vlrl.report.metrics import MetricsLogger
 from vlrl.report.samples import SampleLog
+from vlrl.rollout.types import C, Closable, capability
 
 
 def generation_prob(trajectories: Sequence[Any]) -> float:
@@ -56,6 +58,11 @@ def snapshot_steps(total_steps: int, count: int) -> set[int]:
     if count == 1:
         return {total_steps}
     return {round(1 + k * (total_steps - 1) / (count - 1)) for k in range(count)}
+
+
+def watch(engine: Any, logger: MetricsLogger, samples: SampleLog | None = None) -> WatchedEngine:
+    """``engine`` (built by `vlrl.rollout.build_engine`) seen by the report: the one place a recipe wraps one."""
+    return WatchedEngine(engine, logger, samples)
 
 
 class WatchedEngine:
@@ -99,10 +106,14 @@ class WatchedEngine:
         if version in self._snapshots:
             self._record(version)
 
-    def __getattr__(self, name: str):  # anything else the wrapped engine offers
-        if name == "engine":  # not set yet (e.g. while copying): no recursion
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    def offer(self, protocol: type[C]) -> C | None:
+        """What the watched engine can do besides (`vlrl.rollout.types.capability`): passed on unwatched (e.g. the
+        asynchronous recipe's ``agenerate``, or ``publish``)."""
+        return capability(self.engine, protocol)
+
+    def close(self) -> None:
+        if isinstance(self.engine, Closable):
+            self.engine.close()
 
     # -- what the recipes use
     @contextmanager

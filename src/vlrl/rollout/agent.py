@@ -46,7 +46,19 @@ import torch
 from vlrl.models.adapters import VisionInputs
 from vlrl.registry import Registry, option_problems
 from vlrl.rollout.env import Environment, env_factory
-from vlrl.rollout.types import Engine, Request, SamplingParams, Status, Trajectory, Turn
+from vlrl.rollout.types import (
+    AgentEngine,
+    AsyncEngine,
+    C,
+    Closable,
+    Engine,
+    Request,
+    SamplingParams,
+    Status,
+    Trajectory,
+    Turn,
+    capability,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +130,7 @@ class TurnEngine:
     def __init__(self, engine: Engine, codec: Any = None) -> None:
         self.engine, self.codec = engine, codec if codec is not None else engine
         self._lock = threading.Lock()
-        if not callable(getattr(self.codec, "encode_observation", None)):
+        if not isinstance(self.codec, AgentEngine):
             self.encode_observation = None  # a multi-turn episode refuses this engine, naming it
 
     @property
@@ -149,9 +161,10 @@ class TurnEngine:
 
 class RolloutEngine:
     """An `Engine` whose ``generate`` is a rollout function over an inner engine — so any recipe or evaluation
-    written against ``engine.generate`` runs multi-turn episodes unchanged. Everything else the inner engine
-    offers (``publish``, ``live_servers``, ...) is passed through, except ``agenerate``: `wrap` builds an
-    `AsyncRolloutEngine` (whose ``agenerate`` runs the rollout function) over an engine that has one.
+    written against ``engine.generate`` runs multi-turn episodes unchanged. The inner engine's capabilities are
+    passed on (`offer`: `WeightPublisher`, ...), except `AsyncEngine`: its ``agenerate`` would bypass the rollout
+    function; `wrap` builds an `AsyncRolloutEngine` (whose ``agenerate`` runs the rollout function) over an
+    asynchronous engine.
 
     ``codec``: an engine that encodes and decodes for the inner one (`vlrl.rollout.build_engine` passes an
     `HFEngine` on the trainer's tokenizer and processor, for inner engines that cannot encode observations)."""
@@ -163,8 +176,8 @@ class RolloutEngine:
 
     @staticmethod
     def wrap(engine: Engine, rollout: Callable, *, codec: Any = None, max_workers: int = 64) -> RolloutEngine:
-        """`AsyncRolloutEngine` over an engine with ``agenerate``, else `RolloutEngine`."""
-        if callable(getattr(engine, "agenerate", None)):
+        """`AsyncRolloutEngine` over an `AsyncEngine`, else `RolloutEngine`."""
+        if isinstance(engine, AsyncEngine):
             return AsyncRolloutEngine(engine, rollout, codec=codec, max_workers=max_workers)
         return RolloutEngine(engine, rollout, codec=codec)
 
@@ -188,13 +201,15 @@ class RolloutEngine:
         self.engine.update_weights(version=version, state_dict=state_dict)
 
     def close(self) -> None:
-        if callable(getattr(self.engine, "close", None)):
+        if isinstance(self.engine, Closable):
             self.engine.close()
 
-    def __getattr__(self, name: str) -> Any:
-        if name in ("engine", "agenerate"):  # never the inner engine's agenerate: it would bypass the rollout
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    def offer(self, protocol: type[C]) -> C | None:
+        """The inner engine's capability ``protocol`` (`vlrl.rollout.types.capability`) — never `AsyncEngine`: the
+        inner engine's ``agenerate`` would bypass the rollout function."""
+        if protocol is AsyncEngine:
+            return None
+        return capability(self.engine, protocol)
 
 
 class AsyncRolloutEngine(RolloutEngine):
@@ -301,7 +316,7 @@ class Episode:
         self._retries = 0
         self._last_token: int | None = None
         self._turn_truncated = False
-        if not callable(getattr(engine, "encode_observation", None)):
+        if not isinstance(engine, AgentEngine):
             raise TypeError(f"{type(engine).__name__} cannot run multi-turn episodes: it has no "
                             "encode_observation(messages, *, last_token, tools) (see vlrl.rollout.types.AgentEngine)")
         first = self._call_env(lambda env: env.reset(request.sample), replay=False)
@@ -360,10 +375,7 @@ class Episode:
             self._stop(Status.TRUNCATED, "token_budget")
 
     def _decode(self, ids: list[int]) -> str:
-        decode = getattr(self.engine, "decode", None)
-        if decode is None:
-            raise TypeError(f"{type(self.engine).__name__} has no decode(ids); the token budget needs it to cut a turn")
-        return decode(ids)
+        return self.engine.decode(ids)  # (an `AgentEngine`: checked when the episode started)
 
     # ---- environment side
     def react(self) -> None:

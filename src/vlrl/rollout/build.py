@@ -6,7 +6,10 @@
     rollout         RolloutEngine(build_rollout(cfg))  (rollout.function other than single_turn: multi_turn,
                                                         per_sample, or a dotted path — episodes behind ``generate``
                                                         and, over an asynchronous engine, ``agenerate``)
-    report          WatchedEngine                      (given a logger: progress, rollout metrics, samples.jsonl)
+
+The report's watcher (progress, rollout metrics, samples.jsonl) is the recipe's to add (`vlrl.report.watch.watch`):
+the rollout room knows nothing of the report. A recipe asks the engine for what else it can do through the protocols
+of `vlrl.rollout.types` (`capability(engine, AsyncEngine)`, `capability(engine, WeightPublisher)`).
 
 Every recipe (``vlrl rl`` sync and async, ``vlrl demo``, the curriculum stages, the evaluations, ``vlrl eval``,
 ``vlrl data select``) builds its engine here, so a configured capability cannot be wired in one of them and
@@ -22,15 +25,15 @@ from typing import Any
 
 from vlrl.rollout.agent import RolloutEngine, build_rollout
 from vlrl.rollout.hf_engine import HFEngine
-from vlrl.rollout.types import Engine
+from vlrl.rollout.http_settings import ClientSettings, SyncSettings
+from vlrl.rollout.types import Closable, Engine
 
 
-def build_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None = None, logger: Any = None, samples: Any = None,
-                 sync_weights: bool = True, max_batch_size: int | None = None) -> Engine:
+def build_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None = None, sync_weights: bool = True,
+                 max_batch_size: int | None = None) -> Engine:
     """The engine of a `vlrl.config.RolloutConfig` ``cfg`` over ``policy`` (see the module docstring).
 
     ``run_dir``: where weights for the servers go when ``rollout.weights_dir`` is unset (``RUN_DIR/rollout_weights``).
-    ``logger`` / ``samples``: a `MetricsLogger` and `SampleLog` to wrap the engine in the report's `WatchedEngine`.
     ``sync_weights``: set the servers' weights to the policy's (version 0) — False when they already serve it
     and ``policy`` holds no weights (`vlrl data select --servers`). ``max_batch_size``: overrides
     ``rollout.max_batch_size`` (evaluation's own batch size)."""
@@ -39,11 +42,23 @@ def build_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None = None, lo
     if cfg.function != "single_turn":
         codec = engine if isinstance(engine, HFEngine) else HFEngine(policy)  # encodes observations for the others
         engine = RolloutEngine.wrap(engine, build_rollout(cfg), codec=codec)
-    if logger is not None:
-        from vlrl.report.watch import WatchedEngine
-
-        engine = WatchedEngine(engine, logger, samples)
     return engine
+
+
+def http_settings(cfg: Any, run_dir: str | Path | None) -> tuple[SyncSettings, ClientSettings]:
+    """The `HTTPEngine`'s settings of a `vlrl.config.RolloutConfig` ``cfg``: how the servers get the weights, how the
+    engine talks to them (the keys read from the environment variables ``cfg`` names)."""
+    if cfg.weights_dir is None and run_dir is None:
+        raise ValueError("rollout.weights_dir: set it (or give the run directory) so the servers can load weights")
+    sync = SyncSettings(weights_dir=cfg.weights_dir or Path(run_dir) / "rollout_weights", method=cfg.weight_sync,
+                        on_weight_update=cfg.on_weight_update, update_timeout=cfg.weight_update_timeout,
+                        address=cfg.weight_sync_address, port=cfg.weight_sync_port, bucket_mb=cfg.weight_sync_bucket_mb,
+                        timeout=cfg.weight_sync_timeout)
+    client = ClientSettings(api_key=os.environ.get(cfg.api_key_env),
+                            admin_api_key=os.environ.get(cfg.admin_api_key_env) or None,
+                            request_timeout=cfg.request_timeout, max_retries=cfg.max_retries,
+                            max_server_failures=cfg.max_server_failures, prompt_check=cfg.prompt_check)
+    return sync, client
 
 
 def _generation_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None, sync_weights: bool,
@@ -51,28 +66,19 @@ def _generation_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None, syn
     if cfg.servers:
         from vlrl.rollout.http_engine import HTTPEngine
 
-        if cfg.weights_dir is None and run_dir is None:
-            raise ValueError("rollout.weights_dir: set it (or give the run directory) so the servers can load weights")
-        engine = HTTPEngine(policy, cfg.servers, weights_dir=cfg.weights_dir or Path(run_dir) / "rollout_weights",
-                            api_key=os.environ.get(cfg.api_key_env), request_timeout=cfg.request_timeout,
-                            max_retries=cfg.max_retries, max_server_failures=cfg.max_server_failures,
-                            on_weight_update=cfg.on_weight_update, weight_sync=cfg.weight_sync,
-                            sync_address=cfg.weight_sync_address, sync_port=cfg.weight_sync_port,
-                            bucket_mb=cfg.weight_sync_bucket_mb, sync_timeout=cfg.weight_sync_timeout,
-                            weight_update_timeout=cfg.weight_update_timeout, prompt_check=cfg.prompt_check,
-                            admin_api_key=os.environ.get(cfg.admin_api_key_env) or None)
+        engine = HTTPEngine(policy, cfg.servers, *http_settings(cfg, run_dir))
         if sync_weights:
             engine.update_weights(version=0)
         return engine
     if cfg.mode == "async":
-        from vlrl.rollout.server import ThreadedEngine
+        from vlrl.rollout.threaded_engine import ThreadedEngine
 
         return ThreadedEngine(policy, max_batch_size=max_batch_size, on_weight_update=cfg.on_weight_update)
     return HFEngine(policy, max_batch_size=max_batch_size, compile=cfg.compile)
 
 
 def close_engine(engine: Any) -> None:
-    """Close an engine built by `build_engine` (servers' connections, threads), whatever wraps it."""
-    close = getattr(engine, "close", None)
-    if callable(close):
-        close()
+    """Close an engine built by `build_engine` (servers' connections, threads), whatever wraps it (a wrapper closes
+    the engine it wraps)."""
+    if isinstance(engine, Closable):
+        engine.close()

@@ -385,6 +385,11 @@ class Receiver:
             self.leave(group_name)
             raise
 
+    def group_names(self) -> list[str]:
+        """The groups this server joined, by name (sorted)."""
+        with self._lock:
+            return sorted(self.groups)
+
     def leave(self, group_name: str) -> bool:
         """Leave ``group_name`` (SGLang's ``/destroy_weights_update_group``); False if this server had not joined it."""
         with self._lock:

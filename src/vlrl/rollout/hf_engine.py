@@ -48,7 +48,7 @@ class HFEngine:
         self.compiled = decode.CompiledStep() if compile else None  # rollout.compile: a static cache, one compiled step
         self.weight_version = 0
         eos = set(policy.eos_token_ids)
-        self._suppress = [t for t in policy.adapter.special_token_ids() if t not in eos]
+        self.suppress = [t for t in policy.adapter.special_token_ids() if t not in eos]  # never sampled: markup, specials
         self.last_stats = decode.DecodeStats()  # what the last batch did (prompts prefilled, steps, seconds)
         self.total_stats = decode.DecodeStats()  # summed over every batch since construction
 
@@ -79,7 +79,7 @@ class HFEngine:
                  on_step: Callable[[Sequence[Request]], Sequence[bool]] | None = None) -> list[Trajectory]:
         """``n`` samples of every request, request-major. ``on_step`` (optional): called once per decode step
         with the distinct requests being decoded, returns one flag per request; the rows of a flagged request
-        stop at that step (the caller discards them — `vlrl.rollout.server`'s batcher aborts a request whose
+        stop at that step (the caller discards them — `vlrl.rollout.batcher` aborts a request whose
         client went away or whose deadline passed)."""
         rows = [(i, request) for i, request in enumerate(requests) for _ in range(sampling.n)]
         out: list[Trajectory] = []
@@ -100,7 +100,7 @@ class HFEngine:
         _gather_root(policy.model)  # FSDP2: the root unit (projectors, LLaVA-OV's image_newline) gathered first
         decoded = decode.sample(
             policy.model, policy.adapter, [request for _, request in rows], sampling,
-            pad_token_id=policy.pad_token_id, eos_token_ids=policy.eos_token_ids, suppress=self._suppress,
+            pad_token_id=policy.pad_token_id, eos_token_ids=policy.eos_token_ids, suppress=self.suppress,
             on_step=_row_flags(rows, on_step) if on_step is not None else None, stats=self.last_stats,
             compiled=self.compiled,
         )

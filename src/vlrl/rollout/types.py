@@ -1,15 +1,26 @@
-"""The records and the protocol of rollout: `Trajectory`, `SamplingParams`, `Request`, `Engine`.
+"""The records and the protocols of rollout: `Trajectory`, `SamplingParams`, `Request`; `Engine` and its capabilities.
 
 `Trajectory` is the one record that crosses from rollout to training. Its tensors are aligned with the
 response: ``response_ids[j]``, ``loss_mask[j]`` and ``behaviour_logp[j]`` all describe response token j.
+
+Every engine generates synchronously (`Engine`). What some engines can do besides is a protocol of its own, and a
+recipe asks for it with `capability` — never by looking for a method or walking the wrappers itself:
+
+    `AgentEngine`       encodes observations and decodes tokens (multi-turn episodes)
+    `AsyncEngine`       ``agenerate``, awaitable (the asynchronous recipe)              ThreadedEngine, HTTPEngine
+    `WeightPublisher`   publishes weights in the background; shares its servers with    HTTPEngine
+                        the other trainer ranks
+    `EngineWrapper`     an engine around another (the rollout function's `RolloutEngine`, the report's watcher):
+                        it says which of the inner engine's capabilities it passes on (`EngineWrapper.offer`)
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from PIL import Image
@@ -163,3 +174,65 @@ class AgentEngine(Engine, Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids, special tokens skipped."""
         ...
+
+
+@runtime_checkable
+class AsyncEngine(Engine, Protocol):
+    """An `Engine` that can also be awaited (what the asynchronous recipe needs)."""
+
+    async def agenerate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
+        """Same contract as `Engine.generate`; trajectories carry the version that produced them and
+        ``Status.ABORTED`` when a weight update aborted them."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class WeightPublisher(Protocol):
+    """An engine whose weights live elsewhere (rollout servers): it publishes the trainer's weights without waiting
+    for them to be loaded, and under torchrun it is shared by the trainer ranks (each generates its share on the
+    same servers; a weight update is then a collective call of every rank)."""
+
+    world_size: int  # trainer ranks sharing the servers (1 until `join_trainer_ranks`)
+
+    def publish(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> concurrent.futures.Future:
+        """Start a weight update to ``version``; the future resolves to ``version`` once the rollout side has it
+        (``weight_version`` is bumped then), or raises the update's error."""
+        ...
+
+    def join_trainer_ranks(self, rank: int, world_size: int) -> None:
+        """This engine is rank ``rank``'s of ``world_size`` trainer ranks (the default torch.distributed group)."""
+        ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """An engine holding threads or connections: `vlrl.rollout.build.close_engine` closes it."""
+
+    def close(self) -> None:
+        ...
+
+
+C = TypeVar("C")
+
+
+@runtime_checkable
+class EngineWrapper(Protocol):
+    """An engine around another one. It says which capabilities of the engine it wraps it passes on: a wrapper that
+    replaces generation (`vlrl.rollout.agent.RolloutEngine`) never passes on the inner engine's ``agenerate``."""
+
+    def offer(self, protocol: type[C]) -> C | None:
+        """The wrapped engine as ``protocol`` (usually ``capability(inner, protocol)``), or None."""
+        ...
+
+
+def capability(engine: Any, protocol: type[C]) -> C | None:
+    """``engine`` as ``protocol`` (`AsyncEngine`, `WeightPublisher`, ...): the engine itself when it implements it,
+    else what the wrapper it is passes on of the engine it wraps (`EngineWrapper.offer`), else None."""
+    if isinstance(engine, protocol):
+        return engine
+    if isinstance(engine, EngineWrapper):
+        return engine.offer(protocol)
+    return None

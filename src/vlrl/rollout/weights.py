@@ -17,13 +17,17 @@ back to ``from_pretrained``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -31,6 +35,42 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 class WeightLoadError(ValueError):
     """A weights directory does not fit the served model (missing, unknown or mis-shaped tensors)."""
+
+
+class WeightSyncError(RuntimeError):
+    """A rollout engine failed to load the trainer's weights, or loaded different ones (checksum mismatch)."""
+
+
+class ChecksumCheck:
+    """The trainer's side of the checksum comparison: a server's reported checksum of the weights it loaded against
+    the one the trainer predicted. A mismatch raises `WeightSyncError` (the run stops); a server that reports none
+    (e.g. SGLang) is warned about once."""
+
+    def __init__(self) -> None:
+        self.unverified: set[str] = set()  # servers warned about
+
+    def __call__(self, url: str, loaded: str | None, version: int, expected: str) -> None:
+        if loaded is None:
+            if url not in self.unverified:
+                self.unverified.add(url)
+                log.warning("%s reports no weight checksum (not a vlrl server): its weights are not verified", url)
+        elif loaded != expected:
+            raise WeightSyncError(f"{url} loaded weights with checksum {loaded[:12]} for version {version}, "
+                                  f"the trainer's are {expected[:12]}: stopping")
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """No progress bars while weights are saved or loaded every step."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def weight_checksum(weights: torch.nn.Module | Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> str:

@@ -42,7 +42,7 @@ from vlrl.config import RLStage
 from vlrl.data import Sample
 from vlrl.models import Policy
 from vlrl.report import MetricsLogger
-from vlrl.rollout.http_engine import AsyncEngine
+from vlrl.rollout.types import AsyncEngine, Engine, WeightPublisher, capability
 from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.async_rollout import AsyncRollout, GroupBuffer, hand_out
 from vlrl.train.batch import build_algorithm, prepare_batch
@@ -59,7 +59,7 @@ from vlrl.train.update import ppo_update
 
 def train_async_grpo(
     policy: Policy,
-    engine: AsyncEngine,
+    engine: Engine,
     samples: list[Sample],
     stage: RLStage,
     *,
@@ -87,7 +87,7 @@ def train_async_grpo(
     gradients), log the whole batch's metrics (`step_metrics`), then update the rollout's weights together
     (`_update_over_ranks`: pause → update → set version → resume on rank 0). Rank 0's checkpoint carries the
     buffer, draws and ledger; every rank its own shaper states."""
-    if not isinstance(engine, AsyncEngine):
+    if (generator := capability(engine, AsyncEngine)) is None:  # (behind the watcher: its engine's own agenerate)
         raise TypeError(f"rollout.mode=async needs an engine with `agenerate` (ThreadedEngine or HTTPEngine), "
                         f"got {type(engine).__name__}")
     rt = runtime or Runtime.single(policy.model)
@@ -118,7 +118,7 @@ def train_async_grpo(
     buffer = rollout = None  # the rollout driver: rank 0 only
     if ctx.is_main:
         buffer = GroupBuffer(capacity=(eta + 1) * P + max_concurrent)
-        rollout = AsyncRollout(engine, cursor, sampling_params(stage.rollout), buffer, prompts_per_step=P, eta=eta,
+        rollout = AsyncRollout(generator, cursor, sampling_params(stage.rollout), buffer, prompts_per_step=P, eta=eta,
                                max_concurrent=max_concurrent, greedy_baseline="baseline_rewards" in algorithm.needs)
     # a resumed run: weights, optimizer, cursor, shapers, critic, the buffer's groups and the drawn tickets
     step, ledger = _restore(rt, stage_name, optimizer, scheduler, cursor, rollout, algorithm, synthesis)
@@ -247,13 +247,14 @@ def _take_batch(buffer: GroupBuffer, rollout: AsyncRollout, stage: RLStage, *, s
     return groups, info
 
 
-def _update_over_ranks(engine: AsyncEngine, policy: Policy, version: int, ctx: DistContext) -> None:
+def _update_over_ranks(engine: Engine, policy: Policy, version: int, ctx: DistContext) -> None:
     """Steps 6-8's weight update under several ranks, called by every rank. Rollout servers (`HTTPEngine` after
     `join_trainer_ranks`): a collective update — rank 0 talks to the servers, every rank joins the FSDP2
     gathers, and every rank returns once the servers confirmed (or raises rank 0's error). The in-process engine
     (rank 0's private copy): the full weights gathered onto rank 0 (FSDP2; DDP ranks hold them whole), which
     loads them."""
-    if _joined_servers(engine):
+    servers = capability(engine, WeightPublisher)
+    if servers is not None and servers.world_size > 1:  # an `HTTPEngine` shared by the trainer ranks
         engine.update_weights(version=version)
         return
     state = policy.model.state_dict()
@@ -265,30 +266,21 @@ def _update_over_ranks(engine: AsyncEngine, policy: Policy, version: int, ctx: D
         engine.update_weights(version=version, state_dict=state)
 
 
-def _joined_servers(engine: Any) -> bool:
-    """``engine`` (or an engine it wraps) is an `HTTPEngine` shared by several trainer ranks."""
-    while engine is not None:
-        if hasattr(type(engine), "join_trainer_ranks"):
-            return getattr(engine, "world_size", 1) > 1
-        engine = getattr(engine, "engine", None)  # WatchedEngine → RolloutEngine → HTTPEngine
-    return False
-
-
-def _publish(engine: AsyncEngine, rollout: AsyncRollout, version: int,
+def _publish(engine: Engine, rollout: AsyncRollout, version: int,
              state_dict: dict[str, torch.Tensor]) -> concurrent.futures.Future:
     """Steps 6-8 of the seed's loop: update the weights to ``version``, then set the rollout's version and
-    resume it. An engine with ``publish`` (`HTTPEngine`) saves the weights now and has the servers load them in
+    resume it. A `WeightPublisher` (`HTTPEngine`) saves the weights now and has the servers load them in
     the background: the trainer starts its next step meanwhile, and the rollout moves to ``version`` (its
     admission limit with it) only when every server confirmed. Nothing is mis-tagged by the overlap: a sample
     carries the version its server reports having generated it with, and staleness is counted from the
     trainer's own version. Other engines load at once. Returns a future of the update (its error stops the run)."""
-    publish = getattr(engine, "publish", None)
-    if publish is None:
+    publisher = capability(engine, WeightPublisher)
+    if publisher is None:
         engine.update_weights(version=version, state_dict=state_dict)
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(version)
     else:
-        done = publish(version=version, state_dict=state_dict)
+        done = publisher.publish(version=version, state_dict=state_dict)
 
     def adopt(update: concurrent.futures.Future) -> None:
         if not update.cancelled() and update.exception() is None:

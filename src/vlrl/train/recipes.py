@@ -29,8 +29,9 @@ from vlrl.report import MetricsLogger, make_sink
 from vlrl.report.environment import describe, environment
 from vlrl.report.progress import LiveProgress
 from vlrl.report.samples import SampleLog
-from vlrl.report.watch import WatchedEngine
+from vlrl.report.watch import WatchedEngine, watch
 from vlrl.rollout import build_engine, close_engine
+from vlrl.rollout.types import WeightPublisher, capability
 from vlrl.synth.workflow import syn_eval_samples
 from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.budget import FlopMeter, control_budget
@@ -168,16 +169,15 @@ def _engine(rollout: RolloutConfig, policy: Policy, run_dir: Path, logger: Metri
     """The engine of a run or stage (`vlrl.rollout.build_engine`: in-process / threaded / rollout servers, the
     configured rollout function), watched by the report. ``sync_weights``: push the policy to the servers as
     version 0 (rank 0 alone under torchrun)."""
-    return build_engine(rollout, policy, run_dir=run_dir, logger=logger, samples=samples, sync_weights=sync_weights)
+    return watch(build_engine(rollout, policy, run_dir=run_dir, sync_weights=sync_weights), logger, samples)
 
 
 def _share_servers(engine, ctx: DistContext) -> None:
     """``rollout.servers`` under torchrun: every rank generates its share of each step on the servers, and weight
     updates become collective calls in which rank 0 alone updates the servers (`HTTPEngine.join_trainer_ranks`)."""
-    while engine is not None and not hasattr(engine, "join_trainer_ranks"):
-        engine = getattr(engine, "engine", None)  # WatchedEngine → RolloutEngine → HTTPEngine
-    if engine is not None and ctx.enabled:
-        engine.join_trainer_ranks(ctx.rank, ctx.world_size)
+    servers = capability(engine, WeightPublisher)
+    if servers is not None and ctx.enabled:
+        servers.join_trainer_ranks(ctx.rank, ctx.world_size)
 
 
 def _save(policy: Policy, target: Path, logger: MetricsLogger) -> Path:

@@ -21,6 +21,7 @@ from vlrl.config import EvalConfig
 from vlrl.data import Sample
 from vlrl.eval import EvalResult, evaluate
 from vlrl.report import MetricsLogger
+from vlrl.report.watch import WatchedEngine
 
 TABLE_COLUMNS = ("task", "id", "prompt", "response", "answer", "reward")
 
@@ -55,15 +56,13 @@ class Validation:
         if not self.due(step):
             return
         is_main = self.ctx is None or self.ctx.is_main
-        aside = getattr(self.engine, "aside", contextlib.nullcontext)  # not the loop's rollout (`WatchedEngine`)
-        capture = getattr(self.engine, "capture", None)
-        with aside():
-            if capture is not None and is_main:
-                with capture() as batches:
+        watched = self.engine if isinstance(self.engine, WatchedEngine) else None
+        with watched.aside() if watched is not None else contextlib.nullcontext():  # not the loop's rollout
+            if watched is not None and is_main:
+                with watched.capture() as batches:
                     result = evaluate(self.engine, self.test, self.settings, ctx=self.ctx)
-                samples = getattr(self.engine, "samples", None)
-                if samples is not None:
-                    samples.write(f"val/{self.stage}", step, batches)
+                if watched.samples is not None:
+                    watched.samples.write(f"val/{self.stage}", step, batches)
             else:
                 result = evaluate(self.engine, self.test, self.settings, ctx=self.ctx)
         self.done.append(step)

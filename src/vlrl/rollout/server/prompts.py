@@ -1,0 +1,274 @@
+"""From a ``/generate`` body to the batcher's `Request`s and back: the images of each prompt (checked from their
+headers before any is decoded), the prompts (tokenized, image tokens expanded, checked against the model's context),
+and each trajectory in the shape of SGLang's answer."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections.abc
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from PIL import Image
+
+from vlrl.data.sample import Sample, SampleError, image_size, load_image
+from vlrl.models.policy import Policy
+from vlrl.rollout.server.schema import BadRequest, GenerateBody, ImageItem, PromptBounds, ServeLimits
+from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
+
+
+def model_context(policy: Policy) -> int | None:
+    """The model's context length (its text config's ``max_position_embeddings``), if it states one."""
+    config = policy.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` can stand for (vocabulary and added tokens; a byte-level
+    token's mapped characters count one per byte, which is at least the characters it decodes to)."""
+    longest = max((len(piece.encode("utf-8", "replace")) for piece in tokenizer.get_vocab()), default=1)
+    added = [str(t) for t in getattr(tokenizer, "all_special_tokens", [])]
+    return max([longest, *(len(t) for t in added)])
+
+
+def _check_unicode(value: str, field: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadRequest(f"field '{field}': not valid Unicode (a lone surrogate at character {err.start})") from None
+
+
+def _server_path(item: str, roots: Sequence[str]) -> str | None:
+    """``item`` as a file path when it resolves inside one of ``roots``, else None — decided on the path alone,
+    so the answer for a path outside the roots never depends on whether it exists."""
+    if not roots or not item.startswith("/") or len(item) > 4096 or "\0" in item:
+        return None
+    real = os.path.realpath(item)
+    for root in roots:
+        base = os.path.realpath(root)
+        if real.startswith(base.rstrip(os.sep) + os.sep):
+            return real
+    return None
+
+
+def _image_source(item: ImageItem, k: int, limits: ServeLimits) -> tuple[str | bytes, bool]:
+    """(what `load_image` reads, whether it is a server file) of an ``image_data`` item, or `BadRequest`."""
+    where = f"field 'image_data[{k}]'"
+    if isinstance(item, bytes):
+        return item, False
+    if item.startswith(("http://", "https://")):
+        raise BadRequest(f"{where}: URLs are not fetched; send a data URL or base64")
+    path = _server_path(item, limits.image_roots)
+    if path is not None:
+        if not os.path.isfile(path):
+            raise BadRequest(f"{where}: no such file under the server's image roots")
+        return path, True
+    payload = item.split(",", 1)[1] if item.startswith("data:") and "," in item else item
+    try:
+        return base64.b64decode(payload, validate=True), False
+    except (binascii.Error, ValueError):
+        hint = "" if limits.image_roots else "; the server takes no file paths (vlrl serve --image-root)"
+        raise BadRequest(f"{where}: neither a data URL nor valid base64{hint}") from None
+
+
+def prompt_image_items(body: GenerateBody) -> list[list[ImageItem]]:
+    """The ``image_data`` items of each prompt of ``body``, in SGLang's shapes: one prompt takes an item or a list of
+    items; a batch takes one entry per prompt — either all items (one image each, ``None`` for none) or, when its
+    first entry is a list, all lists (``[]`` or ``None`` for none). SGLang's schema decides the form by the first
+    entry, so a batch like ``[None, [url]]`` is refused here as it is there."""
+    data = body.image_data
+    if not is_batched(body):
+        if isinstance(data, list) and not all(isinstance(item, (str, bytes)) for item in data):
+            raise BadRequest("field 'image_data': one prompt takes a string or a list of strings")
+        return [[data] if isinstance(data, (str, bytes)) else list(data or [])]
+    B = prompt_count(body)
+    if data is None:
+        return [[] for _ in range(B)]
+    if not isinstance(data, list) or len(data) != B:
+        raise BadRequest(f"field 'image_data': a batch of {B} prompts takes a list of {B} items")
+    if isinstance(data[0], list):
+        for i, entry in enumerate(data):
+            if entry is not None and not isinstance(entry, list):
+                raise BadRequest(f"field 'image_data[{i}]': the batch's first entry is a list, so every entry must be "
+                                 "a list of that prompt's images ([] or null for none), as SGLang reads it")
+        return [[item for item in entry or [] if item is not None] for entry in data]
+    for i, entry in enumerate(data):
+        if isinstance(entry, list):
+            raise BadRequest(f"field 'image_data[{i}]': a list, but the batch's first entry is not one: SGLang reads "
+                             "this batch as one image per prompt (make every entry a list, [] for a text-only prompt)")
+    return [[] if entry is None else [entry] for entry in data]
+
+
+def load_request_images(body: GenerateBody, bounds: PromptBounds, adapter: Any) -> list[list[Image.Image]]:
+    """Every prompt's decoded images. Before any pixel is decoded, each image's format and size are read from its
+    header and checked — each against ``max_image_pixels``, all of them together against ``max_request_pixels``,
+    each prompt's vision tokens (from the sizes) against the context. Runs on the server's image thread, off the
+    thread that tokenizes (a request of large images never holds up the others' text)."""
+    limits, batched = bounds.limits, is_batched(body)
+    per_prompt = prompt_image_items(body)
+    sources, total = [], 0
+    for i, items in enumerate(per_prompt):
+        prefix = f"prompt {i} of the batch: " if batched else ""
+        found, vision_tokens = [], 0
+        for k, item in enumerate(items):
+            where = f"{prefix}field 'image_data[{k}]'"
+            try:
+                source, server_file = _image_source(item, k, limits)
+                width, height = image_size(source)
+            except BadRequest as err:
+                raise BadRequest(f"{prefix}{err}") from None
+            except SampleError as err:
+                raise BadRequest(f"{where}: {_image_problem(err, server_file)}") from None
+            if width * height > limits.max_image_pixels:
+                raise BadRequest(f"{where}: {width}x{height} has more than the server's limit of "
+                                 f"{limits.max_image_pixels} pixels (--max-image-pixels)")
+            total += width * height
+            if total > limits.max_request_pixels:
+                count = sum(len(x) for x in per_prompt)
+                raise BadRequest(f"field 'image_data': the request's {count} image(s) hold more than the server's limit "
+                                 f"of {limits.max_request_pixels} pixels in all (--max-request-pixels); send fewer or "
+                                 "smaller images per request")
+            try:
+                vision_tokens += adapter.image_token_count(width, height)
+            except ValueError as err:  # a text-only model
+                raise BadRequest(f"{where}: {err}") from None
+            found.append((source, server_file))
+        if bounds.context is not None and vision_tokens + bounds.max_new_tokens > bounds.context:
+            raise BadRequest(f"{prefix}field 'image_data': {len(items)} image(s) take {vision_tokens} vision tokens; "
+                             f"with sampling_params.max_new_tokens = {bounds.max_new_tokens} that exceeds the model "
+                             f"context of {bounds.context} tokens")
+        sources.append(found)
+    out = []
+    for i, found in enumerate(sources):
+        prefix = f"prompt {i} of the batch: " if batched else ""
+        images = []
+        for k, (source, server_file) in enumerate(found):
+            try:
+                images.append(load_image(source, max_pixels=limits.max_image_pixels))
+            except SampleError as err:
+                raise BadRequest(f"{prefix}field 'image_data[{k}]': {_image_problem(err, server_file)}") from None
+        out.append(images)
+    return out
+
+
+def _image_problem(err: SampleError, server_file: bool) -> str:
+    """What is wrong with an image, without echoing a server file's bytes (Pillow's messages can quote them)."""
+    message = str(err)
+    if "is not accepted" in message:
+        return message.split(": ", 1)[-1] if not server_file else "format " + message.split("format ", 1)[-1]
+    if server_file:
+        return "the file is not a decodable PNG, JPEG, WEBP, BMP or GIF image"
+    return "not a decodable PNG, JPEG, WEBP, BMP or GIF image" + (f" ({message.split(': ', 1)[-1][:200]})" if ": " in message else "")
+
+
+def is_batched(body: GenerateBody) -> bool:
+    """Whether ``body`` holds a batch of prompts (SGLang: ``text`` or ``input_ids`` is a list of prompts)."""
+    return isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
+
+
+def prompt_count(body: GenerateBody) -> int:
+    if not is_batched(body):
+        return 1
+    return len(body.text) if body.text is not None else len(body.input_ids)
+
+
+def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Iterator[str],
+                   bounds: PromptBounds | None = None, images: list[list[Image.Image]] | None = None) -> list[Request]:
+    """Turn a `GenerateBody` into its `Request` (one prompt) or requests (a batch), in order; a prompt
+    without ``rid`` is named by ``rids``. With ``bounds``, every prompt is checked against the context (text
+    length before tokenizing, prompt + max_new_tokens after). ``images``: each prompt's, decoded by
+    `load_request_images` (decoded here when not given)."""
+    bounds = bounds or PromptBounds(None, None, 0, ServeLimits())
+    if (body.text is None) == (body.input_ids is None):
+        raise BadRequest("give exactly one of 'text' or 'input_ids'")
+    if body.stream:
+        raise BadRequest("field 'stream': streaming is not supported")
+    stops = [body.sampling_params.stop] if isinstance(body.sampling_params.stop, str) else body.sampling_params.stop or []
+    for k, stop in enumerate(stops):
+        _check_unicode(stop, f"sampling_params.stop[{k}]")
+    if is_batched(body) and any(isinstance(p, int) for p in body.input_ids or []):
+        raise BadRequest("field 'input_ids': a batch is a list of token-id lists")
+    if images is None:
+        images = load_request_images(body, bounds, policy.adapter)
+    if not is_batched(body):
+        if isinstance(body.rid, list):
+            raise BadRequest("field 'rid': one prompt takes one string")
+        return [build_request(policy, body.text, body.input_ids, images[0], body.rid or next(rids), bounds)]
+    prompts = body.text if body.text is not None else body.input_ids
+    B = len(prompts)
+    rid = body.rid if body.rid is not None else [next(rids) for _ in range(B)]
+    if not isinstance(rid, list) or len(rid) != B:
+        raise BadRequest(f"field 'rid': a batch of {B} prompts takes a list of {B} items")
+    out = []
+    for i, prompt in enumerate(prompts):
+        try:
+            text, ids = (prompt, None) if body.text is not None else (None, prompt)
+            out.append(build_request(policy, text, ids, images[i], rid[i], bounds))
+        except BadRequest as err:
+            raise BadRequest(f"prompt {i} of the batch: {err}") from None
+    return out
+
+
+def build_request(policy: Policy, text: str | None, input_ids: list[int] | None, images: list[Image.Image], rid: str,
+                  bounds: PromptBounds | None = None) -> Request:
+    """One prompt as a `Request` (tokenize ``text``, process its decoded ``images``, expand image tokens)."""
+    bounds = bounds or PromptBounds(None, None, 0, ServeLimits())
+    _check_unicode(rid, "rid")
+    if text is not None:
+        if bounds.max_text_chars is not None and len(text) > bounds.max_text_chars:
+            raise BadRequest(f"field 'text': {len(text)} characters cannot fit the model context of {bounds.context} "
+                             "tokens")
+        _check_unicode(text, "text")
+    adapter = policy.adapter
+    try:
+        vision = adapter.encode_images(images)
+        if text is not None:
+            ids = adapter.encode_text(adapter.expand_image_tokens(text, vision) if images else text)
+        else:
+            ids = _expand_ids(policy, list(input_ids), vision)
+    except ValueError as err:
+        raise BadRequest(f"field 'image_data': {err}") from None
+    if not ids:
+        raise BadRequest("the prompt is empty")
+    vocab = policy.model.get_input_embeddings().num_embeddings
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise BadRequest(f"field 'input_ids': token ids must lie in [0, {vocab})")
+    if bounds.context is not None and len(ids) + bounds.max_new_tokens > bounds.context:
+        raise BadRequest(f"field 'sampling_params.max_new_tokens': {len(ids)} prompt tokens + max_new_tokens "
+                         f"{bounds.max_new_tokens} exceed the model context of {bounds.context} tokens")
+    sample = Sample(id=rid, task="serve", messages=[{"role": "user", "content": ""}])
+    return Request(sample=sample, prompt_ids=ids, vision=vision, images=images)
+
+
+def _expand_ids(policy: Policy, ids: list[int], vision) -> list[int]:
+    """Token ids with image tokens already expanded pass through; one placeholder per image is expanded (by the
+    family's adapter: each image's markup as its processor expands it)."""
+    return policy.adapter.expand_ids(ids, vision)
+
+
+def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, return_logprob: bool,
+                  abort_message: str = "aborted by a weight update") -> dict[str, Any]:
+    """One trajectory in the shape of SGLang's ``/generate`` answer."""
+    ids = t.response_ids.tolist()
+    text = policy.tokenizer.decode(ids, skip_special_tokens=True)
+    if t.status is Status.ABORTED:
+        finish: dict[str, Any] = {"type": "abort", "message": abort_message}
+    elif t.status is Status.TRUNCATED:
+        finish = {"type": "length", "length": len(ids)}
+    elif ids and (ids[-1] in policy.eos_token_ids or ids[-1] in sampling.stop_token_ids):
+        finish = {"type": "stop", "matched": ids[-1]}
+    else:
+        matched = next((s for s in sampling.stop if s in text), "")
+        finish = {"type": "stop", "matched": matched}
+        if matched:
+            text = text[: text.rfind(matched)]  # SGLang trims the stop string from the text
+    meta: dict[str, Any] = {"id": t.sample.id, "finish_reason": finish, "prompt_tokens": len(t.prompt_ids),
+                            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": str(t.weight_version)}
+    if return_logprob:
+        meta["output_token_logprobs"] = [[float(lp), int(i), None] for lp, i in zip(t.behaviour_logp.tolist(), ids, strict=True)]
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+

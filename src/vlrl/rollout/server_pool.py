@@ -1,0 +1,201 @@
+"""`ServerPool`: the rollout servers an `HTTPEngine` talks to — the event loop and HTTP client on a background thread,
+each server's state and the facts it reports, failures and drops, and the weight calls posted to every server at once.
+
+Server facts come from ``/server_info`` (``/get_model_info`` on older servers): the weights' dtype, how many sequences
+a server decodes at once, the image pixels one request may carry, and its ranks in a weight-update group. A server with
+``max_server_failures`` consecutive failures is dropped from the pool with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vlrl.rollout.http_settings import ClientSettings
+from vlrl.serving import ADMIN_API_KEY_ENV, API_KEY_ENV
+
+log = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                "half": "float16"}  # SGLang's --dtype spellings → vlrl's (``auto``: unknown)
+
+
+class NoServersLeft(RuntimeError):
+    """Every rollout server failed and was dropped from the pool."""
+
+
+class RolloutRequestError(RuntimeError):
+    """A request failed on every server it was retried on, or a server answered with something unusable."""
+
+
+@dataclasses.dataclass
+class ServerState:
+    url: str
+    in_flight: int = 0
+    failures: int = 0  # consecutive
+    alive: bool = True
+    dtype: str | None = None
+    served: int = 0  # prompts answered
+    max_batch_size: int | None = None  # sequences it decodes at once, if it says (vlrl's server does)
+    ranks: int = 1  # ranks it holds in a weight-update group (SGLang: its tp_size)
+    max_request_pixels: int | None = None  # image pixels one request may carry, if it says (vlrl's server does)
+
+
+class ServerPool:
+    """The servers at ``urls``, ready (every one answered its facts) when the constructor returns. ``distributed``:
+    weights will travel over a process group, so a server must hold one data-parallel replica in one stage."""
+
+    def __init__(self, urls: Sequence[str], settings: ClientSettings, *, distributed: bool = False) -> None:
+        import httpx
+
+        if not urls:
+            raise ValueError("HTTPEngine needs at least one server URL")
+        self.settings, self.distributed = settings, distributed
+        self.servers = [ServerState(url.rstrip("/")) for url in urls]
+        self.dropped: list[str] = []  # "url: reason"
+        self.gate = asyncio.Event()  # cleared while a weight update holds new requests back
+        self.gate.set()
+        self.closing = False
+        self._warned: set[tuple[str, str]] = set()
+        key = settings.api_key if settings.api_key is not None else os.environ.get(API_KEY_ENV)
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        admin = settings.admin_api_key if settings.admin_api_key is not None else os.environ.get(ADMIN_API_KEY_ENV)
+        self.admin_headers = {"Authorization": f"Bearer {admin}"} if admin else self.headers  # weight and pause calls
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="vlrl-http-engine", daemon=True)
+        self._thread.start()
+        timeout = httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = self.call(self._make_client(timeout, limits))
+        self.call(self.wait_ready(settings.startup_timeout))
+
+    @staticmethod
+    async def _make_client(timeout, limits):
+        import httpx
+
+        return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    @property
+    def running(self) -> bool:
+        return self.loop.is_running()
+
+    def call(self, coro):
+        """Run ``coro`` on the pool's loop and wait for it (from a thread that is not that loop)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.closing = True
+        if self.loop.is_running():
+            self.call(self.client.aclose())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+    def live(self) -> list[ServerState]:
+        return [s for s in self.servers if s.alive]
+
+    def no_servers_left(self) -> NoServersLeft:
+        return NoServersLeft("every rollout server was dropped: " + "; ".join(self.dropped))
+
+    # -------------------------------------------------------------------------------------------- facts
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until every server answers ``/server_info`` (SGLang ≥ 0.5: launch facts, parallel sizes) — or, where
+        that route is missing, the older ``/get_model_info`` (servers may still be loading) — and read its facts."""
+        deadline = time.monotonic() + timeout
+        for server in self.servers:
+            while True:
+                try:
+                    info = await self._server_info(server)
+                    break
+                except RolloutRequestError:
+                    raise
+                except Exception as err:
+                    if time.monotonic() > deadline:
+                        raise RolloutRequestError(f"rollout server {server.url} not ready after {timeout:.0f}s: {err}") from err
+                    await asyncio.sleep(0.25)
+            self.read_facts(server, info)
+
+    async def _server_info(self, server: ServerState) -> dict[str, Any]:
+        for path in ("/server_info", "/get_model_info"):
+            response = await self.client.get(f"{server.url}{path}", headers=self.headers)
+            if response.status_code == 401:
+                raise RolloutRequestError(f"{server.url}: 401 unauthorised: set ${API_KEY_ENV} to the server's --api-key")
+            if response.status_code == 404 and path == "/server_info":
+                continue  # an older server: the deprecated route has what vlrl reads
+            response.raise_for_status()
+            return response.json()
+        raise AssertionError("unreachable")
+
+    def read_facts(self, server: ServerState, info: dict[str, Any]) -> None:
+        """What vlrl reads from a server's info: its weights' dtype (SGLang's spellings: ``half``, ``float``; ``auto``
+        is unknown), how many sequences it decodes at once (vlrl's ``max_batch_size``, SGLang's
+        ``max_running_requests``), the pixels one request may carry (vlrl), and its ranks in a weight-update group
+        (``tp_size``: SGLang's rank ``rank_offset + tp_rank``)."""
+        server.dtype = _DTYPE_NAMES.get(str(info.get("dtype")))
+        batch = info.get("max_batch_size") or info.get("max_running_requests")
+        server.max_batch_size = int(batch) if isinstance(batch, int) and batch > 0 else None
+        pixels = info.get("max_request_pixels")
+        server.max_request_pixels = int(pixels) if isinstance(pixels, int) and pixels > 0 else None
+        server.ranks = int(info.get("tp_size") or 1)
+        replicas, stages = int(info.get("dp_size") or 1), int(info.get("pp_size") or 1)
+        if self.distributed and (replicas > 1 or stages > 1):
+            raise RolloutRequestError(
+                f"{server.url}: dp_size {replicas}, pp_size {stages}: SGLang's distributed weight update takes one "
+                "data-parallel replica, and ranks rank_offset + tp_rank (pipeline stages would share them); start one "
+                "server per replica with pp_size 1, or use rollout.weight_sync=disk")
+
+    # -------------------------------------------------------------------------------------------- failures
+    def record_failure(self, server: ServerState, failure: str) -> None:
+        server.failures += 1
+        log.warning("rollout server %s failed (%d in a row): %s", server.url, server.failures, failure)
+        if server.alive and server.failures >= self.settings.max_server_failures:
+            self.drop(server, failure)
+
+    def drop(self, server: ServerState, reason: str) -> None:
+        server.alive = False
+        self.dropped.append(f"{server.url}: {reason}")
+        log.warning("dropping rollout server %s from the pool (%s); %d left", server.url, reason, len(self.live()))
+
+    def warn_once(self, url: str, what: str, message: str, *args: Any) -> None:
+        if (url, what) not in self._warned:
+            self._warned.add((url, what))
+            log.warning(message, *args)
+
+    # -------------------------------------------------------------------------------------------- weight calls
+    async def post_each(self, servers: list[ServerState], path: str, bodies: list[dict], *, timeout: float,
+                        on_failure: Callable[[ServerState, str], None] | None = None,
+                        busy_for: float = 0.0) -> list[Any]:
+        """POST ``bodies[i]`` to ``servers[i]`` at once (a weight call: the admin key, ``timeout`` — never the
+        generation's ``request_timeout``); each answer's JSON (with ``success: False`` and the status for an error
+        answer), or the exception of a transport failure. ``on_failure(server, why)`` is called as soon as one fails
+        (before the others answered). ``busy_for``: seconds a 409 (a group join already in progress on that server)
+        is retried for."""
+        async def post(server: ServerState, body: dict) -> dict:
+            deadline = time.monotonic() + busy_for
+            while True:
+                try:
+                    response = await self.client.post(f"{server.url}{path}", json=body, headers=self.admin_headers,
+                                                      timeout=timeout)
+                except Exception as err:
+                    if on_failure is not None:
+                        on_failure(server, f"{type(err).__name__}: {err}")
+                    raise
+                if response.status_code != 409 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            answer = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+            if response.status_code >= 400:
+                answer = {"success": False, "status_code": response.status_code,
+                          "message": f"HTTP {response.status_code}: "
+                                     f"{answer.get('message') or answer.get('error') or response.text[:300]}"}
+            if on_failure is not None and not answer.get("success", False):
+                on_failure(server, answer.get("message", answer))
+            return answer
+
+        return list(await asyncio.gather(*(post(s, b) for s, b in zip(servers, bodies, strict=True)),
+                                         return_exceptions=True))
