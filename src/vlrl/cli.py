@@ -9,7 +9,8 @@ from pathlib import Path
 
 import typer
 
-from vlrl.config import ConfigError, DemoConfig, EvalConfig, RLConfig, SFTConfig, load_config
+from vlrl.check.options import load_run_config as load_config  # (the config with its plug-in options checked)
+from vlrl.config import ConfigError, DemoConfig, EvalConfig, RLConfig, SFTConfig
 from vlrl.rewards.cli import app as reward_app
 from vlrl.synth.cli import app as synth_app
 
@@ -395,7 +396,7 @@ def _checked_test_split(command: str, cfg, data: str | None, budget: str) -> lis
     context); a failed check ends the command with its list of problems."""
     from vlrl.check import CheckReport, preflight, read_data
     from vlrl.data import DataError
-    from vlrl.train.common import load_splits
+    from vlrl.data.splits import load_splits
 
     report = CheckReport()
     if data:
@@ -489,8 +490,8 @@ def launch(
 ) -> None:
     """Run `vlrl sft|rl` on launch.nproc Ray actors in a placement group (torch.distributed rendezvous wired), with
     launch.rollout_servers `vlrl serve` actors beside them."""
-    from vlrl.train.launcher import LaunchError, LaunchRefused, detect, prepare
-    from vlrl.train.launcher import launch as run_launch
+    from vlrl.launch.launcher import LaunchError, LaunchRefused, detect, prepare
+    from vlrl.launch.launcher import launch as run_launch
 
     extra = [*([f"launch.nproc={nproc}"] if nproc else []), *([f"checkpoint.resume={resume}"] if resume else [])]
     try:
@@ -532,8 +533,8 @@ def plan(
     """Estimate per-device memory and step time of every placement (colocated/separate, FSDP/DDP); rank the feasible
     ones, each with the `vlrl launch` command that starts it."""
     from vlrl.check import detect_recipe, model_path_problem
+    from vlrl.launch import planner
     from vlrl.safe_yaml import YamlRefused, load_file
-    from vlrl.train import planner
 
     if recipe == "auto":
         try:
@@ -577,8 +578,8 @@ def plan(
 def _apply_plan(out: Path, pick: int | None, feasible: list, launches: dict, recipe: str, config: Path,
                 overrides: list[str]) -> None:
     """`vlrl plan --apply OUT`: the run's config with placement #pick's (or the best launchable one's) settings."""
-    from vlrl.train import planner
-    from vlrl.train.launcher import LaunchRefused, prepare
+    from vlrl.launch import planner
+    from vlrl.launch.launcher import LaunchRefused, prepare
 
     if not feasible:
         typer.secho("vlrl plan: --apply: no placement that fits can be launched (see ✗ above)", fg="red", err=True)
@@ -652,7 +653,7 @@ def data_import(
     from vlrl.config import ConfigError, DataConfig
     from vlrl.data import DataError, read_samples, write_samples
     from vlrl.data.sources import split_suffix
-    from vlrl.train.common import sample_check, schema_for
+    from vlrl.data.splits import sample_check, schema_for
 
     pairs = [c.partition("=") for c in column or []]
     try:

@@ -18,6 +18,7 @@ import torch
 import vlrl.train.async_grpo as async_grpo
 import vlrl.train.update as update
 from vlrl.config import CheckpointConfig, RLConfig, load_config
+from vlrl.data.cursor import PromptCursor
 from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import SamplingParams
@@ -31,7 +32,6 @@ from vlrl.train.checkpoint import (
     write_checkpoint_carry_over,
     write_manifest,
 )
-from vlrl.train.common import PromptCursor
 from vlrl.train.distributed import DistContext, check_scalable
 from vlrl.train.runtime import Runtime
 from vlrl.train.state import AsyncState, SyncState

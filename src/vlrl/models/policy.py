@@ -201,7 +201,7 @@ def load_parts(path: str, options: LoadOptions | None = None) -> tuple[Any, Any,
         return config, tokenizer, None, None
     from vlrl.models.processor import build_processor, load_processor_settings
 
-    image_processor = _load_image_processor(path, options)
+    image_processor = load_image_processor(path, options)
     settings = load_processor_settings(path, revision=options.revision)
     return config, tokenizer, image_processor, build_processor(config, tokenizer, image_processor, **settings)
 
@@ -318,7 +318,7 @@ def _load_pretrained(path: str, dtype: torch.dtype, options: LoadOptions) -> Pol
     return Policy.from_parts(model, tokenizer, image_processor, source=str(path), processor=processor)
 
 
-def _load_image_processor(path: str, options: LoadOptions | None = None):
+def load_image_processor(path: str, options: LoadOptions | None = None):
     """The PIL image processor (no torchvision needed); falls back to AutoProcessor's."""
     from transformers import AutoImageProcessor
 

@@ -40,6 +40,7 @@ import torch
 from vlrl.algos.staleness import assert_fresh, staleness, staleness_histogram
 from vlrl.config import RLStage
 from vlrl.data import Sample
+from vlrl.data.cursor import PromptCursor
 from vlrl.models import Policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout.http_engine import AsyncEngine
@@ -47,7 +48,7 @@ from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.async_rollout import AsyncRollout, GroupBuffer, hand_out
 from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.budget import PhaseMeter, compute_dtype
-from vlrl.train.common import PromptCursor, make_optimizer
+from vlrl.train.common import make_optimizer
 from vlrl.train.distributed import DistContext, GlobalAdvantage, GlobalRewardShaping
 from vlrl.train.metrics import step_metrics
 from vlrl.train.modules import stage_modules

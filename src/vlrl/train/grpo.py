@@ -26,13 +26,14 @@ from contextlib import ExitStack
 
 from vlrl.config import RLStage
 from vlrl.data import Sample
+from vlrl.data.cursor import PromptCursor
 from vlrl.models import Policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import Engine
 from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.budget import PhaseMeter, compute_dtype
-from vlrl.train.common import PromptCursor, make_optimizer
+from vlrl.train.common import make_optimizer
 from vlrl.train.distributed import GlobalAdvantage, GlobalRewardShaping
 from vlrl.train.metrics import step_metrics
 from vlrl.train.modules import stage_modules

@@ -238,10 +238,10 @@ def _check_batches_against_memory(report: CheckReport, cfg: RunConfig, sft, rl, 
 # ----------------------------------------------------------------------------------------------- names
 def _check_names(report: CheckReport, cfg: RunConfig, rl) -> None:
     from vlrl.algos import get_advantage, get_advantage_shaping, get_policy_loss, get_reward_shaping
-    from vlrl.config import plugin_option_problems
+    from vlrl.check.options import config_problems
     from vlrl.report.sinks import SINKS, sink_requirement
 
-    for where, message in plugin_option_problems(cfg):  # options against each plug-in's signature
+    for where, message in config_problems(cfg):  # options against each plug-in's signature
         report.problem(where, message)
 
     checked = set()
@@ -318,7 +318,7 @@ def _check_held_out(report: CheckReport, cfg: RunConfig) -> None:
 
 
 def _read_splits(report: CheckReport, cfg: RunConfig) -> dict[str, list[Sample]]:
-    from vlrl.train.common import (
+    from vlrl.data.splits import (
         generate_split,
         hold_out_problem,
         holds_out,
@@ -412,7 +412,7 @@ def read_data(report: CheckReport, field_name: str, path: str | Path, on_error: 
     ``media`` budgets — default ones when None) in the layout of ``schema`` (`vlrl.data.schemas.Schema`; default:
     detected); bad ones become problems (``on_error=raise``) or warnings (``skip``) in ``report``, listed one by
     one with ``file:line`` / ``file:row N``, never raised. The layout each table was read as is a fact."""
-    from vlrl.train.common import sample_check
+    from vlrl.data.splits import sample_check
 
     try:
         with _quiet("vlrl.data.io"):  # its "skipped N records" warning: every record is listed below instead
