@@ -1,4 +1,4 @@
-"""The teacher-forced passes at a GRPO shape, plain vs shared prefix (issue 26 item 3; `vlrl.models.shared_prefix`).
+"""The teacher-forced passes at a GRPO shape, plain vs shared prefix (issue 26 item 3; `vlrl.train.shared_prefix`).
 
 The plain pass scores ``prompts × n`` rows of P + R tokens: the n rows of a group repeat the same P prompt tokens
 (the vision tower already runs once per group: `VisionInputs.concat_shared`). The shared-prefix pass
@@ -30,9 +30,9 @@ import torch
 
 from vlrl.data import generate
 from vlrl.models import collate, load_policy, response_logprobs
-from vlrl.models.shared_prefix import teacher_forced
 from vlrl.rollout import HFEngine
 from vlrl.train.common import evaluating
+from vlrl.train.shared_prefix import teacher_forced
 
 SHAPES = {"today": dict(prompts=8, n=4, new=32, side=112), "realistic": dict(prompts=4, n=8, new=64, side=448)}
 

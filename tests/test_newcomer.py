@@ -126,7 +126,8 @@ def test_check_sft_select_rl_eval_on_real_images(mine, tmp_path, monkeypatch):
     evaluated = json.loads((tmp_path / "eval.json").read_text())
     assert evaluated["n_prompts"] == 8 and set(evaluated["accuracy"]) <= {"colour", "flip", "bright", "mean"}
     assert evaluated["settings"] == {"samples": 1, "temperature": 1.0, "top_k": 50, "max_new_tokens": 4,
-                                     "max_batch_size": 256, "seed": 3}  # top_k: shapes_grpo.yaml's eval.top_k
+                                     "max_batch_size": 256, "seed": 3,  # top_k: shapes_grpo.yaml's eval.top_k
+                                     "numerics": {"requested": "native", "mode": "native", "reason": "asked for"}}
     result = runner.invoke(app, ["report", "runs/mine_sft", "runs/mine_rl", "--out", "mine.html"])
     assert result.exit_code == 0 and (tmp_path / "mine.html").is_file()
 

@@ -636,11 +636,67 @@ def _with_server(model: str, args: list[str]) -> str:
 
 def test_every_recipe_has_a_case():
     """A recipe in configs/recipes/ needs an entry in RECIPE_CASES (its family preset, its layout, its signature), and
-    its comment block says the hardware it is sized for and where its memory per GPU comes from."""
+    its comment block says the hardware it is sized for and its memory per GPU (checked against `vlrl plan` below)."""
     assert sorted(p.name for p in RECIPES.glob("*.yaml")) == sorted(RECIPE_CASES)
     for path in RECIPES.glob("*.yaml"):
         head = path.read_text().split("\nmodel:")[0]
-        assert "Hardware:" in head and "# expected memory per GPU: see `vlrl plan` (filled at integration)" in head, path.name
+        assert "Hardware:" in head and "# expected memory per GPU: " in head and "vlrl plan" in head, path.name
+
+
+# (recipe, the published config.json it is planned from, GPUs, GPU memory, {placement line: GiB stated in the recipe})
+PLANNED = [
+    ("qwen2_5_vl_3b_geo3k_grpo.yaml", "qwen2_5_vl_3b.json", 8, 80, {"#1 colocated fsdp×8": 31.45}),
+    ("qwen2_5_vl_7b_lora_grpo.yaml", "qwen2_5_vl_7b.json", 1, 48, {"#1 colocated fsdp×1": 23.16}),
+    ("qwen3_vl_8b_servers_grpo.yaml", "qwen3_vl_8b.json", 8, 80,
+     {"trainer fsdp×4 + 4": 42.66, "rollout fsdp×4 + 4": 58.38, "#1 colocated fsdp×8": 41.99}),
+    ("llava_ov_1_5_rl_answer_only.yaml", "qwen3_vl_8b.json", 8, 80, {"trainer fsdp×4 + 4": 46.32, "rollout fsdp×4 + 4": 55.35}),
+    ("llava_ov_1_5_rl_cot.yaml", "qwen3_vl_8b.json", 8, 80, {"trainer fsdp×4 + 4": 46.32, "rollout fsdp×4 + 4": 55.35}),
+]
+
+
+def _planned_gib(output: str, placement: str) -> float:
+    """The GiB per device `vlrl plan` prints for ``placement``: "#1 colocated fsdp×8" (all devices), or "trainer
+    fsdp×4 + 4" / "rollout fsdp×4 + 4" (that side of the separate placement with 4 trainer ranks)."""
+    import re
+
+    side, _, rest = placement.partition(" ")
+    lines = output.splitlines()
+    if side in ("trainer", "rollout"):
+        start = next(i for i, line in enumerate(lines) if "separate: trainer " + rest.replace(" + 4", " + 4 rollout") in line)
+        label = f"memory per device, {side} ("
+    else:
+        start = next(i for i, line in enumerate(lines) if line.startswith(placement + ":"))
+        label = "memory per device, all devices:"
+    line = next(line for line in lines[start:start + 40] if label in line)
+    return float(re.search(r": ([0-9.]+) GiB of", line).group(1))
+
+
+@pytest.mark.parametrize("name, fixture, gpus, memory, stated", PLANNED, ids=[p[0] for p in PLANNED])
+def test_recipe_memory_is_what_vlrl_plan_says(tmp_path, name, fixture, gpus, memory, stated):
+    """Each recipe's "expected memory per GPU" is `vlrl plan`'s, from the model's published config.json (no weights,
+    no tokenizer: tests/fixtures/model_configs/) and prompts of one 448×448 image — the command its comment gives."""
+    from PIL import Image
+    from skimage import data as images
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    Image.fromarray(images.astronaut()).resize((448, 448)).save(tmp_path / "a.png")
+    question = ("In the figure, AB is a diameter of the circle and angle ACB is inscribed. Find the measure of angle "
+                "ABC if angle CAB is 35 degrees. ") * 2
+    row = {"task": "geo", "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+           "images": ["a.png"], "answer": "55", "reward": "math"}
+    (tmp_path / "sample.jsonl").write_text("".join(json.dumps({"id": f"p{k}", **row}) + "\n" for k in range(8)))
+    head = (RECIPES / name).read_text().split("\nmodel:")[0]
+    assert f"tests/fixtures/model_configs/{fixture}" in head
+    result = CliRunner().invoke(app, [
+        "plan", str(RECIPES / name), "--gpus", str(gpus), "--gpu-mem", str(memory),
+        f"model.path={REPO / 'tests' / 'fixtures' / 'model_configs' / fixture}", "model.trust_remote_code=false",
+        f"data.train={tmp_path / 'sample.jsonl'}", "data.format=vlrl", "data.prompt_template=null", "data.test=null"])
+    assert result.exit_code == 0, result.output
+    for placement, gib in stated.items():
+        assert _planned_gib(result.output, placement) == gib, placement
+        assert f"{gib} GiB" in head, (name, gib)
 
 
 @pytest.mark.e2e

@@ -490,22 +490,21 @@ def launch(
 ) -> None:
     """Run `vlrl sft|rl` on launch.nproc Ray actors in a placement group (torch.distributed rendezvous wired), with
     launch.rollout_servers `vlrl serve` actors beside them."""
-    from vlrl.launch.launcher import LaunchError, LaunchRefused, detect, prepare
-    from vlrl.launch.launcher import launch as run_launch
+    from vlrl.launch import launcher
 
     extra = [*([f"launch.nproc={nproc}"] if nproc else []), *([f"checkpoint.resume={resume}"] if resume else [])]
     try:
         # servers the launch starts stand in for rollout.servers while the config is checked (their URLs come later)
-        ready = prepare(detect(config, recipe), config, [*(overrides or []), *extra])  # before Ray starts
+        ready = launcher.prepare(launcher.detect(config, recipe), config, [*(overrides or []), *extra])  # before Ray starts
     except ConfigError as err:
         typer.secho(str(err), fg="red", err=True)
         raise typer.Exit(2) from None
-    except LaunchRefused as err:
+    except launcher.LaunchRefused as err:
         typer.secho(f"vlrl launch: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
     try:
-        run_launch(ready.spec, ready.cfg.launch, address=ray_address, servers=ready.servers)
-    except LaunchError as err:
+        launcher.launch(ready.spec, ready.cfg.launch, address=ray_address, servers=ready.servers)
+    except launcher.LaunchError as err:
         typer.secho(f"vlrl launch: {err}", fg="red", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
@@ -557,7 +556,14 @@ def plan(
     except (OSError, ValueError) as err:  # a missing directory, no hub, an unsupported family
         typer.secho(f"vlrl plan: model.path: {err}", fg="red", err=True)
         raise typer.Exit(2) from None
-    shape, work = planner.model_shape(model), planner.workload(cfg, adapter, model=model)
+    from vlrl.data import DataError
+
+    try:
+        shape, work = planner.model_shape(model), planner.workload(cfg, adapter, model=model)
+    except DataError as err:  # the prompts' sizes come from a few samples of data.train (a hub id may be unreachable)
+        typer.secho(f"vlrl plan: data.train: {err} — plan with a local sample of the data (data.train=FILE) or the "
+                    "procedural prompts (data.train=null)", fg="red", err=True)
+        raise typer.Exit(2) from None
     device = planner.Device(gpus, gpu_mem, tflops=tflops, bandwidth_gbs=bandwidth, link_gbs=link, mfu=mfu)
     plans = planner.plan_placements(shape, work, device)
     launches = {p.name: planner.launch_settings(p, cfg, recipe, config, list(overrides or []))

@@ -22,6 +22,17 @@ def test_jsonl_round_trip_with_images(tmp_path):
     assert first["images"] == ["images/shapes-train-0-000000_0.png"]  # relative to the jsonl file
 
 
+def test_a_file_named_by_a_relative_path_finds_its_images_once(tmp_path, monkeypatch):
+    """Image paths are relative to the jsonl file; read through a relative path (``data/shapes/test.jsonl``, as the
+    README's commands do) they are joined to its folder once (before: ``data/shapes/data/shapes/images/...``)."""
+    write_samples(generate("shapes", 2, tasks=["color"]), tmp_path / "data" / "shapes" / "test.jsonl")
+    monkeypatch.chdir(tmp_path)
+    back = read_samples("data/shapes/test.jsonl").samples
+    assert [str(i) for s in back for i in s.images] == ["data/shapes/images/shapes-train-0-000000_0.png",
+                                                         "data/shapes/images/shapes-train-0-000001_0.png"]
+    assert all((tmp_path / i).is_file() for s in back for i in s.images)
+
+
 def test_parquet_round_trip(tmp_path):
     samples = generate("shapes", 4, tasks=["color"])
     back = read_samples(write_samples(samples, tmp_path / "d.parquet")).samples

@@ -71,7 +71,7 @@ def test_vlrl_plan_plans_a_real_model_from_its_config_json_alone(tmp_path, as_di
     # the README's worked case: Qwen2.5-VL-7B, LoRA r=16, bf16, checkpointing on one 80 GiB GPU
     assert "Ψ = 8.29e+03M parameters (vision Ψ_v = 677M), 28 layers, h = 3584" in result.output
     assert "V = 152064" in result.output
-    assert "#1 colocated fsdp×1" in result.output and "51.07 GiB of 80 GiB" in result.output
+    assert "#1 colocated fsdp×1" in result.output and "23.95 GiB of 80 GiB" in result.output
 
 
 def test_plan_measure_refuses_a_config_alone_and_says_why():

@@ -1,6 +1,6 @@
 """Every vision-language family preset through every in-process path, exactly.
 
-For each family (`vlrl.models.presets.FAMILY_PRESETS`): sampling n = 4 responses to a prompt with two images
+For each family (`vlrl.models.presets.FAMILY_PRESETS`: one preset per vision model type of `vlrl.models.families`): sampling n = 4 responses to a prompt with two images
 and to a video (its sampled frames fed as images, `vlrl.data.video`), a three-turn episode with an image in turn 3, padded and padding-free scoring, the shared-image path, a text-only
 prompt, an SFT step, a GRPO step, token counting and a save → plain-transformers load. "Exact" means the
 trainer's teacher-forced log-probs equal the sampler's behaviour log-probs (max |Δ| < 1e-4 per row), which
@@ -18,9 +18,10 @@ from PIL import Image
 from vlrl.config import RLStage, SFTStage
 from vlrl.data import Sample, generate, load_image
 from vlrl.models import collate, load_policy, response_logprobs
-from vlrl.models.adapters import VisionInputs, _inner
+from vlrl.models.adapters import vision_tower
 from vlrl.models.packed import sequence_logprobs
 from vlrl.models.presets import FAMILY_PRESETS
+from vlrl.models.vision_inputs import VisionInputs
 from vlrl.report import MetricsLogger
 from vlrl.rollout import HFEngine, SamplingParams
 from vlrl.rollout.agent import AgentSettings, multi_turn
@@ -29,6 +30,15 @@ from vlrl.rollout.env import Observation
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = pytest.mark.parametrize("name", FAMILY_PRESETS)
 TOL = 1e-4
+
+# Per-family test parameters: a new family (one module in vlrl/models/families) is run by every test here through
+# FAMILY_PRESETS; it adds a line below only where it differs from the other families.
+# Padding-free rows that hold one sequence each: recurrent layers (Qwen3.5), token-type attention masks (Gemma 3).
+ONE_SEQUENCE_PER_ROW = {"tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma3"}
+# The planner's stated approximation (vlrl/launch/planner.py, "Families"): estimated / measured total memory of one
+# training step, (0.8, 1.2) unless given. Qwen3.5's Gated DeltaNet layers are counted as attention layers
+# (activations ~0.5×).
+PLAN_TOTAL = {"tiny-qwen3.5": (0.65, 0.95), "tiny-qwen3.5-moe": (0.65, 0.95)}
 
 
 def _two_image_sample(k: int = 0) -> Sample:
@@ -60,8 +70,7 @@ def _max_drift(logp, trajectories) -> float:
 
 def _vision_calls(policy) -> list[int]:
     """A counter of the vision tower's forward calls (a hook on it)."""
-    inner = _inner(policy.model)
-    tower = next(getattr(inner, n) for n in ("visual", "vision_tower", "vision_model") if hasattr(inner, n))
+    tower = vision_tower(policy.model)
     calls: list[int] = []
     tower.register_forward_hook(lambda *_: calls.append(1))
     return calls
@@ -185,8 +194,7 @@ def test_the_shared_image_path_equals_the_per_row_path(name):
                                                                              _private(a.vision), _private(a.vision)])
     assert private.vision.parts is None and len(calls) == 1  # per-row: one tower call on all four rows' images
     assert torch.allclose(lp_s, lp_p, atol=1e-5) and torch.allclose(ent_s, ent_p, atol=1e-5)
-    tower = {"visual", "vision_tower", "vision_model"}
-    assert g_s.keys() == g_p.keys() and any(part in n for n in g_s for part in tower)
+    assert g_s.keys() == g_p.keys() and any(n.startswith(policy.adapter.module_groups["vision"]) for n in g_s)
     for param, g in g_p.items():
         assert torch.allclose(g_s[param], g, rtol=1e-4, atol=1e-6), param
 
@@ -195,9 +203,9 @@ def test_the_check_refuses_sharing_that_drops_vision_features(monkeypatch):
     """The defect this check exists for: Qwen3-VL's DeepStack features, left out of the shared path, changed
     log-probs by up to 0.29 nats. Drop them again: the check sees the difference, the per-row path is used, and
     the log-probs stay exact."""
-    import vlrl.models.adapters as adapters
+    import vlrl.models.shared_images as shared_images
 
-    monkeypatch.setattr(adapters, "_DIAGNOSTIC_FIELDS", (*adapters._DIAGNOSTIC_FIELDS, "deepstack_features"))
+    monkeypatch.setattr(shared_images, "DIAGNOSTIC_FIELDS", (*shared_images.DIAGNOSTIC_FIELDS, "deepstack_features"))
     policy = load_policy("tiny-qwen3-vl")
     engine = HFEngine(policy)
     request = engine.encode(_two_image_sample())
@@ -225,7 +233,7 @@ def test_padding_free_scoring_equals_padded(name):
                                          groups=[[0, 1, 2], [3, 4], [5]])
     assert torch.allclose(padded, packed, atol=TOL)
     # recurrent layers (Qwen3.5) and token-type attention masks (Gemma 3) keep one sequence per packed row
-    assert policy.adapter.one_sequence_per_row == (name in ("tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma3"))
+    assert policy.adapter.one_sequence_per_row == (name in ONE_SEQUENCE_PER_ROW)
 
 
 @FAMILIES
@@ -356,11 +364,6 @@ def test_the_rollout_server_and_http_engine_sample_exactly(name, tmp_path):
         batcher.close()
 
 
-# The planner's stated approximation (vlrl/launch/planner.py, "Families"): estimated / measured total memory of one
-# training step. Qwen3.5's Gated DeltaNet layers are counted as attention layers (activations ~0.5×).
-PLAN_TOTAL = {"tiny-qwen3.5": (0.65, 0.95), "tiny-qwen3.5-moe": (0.65, 0.95)}
-
-
 @FAMILIES
 def test_the_planner_estimates_a_measured_training_step(name, tmp_path):
     from vlrl.config import SFTConfig, load_config
@@ -373,8 +376,6 @@ def test_the_planner_estimates_a_measured_training_step(name, tmp_path):
     shape, w = model_shape(model), workload(cfg, adapter)
     assert shape.vision_depth == 2 and w.patches > 0
     # FSDP2 units: the decoder layers and the vision tower (its own unit, as transformers 5 needs)
-    from vlrl.models.adapters import vision_tower
-
     units = fsdp_units(model)
     assert units[-1] is vision_tower(model) is not None
     layers = model.config.get_text_config().num_hidden_layers

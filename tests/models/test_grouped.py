@@ -1,7 +1,7 @@
 """`vlrl.models.grouped`: the prefix-grouped layout and attention. Its masks worked out by hand, and on a text
 model with a sliding window shorter than the sequences (which no family preset exercises) the grouped pass gives
 the padded pass's log-probs, entropies and gradients. (Every family preset, gradient checkpointing, DDP and
-FSDP2: tests/models/test_shared_prefix.py and test_shared_prefix_ranks.py.)"""
+FSDP2: tests/train/test_shared_prefix.py and test_shared_prefix_ranks.py.)"""
 
 import pytest
 import torch

@@ -1,9 +1,9 @@
 import pytest
 import torch
-from train.test_shared_prefix import _rollout
 
 # tests/ is on sys.path: one preset per family, loaded once per session, and the shared-prefix tests' rollout
 from rollout.test_decode import FAMILY_PRESETS, _policy
+from train.test_shared_prefix import _rollout
 from vlrl.data import generate
 from vlrl.models import collate, response_logprobs
 from vlrl.rollout import HFEngine, SamplingParams
@@ -85,7 +85,7 @@ def test_chunk_tokens_by_setting_and_size():
 def _layouts():
     """name → (scorer(policy, trajectories, chunk) → (logp, entropy), with gradients?) of every teacher-forced pass."""
     from vlrl.models.packed import sequence_logprobs
-    from vlrl.models.shared_prefix import teacher_forced
+    from vlrl.train.shared_prefix import teacher_forced
 
     def inputs(trajectories):
         return [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories], [t.vision for t in trajectories]

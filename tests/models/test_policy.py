@@ -17,5 +17,6 @@ def test_a_saved_vlm_loads_its_pil_image_processor_without_the_deprecated_use_fa
 
     monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", classmethod(spy))
     policy = load_policy(str(tiny_vlm_dir))
-    assert calls == [{"backend": "pil"}]
+    assert len(calls) == 1 and calls[0]["backend"] == "pil" and "use_fast" not in calls[0]
+    assert calls[0].get("trust_remote_code") is False  # the model option's default, passed on
     assert type(policy.image_processor).__name__ == "Qwen2VLImageProcessorPil"

@@ -84,6 +84,24 @@ def test_a_three_turn_episode_is_exact_and_its_first_turn_prefilled_once_per_gro
     assert len(prefills) >= 3 and all(calls <= 8 for calls in prefills)
 
 
+class _FavourToken(torch.nn.Module):
+    """The LM head with ``bonus`` added to one token's logit. A module, not a forward hook: the scoring pass hands
+    the head's forward the hidden states and takes scores back (`head_scores`), so a hook there would see scores."""
+
+    def __init__(self, head: torch.nn.Module, token: int, bonus: float) -> None:
+        super().__init__()
+        self.head, self.token, self.bonus = head, token, bonus
+        self.out_features = head.weight.shape[0]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)
+        return logits.index_add(-1, torch.tensor([self.token]), torch.full((*logits.shape[:-1], 1), self.bonus))
+
+
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
 def test_rows_that_finish_early_leave_the_batch_and_the_others_stay_exact(name):
     """EOS made likely (+2.5 on its logit, in the model's own head, so the teacher-forced pass sees it too): rows
@@ -93,10 +111,8 @@ def test_rows_that_finish_early_leave_the_batch_and_the_others_stay_exact(name):
     policy = _policy(name)
     eos = policy.eos_token_ids[0]
 
-    def favour_eos(module, inputs, logits):
-        return logits.index_add(-1, torch.tensor([eos]), torch.full((*logits.shape[:-1], 1), 2.5))
-
-    handle = policy.model.get_output_embeddings().register_forward_hook(favour_eos)
+    head = policy.model.get_output_embeddings()
+    policy.model.set_output_embeddings(_FavourToken(head, eos, 2.5))
     try:
         engine = HFEngine(policy)
         requests = [engine.encode(s) for s in _samples(policy, 2)]
@@ -111,7 +127,7 @@ def test_rows_that_finish_early_leave_the_batch_and_the_others_stay_exact(name):
         assert any(t.response_ids[turn.action_end - 1] == eos for t in episodes for turn in t.turns[:-1])
         assert _drift(policy, episodes, 0.7) < TOL
     finally:
-        handle.remove()
+        policy.model.set_output_embeddings(head)
 
 
 @pytest.mark.parametrize("name", FAMILY_PRESETS)

@@ -643,6 +643,8 @@ def _warn_resized(report: CheckReport, resized: list, n_images: int) -> None:
 
 def _check_vision_tokens(report: CheckReport, proc: _Processor, encoded, where: str) -> int:
     """Image tokens in the prompt vs features the model's vision tower outputs; returns the image count."""
+    from vlrl.models.families import tower_features  # each family's own arithmetic, found by model_type
+
     vision = encoded.vision
     token_id = getattr(proc.adapter, "image_token_id", None)
     if vision is None or token_id is None:
@@ -665,69 +667,6 @@ def _check_vision_tokens(report: CheckReport, proc: _Processor, encoded, where: 
                        f"for {vision.num_images} image(s) ({how}): the forward pass would fail with "
                        "'Image features and image tokens do not match'")
     return vision.num_images
-
-
-def tower_features(config: Any, vision, *, processor_merge_size: int | None = None) -> tuple[int, str] | None:
-    """Features the vision tower of ``config``'s model outputs for these processor outputs, by the family's own
-    arithmetic read from the *model* config (so a processor that disagrees with the model is caught), and how
-    it was counted; None for a family without a formula here.
-
-    - M-RoPE families (Qwen2-VL ... Qwen3.5, GLM-4.xV): Σ prod(grid_thw) / spatial_merge_size²;
-    - Gemma 3: images (crops included) × mm_tokens_per_image;
-    - InternVL: tiles × (image_size / patch_size)² × downsample_ratio²;
-    - SmolVLM / Idefics3: non-empty tiles × (image_size / patch_size)² / scale_factor²;
-    - LLaVA-OneVision: the model's own ``pack_image_features`` (anyres grid, unpadding, newline tokens) run on
-      zero features of width 1.
-    """
-    vision_config = getattr(config, "vision_config", None)
-    pixels = vision.pixel_values
-    grids = vision.image_grid_thw
-    if vision_config is None or pixels is None:
-        return None
-    merge = getattr(vision_config, "spatial_merge_size", None)
-    if grids is not None and merge:
-        return (sum(int(g.prod()) // merge**2 for g in grids),
-                f"image processor merge_size {processor_merge_size if processor_merge_size is not None else '?'}, "
-                f"model vision_config.spatial_merge_size {merge}")
-    side = _side(vision_config)
-    if getattr(config, "mm_tokens_per_image", None):
-        return int(pixels.shape[0]) * config.mm_tokens_per_image, f"mm_tokens_per_image {config.mm_tokens_per_image}"
-    if getattr(config, "downsample_ratio", None) and side:
-        per_tile = int(side**2 * config.downsample_ratio**2)
-        return int(pixels.shape[0]) * per_tile, f"{per_tile} tokens per tile (downsample_ratio {config.downsample_ratio})"
-    if getattr(config, "scale_factor", None) and side:
-        tiles = pixels.reshape(-1, *pixels.shape[-3:])
-        real = int(((tiles == 0).flatten(1).sum(-1) != tiles[0].numel()).sum())
-        per_tile = side**2 // config.scale_factor**2
-        return real * per_tile, f"{per_tile} tokens per tile (scale_factor {config.scale_factor})"
-    if getattr(config, "image_grid_pinpoints", None) and side and "image_sizes" in vision.tensors:
-        return _anyres_features(config, vision, side), "anyres grid (image_grid_pinpoints)"
-    return None
-
-
-def _side(vision_config: Any) -> int | None:
-    size, patch = getattr(vision_config, "image_size", None), getattr(vision_config, "patch_size", None)
-    size = size[0] if isinstance(size, (list, tuple)) else size
-    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
-    return size // patch if size and patch else None
-
-
-def _anyres_features(config: Any, vision, side: int) -> int:
-    import torch
-    from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
-
-    from vlrl.compat import llava_onevision_packed_features
-
-    sizes = vision.tensors["image_sizes"]
-    counts = vision.tensors.get("batch_num_images")
-    patching = [True] * len(sizes) if counts is None else [int(n) == 1 for n in counts for _ in range(int(n))]
-    crops = [image_size_to_num_patches(image_size=s, grid_pinpoints=config.image_grid_pinpoints,
-                                       patch_size=config.vision_config.image_size) if p else 1
-             for s, p in zip(sizes, patching, strict=True)]
-    per_crop = side**2 - (1 if getattr(config, "vision_feature_select_strategy", "full") == "default" else 0)
-    features = [torch.zeros(n, per_crop, 1) for n in crops]
-    packed = llava_onevision_packed_features(config, features, sizes)
-    return sum(int(f.shape[0]) for f in packed)
 
 
 def detect_recipe(raw: dict[str, Any], path: str | Path | None = None) -> str:

@@ -77,10 +77,10 @@ class Sample:
     source: str = field(default="", compare=False, repr=False)
 
     def num_image_parts(self) -> int:
-        return sum(1 for m in self.messages for p in _parts(m) if p.get("type") == "image")
+        return sum(1 for m in self.messages for p in content_parts(m) if p.get("type") == "image")
 
     def num_video_parts(self) -> int:
-        return sum(1 for m in self.messages for p in _parts(m) if p.get("type") == "video")
+        return sum(1 for m in self.messages for p in content_parts(m) if p.get("type") == "video")
 
     def validate(self) -> None:
         """Raise `SampleError` naming the field if the record is inconsistent."""
@@ -96,7 +96,7 @@ class Sample:
             content = message.get("content")
             if not isinstance(content, (str, list)):
                 raise SampleError(f"field 'messages[{i}].content': must be a string or a list of parts")
-            for j, part in enumerate(_parts(message)):
+            for j, part in enumerate(content_parts(message)):
                 if part.get("type") not in ("text", "image", "video"):
                     raise SampleError(f"field 'messages[{i}].content[{j}].type': must be 'text', 'image' or 'video'")
                 if part["type"] == "text" and not isinstance(part.get("text"), str):
@@ -128,11 +128,12 @@ class Sample:
         out = []
         for m in self.messages:
             markers = {"image": IMAGE_MARKER, "video": VIDEO_MARKER}
-            out.append("".join(p["text"] if p["type"] == "text" else markers[p["type"]] for p in _parts(m)))
+            out.append("".join(p["text"] if p["type"] == "text" else markers[p["type"]] for p in content_parts(m)))
         return "\n".join(out)
 
 
-def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
+def content_parts(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat message's content as a list of typed parts (a plain string is one text part)."""
     content = message.get("content")
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
@@ -266,7 +267,7 @@ def sample_from_json(record: Any, base_dir: Path) -> Sample:
         last = messages[-1]
         messages = messages[:-1]
         response = last["content"] if isinstance(last.get("content"), str) else "".join(
-            p.get("text", "") for p in _parts(last)
+            p.get("text", "") for p in content_parts(last)
         )
     images = [_image_source(image, base_dir, f"images[{k}]") for k, image in enumerate(record.get("images") or [])]
     videos: list[VideoSource] = []

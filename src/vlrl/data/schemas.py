@@ -210,8 +210,9 @@ def _vlrl_sample(row: Mapping[str, Any], schema: Schema, ctx: RowContext) -> Sam
         reward = choose_reward(None, str(record.get("task") or ""), schema, None)
         if reward:
             record["reward"] = reward
-    if record.get("images"):
-        record["images"] = _image_list(record["images"], ctx.base_dir)
+    if record.get("images"):  # paths stay as written: `sample_from_json` resolves them against base_dir (once)
+        record["images"] = [v if isinstance(v, str) else image_source(v, ctx.base_dir, f"images[{k}]")
+                            for k, v in enumerate(_as_list(record["images"]))]
     sample = sample_from_json(record, ctx.base_dir)
     if schema.prompt_template is not None or schema.system_prompt is not None:
         sample = replace(sample, messages=build_messages(sample.messages, len(sample.images), schema=schema,
@@ -309,10 +310,13 @@ def _scalars(row: Mapping[str, Any], used: set[str]) -> dict[str, Any]:
 def _image_list(value: Any, base_dir: Path) -> list[Any]:
     """A row's images as vlrl image sources: one value or a list; HF ``Image`` values (``{"bytes", "path"}``),
     PIL images, encoded bytes, data URLs, paths (relative ones from ``base_dir``), lazy Arrow rows."""
+    return [image_source(v, base_dir, f"images[{k}]") for k, v in enumerate(_as_list(value))]
+
+
+def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
-    values = list(value) if isinstance(value, (list, tuple)) else [value]
-    return [image_source(v, base_dir, f"images[{k}]") for k, v in enumerate(values)]
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def image_source(value: Any, base_dir: Path, name: str = "image") -> Any:

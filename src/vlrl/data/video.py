@@ -26,7 +26,7 @@ from typing import Any
 
 from PIL import Image
 
-from vlrl.data.sample import ImageSource, Sample, SampleError, VideoSource, _parts, image_size
+from vlrl.data.sample import ImageSource, Sample, SampleError, VideoSource, content_parts, image_size
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def frames_as_images(sample: Sample, *, fps: float, max_frames: int) -> Sample:
             messages.append(message)
             continue
         content = []
-        for part in _parts(message):
+        for part in content_parts(message):
             if part.get("type") == "image":
                 images.append(next(sources))
                 content.append(part)

@@ -71,7 +71,7 @@ built on the meta device from it, with the family's stand-in tokenizer and image
                (the recomputed forward); c_v the same for the vision tower, 2 when it trains nothing
     extra passes (π_old when several optimizer steps, π_ref with a KL term) 2Ψ·T / (n_train·F·η) each
                ``train.shared_prefix``: a group's prompt runs once in the π_old / π_ref passes and in the update
-               (`vlrl.models.shared_prefix`; also under DDP / FSDP2 and checkpointing — not for recurrent layers): there
+               (`vlrl.train.shared_prefix`; also under DDP / FSDP2 and checkpointing — not for recurrent layers): there
                T = prompts·P + rows·R and T_v = prompts·N_p instead of rows·L and rows·N_p (the critic's pass does
                not share)
     generate   prefill 2Ψ·P·prompts / (n_gen·F·η) + R · ⌈rows/(n_gen·B)⌉ · (Ψ·b_c + KV/2)/W   (each prompt is
@@ -262,7 +262,7 @@ def frozen(s: ModelShape, w: Workload, d: int, role: str) -> list[Term]:
 # ----------------------------------------------------------------------------------------------- placements
 def train_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]:
     T = w.sequences * w.length
-    shares = w.shared_prefix and 0 < w.prompts < w.sequences  # a group's prompt once (`vlrl.models.shared_prefix`)
+    shares = w.shared_prefix and 0 < w.prompts < w.sequences  # a group's prompt once (`vlrl.train.shared_prefix`)
     T_shared = w.prompts * w.prompt_tokens + w.sequences * w.response_tokens if shares else T
     T_train = T_shared  # the update's forward shares too: one grouped forward, any ranks, checkpointing or not
     Tv = (w.prompts if T_train != T else w.sequences) * w.patches

@@ -28,22 +28,31 @@ Adapters:
     hand the features to the model as ``mm_encoder_outputs`` — only when a check on the model has shown that
     this gives the same log-probs as the per-row path (`VisionAdapter.shares_images`).
 
-Processors of one image differ in layout (patches × values, tiles × C × H × W, a per-sample batch of tiles,
-images × padded anyres crops); `VisionInputs.concat` joins any of them along their first dimension, zero-padding
-the others, which is how the families' own processors batch samples.
+What a family needs beyond that lives in its module (`vlrl.models.families`): where its model keeps its vision
+tower and its parts (`vision_tower`, the adapter's ``module_groups``), its presets and their markup. Vision
+inputs are `vlrl.models.vision_inputs.VisionInputs`; the shared-image path's pieces are in
+`vlrl.models.shared_images`.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import weakref
-from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import torch
 from PIL import Image
+
+from vlrl.models.families import module_prefixes, vision_tower_names
+from vlrl.models.introspect import (
+    image_text_model_class,
+    inner_model,
+    is_wrapped,
+    method_parameters,
+    one_sequence_per_row,
+)
+from vlrl.models.shared_images import NotShareable, compared_output, join_outputs
+from vlrl.models.vision_inputs import EncodedPrompt, VisionInputs
 
 log = logging.getLogger(__name__)
 
@@ -51,144 +60,14 @@ log = logging.getLogger(__name__)
 _TEXT_KEYS = {"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "text_replacement_offsets"}
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate along dim 0, zero-padding every other dimension to the largest (how processors batch)."""
-    if len(tensors) == 1:
-        return tensors[0]
-    first = tensors[0]
-    if all(t.shape[1:] == first.shape[1:] for t in tensors):
-        return torch.cat(tensors)
-    if any(t.dim() != first.dim() for t in tensors):
-        raise ValueError(f"cannot join vision inputs of shapes {[tuple(t.shape) for t in tensors]}")
-    shape = [sum(t.shape[0] for t in tensors)] + [max(t.shape[d] for t in tensors) for d in range(1, first.dim())]
-    out = first.new_zeros(shape)
-    start = 0
-    for t in tensors:
-        out[(slice(start, start + t.shape[0]), *(slice(0, s) for s in t.shape[1:]))] = t
-        start += t.shape[0]
-    return out
-
-
-@dataclass
-class VisionInputs:
-    """Processor outputs of the images (and videos) of one sequence, all turns, in order of appearance.
-
-    Attributes:
-        tensors: the processor's vision outputs by name (``pixel_values``, ``image_grid_thw``, ...).
-        num_images / num_videos: how many images / videos they hold.
-        replacements: the expanded markup of each image then each video (what its placeholder becomes).
-        parts / part_index: set by `concat_shared` when rows share inputs (a GRPO group's n responses): the
-            distinct inputs (``tensors`` then holds each once) and, per row holding vision, which part it shows.
-    """
-
-    tensors: dict[str, torch.Tensor]
-    num_images: int = 0
-    num_videos: int = 0
-    replacements: list[str] = field(default_factory=list)
-    parts: list[VisionInputs] | None = None
-    part_index: list[int] | None = None
-
-    @property
-    def pixel_values(self) -> torch.Tensor | None:
-        return self.tensors.get("pixel_values")
-
-    @property
-    def image_grid_thw(self) -> torch.Tensor | None:
-        return self.tensors.get("image_grid_thw")
-
-    @property
-    def video_grid_thw(self) -> torch.Tensor | None:
-        return self.tensors.get("video_grid_thw")
-
-    def to(self, device) -> VisionInputs:
-        parts = [p.to(device) for p in self.parts] if self.parts is not None else None
-        return VisionInputs({k: v.to(device) for k, v in self.tensors.items()}, self.num_images, self.num_videos,
-                            self.replacements, parts, self.part_index)
-
-    @staticmethod
-    def concat(items: list[VisionInputs | None]) -> VisionInputs | None:
-        """The inputs of several sequences (or turns) in order, as the processor batches them."""
-        present = [v.expanded() for v in items if v is not None]
-        if not present:
-            return None
-        if len(present) == 1:
-            return present[0]
-        keys = list(dict.fromkeys(k for v in present for k in v.tensors))
-        return VisionInputs(
-            {k: _cat([v.tensors[k] for v in present if k in v.tensors]) for k in keys},
-            sum(v.num_images for v in present), sum(v.num_videos for v in present),
-            [r for v in present for r in v.replacements],
-        )
-
-    def expanded(self) -> VisionInputs:
-        """One copy per row (``part_index`` resolved): what `concat` would have built."""
-        if self.parts is None:
-            return self
-        return VisionInputs.concat([self.parts[k] for k in self.part_index])
-
-    def occurrence(self, key: str) -> torch.Tensor | None:
-        """``tensors[key]`` with one copy per row (cheap for small tensors such as ``image_grid_thw``)."""
-        if self.parts is None:
-            return self.tensors.get(key)
-        pieces = [self.parts[k].tensors[key] for k in self.part_index if key in self.parts[k].tensors]
-        return _cat(pieces) if pieces else None
-
-    @staticmethod
-    def concat_shared(items: list[VisionInputs | None]) -> VisionInputs | None:
-        """`concat`, but rows holding the same `VisionInputs` object (the n responses of one prompt) contribute
-        it once, with ``part_index`` mapping every row to it; plain `concat` when none repeat."""
-        present = [v for v in items if v is not None]
-        unique: dict[int, int] = {}  # id → part
-        parts: list[VisionInputs] = []
-        index: list[int] = []
-        for v in present:
-            if id(v) not in unique:
-                unique[id(v)] = len(parts)
-                parts.append(v.expanded())
-            index.append(unique[id(v)])
-        if len(parts) == len(present):
-            return VisionInputs.concat(items)
-        joined = VisionInputs.concat(parts)
-        return VisionInputs(joined.tensors, joined.num_images, joined.num_videos, joined.replacements, parts, index)
-
-
-def _wrapped(model: torch.nn.Module) -> bool:
-    """A DDP or FSDP2 module: its submodules must not be called outside its own forward."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return hasattr(model, "module") or isinstance(model, FSDPModule)
-
-
-def _inner(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers base model: through a DDP wrapper (``.module``), then ``ForConditionalGeneration.model``."""
-    model = getattr(model, "module", model)
-    inner = getattr(model, "model", None)
-    return inner if isinstance(inner, torch.nn.Module) else model
-
-
-VISION_TOWERS = ("visual", "vision_tower", "vision_model")  # where the families keep their vision encoder
-
-
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     """The vision encoder of a transformers VLM (``model.visual`` of Qwen / GLM, ``vision_tower`` of InternVL /
-    Gemma 3 / LLaVA-OV, ``vision_model`` of SmolVLM), or None for a text model."""
-    inner = _inner(model)
-    return next((getattr(inner, n) for n in VISION_TOWERS if isinstance(getattr(inner, n, None), torch.nn.Module)), None)
-
-
-@cache
-def _parameters(cls: type, method: str) -> frozenset[str]:
-    """Parameter names of a transformers method (which processor outputs a model's ``forward`` takes)."""
-    fn = getattr(cls, method, None)
-    return frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
-
-
-@dataclass
-class EncodedPrompt:
-    """A prompt ready for generation: token ids (image placeholders expanded) and vision inputs."""
-
-    input_ids: list[int]
-    vision: VisionInputs | None
+    Gemma 3 / LLaVA-OV, ``vision_model`` of SmolVLM: its family's `vlrl.models.families.Family.vision_tower`), or
+    None for a text model."""
+    inner = inner_model(model)
+    config = getattr(getattr(model, "module", model), "config", None)
+    names = vision_tower_names(getattr(config, "model_type", None))
+    return next((getattr(inner, n) for n in names if isinstance(getattr(inner, n, None), torch.nn.Module)), None)
 
 
 # The fixed conversation an observation is rendered after (slime's DUMMY_MESSAGES): the observation's tokens
@@ -339,37 +218,6 @@ class TextAdapter:
         return {"input_ids": input_ids, "position_ids": position_ids[0]}  # (N, T)
 
 
-class NotShareable(Exception):
-    """Encoder outputs whose structure `_join_outputs` cannot replicate per row."""
-
-
-def _join(values: list[Any]) -> Any:
-    """Join one field of several encoder outputs in row order: tensors along dim 0, per-image lists by
-    concatenation, lists of per-image lists (DeepStack's per-layer features) layer by layer."""
-    first = values[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(values)
-    if isinstance(first, (list, tuple)) and all(isinstance(v, type(first)) and len(v) == len(first) for v in values):
-        if first and all(isinstance(x, torch.Tensor) for x in first):
-            return type(first)(x for v in values for x in v)
-        if first and all(isinstance(x, (list, tuple)) for x in first):
-            return type(first)(_join(list(layer)) for layer in zip(*values, strict=True))
-    raise NotShareable(f"an encoder output field of type {type(first).__name__}")
-
-
-# Per-layer diagnostics of an encoder output (the encoder has already read what it needs from them): not handed on.
-_DIAGNOSTIC_FIELDS = ("hidden_states", "attentions")
-
-
-def _join_outputs(outputs: list[Any]) -> Any:
-    """The encoder output of several rows from the outputs of each (a transformers ``ModelOutput``)."""
-    first = outputs[0]
-    keys = [k for k in first.keys() if k not in _DIAGNOSTIC_FIELDS]
-    if any([k for k in o.keys() if k not in _DIAGNOSTIC_FIELDS] != keys for o in outputs):
-        raise NotShareable("encoder outputs with different fields")
-    return type(first)(**{k: _join([o[k] for o in outputs]) for k in keys})
-
-
 class VisionAdapter(TextAdapter):
     """Any vision-language family whose transformers processor and model follow transformers' multimodal API."""
 
@@ -508,12 +356,12 @@ class VisionAdapter(TextAdapter):
 
     @staticmethod
     def _types_key(model: torch.nn.Module) -> str | None:
-        params = _parameters(type(getattr(model, "module", model)), "forward")
+        params = method_parameters(type(getattr(model, "module", model)), "forward")
         return next((k for k in ("mm_token_type_ids", "token_type_ids") if k in params), None)
 
     @staticmethod
     def _rope_model(model: torch.nn.Module) -> torch.nn.Module | None:
-        inner = _inner(model)
+        inner = inner_model(model)
         return inner if callable(getattr(inner, "get_rope_index", None)) else None
 
     def _rope_positions(self, model, input_ids, attention_mask, vision: VisionInputs | None) -> torch.Tensor:
@@ -527,7 +375,7 @@ class VisionAdapter(TextAdapter):
         return positions
 
     def _vision_kwargs(self, model: torch.nn.Module, vision: VisionInputs) -> dict[str, Any]:
-        params = _parameters(type(getattr(model, "module", model)), "forward")
+        params = method_parameters(type(getattr(model, "module", model)), "forward")
         return {k: v for k, v in vision.expanded().tensors.items() if k in params}
 
     def forward_inputs(self, model, input_ids, attention_mask, vision):
@@ -551,7 +399,7 @@ class VisionAdapter(TextAdapter):
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
         model_cls = self._model_cls
         if model_cls is not None:
-            params = _parameters(model_cls, "forward")
+            params = method_parameters(model_cls, "forward")
             types_key = next((k for k in ("mm_token_type_ids", "token_type_ids") if k in params), None)
             if types_key is not None:
                 kwargs[types_key] = self.token_types(input_ids)
@@ -563,17 +411,17 @@ class VisionAdapter(TextAdapter):
 
     # ------------------------------------------------------------------------------------------- shared images
     def _feature_keys(self, model: torch.nn.Module) -> frozenset[str]:
-        return _parameters(type(_inner(model)), "get_image_features")
+        return method_parameters(type(inner_model(model)), "get_image_features")
 
     def _shared_kwargs(self, model: torch.nn.Module, vision: VisionInputs) -> dict[str, Any]:
         """``mm_encoder_outputs``: every distinct part's images encoded once, the features joined in row order;
         plus the vision inputs the encoder does not take (in per-row form)."""
-        inner = _inner(model)
+        inner = inner_model(model)
         keys = self._feature_keys(model)
         outputs = [inner.get_image_features(**{k: v for k, v in part.tensors.items() if k in keys}, return_dict=True)
                    for part in vision.parts]
-        joined = _join_outputs([outputs[k] for k in vision.part_index])
-        params = _parameters(type(getattr(model, "module", model)), "forward")
+        joined = join_outputs([outputs[k] for k in vision.part_index])
+        params = method_parameters(type(getattr(model, "module", model)), "forward")
         rest = {k: vision.occurrence(k) for k in vision.tensors if k in params and k not in keys}
         return {"mm_encoder_outputs": {"image": joined}, **rest}
 
@@ -586,7 +434,7 @@ class VisionAdapter(TextAdapter):
         path is used from then on. A family whose vision features are more than what the shared path hands
         over (e.g. Qwen3-VL's DeepStack features, if they were dropped) fails the check. Never for a DDP / FSDP2
         module (its hooks run in the root's forward only) or inputs holding videos. None: not checked yet."""
-        if _wrapped(model) or not callable(getattr(_inner(model), "get_image_features", None)):
+        if is_wrapped(model) or not callable(getattr(inner_model(model), "get_image_features", None)):
             return False
         if model in self._sharing or vision is None:
             return self._sharing.get(model)
@@ -601,14 +449,14 @@ class VisionAdapter(TextAdapter):
         language model, or the hidden states of a backbone without a head (the critic's), must agree to 1e-4."""
         keep = min(16, kwargs["input_ids"].shape[1])
         extra = {"use_cache": False}
-        if "logits_to_keep" in _parameters(type(getattr(model, "module", model)), "forward"):
+        if "logits_to_keep" in method_parameters(type(getattr(model, "module", model)), "forward"):
             extra["logits_to_keep"] = keep
         try:
-            shared = _output(model(**kwargs, **self._shared_kwargs(model, vision), **extra))
+            shared = compared_output(model(**kwargs, **self._shared_kwargs(model, vision), **extra))
         except (NotShareable, TypeError, ValueError, RuntimeError) as err:
             log.info("%s: the shared-image path is not used (%s)", self.family, err)
             return False
-        per_row = _output(model(**kwargs, **self._vision_kwargs(model, vision), **extra))
+        per_row = compared_output(model(**kwargs, **self._vision_kwargs(model, vision), **extra))
         mask = kwargs["attention_mask"][:, -shared.shape[1]:].bool()
         diff = float((shared - per_row)[mask].abs().max())
         if diff > 1e-4:
@@ -633,21 +481,13 @@ class VisionAdapter(TextAdapter):
         rope = position_ids.shape[0] > 1
         kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids if rope else position_ids[0]}
         model_cls = self._model_cls
-        params = _parameters(model_cls, "forward") if model_cls is not None else frozenset()
+        params = method_parameters(model_cls, "forward") if model_cls is not None else frozenset()
         types_key = next((k for k in ("mm_token_type_ids", "token_type_ids") if k in params), None)
         if types_key is not None:
             kwargs[types_key] = self.token_types(input_ids)
         if vision is not None:
             kwargs.update({k: v for k, v in vision.expanded().tensors.items() if k in params})
         return kwargs
-
-
-def _output(out: Any) -> torch.Tensor:
-    """What the sharing check compares: log-softmax of the logits, or a backbone's last hidden state."""
-    logits = getattr(out, "logits", None)
-    if logits is not None:
-        return logits.float().log_softmax(-1)
-    return out.last_hidden_state.float()
 
 
 def _config_id(config: Any, *names: str) -> int | None:
@@ -658,26 +498,19 @@ def _config_id(config: Any, *names: str) -> int | None:
     return None
 
 
-def _module_groups(model: torch.nn.Module | None) -> dict[str, tuple[str, ...]]:
-    """Parameter-name prefixes of the vision tower, the projector and the language model, found in the model."""
+def module_groups(model: torch.nn.Module | None, model_type: str | None) -> dict[str, tuple[str, ...]]:
+    """Parameter-name prefixes of the vision tower, the projector and the language model: those of the family's
+    `vlrl.models.families.Family.module_prefixes` that some parameter of the model starts with (the most specific
+    prefix wins: `vlrl.train.modules`)."""
     if model is None:
         return {}
     names = [n for n, _ in model.named_parameters()]
     groups: dict[str, tuple[str, ...]] = {}
-    for group, candidates in _GROUP_CANDIDATES.items():
+    for group, candidates in module_prefixes(model_type).items():
         found = tuple(c for c in candidates if any(n.startswith(c) for n in names))
         if found:
             groups[group] = found
     return groups
-
-
-# Where the families keep their parts (the most specific prefix wins: `vlrl.train.modules`).
-_GROUP_CANDIDATES = {
-    "projector": ("model.visual.merger.", "model.visual.deepstack_merger_list.", "model.multi_modal_projector.",
-                  "model.connector.", "model.mlp1."),
-    "vision": ("model.visual.", "model.vision_tower.", "model.vision_model."),
-    "llm": ("model.language_model.", "model.text_model.", "lm_head."),
-}
 
 
 def Qwen2VLAdapter(tokenizer: Any, image_processor: Any, model_config: Any) -> VisionAdapter:  # noqa: N802
@@ -707,37 +540,9 @@ def adapter_for(model_config: Any, tokenizer: Any, image_processor: Any | None, 
     adapter = VisionAdapter(tokenizer, processor, model_config, eos_token_ids)
     if model is not None:
         adapter._model_cls = type(model)
-        adapter.module_groups = _module_groups(model)
+        adapter.module_groups = module_groups(model, model_config.model_type)
     else:
-        adapter._model_cls = _model_class(model_config)
+        adapter._model_cls = image_text_model_class(model_config)
     adapter.one_sequence_per_row = one_sequence_per_row(model_config, adapter._model_cls)
     return adapter
 
-
-_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
-
-
-def one_sequence_per_row(model_config: Any, model_cls: type | None) -> bool:
-    """Whether padding-free rows must hold one sequence each for this model to be exact:
-
-    - recurrent layers (Qwen3.5's Gated DeltaNet, Mamba, ...; a text config's ``layer_types`` other than
-      attention) carry their state from one sequence into the next in a packed row — only varlen kernels
-      (flash-linear-attention with ``cu_seqlens``) would stop it, and transformers' PyTorch fallback has none;
-    - an attention mask that depends on token types (Gemma 3's bidirectional attention within an image, its
-      forward takes ``token_type_ids``): transformers 5 applies the image blocks of sliding-window layers at
-      positions remapped for packing, so an image of a second sequence in the row attends to the wrong tokens.
-    """
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    layer_types = set(getattr(text, "layer_types", None) or [])
-    if layer_types - _ATTENTION_LAYERS:
-        return True
-    return model_cls is not None and "token_type_ids" in _parameters(model_cls, "forward")
-
-
-def _model_class(model_config: Any) -> type | None:
-    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING  # the table of AutoModelForImageTextToText
-
-    try:
-        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(model_config)]
-    except KeyError:
-        return None

@@ -4,14 +4,14 @@ A user plans a real model before downloading it (``vlrl plan CONFIG model.path=�
 (`benchmarks/gpu_check.py`) builds a real-size model with random weights: neither has the real tokenizer or
 processor files, and this machine reaches no hub. What stands in for them:
 
-- **the tokenizer** of the family's tiny preset (`vlrl.models.presets`: a BPE trained locally, with the family's
+- **the tokenizer** of the family's tiny preset (`vlrl.models.families`: a BPE trained locally, with the family's
   chat template and vision markup). Only the token *ids* of the markup differ from the real tokenizer's, so the
   config's special ids (``image_token_id``, ``vision_start_token_id``, EOS, …) are re-pointed at the stand-in's; the
   vocabulary size — what the embedding, the LM head and the logits cost — stays the config's. A prompt's *text*
   tokenises into a slightly different count than with the real tokenizer (vision tokens, which dominate VLM
   prompts, are the same);
 - **the image processor** of the family (Qwen-style: ``Qwen2VLImageProcessorPil``) with the config's patch size,
-  spatial merge and temporal patch, and the real checkpoints' default pixel bounds (`QWEN_PIXELS`), so an image
+  spatial merge and temporal patch, and the real checkpoints' default pixel bounds (the family's `pixel_bounds`), so an image
   becomes the number of vision tokens the real processor gives it.
 
 `is_config_only` says whether a ``model.path`` is such a config; `stand_in_policy` builds the `Policy` (on the meta
@@ -26,11 +26,6 @@ from typing import Any
 
 import torch
 
-# Image processor pixel bounds (min, max) of the real checkpoints' preprocessor_config.json, by model type:
-# Qwen2-VL / Qwen2.5-VL 56·56 … 28·28·1280 (14-px patches); Qwen3-VL / Qwen3.5 65,536 … 16,777,216 (16-px patches).
-QWEN_PIXELS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056),
-               "qwen3_vl": (65536, 16777216), "qwen3_vl_moe": (65536, 16777216),
-               "qwen3_5": (65536, 16777216), "qwen3_5_moe": (65536, 16777216)}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
@@ -61,10 +56,13 @@ def load_config(path: str | Path) -> Any:
 
 
 def stand_in_preset(model_type: str) -> str:
-    """The tiny preset whose tokenizer (and chat template) stands in for a ``model_type``'s."""
+    """The tiny preset whose tokenizer (and chat template) stands in for a ``model_type``'s: its family's first
+    preset of that model type."""
+    from vlrl.models.families import family_of
     from vlrl.models.presets import PRESETS
 
-    for name, spec in PRESETS.items():
+    family = family_of(model_type)
+    for name, spec in family.presets.items() if family is not None else ():
         if spec.family == model_type:
             return name
     families = sorted({spec.family for spec in PRESETS.values()})
@@ -126,6 +124,7 @@ def _repoint_special_ids(config: Any, preset_config: Any) -> None:
 
 def _fit_image_processor(image_processor: Any, config: Any) -> None:
     """Give the stand-in image processor the config's patch geometry and the real checkpoints' pixel bounds."""
+    from vlrl.models.families import family_of
     from vlrl.models.policy import set_pixel_bounds
 
     vision = config.vision_config
@@ -134,6 +133,6 @@ def _fit_image_processor(image_processor: Any, config: Any) -> None:
         value = getattr(vision, field, None)
         if value is not None and hasattr(image_processor, attribute):
             setattr(image_processor, attribute, value)
-    bounds = QWEN_PIXELS.get(config.model_type)
-    if bounds is not None:
-        set_pixel_bounds(image_processor, *bounds)
+    family = family_of(config.model_type)
+    if family is not None and family.pixel_bounds is not None:
+        set_pixel_bounds(image_processor, *family.pixel_bounds)

@@ -1,7 +1,7 @@
 """Prefix-grouped teacher forcing: a group's prompt and all its responses in one forward, the prompt once.
 
 A GRPO group's n rows share one prompt. The plain pass (`vlrl.models.packed.sequence_logprobs`) runs the prompt
-once per row; the KV-cache pass (`vlrl.models.shared_prefix`) runs it once, then the responses against its
+once per row; the KV-cache pass (`vlrl.train.shared_prefix`) runs it once, then the responses against its
 copied keys/values — two forwards, which a DDP / FSDP2 module (its hooks expect one forward per backward) and
 transformers' gradient checkpointing (no cache then) do not allow. Here one forward does both, as verl's
 PrefixGrouper does (``actor.use_prefix_grouper``, verl PR #4368): each group is one row,
@@ -23,14 +23,14 @@ last position (+1 per token on every axis — text after the prompt, as the engi
 do). Scores (`vlrl.models.logprobs.head_scores`, chunked above a size): the prompt's last position predicts the
 first token of each of its responses, slot position k the token k + 1. Everything else — vision tower, DeepStack,
 MoE routing, the LM head — is the model's own forward, so the values are the plain pass's up to float summation
-order (tests/models/test_shared_prefix.py: log-probs < 1e-5, loss and every gradient atol 1e-6, fp32).
+order (tests/train/test_shared_prefix.py: log-probs < 1e-5, loss and every gradient atol 1e-6, fp32).
 
 Gradient checkpointing recomputes a decoder layer in the backward, after this pass has returned: for the
 forward, the layers' checkpoint function is wrapped so that the recomputation runs under the same layout and
 attention (`_replayed`). Gemma 3's image tokens attend to each other within an image (its ``token_type_ids``
 mask): the prompt block does too (`image_blocks`). What this layout cannot express — recurrent layers (a slot
 would continue the previous slot's state), other token-type masks (PaliGemma's prefix-LM), attention-logit soft
-caps, attention sinks, dropout — is refused by the caller (`vlrl.models.shared_prefix.shared_prefix_refusal`).
+caps, attention sinks, dropout — is refused by the caller (`vlrl.train.shared_prefix.shared_prefix_refusal`).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def group_sequences(model: torch.nn.Module, adapter: TextAdapter, prompts: Seque
                     responses: Sequence[Sequence[int] | torch.Tensor], visions: Sequence[VisionInputs | None],
                     index: Sequence[int], *, pad_token_id: int) -> GroupedBatch:
     """Lay out B (prompt, response) pairs by prompt: ``index`` gives each row's group (0 .. G − 1, e.g.
-    `vlrl.models.shared_prefix.prompt_groups`); a group's rows share one prompt (its first row's ``prompts`` and
+    `vlrl.train.shared_prefix.prompt_groups`); a group's rows share one prompt (its first row's ``prompts`` and
     ``visions`` are used)."""
     prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
     responses = [torch.as_tensor(r, dtype=torch.long) for r in responses]
@@ -304,7 +304,7 @@ def image_blocks(model: torch.nn.Module, adapter: TextAdapter, input_ids: torch.
     """(G, P) image block ids of the prompt columns (−1 elsewhere; transformers'
     ``get_block_sequence_ids_for_mask``) for a family whose forward takes ``token_type_ids`` to let an image's
     tokens attend to each other (Gemma 3), else None."""
-    from vlrl.models.adapters import _parameters
+    from vlrl.models.introspect import method_parameters as _parameters
 
     if "token_type_ids" not in _parameters(type(getattr(model, "module", model)), "forward"):
         return None

@@ -6,7 +6,7 @@ so the response is scored by the ``R + 1`` last logit columns minus the final on
 only those (`logits_to_keep`), never for the prompt's.
 
 Every teacher-forced pass (this padded one, the packed one in `vlrl.models.packed`, the shared-prefix passes in
-`vlrl.models.shared_prefix`) scores its tokens through `head_scores`: inside the model's forward, the LM head
+`vlrl.train.shared_prefix`) scores its tokens through `head_scores`: inside the model's forward, the LM head
 (its output embedding) is replaced by `score_tokens`, which turns the final hidden states it is handed into
 per-token log-probs and entropies. Above a size (`chunk_tokens`, ``train.logprob_chunk``) it does so chunk by
 chunk — the head, the fp32 log-softmax and the entropy of ``c`` tokens at a time, each chunk recomputed in the

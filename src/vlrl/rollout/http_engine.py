@@ -74,9 +74,9 @@ from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.server import (
     API_KEY_ENV,
     WeightSyncError,
-    _sampling_key,
     encode_image,
     quiet_transformers,
+    sampling_key,
     settle,
     weight_checksum,
 )
@@ -362,7 +362,7 @@ class HTTPEngine:
         them as one batch however slowly they would otherwise trickle in; each call returns as soon as its own
         prompts are answered."""
         loop = asyncio.get_running_loop()
-        key = (id(loop), _sampling_key(sampling))
+        key = (id(loop), sampling_key(sampling))
         if key not in self._gathering:
             self._gathering[key] = []
             loop.call_soon(self._flush, key, sampling)  # after every call already scheduled in this iteration

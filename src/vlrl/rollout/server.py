@@ -153,7 +153,7 @@ class EarlyStop:
     stopped_step: int
 
 
-def _sampling_key(sampling: SamplingParams) -> tuple:
+def sampling_key(sampling: SamplingParams) -> tuple:
     return (sampling.n, sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens, tuple(sampling.stop),
             tuple(sampling.stop_token_ids), tuple(sorted(sampling.logit_bias.items())))
 
@@ -461,7 +461,7 @@ class ContinuousBatcher:
             engine, jobs = taken
             by_setting: dict[tuple, list[_Job]] = {}
             for job in jobs:
-                by_setting.setdefault(_sampling_key(job.sampling), []).append(job)
+                by_setting.setdefault(sampling_key(job.sampling), []).append(job)
             for group in by_setting.values():
                 self._run(engine, group)
             with self._cond:
@@ -577,7 +577,7 @@ class ThreadedEngine:
 
     async def agenerate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Trajectory]:
         loop = asyncio.get_running_loop()
-        key = (id(loop), _sampling_key(sampling))
+        key = (id(loop), sampling_key(sampling))
         if key not in self._gathering:
             self._gathering[key] = []
             loop.call_soon(self._flush, key, sampling)  # after every call already scheduled in this iteration

@@ -38,10 +38,10 @@ from vlrl.algos.shaping import (
 from vlrl.check.options import bound_loss, check_zero_at_zero_advantage
 from vlrl.config import RLStage, RolloutCorrectionConfig, ShapingSpec
 from vlrl.models import Policy
-from vlrl.models.shared_prefix import teacher_forced
 from vlrl.rollout import Status, Trajectory
 from vlrl.train.common import evaluating, frozen_copy
 from vlrl.train.critic import Critic
+from vlrl.train.shared_prefix import teacher_forced
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
@@ -280,7 +280,7 @@ def teacher_logprobs(model: torch.nn.Module, policy: Policy, trajectories: Seque
     """(B, R) log-probs of the trajectories' responses under ``model`` (no gradient, eval mode), after their own
     prompts or the given ``prompts`` / ``visions`` (a teacher's context): the one teacher-forced function,
     `vlrl.models.packed.sequence_logprobs`, padded or packed (the same values) — or, with ``shared_prefix``, each
-    distinct prompt prefilled once and its keys/values expanded to its rows (`vlrl.models.shared_prefix`; the same
+    distinct prompt prefilled once and its keys/values expanded to its rows (`vlrl.train.shared_prefix`; the same
     values, the plain pass where that does not apply; ``sums``: where its rows are counted, `tally`);
     ``logprob_chunk``: `vlrl.models.logprobs.chunk_tokens`."""
     prompts = [t.prompt_ids for t in trajectories] if prompts is None else prompts

@@ -32,10 +32,10 @@ from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, normaliser_for
 from vlrl.algos.losses import behaviour_weight
 from vlrl.algos.staleness import logp_drift
 from vlrl.models import Policy
-from vlrl.models.shared_prefix import rows_by_prompt, teacher_forced
 from vlrl.train.common import step_or_skip
 from vlrl.train.distributed import DistContext
 from vlrl.train.runtime import Runtime
+from vlrl.train.shared_prefix import rows_by_prompt, teacher_forced
 from vlrl.train.update_stats import UpdateStats
 
 
@@ -80,7 +80,7 @@ class UpdateSettings:
     loss_agg_max_length: int | None = None  # the constant L of seq_mean_token_sum_norm
     cov_selection: Callable | None = None  # Clip-Cov / KL-Cov: select(old_logp, Â, mask, *, generator) over a minibatch
     padding_free: bool = False  # pack each micro-batch into rows, no padding between sequences (vlrl.models.packed)
-    shared_prefix: bool = False  # each distinct prompt run once for its rows (vlrl.models.shared_prefix)
+    shared_prefix: bool = False  # each distinct prompt run once for its rows (vlrl.train.shared_prefix)
     logprob_chunk: int | str = "auto"  # tokens per chunk of the LM head + log-softmax (vlrl.models.logprobs.chunk_tokens)
     skip_zero_advantage: bool = False  # leave rows with Â = 0 everywhere out of the forward/backward (loss 0 there)
     on_nonfinite: str = "stop"  # train.on_nonfinite: a NaN/Inf loss or grad norm stops the run, or its update is skipped

@@ -1,4 +1,4 @@
-"""The shared-prefix teacher-forced pass (`vlrl.models.shared_prefix`): one prefill per distinct prompt, its
+"""The shared-prefix teacher-forced pass (`vlrl.train.shared_prefix`): one prefill per distinct prompt, its
 keys/values expanded to its rows. For one preset of every family in `vlrl.models.presets.PRESETS`, with images:
 π_old / π_ref log-probs equal the plain pass's (< 1e-5, fp32) with n ∈ {1, 4}; the update's loss and every
 gradient equal the plain pass's (atol 1e-6) where it is used, and the families it refuses (recurrent layers)
@@ -20,13 +20,13 @@ from rollout.test_agent_training import ImageOnTurnThree
 from rollout.test_decode import FAMILY_PRESETS, _policy, _samples
 from vlrl.algos import get_policy_loss, normaliser_for
 from vlrl.config import RLStage
-from vlrl.models.shared_prefix import SHARED_METRIC, prompt_groups, shared_prefix_refusal
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import HFEngine, SamplingParams, decode
 from vlrl.rollout.agent import AgentSettings, multi_turn
-from vlrl.models import shared_prefix
+from vlrl.train import shared_prefix
 from vlrl.train.batch import build_algorithm, prepare_batch, teacher_logprobs
 from vlrl.train.modules import gradient_checkpointing
+from vlrl.train.shared_prefix import SHARED_METRIC, prompt_groups, shared_prefix_refusal
 from vlrl.train.update import UpdateSettings, accumulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -113,7 +113,7 @@ def test_update_loss_and_gradients_equal_the_plain_pass(name, caplog, fresh_log)
                               kl_estimator="k3", temperature=0.9, micro_batch_size=5, minibatches=1, ppo_epochs=1,
                               grad_clip=1.0)
     rows = list(range(8))
-    with caplog.at_level(logging.WARNING, logger="vlrl.models.shared_prefix"):
+    with caplog.at_level(logging.WARNING, logger="vlrl.train.shared_prefix"):
         plain_loss, plain_grads, plain_count = _update_loss_and_gradients(policy, plain_batch, rows, settings)
         shared = dataclasses.replace(settings, shared_prefix=True)
         loss, grads, count = _update_loss_and_gradients(policy, plain_batch, rows, shared)
@@ -146,7 +146,7 @@ def test_multi_turn_shares_text_observations_and_falls_back_on_images(name, capl
     engine = HFEngine(policy)
     requests = [engine.encode(s) for s in _samples(policy, 2)]
     sampling = SamplingParams(n=4, temperature=0.7, max_new_tokens=5)
-    with caplog.at_level(logging.WARNING, logger="vlrl.models.shared_prefix"):
+    with caplog.at_level(logging.WARNING, logger="vlrl.train.shared_prefix"):
         for turns, shares in ((2, True), (3, False)):
             torch.manual_seed(2)
             episodes = multi_turn(engine, requests, sampling, agent=AgentSettings(env=ImageOnTurnThree, max_turns=turns))

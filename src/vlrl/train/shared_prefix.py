@@ -21,7 +21,7 @@ in one of two ways:
 
 Both score the token k of a response from the prompt's last position (k = 0) or the response's k − 1, chunked
 above a size (`vlrl.models.logprobs.head_scores`), and return the plain pass's (B, R) log-probs (and entropy),
-equal up to float summation order (tests/models/test_shared_prefix.py: < 1e-5; loss and every gradient atol 1e-6).
+equal up to float summation order (tests/train/test_shared_prefix.py: < 1e-5; loss and every gradient atol 1e-6).
 
 They apply when they can be exact and save work, else they return None and the caller runs the plain pass:
 
@@ -87,7 +87,8 @@ def _ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
 def shared_prefix_refusal(model: torch.nn.Module) -> str | None:
     """Why a pass with gradients through ``model`` cannot share its prompts' work exactly in one grouped forward
     (`vlrl.models.grouped`); None: it can (under DDP / FSDP2 and gradient checkpointing too)."""
-    from vlrl.models.adapters import _ATTENTION_LAYERS, _parameters
+    from vlrl.models.introspect import ATTENTION_LAYERS as _ATTENTION_LAYERS
+    from vlrl.models.introspect import method_parameters as _parameters
 
     base = getattr(model, "module", model)
     config = getattr(base, "config", None)
