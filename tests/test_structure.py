@@ -54,7 +54,6 @@ UPWARD_EDGES = {
     ("rewards", "data"), ("rewards", "rollout"),
     ("data", "eval"), ("data", "models"), ("data", "report"), ("data", "rollout"),
     ("rollout", "report"),
-    ("synth", "train"),
 }
 
 
