@@ -14,8 +14,9 @@
 The estimator, the loss, the aggregation and the shapers are looked up by name from config once
 (`build_algorithm`); the step never branches on algorithm names. Everything but the order of the steps is
 shared with the asynchronous recipe: the `Group` records, scoring, the informative-group filter and `flatten`
-(`vlrl.train.sampling`), steps 4–5 (`vlrl.train.batch`, `vlrl.train.update`), the step metrics
-(`vlrl.train.metrics`) and the typed checkpoint state (`vlrl.train.state`).
+(`vlrl.train.sampling`), the set-up and the step's closing metrics (`vlrl.train.loop`), steps 4–5
+(`vlrl.train.batch`, `vlrl.train.update`), the step metrics (`vlrl.train.metrics`) and the typed checkpoint state
+(`vlrl.train.state`).
 """
 
 from __future__ import annotations
