@@ -40,7 +40,7 @@ LEVEL = {
 
 # Files over MAX_FILE_LINES on 2026-11-28, with their lengths then: each may shrink, none may grow.
 LONG_FILES = {
-    "check/preflight.py": 687, "cli.py": 911, "config.py": 1191, "rewards/_sandbox_child.py": 639,
+    "cli.py": 911, "config.py": 1191, "rewards/_sandbox_child.py": 639,
     "rollout/http_engine.py": 1087, "rollout/server.py": 1607, "synth/server.py": 634, "synth/workflow.py": 618,
     "train/checkpoint.py": 631,
 }

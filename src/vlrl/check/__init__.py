@@ -7,11 +7,11 @@ from vlrl.check.preflight import (
     Problem,
     detect_recipe,
     memory_bytes,
-    model_path_problem,
     preflight,
     read_data,
     sandbox_isolation,
 )
+from vlrl.check.samples import model_path_problem
 
 __all__ = [
     "CheckReport", "PreflightError", "Problem", "detect_recipe", "memory_bytes", "model_path_problem", "preflight",
