@@ -27,12 +27,13 @@ from pathlib import Path
 import torch
 
 from vlrl.config import DemoConfig, load_config
+from vlrl.data.splits import load_split
 from vlrl.eval import evaluate
 from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import HFEngine
 from vlrl.train.budget import FlopMeter
-from vlrl.train.common import load_split, seed_everything
+from vlrl.train.common import seed_everything
 from vlrl.train.grpo import train_grpo
 from vlrl.train.sft import train_sft
 

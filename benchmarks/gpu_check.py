@@ -284,7 +284,7 @@ def planned(model: str, shape: Shape, lora: int | None, checkpointing: bool, mem
     """`vlrl plan`'s estimate for this step on one device: the train phase (state + activations + logits) and the
     generate phase (parameters + KV cache), GiB — what ``torch.cuda.max_memory_allocated`` is compared with."""
     from vlrl.config import RLConfig, load_config
-    from vlrl.train import planner
+    from vlrl.launch import planner
 
     overrides = [f"model.path={FIXTURES / f'{model}.json'}", "model.dtype=bfloat16", f"rollout.n={shape.n}",
                  f"train.prompts_per_step={shape.prompts}", f"rollout.max_new_tokens={shape.new_tokens}",

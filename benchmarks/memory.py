@@ -46,12 +46,12 @@ def _step_tracker():
 
 def arm_update(preset: str, trajectories, *, lora: bool, checkpointing: bool, micro: int, repeats: int):
     from vlrl.config import LoraConfig, RLStage
+    from vlrl.launch.planner import _NoHook
     from vlrl.models import load_policy
     from vlrl.models.lora import apply_lora
     from vlrl.train.batch import build_algorithm, prepare_batch
     from vlrl.train.common import make_optimizer
     from vlrl.train.modules import gradient_checkpointing
-    from vlrl.train.planner import _NoHook
     from vlrl.train.update import accumulate, ppo_update
 
     policy = load_policy(preset)

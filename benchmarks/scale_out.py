@@ -56,8 +56,8 @@ def memory(model_vl: Path, root: Path) -> None:
     import torch
 
     from vlrl.config import SFTConfig, load_config
+    from vlrl.launch.planner import estimate_train_step, measure_train_step, meta_model, model_shape, workload
     from vlrl.models import load_policy
-    from vlrl.train.planner import estimate_train_step, measure_train_step, meta_model, model_shape, workload
 
     torch.set_num_threads(1)
     print("\nplanner estimate vs measured peak of one training step (batch 8, micro-batch 4, torch MemTracker, CPU):")

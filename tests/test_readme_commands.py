@@ -90,9 +90,9 @@ NOT_RUN = {
     "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 torchrun": "6 GPUs beside the two servers above",
     "vlrl plan configs/shapes_lora_grpo.yaml --gpus 1 --gpu-mem 80 model.path=Qwen/Qwen2.5-VL-7B-Instruct": "reads "
     "the model's config.json from the Hugging Face hub (no network here); the memory guide's table under it was computed "
-    "from a local copy of that config.json, and tests/train/test_planner.py covers LoRA + checkpointing",
+    "from a local copy of that config.json, and tests/launch/test_planner.py covers LoRA + checkpointing",
     "vlrl plan configs/shapes_grpo.yaml --gpus 8 --gpu-mem 80 model.path=Qwen/Qwen2.5-VL-7B-Instruct": "reads "
-    "Qwen2.5-VL-7B's config from the hub (`vlrl plan` on the tiny presets: tests/train/test_planner.py)",
+    "Qwen2.5-VL-7B's config from the hub (`vlrl plan` on the tiny presets: tests/launch/test_planner.py)",
     "vlrl synth serve --backend diffusers": "an inpainting model directory (/models/sd-inpaint) and a GPU",
     "vlrl data balance --data pool.jsonl": "your pool and a CLIP model directory (/models/clip-vit-b32)",
     "vlrl data pack --data data/balanced/train.jsonl --model Qwen/Qwen2-VL-2B-Instruct": "the balanced pool of the "

@@ -4,7 +4,7 @@ no private name (``_name``) of one module imported by another, and no import fro
 The room order, lowest first (a room imports only from rooms at its level or below):
 
     base (registry, compat, numerics, safe_yaml, serving, the package root) < config < algos, rewards < data
-    < models < rollout < eval, synth < report < train < check, cli
+    < models < rollout < eval, synth < report < check < train < launch < cli
 
 The tree does not meet all of it yet. What it breaks today is written down below, each exception with its size
 or its edge, and may only shrink: a file on the list may not grow, a function on it may not lengthen, and no new
@@ -32,28 +32,24 @@ LEVEL = {
     "rollout": 5,
     "eval": 6, "synth": 6,
     "report": 7,
-    "train": 8,
-    "check": 9, "cli": 9,
+    "check": 8,
+    "train": 9,
+    "launch": 10,
+    "cli": 11,
 }
 
 # Files over MAX_FILE_LINES on 2026-11-28, with their lengths then: each may shrink, none may grow.
 LONG_FILES = {
-    "check.py": 687, "rewards/_sandbox_child.py": 639,
-    "synth/server.py": 634, "synth/workflow.py": 618,
-    "train/checkpoint.py": 631, "train/planner.py": 839,
+    "rewards/_sandbox_child.py": 639, "synth/server.py": 634, "synth/workflow.py": 618, "train/checkpoint.py": 631,
 }
 # Functions over MAX_FUNCTION_LINES on 2026-11-28 ("file:function": lines).
 LONG_FUNCTIONS = {
-    "rewards/probes.py:probes": 104,
-    "synth/server.py:create_app": 101, "train/async_grpo.py:train_async_grpo": 162, "train/grpo.py:train_grpo": 96,
+    "rewards/probes.py:probes": 104, "synth/server.py:create_app": 101,
 }
 # Imports from a higher room into a lower one on 2026-11-28, as (room, room it imports from).
 UPWARD_EDGES = {
-    ("config", "train"),
     ("rewards", "data"), ("rewards", "rollout"),
     ("data", "eval"), ("data", "models"), ("data", "report"), ("data", "rollout"),
-    ("synth", "train"),
-    ("train", "check"),
 }
 
 

@@ -59,7 +59,7 @@ def test_skip_mode_counts_every_bad_record(tmp_path):
 
 
 def test_check_hook_reports_unknown_reward_with_line(tmp_path):
-    from vlrl.train.common import reward_names_check
+    from vlrl.data.splits import reward_names_check
 
     path = tmp_path / "d.jsonl"
     path.write_text(_line(id="a") + "\n" + _line(id="b", reward="no_such_reward") + "\n")

@@ -233,7 +233,7 @@ def test_a_json_array_and_a_template_file(tmp_path):
     """A ``.json`` file holding one array (rows named ``file:row N``), TRL's layout with image paths beside it, and
     ``data.prompt_template`` given as a ``.jinja`` file (EasyR1's format_prompt is a file path)."""
     from vlrl.config import DataConfig
-    from vlrl.train.common import schema_for
+    from vlrl.data.splits import schema_for
 
     foreign.images(1)[0].save(tmp_path / "cat.jpg")
     rows = [{"image": "cat.jpg", "problem": "What animal?", "solution": "$cat$"}, {"image": "cat.jpg", "problem": 3}]

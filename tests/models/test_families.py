@@ -35,7 +35,7 @@ TOL = 1e-4
 # FAMILY_PRESETS; it adds a line below only where it differs from the other families.
 # Padding-free rows that hold one sequence each: recurrent layers (Qwen3.5), token-type attention masks (Gemma 3).
 ONE_SEQUENCE_PER_ROW = {"tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma3"}
-# The planner's stated approximation (vlrl/train/planner.py, "Families"): estimated / measured total memory of one
+# The planner's stated approximation (vlrl/launch/planner.py, "Families"): estimated / measured total memory of one
 # training step, (0.8, 1.2) unless given. Qwen3.5's Gated DeltaNet layers are counted as attention layers
 # (activations ~0.5×).
 PLAN_TOTAL = {"tiny-qwen3.5": (0.65, 0.95), "tiny-qwen3.5-moe": (0.65, 0.95)}
@@ -98,7 +98,7 @@ def test_n4_samples_of_a_two_image_prompt_score_exactly(name):
 @FAMILIES
 def test_n4_samples_of_a_video_prompt_score_exactly(name):
     from vlrl.config import DataConfig
-    from vlrl.train.common import generate_split
+    from vlrl.data.splits import generate_split
 
     # the loader every recipe uses: a 3-frame shapes clip becomes 3 image parts (frames fed as images)
     data = DataConfig(suite="shapes", tasks=["video_count"], suite_options={"frames": 3}, max_frames=3)
@@ -370,8 +370,8 @@ def test_the_rollout_server_and_http_engine_sample_exactly(name, tmp_path):
 @FAMILIES
 def test_the_planner_estimates_a_measured_training_step(name, tmp_path):
     from vlrl.config import SFTConfig, load_config
+    from vlrl.launch.planner import estimate_train_step, measure_train_step, meta_model, model_shape, workload
     from vlrl.train.distributed import fsdp_units
-    from vlrl.train.planner import estimate_train_step, measure_train_step, meta_model, model_shape, workload
 
     path = str(load_policy(name).save(tmp_path / "model"))
     cfg = load_config(SFTConfig, None, [f"model.path={path}", "train.batch_size=4", "train.micro_batch_size=2"])

@@ -187,7 +187,7 @@ def test_eval_serve_select_and_pack_pass_the_options(captured, tmp_path, monkeyp
 
 def test_launch_gives_the_servers_the_model_options():
     from vlrl.config import RLConfig, load_config
-    from vlrl.train.launcher import server_plan
+    from vlrl.launch.launcher import server_plan
 
     cfg = load_config(RLConfig, None, ["launch.rollout_servers=1", "model.attn_implementation=sdpa",
                                        "model.revision=v2", "model.trust_remote_code=true",

@@ -11,7 +11,10 @@ import time
 import pytest
 import torch
 
-from vlrl.config import ConfigError, RLConfig, load_config
+from vlrl.check.options import (
+    load_run_config as load_config,  # as the CLI loads a config: plug-in options checked
+)
+from vlrl.config import ConfigError, RLConfig
 from vlrl.data import Sample
 from vlrl.models.adapters import EncodedPrompt
 from vlrl.rollout import Request, SamplingParams, Status, Trajectory

@@ -156,8 +156,8 @@ def test_a_checkpoint_carries_the_pool_and_the_jobs_in_flight_and_a_restore_cont
     """`SynGRPO.state` → the checkpoint's carry-over files → `restore` in a new process's objects: the swapped
     pool (append mode: grown by one), the generation count, and a job still on the server at the checkpoint,
     which the restored client posts again (same seed: the same image) and swaps in at the next step."""
+    from vlrl.data.cursor import PromptCursor
     from vlrl.train.carry import read_carry_over, write_carry_over
-    from vlrl.train.common import PromptCursor
 
     from . import fakes
 

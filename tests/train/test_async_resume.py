@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import vlrl.train.async_grpo as async_grpo
+import vlrl.train.loop as loop
 import vlrl.train.update as update
 from vlrl.config import CheckpointConfig, RLConfig, load_config
+from vlrl.data.cursor import PromptCursor
 from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import SamplingParams
@@ -31,7 +33,6 @@ from vlrl.train.checkpoint import (
     write_checkpoint_carry_over,
     write_manifest,
 )
-from vlrl.train.common import PromptCursor
 from vlrl.train.distributed import DistContext, check_scalable
 from vlrl.train.runtime import Runtime
 from vlrl.train.state import AsyncState, SyncState
@@ -60,7 +61,7 @@ def _run(root, steps, *, resume_from=None, spy=None):
     torch.manual_seed(0)
     engine = ThreadedEngine(policy)
     logger, state, made = MetricsLogger(None, quiet=True), {}, []
-    real_make, real_update, real_step = async_grpo.make_optimizer, async_grpo.ppo_update, update.step_or_skip
+    real_make, real_update, real_step = loop.make_optimizer, async_grpo.ppo_update, update.step_or_skip
 
     def make_optimizer(*args, **kwargs):
         made.append(real_make(*args, **kwargs))  # (optimizer, scheduler)
@@ -77,7 +78,7 @@ def _run(root, steps, *, resume_from=None, spy=None):
 
     stage = _stage(train={"steps": steps, "prompts_per_step": P}, rollout={"n": N}, staleness={"eta": ETA})
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(async_grpo, "make_optimizer", make_optimizer)
+        patch.setattr(loop, "make_optimizer", make_optimizer)  # the recipes' shared set-up (`enter_stage`)
         patch.setattr(async_grpo, "ppo_update", ppo_update)
         patch.setattr(update, "step_or_skip", slow_step)
         try:

@@ -11,6 +11,7 @@ import torch
 
 from vlrl.config import CheckpointConfig, OptimConfig
 from vlrl.data import generate
+from vlrl.data.cursor import PromptCursor
 from vlrl.train import checkpoint as ckpt
 from vlrl.train.checkpoint import (
     Checkpointer,
@@ -20,7 +21,7 @@ from vlrl.train.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from vlrl.train.common import PromptCursor, clip_and_step, make_optimizer
+from vlrl.train.common import clip_and_step, make_optimizer
 from vlrl.train.distributed import DistContext
 
 

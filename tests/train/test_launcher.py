@@ -6,7 +6,7 @@ import json
 import pytest
 
 from vlrl.config import LaunchConfig, RLConfig, load_config
-from vlrl.train.launcher import (
+from vlrl.launch.launcher import (
     LaunchError,
     RankSpec,
     ServerPlan,

@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from vlrl.cli import app
-from vlrl.train.launcher import prepare
+from vlrl.launch.launcher import prepare
 
 from .dist_helpers import REPO, quiet_env
 from .test_launch_servers import _gone

@@ -4,8 +4,8 @@ ReMax's greedy baseline, on a scripted engine whose responses are fixed per prom
 import torch
 
 from vlrl.config import DynamicSamplingConfig
+from vlrl.data.cursor import PromptCursor
 from vlrl.rollout import SamplingParams
-from vlrl.train.common import PromptCursor
 from vlrl.train.sampling import Draw, Group, GroupSampler, flatten, is_informative, starved_warning
 from vlrl.train.state import GroupRecord
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import typer
 
-from vlrl.config import ConfigError, DemoConfig, RLConfig, SFTConfig, load_config
+from vlrl.check.options import load_run_config as load_config  # (the config with its plug-in options checked)
+from vlrl.config import ConfigError, DemoConfig, RLConfig, SFTConfig
 
 CONFIG = typer.Option(None, "--config", "-c", help="YAML config file (see configs/).")
 OVERRIDES = typer.Argument(None, help="Dotted overrides, e.g. rl.algo.clip_high=0.28 data.n_train=500")

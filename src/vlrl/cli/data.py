@@ -70,7 +70,7 @@ def data_import(
     from vlrl.config import ConfigError, DataConfig
     from vlrl.data import DataError, read_samples, write_samples
     from vlrl.data.sources import split_suffix
-    from vlrl.train.common import sample_check, schema_for
+    from vlrl.data.splits import sample_check, schema_for
 
     pairs = [c.partition("=") for c in column or []]
     try:

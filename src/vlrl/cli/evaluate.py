@@ -142,7 +142,7 @@ def _checked_test_split(command: str, cfg, data: str | None, budget: str) -> lis
     context); a failed check ends the command with its list of problems."""
     from vlrl.check import CheckReport, preflight, read_data
     from vlrl.data import DataError
-    from vlrl.train.common import load_splits
+    from vlrl.data.splits import load_splits
 
     report = CheckReport()
     if data:

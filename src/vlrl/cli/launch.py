@@ -23,8 +23,8 @@ def launch(
 ) -> None:
     """Run `vlrl sft|rl` on launch.nproc Ray actors in a placement group (torch.distributed rendezvous wired), with
     launch.rollout_servers `vlrl serve` actors beside them."""
-    from vlrl.train.launcher import LaunchError, LaunchRefused, detect, prepare
-    from vlrl.train.launcher import launch as run_launch
+    from vlrl.launch.launcher import LaunchError, LaunchRefused, detect, prepare
+    from vlrl.launch.launcher import launch as run_launch
 
     extra = [*([f"launch.nproc={nproc}"] if nproc else []), *([f"checkpoint.resume={resume}"] if resume else [])]
     try:
@@ -66,8 +66,8 @@ def plan(
     """Estimate per-device memory and step time of every placement (colocated/separate, FSDP/DDP); rank the feasible
     ones, each with the `vlrl launch` command that starts it."""
     from vlrl.check import detect_recipe, model_path_problem
+    from vlrl.launch import planner
     from vlrl.safe_yaml import YamlRefused, load_file
-    from vlrl.train import planner
 
     if recipe == "auto":
         try:
@@ -118,8 +118,8 @@ def plan(
 def _apply_plan(out: Path, pick: int | None, feasible: list, launches: dict, recipe: str, config: Path,
                 overrides: list[str]) -> None:
     """`vlrl plan --apply OUT`: the run's config with placement #pick's (or the best launchable one's) settings."""
-    from vlrl.train import planner
-    from vlrl.train.launcher import LaunchRefused, prepare
+    from vlrl.launch import planner
+    from vlrl.launch.launcher import LaunchRefused, prepare
 
     if not feasible:
         typer.secho("vlrl plan: --apply: no placement that fits can be launched (see ✗ above)", fg="red", err=True)

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import typer
 
+from vlrl.check.options import load_run_config as load_config  # (the config with its plug-in options checked)
 from vlrl.cli.app import app
 from vlrl.cli.common import OVERRIDES, RECIPES, TEST, extra_overrides
-from vlrl.config import ConfigError, load_config
+from vlrl.config import ConfigError
 
 
 @app.command()

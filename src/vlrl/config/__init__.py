@@ -22,7 +22,6 @@ from vlrl.config.loading import (
     apply_overrides,
     dump_config,
     load_config,
-    plugin_option_problems,
     resolve_paths,
 )
 from vlrl.config.model import DataConfig, EvalConfig, LoraConfig, ModelConfig
@@ -63,5 +62,5 @@ __all__ = [
     "ModelConfig", "OptimConfig", "RLConfig", "RLStage", "RLStageSpec", "RLTrainConfig", "ReportConfig",
     "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SFTConfig", "SFTStage", "SFTStageSpec",
     "SFTTrainConfig", "SandboxConfig", "Section", "SelectConfig", "ShapingSpec", "StalenessConfig", "SynthConfig",
-    "WandbOptions", "apply_overrides", "dump_config", "load_config", "plugin_option_problems", "resolve_paths",
+    "WandbOptions", "apply_overrides", "dump_config", "load_config", "resolve_paths",
 ]

@@ -55,9 +55,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[Base
 
 
 def load_config(cls: type[Section], path: str | Path | None = None, overrides: list[str] | None = None, *,
-                prepare: Callable[[Any], None] | None = None) -> Any:
+                prepare: Callable[[Any], None] | None = None,
+                check: Callable[[Any], list[tuple[str, str]]] | None = None) -> Any:
     """Read YAML (optional), apply dotted overrides, validate into ``cls``; ``prepare(cfg)`` runs between the
-    validation and the plug-in checks, which run tensor operations (the CLI pins ``numerics`` there).
+    validation and ``check(cfg)`` — (field, message) problems, each a line of the `ConfigError`: the plug-in checks
+    of `vlrl.check.options.load_run_config`, which run tensor operations (the CLI pins ``numerics`` in ``prepare``).
 
     Input paths (the fields marked ``json_schema_extra={"path": ...}``: data files, packing plans, model
     directories) are made absolute: a relative one written in the YAML file is taken from the file's own
@@ -83,20 +85,11 @@ def load_config(cls: type[Section], path: str | Path | None = None, overrides: l
         raise ConfigError(_explain(err, path)) from None
     if prepare is not None:
         prepare(cfg)
-    problems = plugin_option_problems(cfg)
+    problems = check(cfg) if check is not None else []
     if problems:
         where = f"{path}: " if path else ""
         raise ConfigError("\n".join(f"{where}config field '{field}': {message}" for field, message in problems))
     return cfg
-
-
-def plugin_option_problems(cfg: Section) -> list[tuple[str, str]]:
-    """Hook: every plug-in option of ``cfg`` (estimator, loss, shapers, environment, rollout function) checked
-    against the plug-in's keyword-only signature, and settings that cannot work together; (field, message) each.
-    The checks live with the recipes that bind the options (`vlrl.train.options`)."""
-    from vlrl.train.options import config_problems
-
-    return config_problems(cfg)
 
 
 def _sections(annotation: Any) -> list[type[BaseModel]]:

@@ -6,7 +6,7 @@ every such model, and the sampler and the trainer see the same images). Native v
 patch merge, ``pixel_values_videos``) are not used: transformers' video processors need torchvision.
 
 `frames_as_images` is the one place a sample's ``videos`` become images: the readers (`read_samples`) and the
-procedural suites' loader (`vlrl.train.common.load_split`) call it through `prepare_media`, so every room after
+procedural suites' loader (`vlrl.data.splits.load_split`) call it through `prepare_media`, so every room after
 `vlrl.data` sees images only. Frames:
 
 - a video file (``"clip.mp4"``, decoded with PyAV — ``pip install 'vlrl[video]'``): one frame every

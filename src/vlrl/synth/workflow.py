@@ -44,7 +44,6 @@ from vlrl.rewards.base import reward_weights
 from vlrl.rewards.boxes import to_pixels
 from vlrl.rewards.syn import SYN_PROMPT, SYN_PROMPT_SHORT, parse_syn_response
 from vlrl.synth.client import AsyncSynthesizer, SynthClient, SynthOutcome, SynthRequest, SynthSnapshot
-from vlrl.train.carry import register_record
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +155,6 @@ def synthetic_sample(parent: Sample, image: Any, *, original: str, generation: i
 
 
 # ----------------------------------------------------------------------------------------------- the workflow
-@register_record
 @dataclasses.dataclass
 class SynthState:
     """Syn-GRPO's part of a checkpoint (`SynGRPO.state`): what a resumed run needs to continue with the same

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from vlrl.algos.staleness import fresh_mask
+from vlrl.data.cursor import PromptCursor
 from vlrl.rollout import Request, SamplingParams, Status
 from vlrl.rollout.types import AsyncEngine
-from vlrl.train.common import PromptCursor
 from vlrl.train.distributed import DistContext
 from vlrl.train.sampling import Draw, Group, PromptEncoder, greedy, score_groups
 from vlrl.train.state import DrawRecord, GroupRecord, RolloutCut

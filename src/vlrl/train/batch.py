@@ -35,12 +35,12 @@ from vlrl.algos.shaping import (
     get_advantage_shaping,
     get_reward_shaping,
 )
+from vlrl.check.options import bound_loss, check_zero_at_zero_advantage
 from vlrl.config import RLStage, RolloutCorrectionConfig, ShapingSpec
 from vlrl.models import Policy
 from vlrl.rollout import Status, Trajectory
 from vlrl.train.common import evaluating, frozen_copy
 from vlrl.train.critic import Critic
-from vlrl.train.options import bound_loss, check_zero_at_zero_advantage
 from vlrl.train.shared_prefix import teacher_forced
 from vlrl.train.update import UpdateBatch, UpdateSettings
 

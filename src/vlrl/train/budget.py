@@ -1,7 +1,7 @@
 """Compute budgets in a unit that does not depend on machine load: FLOPs counted as the passes run.
 
 `FlopMeter` hooks a policy's decoder, output head and vision tower and adds up, for every forward pass, the
-FLOPs of the planner's formulas (`vlrl.train.planner`; Kaplan et al. 2020) for the tokens that pass actually
+FLOPs of the planner's formulas (`vlrl.launch.planner`; Kaplan et al. 2020) for the tokens that pass actually
 processed (padding included — it is computed):
 
     decoder    2·Ψ_d·B·L + 4·n_layers·d_attn·B·L·S      Ψ_d: decoder parameters without the embedding table,

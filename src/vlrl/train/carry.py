@@ -49,11 +49,12 @@ def _record_types() -> dict[str, type]:
     from vlrl.data import Sample
     from vlrl.models.adapters import VisionInputs
     from vlrl.rollout.types import Turn
+    from vlrl.synth.workflow import SynthState
     from vlrl.train import state
 
     types = [state.ResponseRecord, state.GroupRecord, state.DrawRecord, state.ShaperStates, state.AlgorithmState,
              state.SyncState, state.Ledger, state.RolloutCut, state.AsyncState, Sample, Turn, VisionInputs,
-             DiversityState]
+             DiversityState, SynthState]
     return {t.__name__: t for t in types} | _EXTRA_RECORDS
 
 

@@ -14,8 +14,9 @@
 The estimator, the loss, the aggregation and the shapers are looked up by name from config once
 (`build_algorithm`); the step never branches on algorithm names. Everything but the order of the steps is
 shared with the asynchronous recipe: the `Group` records, scoring, the informative-group filter and `flatten`
-(`vlrl.train.sampling`), steps 4–5 (`vlrl.train.batch`, `vlrl.train.update`), the step metrics
-(`vlrl.train.metrics`) and the typed checkpoint state (`vlrl.train.state`).
+(`vlrl.train.sampling`), the set-up and the step's closing metrics (`vlrl.train.loop`), steps 4–5
+(`vlrl.train.batch`, `vlrl.train.update`), the step metrics (`vlrl.train.metrics`) and the typed checkpoint state
+(`vlrl.train.state`).
 """
 
 from __future__ import annotations
@@ -26,21 +27,29 @@ from contextlib import ExitStack
 
 from vlrl.config import RLStage
 from vlrl.data import Sample
+from vlrl.data.cursor import PromptCursor
 from vlrl.models import Policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import Engine
 from vlrl.synth.workflow import restore_synthesis, start_synthesis
-from vlrl.train.batch import build_algorithm, prepare_batch
-from vlrl.train.budget import PhaseMeter, compute_dtype
-from vlrl.train.common import PromptCursor, make_optimizer
-from vlrl.train.distributed import GlobalAdvantage, GlobalRewardShaping
+from vlrl.train.batch import prepare_batch
+from vlrl.train.loop import (
+    StageParts,
+    analysis_dir,
+    enter_stage,
+    log_step,
+    perf_metrics,
+    rl_algorithm,
+    trimmed,
+)
 from vlrl.train.metrics import step_metrics
-from vlrl.train.modules import stage_modules
 from vlrl.train.runtime import Runtime
 from vlrl.train.sampling import GroupSampler, flatten, sampling_params, starved_warning
 from vlrl.train.state import AlgorithmState, GroupRecord, SyncState, expect_state
 from vlrl.train.update import ppo_update
 from vlrl.train.zero_advantage import ZeroAdvantageWatch
+
+SHOWN = ("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds")  # on the console at each log
 
 
 def train_grpo(
@@ -65,42 +74,29 @@ def train_grpo(
     rt = runtime or Runtime.single(policy.model)
     train, rollout = stage.train, stage.rollout
     budget = max_seconds if max_seconds is not None else train.max_seconds
-    if train.max_samples is not None:
-        samples = samples[: train.max_samples]
+    samples = trimmed(samples, stage)
     synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger, ctx=rt.ctx)  # Syn-GRPO, or None
     stack = ExitStack()
     try:
         cursor = PromptCursor(synthesis.dataset if synthesis is not None else samples, seed)
-        algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False, reference=rt.reference,  # π_behave = π_old
-                                    critic_model=rt.critic, ctx=rt.ctx)
-        algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, rt.ctx)  # over all ranks' responses
-        algorithm.reward_shaping = GlobalRewardShaping.over(algorithm.reward_shaping, rt.ctx)  # (e.g. syn_diversity's EMA)
+        algorithm = rl_algorithm(stage, policy, rt, apply_behaviour_weight=False)  # π_behave = π_old
         sampler = GroupSampler(engine, cursor, sampling_params(rollout), prompts_per_step=train.prompts_per_step,
                                dynamic=stage.algo.dynamic_sampling, greedy_baseline="baseline_rewards" in algorithm.needs,
                                shard=lambda draws: rt.ctx.shard(draws, what="train.prompts_per_step"),
                                gather=rt.ctx.gather_objects, world_size=rt.ctx.world_size)
-        modules = stack.enter_context(stage_modules(policy, train))  # train.trainable, gradient checkpointing
-        perf = stack.enter_context(PhaseMeter(policy.model, rt.ctx.device,  # perf/mfu: generation and update
-                                              compute_dtype(policy.model, rt.cfg.mixed_precision), rt.ctx))
-        optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups,
-                                              total_steps=stage.train.steps)
-        step, carry = rt.restore(stage_name, optimizer, scheduler, cursor)
-        state = expect_state(carry, SyncState, rt.resume_from)
-        if state is not None:  # shapers, critic, dynamic sampling's surplus groups and the draw counter resume too
-            state.algorithm.restore(algorithm)
-            sampler.carry, sampler.drawn = [g.restore() for g in state.carry], state.drawn
-            restore_synthesis(synthesis, state.synth, rt.resume_from)  # the rewritten dataset, the client's jobs
+        parts = enter_stage(stack, policy, stage, rt)  # train.trainable, gradient checkpointing, perf/mfu, optimizer
+        step = _restore(rt, stage_name, parts, cursor, sampler, algorithm, synthesis)
         if step:
             engine.update_weights(version=step)
-        run_dir = logger.path.parent if logger.path is not None and rt.ctx.is_main else None  # shapers' analysis files
+        run_dir = analysis_dir(logger, rt)  # shapers' analysis files
         start, last = time.time(), {}
         zero_advantage = ZeroAdvantageWatch(logger, stage_name)  # one warning when most groups carry no signal
         while step < train.steps and not rt.out_of_time(time.time() - start, budget):
             t0 = time.time()
-            perf.begin()
+            parts.perf.begin()
             # 1-3. prompts (this rank's share) → n responses each → rewards, as groups
             sampled = sampler.next_batch()
-            perf.phase("gen_")
+            parts.perf.phase("gen_")
             if sampled.metrics.get("sampling/starved"):
                 logger.warn(starved_warning(step + 1, sampled.metrics, prompts_per_step=train.prompts_per_step))
             trajectories, baselines = flatten(sampled.groups)
@@ -109,9 +105,9 @@ def train_grpo(
             batch = prepare_batch(algorithm, policy, trajectories, step=step, max_new_tokens=rollout.max_new_tokens,
                                   baseline_rewards=baselines, run_dir=run_dir)
             # 5. updates (and the critic's, when the estimator uses values)
-            stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=seed, step=step,
-                               critic=algorithm.critic, runtime=rt)
-            perf.phase("")
+            stats = ppo_update(policy, batch, algorithm.settings, parts.optimizer, parts.scheduler, seed=seed,
+                               step=step, critic=algorithm.critic, runtime=rt)
+            parts.perf.phase("")
             # 6. the engine samples from the new weights from now on
             step += 1
             engine.update_weights(version=step)
@@ -119,19 +115,13 @@ def train_grpo(
             if synthesis is not None:  # Syn-GRPO: send the chosen descriptions, swap finished images in (never waits)
                 last.update(synthesis.after_step(trajectories, step, shaping=algorithm.reward_shaping))
                 sampler.encode.forget(synthesis.retired())
-            last.update({**sampled.metrics, "perf/step_seconds": time.time() - t0, "perf/gen_seconds": t_gen,
-                         "policy/trainable_params": modules.trainable_params, "policy/lr": scheduler.get_last_lr()[0],
-                         "perf/gradient_checkpointing": float(modules.gradient_checkpointing),
-                         "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
-                         **perf.metrics()})
+            last.update(sampled.metrics)
+            last.update(perf_metrics(parts, batch, t0, {"perf/gen_seconds": t_gen}))
             if rt.ctx.is_main:
                 zero_advantage.update(step, last)
-            if step % train.log_every == 0 or step == train.steps:
-                logger.log(stage_name, step, last, show=("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds"))
+            log_step(logger, stage, stage_name, step, last, SHOWN)
             if rt.checkpoint_due(step):
-                rt.after_step(step, stage_name, optimizer, scheduler, cursor, carry_over=SyncState(
-                    AlgorithmState.of(algorithm), sampler.drawn, [GroupRecord.of(g) for g in sampler.carry],
-                    synthesis.state() if synthesis is not None else None))
+                _save_checkpoint(rt, step, stage_name, parts, cursor, sampler, algorithm, synthesis)
             if validate is not None:
                 validate(step)
     finally:
@@ -139,3 +129,26 @@ def train_grpo(
         if synthesis is not None:
             synthesis.close()
     return {**last, "steps": step, "seconds": time.time() - start}
+
+
+def _restore(rt: Runtime, stage_name: str, parts: StageParts, cursor: PromptCursor, sampler: GroupSampler,
+             algorithm, synthesis) -> int:
+    """Load the checkpoint ``rt`` resumes from, if any, into the optimizer, scheduler and data cursor, and the
+    loop's `SyncState`: shapers, critic, dynamic sampling's surplus groups and the draw counter, Syn-GRPO's
+    rewritten dataset and client. Returns the step to continue from (0 for a fresh start)."""
+    step, carry = rt.restore(stage_name, parts.optimizer, parts.scheduler, cursor)
+    state = expect_state(carry, SyncState, rt.resume_from)
+    if state is not None:
+        state.algorithm.restore(algorithm)
+        sampler.carry, sampler.drawn = [g.restore() for g in state.carry], state.drawn
+        restore_synthesis(synthesis, state.synth, rt.resume_from)  # the rewritten dataset, the client's jobs
+    return step
+
+
+def _save_checkpoint(rt: Runtime, step: int, stage_name: str, parts: StageParts, cursor: PromptCursor,
+                     sampler: GroupSampler, algorithm, synthesis) -> None:
+    """Checkpoint ``step``: weights, optimizer, RNG and the cursor (`Runtime.after_step`) plus the loop's
+    `SyncState` — shaper states, critic, the draw counter, dynamic sampling's surplus groups, Syn-GRPO's state."""
+    rt.after_step(step, stage_name, parts.optimizer, parts.scheduler, cursor, carry_over=SyncState(
+        AlgorithmState.of(algorithm), sampler.drawn, [GroupRecord.of(g) for g in sampler.carry],
+        synthesis.state() if synthesis is not None else None))

@@ -22,6 +22,7 @@ from vlrl.data import Sample
 from vlrl.data.curriculum import with_template
 from vlrl.data.packing import PackingPlan
 from vlrl.data.select import select_for_training
+from vlrl.data.splits import load_split, load_splits
 from vlrl.eval import EvalResult, evaluate
 from vlrl.models import Policy, load_policy
 from vlrl.models.policy import DTYPES, LoadOptions, load_processor
@@ -36,7 +37,7 @@ from vlrl.synth.workflow import syn_eval_samples
 from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.budget import FlopMeter, control_budget
 from vlrl.train.checkpoint import export_hf, metrics_offset, resolve_resume
-from vlrl.train.common import load_split, load_splits, prepare_run_dir, seed_everything, write_json
+from vlrl.train.common import prepare_run_dir, seed_everything, write_json
 from vlrl.train.distributed import DistContext, check_scalable, init_distributed, shutdown_distributed
 from vlrl.train.grpo import train_grpo
 from vlrl.train.runtime import Runtime, make_runtime

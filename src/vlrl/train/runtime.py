@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from vlrl.config import DistConfig
+from vlrl.data.cursor import PromptCursor
 from vlrl.train.checkpoint import Checkpointer
-from vlrl.train.common import PromptCursor, frozen_copy, seed_everything
+from vlrl.train.common import frozen_copy, seed_everything
 from vlrl.train.distributed import MIXED_DTYPES, DistContext, gradient_sync, wrap_critic, wrap_model
 
 

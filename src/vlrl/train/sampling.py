@@ -37,9 +37,9 @@ import torch
 from vlrl.algos.filters import informative_groups
 from vlrl.config import DynamicSamplingConfig
 from vlrl.data import Sample
+from vlrl.data.cursor import PromptCursor
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import Engine, Request, SamplingParams, Trajectory
-from vlrl.train.common import PromptCursor
 
 
 @dataclass(frozen=True)

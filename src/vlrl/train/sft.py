@@ -28,6 +28,7 @@ import torch
 
 from vlrl.config import SFTStage
 from vlrl.data import Sample
+from vlrl.data.cursor import PromptCursor
 from vlrl.data.packing import PackingPlan
 from vlrl.data.sample import load_image
 from vlrl.models import Policy
@@ -35,7 +36,7 @@ from vlrl.models.adapters import VisionInputs
 from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
 from vlrl.train.budget import PhaseMeter, compute_dtype
-from vlrl.train.common import PromptCursor, make_optimizer, step_or_skip
+from vlrl.train.common import make_optimizer, step_or_skip
 from vlrl.train.modules import stage_modules
 from vlrl.train.runtime import Runtime
 

@@ -1,5 +1,7 @@
 """Every plug-in option of a run's config, checked before anything loads (at config load and by `vlrl check`).
 
+`load_run_config` is how a command loads a run's config: `vlrl.config.load_config` with these checks.
+
 A plug-in's options are its keyword-only parameters (`vlrl.registry.option_problems`): the estimator's
 ``algo.advantage_options``, the policy loss's ``algo.policy_loss_options`` (``clip_low`` / ``clip_high`` come from
 ``algo.clip_low`` / ``algo.clip_high``), each shaper's ``options``, the environment's ``rollout.env_kwargs`` and the
@@ -17,13 +19,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+from vlrl.config import Section, load_config
 from vlrl.registry import RegistryError, option_problems
 
 Problem = tuple[str, str]  # (config field, message)
 LOSS_BOUND = {"clip_low": "algo.clip_low", "clip_high": "algo.clip_high"}
 BEHAVIOUR_BOUND = {"cap": "staleness.behaviour_weight_cap", "behaviour_weight_mode": "staleness.behaviour_weight_mode"}
+
+
+def load_run_config(cls: type[Section], path: str | Path | None = None, overrides: list[str] | None = None, *,
+                    prepare: Callable[[Any], None] | None = None) -> Any:
+    """`vlrl.config.load_config`, then every plug-in option and combination checked (`config_problems`): one
+    `vlrl.config.ConfigError` lists every problem, each naming its config field."""
+    return load_config(cls, path, overrides, prepare=prepare, check=config_problems)
 
 
 def config_problems(cfg: Any) -> list[Problem]:

@@ -11,8 +11,7 @@ import dataclasses
 import pytest
 
 from vlrl.config import RLConfig, SFTConfig, load_config
-from vlrl.models import load_policy
-from vlrl.train.planner import (
+from vlrl.launch.planner import (
     Device,
     ModelShape,
     Workload,
@@ -26,6 +25,7 @@ from vlrl.train.planner import (
     trained_state,
     workload,
 )
+from vlrl.models import load_policy
 
 SHAPE = ModelShape(params=1000, params_vision=0, largest_unit=100, layers=2, hidden=4, intermediate=8, kv_dim=2,
                    vocab=10)
@@ -94,7 +94,7 @@ def test_estimate_matches_a_measured_training_step(preset, tiny_vlm_dir, tmp_pat
 
 
 def test_prefill_is_counted_once_per_prompt_not_per_sample():
-    from vlrl.train.planner import generate_seconds
+    from vlrl.launch.planner import generate_seconds
 
     dev = Device(1, 80.0, tflops=1.0, mfu=0.5)
     shared = Workload("rl", prompt_tokens=100, response_tokens=10, patches=0, sequences=32, micro_batch=8, prompts=4)
@@ -153,7 +153,7 @@ def test_lora_reference_is_the_base_with_adapters_off_not_a_second_copy():
 
 
 def test_a_shared_prefix_counts_a_groups_prompt_once_in_the_teacher_forced_passes():
-    from vlrl.train.planner import train_seconds
+    from vlrl.launch.planner import train_seconds
 
     dev = Device(1, 80.0, tflops=1.0, mfu=0.5)
     base = dict(prompt_tokens=100, response_tokens=10, patches=0, sequences=32, micro_batch=8, prompts=4,
@@ -177,7 +177,7 @@ def test_a_shared_prefix_counts_a_groups_prompt_once_in_the_teacher_forced_passe
 def test_lora_under_fsdp2_shards_the_base_and_the_adapters_and_reduces_only_the_adapters():
     """model.lora on 2 devices: FSDP2 shards the frozen base and the fp32 adapters, their gradients and moments 2
     ways, a DDP rank holds them whole; only the adapters' gradients are communicated."""
-    from vlrl.train.planner import sync_seconds
+    from vlrl.launch.planner import sync_seconds
 
     lora = Workload("rl", prompt_tokens=6, response_tokens=4, patches=0, sequences=8, micro_batch=4,
                     trained_params=0, adapter_params=40)

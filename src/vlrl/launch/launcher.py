@@ -64,11 +64,12 @@ class RankSpec:
 def _run_recipe(spec: RankSpec, env: dict[str, str]) -> dict:
     """What each actor runs: the recipe, as `vlrl sft|rl CONFIG OVERRIDES` would, with torchrun's variables."""
     os.environ.update(env)
-    from vlrl.config import RLConfig, SFTConfig, load_config
+    from vlrl.check.options import load_run_config
+    from vlrl.config import RLConfig, SFTConfig
     from vlrl.train.recipes import run_rl, run_sft
 
     config_cls, recipe = (SFTConfig, run_sft) if spec.recipe == "sft" else (RLConfig, run_rl)
-    return recipe(load_config(config_cls, spec.config, list(spec.overrides)))
+    return recipe(load_run_config(config_cls, spec.config, list(spec.overrides)))
 
 
 def _rank_actor_class():
@@ -239,13 +240,14 @@ def prepare(kind: str, config: Path | None, overrides: list[str]) -> Prepared:
     """Every check `vlrl launch` makes before it starts Ray — also what `vlrl plan` runs on each placement it prints,
     so the planner never shows a placement the runtime refuses. Raises `vlrl.config.ConfigError` (the config does
     not load) or `LaunchRefused`."""
-    from vlrl.config import RLConfig, SFTConfig, load_config
+    from vlrl.check.options import load_run_config
+    from vlrl.config import RLConfig, SFTConfig
     from vlrl.train.distributed import check_scalable
 
     if kind not in ("sft", "rl"):
         raise LaunchRefused(f"launches sft and rl runs (got recipe {kind!r}; pass --recipe)")
     placeholder = starts_servers(config, overrides) if kind == "rl" else None
-    cfg = load_config(SFTConfig if kind == "sft" else RLConfig, config, [*overrides, *([placeholder] if placeholder else [])])
+    cfg = load_run_config(SFTConfig if kind == "sft" else RLConfig, config, [*overrides, *([placeholder] if placeholder else [])])
     try:
         check_scalable(cfg, cfg.launch.nproc)  # what every rank would refuse, refused before anything starts
     except ValueError as err:

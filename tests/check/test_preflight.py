@@ -31,7 +31,7 @@ def _record(k, **fields):
             "response": "<answer>4</answer>", **fields}
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_configs_pass(path):
     cls = {"demo": DemoConfig, "sft": SFTConfig, "rl": RLConfig}[detect_recipe(__import__("yaml").safe_load(path.read_text()), path)]
     report = preflight(load_config(cls, path, ["check.samples_per_task=2"]))

@@ -3,14 +3,14 @@ preflight check), naming the config field — never a TypeError at the first ste
 
 import pytest
 
+from vlrl.check.options import config_problems, load_run_config
 from vlrl.config import ConfigError, RLConfig, load_config
 from vlrl.registry import option_problems
-from vlrl.train.options import config_problems
 
 
 def _error(*overrides):
     with pytest.raises(ConfigError) as err:
-        load_config(RLConfig, None, list(overrides))
+        load_run_config(RLConfig, None, list(overrides))
     return str(err.value)
 
 
@@ -40,7 +40,7 @@ def test_environment_and_rollout_function_options():
     assert "'rollout.env_kwargs.zoom_size': Input should be a valid integer" in _error(*base, "rollout.env_kwargs={zoom_size: big}")
     assert "'rollout.function_options.turns': unknown option of multi_turn; known: none" in \
         _error(*base, "rollout.function_options={turns: 3}")
-    load_config(RLConfig, None, [*base, "rollout.env_kwargs={max_calls: 2, zoom_size: 56}"])  # fine
+    load_run_config(RLConfig, None, [*base, "rollout.env_kwargs={max_calls: 2, zoom_size: 56}"])  # fine
 
 
 def test_step_credit_options_go_through_its_options_model():
@@ -56,7 +56,7 @@ def test_a_combination_that_cannot_work_is_refused_naming_both_fields():
                      "algo.advantage_shaping=[{name: step_credit, options: {signal: forward_proxy}}]")
     assert "'algo.advantage_shaping.0.options.signal': forward_proxy scores single-turn responses" in message
     assert "rollout.function=multi_turn" in message
-    load_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=shapes_feedback",
+    load_run_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=shapes_feedback",
                                  "algo.advantage_shaping=[{name: step_credit, options: {signal: rule}}]"])
 
 
@@ -64,14 +64,14 @@ def test_stages_and_the_demo_name_their_prefix():
     from vlrl.config import DemoConfig
 
     with pytest.raises(ConfigError, match=r"'rl.algo.advantage_options.epz': unknown option of grpo"):
-        load_config(DemoConfig, None, ["rl.algo.advantage_options={epz: 1}"])
+        load_run_config(DemoConfig, None, ["rl.algo.advantage_options={epz: 1}"])
     cfg = RLConfig.model_validate({"stages": [{"name": "a"}, {"name": "b", "algo": {"advantage_options": {"x": 1}}}]})
     assert config_problems(cfg) == [("stages.1.algo.advantage_options.x", "unknown option of grpo; known: eps, norm_by_std")]
 
 
 def test_an_unknown_name_is_left_to_the_preflight_check():
-    cfg = load_config(RLConfig, None, ["algo.advantage=no_such_estimator", "algo.advantage_options={x: 1}"])
-    from vlrl.check import CheckReport, _check_names
+    cfg = load_run_config(RLConfig, None, ["algo.advantage=no_such_estimator", "algo.advantage_options={x: 1}"])
+    from vlrl.check.preflight import CheckReport, _check_names
 
     report = CheckReport()
     _check_names(report, cfg, [("", cfg)])
@@ -79,7 +79,7 @@ def test_an_unknown_name_is_left_to_the_preflight_check():
 
 
 def test_the_preflight_check_lists_option_problems_of_a_config_built_in_code():
-    from vlrl.check import CheckReport, _check_names
+    from vlrl.check.preflight import CheckReport, _check_names
 
     cfg = RLConfig.model_validate({"algo": {"advantage_options": {"epz": 1}}})  # no load_config: no check yet
     report = CheckReport()
@@ -110,7 +110,7 @@ def test_a_loss_option_value_the_loss_refuses_stops_the_load():
         "config field 'algo.policy_loss_options': kl_cov: fraction must lie in (0, 1], got 2.0 (policy_loss=kl_cov)"
     assert "dual_clip: clip_ratio_c must be > 1, got 0.5" in \
         _error("algo.policy_loss=decoupled", "algo.policy_loss_options={clip_ratio_c: 0.5}")
-    load_config(RLConfig, None, ["algo.policy_loss=kl_cov", "algo.policy_loss_options={fraction: 0.02}"])
+    load_run_config(RLConfig, None, ["algo.policy_loss=kl_cov", "algo.policy_loss_options={fraction: 0.02}"])
 
 
 def test_decoupled_takes_its_cap_and_mode_from_the_staleness_section():
@@ -120,9 +120,9 @@ def test_decoupled_takes_its_cap_and_mode_from_the_staleness_section():
         _error("algo.policy_loss=decoupled", "algo.policy_loss_options={behaviour_weight_mode: drop}")
     assert "'staleness.behaviour_weight_mode': Input should be 'clamp' or 'drop'" in \
         _error("staleness.behaviour_weight_mode=cut")
-    from vlrl.train.options import bound_loss
+    from vlrl.check.options import bound_loss
 
-    cfg = load_config(RLConfig, None, ["algo.policy_loss=decoupled", "staleness.behaviour_weight_cap=2.0",
+    cfg = load_run_config(RLConfig, None, ["algo.policy_loss=decoupled", "staleness.behaviour_weight_cap=2.0",
                                        "staleness.behaviour_weight_mode=drop"])
     assert bound_loss(cfg).keywords == {"clip_low": 0.2, "clip_high": 0.28, "cap": 2.0, "behaviour_weight_mode": "drop"}
 
@@ -136,20 +136,29 @@ def test_tis_with_the_behaviour_weight_is_refused_at_load_naming_both_fields():
     for fine in (["algo.rollout_correction.tis_cap=2"],  # sync, ppo_clip: the one correction
                  ["algo.rollout_correction.tis_cap=2", "rollout.mode=async", "staleness.apply_behaviour_weight=false"],
                  ["algo.rollout_correction.mis_cap=2", "rollout.mode=async"]):  # MIS is a filter
-        load_config(RLConfig, None, fine)
+        load_run_config(RLConfig, None, fine)
 
 
 def test_skip_zero_advantage_with_a_loss_not_zero_there_is_refused_at_load():
     assert "'train.skip_zero_advantage': algo.policy_loss='entropy_bonus' is not 0 where the advantage is 0" in \
         _error("algo.policy_loss=entropy_bonus", "train.skip_zero_advantage=true")
-    load_config(RLConfig, None, ["algo.policy_loss=entropy_advantage", "train.skip_zero_advantage=true"])
+    load_run_config(RLConfig, None, ["algo.policy_loss=entropy_advantage", "train.skip_zero_advantage=true"])
 
 
 def test_seq_mean_token_sum_norm_takes_its_length_from_config():
     from vlrl.train.batch import loss_agg_max_length
 
-    cfg = load_config(RLConfig, None, ["algo.loss_agg=seq_mean_token_sum_norm", "rollout.max_new_tokens=12"])
+    cfg = load_run_config(RLConfig, None, ["algo.loss_agg=seq_mean_token_sum_norm", "rollout.max_new_tokens=12"])
     assert loss_agg_max_length(cfg) == 12  # max_new_tokens × max_turns (1)
-    cfg = load_config(RLConfig, None, ["algo.loss_agg=seq_mean_token_sum_norm", "algo.loss_agg_max_length=40"])
+    cfg = load_run_config(RLConfig, None, ["algo.loss_agg=seq_mean_token_sum_norm", "algo.loss_agg_max_length=40"])
     assert loss_agg_max_length(cfg) == 40
     assert "'algo.loss_agg_max_length': Input should be greater than or equal to 1" in _error("algo.loss_agg_max_length=0")
+
+
+def test_the_typed_config_alone_does_not_reach_the_plug_ins():
+    """`vlrl.config.load_config` validates types only (the config room imports no plug-in); the commands load through
+    `load_run_config`, which adds the plug-in checks."""
+    cfg = load_config(RLConfig, None, ["algo.advantage_options={epz: 1e-6}"])
+    assert config_problems(cfg) == [("algo.advantage_options.epz", "unknown option of grpo; known: eps, norm_by_std")]
+    with pytest.raises(ConfigError, match="algo.advantage_options.epz"):
+        load_run_config(RLConfig, None, ["algo.advantage_options={epz: 1e-6}"])
