@@ -94,6 +94,6 @@ def test_recipes_and_commands_build_engines_only_through_build_engine():
     pattern = re.compile(r"\b(HFEngine|ThreadedEngine|HTTPEngine|RolloutEngine|WatchedEngine)\(")
     users = ["train/recipes.py", "train/grpo.py", "train/async_grpo.py", "train/async_rollout.py",
              *sorted(p.relative_to(root).as_posix() for p in (root / "cli").glob("*.py")), "eval/evaluate.py",
-             "data/select.py"]
+             "eval/select.py", "train/select.py"]
     found = {name: pattern.findall((root / name).read_text()) for name in users}
     assert found == {name: [] for name in users}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from vlrl.rewards.cli import app as reward_app
+from vlrl.cli.reward import app as reward_app
 from vlrl.synth.cli import app as synth_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="vlrl: RL from verifiable rewards for VLMs and LLMs.")

@@ -240,7 +240,7 @@ def data_select(
     """Discrepancy-driven selection: N rollouts per prompt, pass@1 / pass@k / mean reward, keep the band."""
     from vlrl.config import RolloutConfig
     from vlrl.data import DataError, write_samples
-    from vlrl.data.select import Band, RolloutStore, rollout_and_score, select, summarise
+    from vlrl.eval.select import Band, RolloutStore, rollout_and_score, select, summarise
     from vlrl.models import load_policy
     from vlrl.rollout import SamplingParams, build_engine, close_engine
     from vlrl.train.common import seed_everything

@@ -21,7 +21,6 @@ from vlrl.config import DataConfig, DemoConfig, RLConfig, RolloutConfig, RunConf
 from vlrl.data import Sample
 from vlrl.data.curriculum import with_template
 from vlrl.data.packing import PackingPlan
-from vlrl.data.select import select_for_training
 from vlrl.data.splits import load_split, load_splits
 from vlrl.eval import EvalResult, evaluate
 from vlrl.models import Policy, load_policy
@@ -41,6 +40,7 @@ from vlrl.train.common import prepare_run_dir, seed_everything, write_json
 from vlrl.train.distributed import DistContext, check_scalable, init_distributed, shutdown_distributed
 from vlrl.train.grpo import train_grpo
 from vlrl.train.runtime import Runtime, make_runtime
+from vlrl.train.select import select_for_training
 from vlrl.train.sft import train_sft
 from vlrl.train.validation import Validation
 
