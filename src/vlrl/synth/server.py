@@ -28,12 +28,13 @@ in threads of this process (cheap to start: tests, notebooks) and a job over its
 and its result discarded, but cannot be stopped. Results are PNG files in ``results_dir``; past
 ``max_results_bytes`` the oldest results are deleted (their jobs answer 410). Binds to loopback and requires
 ``Authorization: Bearer <key>`` by default (`vlrl.serving`).
+
+This module holds the settings, the job queue and its workers (`SynthService`) and the command (`serve`); the
+HTTP application is `vlrl.synth.app`, the job body and its checks `vlrl.synth.schema` (both re-exported here).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import collections
 import dataclasses
 import io
@@ -44,37 +45,29 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field
 
-from vlrl.data.sample import IMAGE_FORMATS, SampleError, image_size, load_image  # noqa: F401  (IMAGE_FORMATS: re-exported)
+from vlrl.data.sample import IMAGE_FORMATS  # noqa: F401  (re-exported)
 from vlrl.serving import (
-    BodyError,
-    BodyParser,
     bind_socket,
-    encode_json,
-    explain_validation_error,
-    on_close,
-    protect,
     resolve_api_key,
     run_server,
 )
+from vlrl.synth.app import client_identity, create_app  # noqa: F401  (re-exported: the HTTP application)
+from vlrl.synth.schema import (  # noqa: F401  (re-exported: the job body and its checks)
+    BadRequest,
+    JobBody,
+    QueueFull,
+    check_boxes,
+    decode_image,
+    parse_job,
+)
 
 log = logging.getLogger(__name__)
-
-
-
-class BadRequest(ValueError):
-    """A malformed job; the message names the field."""
-
-
-class QueueFull(RuntimeError):
-    """The job queue is full; retry later."""
 
 
 # ----------------------------------------------------------------------------------------------- settings
@@ -406,217 +399,6 @@ class SynthService:
             if job is not None and job.result_path is not None:
                 job.result_path.unlink(missing_ok=True)
                 self.results_bytes -= job.result_bytes
-
-
-# ----------------------------------------------------------------------------------------------- validation
-class JobBody(BaseModel):
-    """``POST /jobs``."""
-
-    model_config = ConfigDict(extra="forbid")
-    image: str | bytes = Field(description="The source image: base64 or a data URL (PNG, JPEG, WEBP, BMP or GIF; "
-                               "decoded to bytes by the body parser).")
-    boxes: list[list[float]] = Field(default_factory=list, description="Foreground boxes [x1, y1, x2, y2] in pixels.")
-    masks: list[str | bytes] = Field(default_factory=list, description="Foreground masks (base64 PNG, image-sized; "
-                                     "non-zero = keep).")
-    description: str = Field(description="The new image description the background is generated from.")
-    seed: int = Field(0, description="Seed of the generation (same inputs and seed → same image).")
-    refine: bool = Field(True, description="Refine boxes into masks with the server's segmenter, if it has one.")
-
-
-def decode_image(data: str | bytes, field: str, settings: SynthSettings, *, mode: str = "RGB") -> np.ndarray:
-    """A base64 / data-URL image (or its bytes) → (H, W, 3) uint8 (or (H, W) for ``mode="L"``): only `IMAGE_FORMATS`
-    (`vlrl.data.sample.load_image`, the one image loader), size checked from the header before decoding."""
-    if isinstance(data, str):
-        payload = data.split(",", 1)[1] if data.startswith("data:") and "," in data else data
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise BadRequest(f"field '{field}': not valid base64 (send base64 or a data URL)") from None
-    try:
-        W, H = image_size(data)
-    except SampleError as err:
-        reason = _reason(err)
-        raise BadRequest(f"field '{field}': " + (reason if "is not accepted" in reason else
-                                                 f"not a decodable image ({reason})")) from None
-    if min(W, H) < settings.min_image_side or max(W, H) > settings.max_image_side or W * H > settings.max_image_pixels:
-        raise BadRequest(f"field '{field}': size {W}x{H} outside the limits (sides {settings.min_image_side}.."
-                         f"{settings.max_image_side} px, at most {settings.max_image_pixels} pixels)")
-    try:
-        image = load_image(data, max_pixels=settings.max_image_pixels, mode=mode)
-    except SampleError as err:
-        raise BadRequest(f"field '{field}': truncated or corrupt image ({_reason(err)})") from None
-    return np.asarray(image, dtype=np.uint8)
-
-
-def _reason(err: SampleError) -> str:
-    """`load_image`'s message without its "image <bytes>:" prefix."""
-    message = str(err)
-    return message.split(": ", 1)[1] if message.startswith(("image <bytes>", "cannot decode image <bytes>")) else message
-
-
-def check_boxes(boxes: Sequence[Sequence[float]], size: tuple[int, int], settings: SynthSettings) -> list[list[float]]:
-    """Every box is 4 finite numbers with 0 ≤ x1 < x2 ≤ W and 0 ≤ y1 < y2 ≤ H (``size`` = (H, W))."""
-    H, W = size
-    if len(boxes) > settings.max_boxes:
-        raise BadRequest(f"field 'boxes': {len(boxes)} boxes, at most {settings.max_boxes}")
-    out = []
-    for k, box in enumerate(boxes):
-        where = f"field 'boxes[{k}]'"
-        if len(box) != 4:
-            raise BadRequest(f"{where}: expected 4 numbers [x1, y1, x2, y2], got {len(box)}")
-        if not all(np.isfinite(box)):
-            raise BadRequest(f"{where}: coordinates must be finite")
-        x1, y1, x2, y2 = box
-        if not (x1 < x2 and y1 < y2):
-            raise BadRequest(f"{where}: needs x1 < x2 and y1 < y2, got {list(box)}")
-        if x1 < 0 or y1 < 0 or x2 > W or y2 > H:
-            raise BadRequest(f"{where}: {list(box)} leaves the {W}x{H} image (0 ≤ x ≤ {W}, 0 ≤ y ≤ {H})")
-        out.append([float(v) for v in box])
-    return out
-
-
-def parse_job(body: JobBody, settings: SynthSettings) -> tuple[np.ndarray, np.ndarray, list[list[float]]]:
-    """(image, keep mask, boxes) of a job body, or `BadRequest` naming the field."""
-    from vlrl.synth.backends import boxes_mask
-
-    description = body.description.strip()
-    if not description:
-        raise BadRequest("field 'description': must not be empty")
-    try:
-        description.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise BadRequest(f"field 'description': not valid Unicode (a lone surrogate at character {err.start})") from None
-    if len(description) > settings.max_description_chars:
-        raise BadRequest(f"field 'description': {len(description)} characters, at most {settings.max_description_chars}")
-    if not 0 <= body.seed < 2**32:
-        raise BadRequest(f"field 'seed': must lie in [0, 2^32), got {body.seed}")
-    image = decode_image(body.image, "image", settings)
-    H, W = image.shape[:2]
-    boxes = check_boxes(body.boxes, (H, W), settings)
-    keep = boxes_mask((H, W), boxes)
-    for k, data in enumerate(body.masks):
-        mask = decode_image(data, f"masks[{k}]", settings, mode="L")
-        if mask.shape != (H, W):
-            raise BadRequest(f"field 'masks[{k}]': size {mask.shape[1]}x{mask.shape[0]} differs from the image's {W}x{H}")
-        keep |= mask > 0
-    if not keep.any():
-        raise BadRequest("field 'boxes' / 'masks': give the foreground to preserve (at least one box or a non-empty mask)")
-    return image, keep, boxes
-
-
-# ----------------------------------------------------------------------------------------------- HTTP
-def client_identity(request: Any) -> str:
-    """Who a request comes from, for the queue's fair shares: ``sha256(bearer token)[:8]@peer host``. The token is
-    the only credential a client cannot forge; the address tells apart the holders of one shared token (a peer
-    address, not a header: ``X-Forwarded-For`` is the client's to write)."""
-    import hashlib
-
-    token = request.headers.get("authorization", "")
-    host = request.client.host if request.client is not None else "unknown"
-    return f"{hashlib.sha256(token.encode()).hexdigest()[:8]}@{host}"
-
-
-def create_app(service: SynthService, *, api_key: str | None) -> Any:
-    """The FastAPI application of ``service``. ``api_key=None`` disables authentication. Bodies are bounded by
-    ``max_body_bytes`` as they are received (`vlrl.serving.BodyLimit`) and parsed off the event loop
-    (`vlrl.serving.BodyParser`); an unexpected error answers 500 with an id, never a traceback."""
-    import asyncio
-
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response
-    from pydantic import ValidationError
-
-    class SafeJSON(JSONResponse):
-        def render(self, content: Any) -> bytes:
-            return encode_json(content)
-
-    app = FastAPI(title="vlrl synthesis server", default_response_class=SafeJSON)
-    settings = service.settings
-    # a job is an image, at most max_boxes boxes of 4 numbers, masks, a description and a seed
-    parser = BodyParser(max_values=8 * settings.max_boxes + 4096, max_string_chars=max(settings.max_description_chars, 4096))
-    on_close(app, parser.close)
-    protect(app, api_key=api_key, max_body_bytes=settings.max_body_bytes,
-            setting="max_body_bytes; vlrl synth serve --max-body-mb")
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, err: RequestValidationError):
-        return SafeJSON({"error": explain_validation_error(err)}, 400)
-
-    @app.exception_handler(BadRequest)
-    async def _bad(request: Request, err: BadRequest):
-        return SafeJSON({"error": str(err)}, 400)
-
-    async def submit(request: Request):  # (a plain Starlette route: the raw body is read, not injected)
-        if "json" not in request.headers.get("content-type", ""):
-            raise BadRequest("the body must be a JSON object sent with Content-Type: application/json")
-        try:
-            payload = await parser.parse(await request.body(), base64_fields=("image", "masks"))
-        except BodyError as err:
-            raise BadRequest(str(err)) from None
-        if not isinstance(payload, dict):
-            raise BadRequest("the body must be a JSON object sent with Content-Type: application/json")
-        try:
-            body = await asyncio.to_thread(JobBody.model_validate, payload)
-        except ValidationError as err:
-            raise BadRequest(explain_validation_error(err)) from None
-        image, keep, boxes = await asyncio.to_thread(parse_job, body, settings)
-        try:
-            job = service.submit(image, keep, boxes, body.description.strip(), body.seed, body.refine,
-                                 client=client_identity(request))
-        except QueueFull as err:
-            return SafeJSON({"error": f"server busy: {err}"}, 429, headers={"Retry-After": "1"})
-        return SafeJSON({"id": job.id, "status": job.status, "queued": service.health()["queued"]}, 202,
-                        headers={"Location": f"/jobs/{job.id}"})
-
-    app.router.add_route("/jobs", submit, methods=["POST"])
-
-    @app.get("/health")
-    async def health():
-        return service.health()
-
-    def _job(job_id: str):
-        job = service.get(job_id)
-        if job is None:
-            return None, JSONResponse({"error": f"unknown job {job_id!r}"}, 404)
-        if job.status == "evicted":
-            return None, JSONResponse({"error": f"job {job_id}: its result was deleted by the size cap "
-                                                f"(max_results_bytes = {settings.max_results_bytes})"}, 410)
-        return job, None
-
-    @app.get("/jobs")
-    async def statuses(ids: str = ""):
-        """Status of many jobs in one request (``?ids=a,b,c``): what a client polls; no images."""
-        wanted = [i for i in ids.split(",") if i][:1000]
-        jobs = []
-        for job_id in wanted:
-            job = service.get(job_id)
-            jobs.append({"id": job_id, "status": "unknown"} if job is None else
-                        {"id": job_id, "status": job.status, "error": job.error,
-                         "metadata": job.metadata if job.status == "done" else None})
-        return {"jobs": jobs}
-
-    @app.get("/jobs/{job_id}")
-    async def poll(job_id: str, image: bool = True):
-        job, error = _job(job_id)
-        if error is not None:
-            return error
-        out = job.public()
-        png = service.result(job) if image and job.status == "done" else None
-        out["image"] = "data:image/png;base64," + base64.b64encode(png).decode() if png is not None else None
-        return out
-
-    @app.get("/jobs/{job_id}/image")
-    async def result_image(job_id: str):
-        job, error = _job(job_id)
-        if error is not None:
-            return error
-        png = service.result(job)
-        if png is None:
-            return JSONResponse({"error": f"job {job_id} is {job.status}, no image"}, 409)
-        return Response(png, media_type="image/png")
-
-    return app
 
 
 def serve(settings: SynthSettings, *, host: str = "127.0.0.1", port: int = 30100, api_key: str | None = None,
