@@ -54,6 +54,11 @@ def _bombs(answer_tag: bool = True) -> list[tuple[str, str]]:
 
 def probes() -> list[Probe]:
     """The adversarial set, per verifier."""
+    return [*_answer_probes(), *_box_probes(), *_markup_probes(), *_code_probes(), *_format_probes()]
+
+
+def _answer_probes() -> list[Probe]:
+    """Hedges, an empty answer and the bombs, for each verifier that reads one answer."""
     out: list[Probe] = []
     hedges = {
         "number": ("3", ["<answer>1 2 3 4 5</answer>", "\\boxed{1}\\boxed{2}\\boxed{3}", "<answer>10**10**10</answer>",
@@ -76,6 +81,12 @@ def probes() -> list[Probe]:
         out.append(Probe(f"{verifier}/format_only", verifier, "<think></think><answer></answer>", answer, meta=meta))
         for name, response in _bombs():
             out.append(Probe(f"{verifier}/{name}", verifier, response, answer, meta=meta))
+    return out
+
+
+def _box_probes() -> list[Probe]:
+    """Boxes: first box only; the whole image; detection spam."""
+    out: list[Probe] = []
     # boxes: first box only; the whole image; detection spam (s = N_gt / N_pred)
     gt = [10, 10, 50, 50]
     out += [
@@ -91,6 +102,12 @@ def probes() -> list[Probe]:
         Probe("ovd_map/deep_json", "ovd_map", "[" * 100_000, detections),
         *[Probe(f"ovd_map/{n}", "ovd_map", r, detections) for n, r in _bombs()],
     ]
+    return out
+
+
+def _markup_probes() -> list[Probe]:
+    """HTML and SVG: copy-padding, deep nesting, hostile SVG."""
+    out: list[Probe] = []
     # markup: copy-padding is penalised by multiset Jaccard; hostile SVG renders nothing
     laughs = ('<?xml version="1.0"?><!DOCTYPE svg [<!ENTITY a "aaaaaaaaaa">'
               + "".join(f'<!ENTITY {c} "{("&" + p + ";") * 10}">' for p, c in zip("abcdefgh", "bcdefghi", strict=True))
@@ -109,6 +126,12 @@ def probes() -> list[Probe]:
               '<rect width="100000000" height="100000000" fill="red"/></svg>', REF_SVG, bound=1.0),  # resource probe
         Probe("svg/ten_mb", "svg", "<svg>" + "x" * TEN_MB, REF_SVG),
     ]
+    return out
+
+
+def _code_probes() -> list[Probe]:
+    """Hostile programs for the code verifier."""
+    out: list[Probe] = []
     # code: hostile programs score nothing and are stopped by the limits
     fence = "```python\n{}\n```"
     hostile = {
@@ -126,6 +149,12 @@ def probes() -> list[Probe]:
         out.append(Probe(f"code/{name}", "code", fence.format(program), CODE_TESTS[:1], meta=dict(FAST_CODE)))
     out.append(Probe("code/exit_before_asserts", "code", fence.format("import sys\nsys.exit(0)"),
                      ["assert add(1, 2) == 3"], meta=dict(FAST_CODE)))
+    return out
+
+
+def _format_probes() -> list[Probe]:
+    """Format-type rewards, plans and the overlong penalty."""
+    out: list[Probe] = []
     # format-type rewards reward format by design (bounded by 1); the probes check they stay fast
     for verifier in ("format", "answer_format", "cot_format", "json_plan"):
         for name, response in _bombs(answer_tag=False):
