@@ -40,7 +40,7 @@ LEVEL = {
 
 # Files over MAX_FILE_LINES on 2026-11-28, with their lengths then: each may shrink, none may grow.
 LONG_FILES = {
-    "rewards/_sandbox_child.py": 639, "synth/server.py": 634, "synth/workflow.py": 618, "train/checkpoint.py": 631,
+    "rewards/_sandbox_child.py": 639, "synth/server.py": 634, "synth/workflow.py": 618,
 }
 # Functions over MAX_FUNCTION_LINES on 2026-11-28 ("file:function": lines).
 LONG_FUNCTIONS = {
