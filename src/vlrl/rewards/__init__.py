@@ -24,10 +24,10 @@ from vlrl.rewards.base import (
 from vlrl.rewards.deps import MissingDependencyError, missing_dependency
 from vlrl.rewards.execution import RewardExecutor, RewardItem, ScoreReport, score_trajectories, summarize
 from vlrl.rewards.extract import extract_answer, final_answer
-from vlrl.rewards.judge import JudgeReward
+from vlrl.rewards.judge import Judge
 
 __all__ = [
-    "REWARDS", "JudgeReward", "MissingDependencyError", "RewardExecutor", "RewardItem", "RewardOutput", "RewardSpec", "ScoreReport",
+    "REWARDS", "Judge", "MissingDependencyError", "RewardExecutor", "RewardItem", "RewardOutput", "RewardSpec", "ScoreReport",
     "combine", "compose", "extract_answer", "final_answer", "get_reward", "missing_dependency", "register_reward",
     "score_trajectories",
     "spec_of", "summarize",
