@@ -6,7 +6,8 @@ Call a verifier as ``get_reward(name)(response, answer, **meta)``; score a batch
 Modules: ``extract`` (answer extraction), ``answers`` (number, multiple_choice, bool, string_match, ocr),
 ``math_equiv`` (math), ``boxes`` (bbox_iou, ovd_map), ``markup`` (html, svg), ``code_exec`` + ``sandbox``
 (code), ``format`` (format, answer_format, cot_format, overlong), ``plan`` (json_plan, plan_prefix),
-``judge`` (critic), ``syn`` (Syn-GRPO template: syn_format), ``execution`` (the batch scorer), ``cli`` (``vlrl reward score``),
+``judge`` (critic), ``kitchen`` (the embodied kitchen's rules, for plan_success), ``syn`` (Syn-GRPO template:
+syn_format), ``execution`` (the batch scorer), ``cli`` (``vlrl reward score``),
 ``deps`` (optional dependencies: `missing_dependency`).
 """
 
