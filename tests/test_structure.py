@@ -40,15 +40,12 @@ LEVEL = {
 
 # Files over MAX_FILE_LINES on 2026-11-28, with their lengths then: each may shrink, none may grow.
 LONG_FILES = {
-    "rewards/_sandbox_child.py": 639, "train/checkpoint.py": 631,
+    "rewards/_sandbox_child.py": 639,
 }
 # Functions over MAX_FUNCTION_LINES on 2026-11-28 ("file:function": lines).
 LONG_FUNCTIONS: dict[str, int] = {}
 # Imports from a higher room into a lower one on 2026-11-28, as (room, room it imports from).
-UPWARD_EDGES = {
-    ("rewards", "data"), ("rewards", "rollout"),
-    ("data", "models"),
-}
+UPWARD_EDGES: set[tuple[str, str]] = set()
 
 
 def _module(path: Path) -> str:

@@ -5,8 +5,8 @@ import pytest
 
 from vlrl.registry import RegistryError
 from vlrl.rewards import REWARDS, RewardOutput, RewardSpec, compose, register_reward, spec_of
-from vlrl.rewards.judge import JudgeReward
 from vlrl.rewards.probes import CODE_TESTS, OPTIONS, PLAN, REF_HTML, REF_SVG
+from vlrl.rollout.judge import JudgeReward
 
 from .fakes import FakeJudgeEngine
 

@@ -3,8 +3,9 @@ from types import SimpleNamespace
 import pytest
 
 from vlrl.data import Sample
-from vlrl.rewards import JudgeReward, RewardExecutor, RewardItem, get_reward, score_trajectories
+from vlrl.rewards import RewardExecutor, RewardItem, get_reward, score_trajectories
 from vlrl.rewards.judge import parse_verdict
+from vlrl.rollout.judge import JudgeReward
 
 from .fakes import FakeJudgeEngine
 

@@ -164,8 +164,8 @@ def test_plan_success_executes_the_plan():
 
 def test_plan_judge_template_through_the_engine_protocol():
     from vlrl.rewards import RewardExecutor, RewardItem
-    from vlrl.rewards.judge import JudgeReward
     from vlrl.rewards.plan import PLAN_JUDGE_TEMPLATE
+    from vlrl.rollout.judge import JudgeReward
 
     from .fakes import FakeJudgeEngine
 

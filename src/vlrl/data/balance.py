@@ -50,12 +50,12 @@ class Embedder(Protocol):
 EMBEDDERS: Registry[Callable[..., Embedder]] = Registry(
     "embedder", signature="factory(path, **options) -> Embedder (embed_images(images) -> (N, D), embed_texts(texts) -> (K, D))"
 )
+# the built-in embedders live with the models (they load one); registered by location, imported at the first lookup
+EMBEDDERS.register_path("clip", "vlrl.models.embedders:clip_embedder")
 
 
 def get_embedder(name: str) -> Callable[..., Embedder]:
     """A registered embedder factory (``clip``) or a dotted path ``pkg.mod:factory``."""
-    from vlrl.models import embedders  # noqa: F401  (registers the built-in embedders)
-
     return EMBEDDERS.get(name)
 
 

@@ -2,7 +2,8 @@
 
 ``clip``: transformers' ``CLIPModel`` (also MetaCLIP checkpoints, which use the CLIP architecture) loaded from
 a local directory with its tokenizer and the PIL image processor (no torchvision). open_clip is not used: it
-needs torchvision. Any other encoder plugs in as ``pkg.mod:factory`` (see `vlrl.data.balance.EMBEDDERS`).
+needs torchvision. Any other encoder plugs in as ``pkg.mod:factory`` (see `vlrl.data.balance.EMBEDDERS`, which
+registers ``clip`` by location: this module is imported at the first lookup).
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 from PIL import Image
-
-from vlrl.data.balance import EMBEDDERS
 
 
 class CLIPEmbedder:
@@ -64,7 +63,6 @@ def _normalise(x: torch.Tensor) -> np.ndarray:
     return torch.nn.functional.normalize(x.float(), dim=-1).cpu().numpy()
 
 
-@EMBEDDERS.register("clip")
 def clip_embedder(path: str, **options) -> CLIPEmbedder:
     """transformers CLIP from a local directory (options: device, template, batch_size)."""
     return CLIPEmbedder(path, **options)

@@ -1,25 +1,22 @@
-"""LLM-as-judge: the ``critic`` reward, scored by a model behind the rollout `Engine` protocol.
+"""LLM-as-judge: the ``critic`` reward, scored by a judge model (`vlrl.rollout.judge.JudgeReward`).
 
 LLaVA-OV-1.5 lists ``reward/critic.py``; the embodied seed's verifier asks a VLM "Only output: True or
-False" and uses the probability of the answer token. Here a `JudgeReward` holds an engine (the in-process
-HF engine, or a client of an SGLang-compatible server — the same servers as the policy) and a prompt
-template. vlrl.rewards stays free of model code: the engine is anything with ``encode`` and ``generate``,
-and vlrl.rollout is imported only when a judge actually runs.
+False" and uses the probability of the answer token. This module holds the pure part — the default prompt, the
+verdict parser, the `Judge` protocol and the ``critic`` verifier; the judge that runs a model behind the rollout
+`Engine` protocol (the in-process HF engine, or a client of an SGLang-compatible server — the same servers as the
+policy) is `vlrl.rollout.judge.JudgeReward`, so vlrl.rewards stays free of model and rollout code.
 
 How it is wired (decided here): the registered ``critic`` verifier takes the judge from its metadata
 (``critic(response, answer, judge=JudgeReward(...))``), and `RewardExecutor(judge=...)` supplies one for a
-whole batch; the executor sends all ``critic`` units of a batch to `JudgeReward.score_batch` — one
+whole batch; the executor sends all ``critic`` units of a batch to `Judge.score_batch` — one
 ``engine.generate`` call, greedy, ``max_new_tokens`` tokens per verdict.
 """
 
 from __future__ import annotations
 
-import math
 import re
-import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from vlrl.rewards.base import RewardOutput, register_reward
 
@@ -60,66 +57,20 @@ def parse_verdict(text: str) -> float | None:
     return None
 
 
-class _Blank(dict):
-    def __missing__(self, key: str) -> str:
-        return ""
-
-
-@dataclass
-class JudgeReward:
-    """A judge model behind the `Engine` protocol, with its prompt template.
-
-    Attributes:
-        engine: an object with ``encode(sample) -> Request`` and ``generate(requests, sampling)``.
-        template: ``str.format`` template; fields ``{question}``, ``{answer}``, ``{response}`` and any
-            metadata key (a missing field is left empty).
-        max_new_tokens: verdict length.
-        use_logprob: score = P(positive verdict) from the first generated token's log-prob
-            (p if the verdict is positive, 1 − p if negative) instead of 1/0 — the seed's probability.
-        max_response_chars: the response is cut to this many characters in the prompt.
-    """
-
-    engine: Any
-    template: str = DEFAULT_TEMPLATE
-    max_new_tokens: int = 8
-    use_logprob: bool = False
-    max_response_chars: int = 8000
-
-    def prompt(self, response: str, answer: Any, meta: Mapping[str, Any]) -> str:
-        fields = _Blank({k: v for k, v in meta.items() if isinstance(v, (str, int, float))})
-        fields.update(response=response[: self.max_response_chars], answer=answer, question=meta.get("question", ""))
-        return string.Formatter().vformat(self.template, (), fields)
+class Judge(Protocol):
+    """What the ``critic`` verifier and `RewardExecutor` need of a judge (`vlrl.rollout.judge.JudgeReward` is one)."""
 
     def score_batch(self, items: Sequence[tuple[str, Any, Mapping[str, Any]]]) -> list[RewardOutput]:
-        """Judge every ``(response, answer, meta)`` in one ``engine.generate`` call (greedy)."""
-        from vlrl.data.sample import Sample
-        from vlrl.rollout.types import SamplingParams
-
-        samples = [Sample(id=f"judge-{i}", task="judge", reward="critic",
-                          messages=[{"role": "user", "content": self.prompt(r, a, m)}]) for i, (r, a, m) in enumerate(items)]
-        requests = [self.engine.encode(s) for s in samples]
-        trajectories = self.engine.generate(requests, SamplingParams(n=1, temperature=0.0,
-                                                                     max_new_tokens=self.max_new_tokens))
-        if len(trajectories) != len(items):
-            raise RuntimeError(f"judge engine returned {len(trajectories)} verdicts for {len(items)} prompts")
-        return [self._score(t) for t in trajectories]
-
-    def _score(self, trajectory: Any) -> RewardOutput:
-        verdict = parse_verdict(trajectory.response_text)
-        if verdict is None:
-            return RewardOutput(overall=0.0, parts={"verdict_parsed": 0.0})
-        score = verdict
-        if self.use_logprob and len(trajectory.behaviour_logp) > 0:
-            p = math.exp(float(trajectory.behaviour_logp[0]))
-            score = p if verdict >= 0.5 else 1.0 - p
-        return RewardOutput(overall=score, parts={"verdict_parsed": 1.0, "verdict": verdict})
+        """One `RewardOutput` per ``(response, answer, meta)``, in order."""
+        ...
 
     def __call__(self, response: str, answer: Any, **meta: Any) -> RewardOutput:
-        return self.score_batch([(response, answer, meta)])[0]
+        """The verdict on one response."""
+        ...
 
 
 @register_reward("critic", mode="judge", deadline=120.0)
-def critic(response: str, answer: Any, *, judge: JudgeReward | None = None, **meta: Any) -> RewardOutput:
+def critic(response: str, answer: Any, *, judge: Judge | None = None, **meta: Any) -> RewardOutput:
     """Judge-model reward in [0, 1]: the `JudgeReward` in ``judge`` grades the response (1/0 verdict, or
     the probability of a positive verdict with ``use_logprob``). Parts: ``verdict_parsed``, ``verdict``.
     Batch scoring supplies the judge (`RewardExecutor(judge=...)`) and batches the calls."""

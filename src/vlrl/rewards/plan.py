@@ -10,7 +10,7 @@ as the executable plan. The seed composes ``overall = 0.8 · accuracy + 0.2 · f
 `locate_plan` reads the plan step by step with the character span of every ``action_id`` and
 ``action_name`` value, also from output cut off mid-plan (the complete steps before the cut) — what
 step-level credit (`vlrl.algos.step_credit`) writes onto tokens. `plan_success` executes a plan in the
-`embodied` suite's kitchen (`vlrl.data.tasks.embodied.World`); `PLAN_JUDGE_TEMPLATE` is the seed's
+`embodied` suite's kitchen (`vlrl.rewards.kitchen.World`); `PLAN_JUDGE_TEMPLATE` is the seed's
 verify-model prompt for the ``critic`` judge reward.
 """
 
@@ -23,6 +23,7 @@ from typing import Any
 
 from vlrl.rewards.base import RewardOutput, register_reward
 from vlrl.rewards.extract import WINDOW, extract_json
+from vlrl.rewards.kitchen import execute_plan
 
 PLAN_FIELDS = ("visual_state_description", "reasoning_and_reflection", "language_plan", "executable_plan")
 
@@ -285,14 +286,12 @@ def _shift(step: PlanStep, offset: int) -> PlanStep:
 def plan_success(response: str, answer: Any = None, *, scene: Mapping[str, Any] | None = None,
                  history: Sequence[int] = (), **meta: Any) -> RewardOutput:
     """Execution success ∈ {0, 1}: the predicted plan's ``action_id`` steps, run after ``history`` in the
-    `embodied` kitchen ``scene`` (`vlrl.data.tasks.embodied.execute_plan`), are all valid and reach the goal.
+    `embodied` kitchen ``scene`` (`vlrl.rewards.kitchen.execute_plan`), are all valid and reach the goal.
 
     Parts: ``accuracy`` (= success), ``valid_frac`` (steps executed before the first invalid one / plan
     length), ``step_acc`` (gold positions i with the same ``action_id`` / gold length, when ``answer`` holds
     the gold plan), ``parsed`` (a plan was found).
     """
-    from vlrl.data.tasks.embodied import execute_plan
-
     if scene is None:
         raise ValueError("plan_success: needs the embodied scene in the sample's metadata (metadata.scene)")
     predicted = plan_steps(response) or []
