@@ -120,6 +120,21 @@ def preflight_failed(command: str, what: str, report) -> None:
     raise typer.Exit(1)
 
 
+def recipe_of(config: Path, recipe: str) -> str:
+    """``recipe``, or with ``auto`` the one ``config`` is written for (`vlrl.check.detect_recipe`); a config that
+    cannot be read counts as empty here — loading it later reports the error with the file name."""
+    if recipe != "auto":
+        return recipe
+    from vlrl.check import detect_recipe
+    from vlrl.safe_yaml import YamlRefused, load_file
+
+    try:
+        raw = load_file(config) if config.is_file() else {}
+    except YamlRefused:
+        raw = {}
+    return detect_recipe(raw if isinstance(raw, dict) else {}, config)
+
+
 def first_line(err: Exception) -> str:
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__

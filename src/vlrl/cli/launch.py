@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from vlrl.cli.app import app
-from vlrl.cli.common import OVERRIDES, RECIPES, RESUME, load_run
+from vlrl.cli.common import OVERRIDES, RECIPES, RESUME, load_run, recipe_of
 from vlrl.config import ConfigError
 
 
@@ -65,16 +65,10 @@ def plan(
 ) -> None:
     """Estimate per-device memory and step time of every placement (colocated/separate, FSDP/DDP); rank the feasible
     ones, each with the `vlrl launch` command that starts it."""
-    from vlrl.check import detect_recipe, model_path_problem
+    from vlrl.check import model_path_problem
     from vlrl.launch import planner
-    from vlrl.safe_yaml import YamlRefused, load_file
 
-    if recipe == "auto":
-        try:
-            raw = load_file(config) if config.is_file() else {}
-        except YamlRefused:
-            raw = {}  # load_run below reports the YAML error with the file name
-        recipe = detect_recipe(raw if isinstance(raw, dict) else {}, config)
+    recipe = recipe_of(config, recipe)
     if recipe not in ("sft", "rl"):
         typer.secho(f"vlrl plan: plans sft and rl runs (got recipe {recipe!r}; pass --recipe)", fg="red", err=True)
         raise typer.Exit(2)

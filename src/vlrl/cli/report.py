@@ -8,7 +8,7 @@ import typer
 
 from vlrl.check.options import load_run_config as load_config  # (the config with its plug-in options checked)
 from vlrl.cli.app import app
-from vlrl.cli.common import OVERRIDES, RECIPES, TEST, extra_overrides
+from vlrl.cli.common import OVERRIDES, RECIPES, TEST, extra_overrides, recipe_of
 from vlrl.config import ConfigError
 
 
@@ -47,15 +47,9 @@ def check(
     test: str | None = TEST,
 ) -> None:
     """Preflight: processor, vision tokens, context length, batch sizes, names and data files — no weights loaded."""
-    from vlrl.check import detect_recipe, preflight
-    from vlrl.safe_yaml import YamlRefused, load_file
+    from vlrl.check import preflight
 
-    if recipe == "auto":
-        try:
-            raw = load_file(config) if config.is_file() else {}
-        except YamlRefused:
-            raw = {}  # load_config below reports the YAML error with the file name
-        recipe = detect_recipe(raw if isinstance(raw, dict) else {}, config)
+    recipe = recipe_of(config, recipe)
     if recipe not in RECIPES:
         typer.secho(f"vlrl check: --recipe must be auto, sft, rl or demo (got {recipe!r})", fg="red", err=True)
         raise typer.Exit(2)
