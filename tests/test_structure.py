@@ -1,5 +1,6 @@
 """The house's limits, checked over all of ``src/vlrl`` with ``ast``: no file over 600 lines, no function over 80,
-no private name (``_name``) of one module imported by another, and no import from a higher room into a lower one.
+no private name (``_name``) of one module imported or read by another, no private torch or transformers name outside
+vlrl/compat.py, and no import from a higher room into a lower one.
 
 The room order, lowest first (a room imports only from rooms at its level or below):
 
@@ -136,6 +137,70 @@ def test_no_private_name_of_one_module_is_imported_by_another():
     assert not found, "private names used across modules (make them public or move the code):\n" + "\n".join(found)
 
 
+def _module_aliases(tree: ast.Module, module: str) -> set[str]:
+    """Names under which ``tree`` holds another vlrl *module* (``from vlrl.rollout import decode``, ``import
+    vlrl.compat as compat``)."""
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.asname and a.name.startswith("vlrl.")}
+        elif isinstance(node, ast.ImportFrom):
+            for target, names in _imports(ast.Module(body=[node], type_ignores=[]), module):
+                for alias, name in zip(node.names, names or [], strict=False):
+                    if _is_package(f"{target}.{name}") or (SRC.parent / Path(*target.split("."), f"{name}.py")).is_file():
+                        aliases.add(alias.asname or name)
+            if node.module == "vlrl" and not node.level:
+                aliases |= {a.asname or a.name for a in node.names}
+    return aliases
+
+
+def test_no_private_name_of_one_module_is_read_through_it():
+    found = []
+    for path, tree in TREES.items():
+        aliases = _module_aliases(tree, _module(path))
+        found += [f"{_name(path)}:{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                  and node.attr.startswith("_") and not node.attr.startswith("__")]
+    assert not found, "private names read across modules (make them public or move the code):\n" + "\n".join(found)
+
+
+# Private names of the standard library that its documentation publishes (``os._exit``).
+STDLIB_PRIVATE = {"_exit"}
+
+
+def test_private_names_of_torch_and_transformers_only_in_compat():
+    """vlrl.compat holds every use of a name torch or transformers does not publish (issue: installs that keep
+    working). Found statically: a private module or name imported from either package, or an attribute ``._name``
+    that vlrl itself never defines (so it belongs to a library object) — outside compat.py."""
+    defined = set()
+    for tree in TREES.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                defined.add(node.attr)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                defined.add(node.target.id)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                defined.add(node.value)  # object.__setattr__(self, "_peft", ...)
+    found = []
+    for path, tree in TREES.items():
+        if _name(path) == "compat.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("torch", "transformers"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private or any(p.startswith("_") for p in node.module.split(".")):
+                    found.append(f"{_name(path)}:{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and node.attr not in defined and node.attr not in STDLIB_PRIVATE:
+                found.append(f"{_name(path)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "private torch/transformers names outside vlrl/compat.py (wrap them there):\n" + "\n".join(found)
+
+
 def test_no_new_upward_import_between_rooms():
     edges: dict[tuple[str, str], list[str]] = {}
     for path, tree in TREES.items():
@@ -151,14 +216,20 @@ def test_no_new_upward_import_between_rooms():
 
 
 @pytest.mark.parametrize("source, message", [
-    ("from vlrl.data.sample import _secret\n", "private names"),
+    ("from vlrl.data.sample import _secret\n", "private names used"),
     ("from vlrl.train import grpo\n", "imports from a higher room"),
+    ("from vlrl.rollout import decode\nX = decode._hidden\n", "private names read across modules"),
+    ("import torch\nX = torch.nn.Linear(1, 1)._parameters_probe\n", "private torch/transformers names"),
+    ("from torch.distributed._tools import mem_tracker\n", "private torch/transformers names"),
 ])
 def test_the_checks_catch_what_they_are_for(tmp_path, monkeypatch, source, message):
     """A planted violation in the rewards room (level 2) trips the check meant for it."""
     planted = SRC / "rewards" / "structure_probe.py"
     monkeypatch.setitem(TREES, planted, ast.parse(source))
-    check = (test_no_private_name_of_one_module_is_imported_by_another if "private" in message
-             else test_no_new_upward_import_between_rooms)
+    checks = {"private names used": test_no_private_name_of_one_module_is_imported_by_another,
+              "private names read": test_no_private_name_of_one_module_is_read_through_it,
+              "private torch": test_private_names_of_torch_and_transformers_only_in_compat,
+              "imports from": test_no_new_upward_import_between_rooms}
+    check = next(test for start, test in checks.items() if message.startswith(start))
     with pytest.raises(AssertionError, match=message):
         check()

@@ -17,6 +17,8 @@ ranks in step; vlrl samples with its own loop, `vlrl.rollout.decode`, which neve
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
@@ -70,6 +72,43 @@ def attn_implementation(config: Any) -> str:
     return str(getattr(config, "_attn_implementation", "") or "")
 
 
+
+def swap_attn_implementation(config: Any, implementation: str) -> str:
+    """Set ``config``'s attention kernel to ``implementation`` and return the one it had, for vlrl's grouped
+    attention to replace the language model's kernel for one call in one thread (`vlrl.models.grouped`).
+
+    Writes ``config._attn_implementation_internal``, the value behind ``config._attn_implementation``. Public
+    replacement: ``model.set_attn_implementation`` sets every sub-config of a model and checks the kernel each
+    time — per call, and without a way to name only the language model's configs."""
+    previous = config._attn_implementation_internal
+    config._attn_implementation_internal = implementation
+    return previous
+
+
+@contextmanager
+def gradient_checkpointing_wrapped(model: torch.nn.Module, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Within: every module of ``model`` that checkpoints its layers calls ``wrap(f)`` where it called its
+    checkpointing function ``f`` — how `vlrl.models.grouped` re-enters its attention layout when a layer's forward
+    is replayed in the backward pass. Restored on exit.
+
+    Reads and writes the modules' ``_gradient_checkpointing_func``, set by ``gradient_checkpointing_enable``.
+    Public replacement: ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`` takes the options of
+    ``torch.utils.checkpoint``, not a function to call around the replay."""
+    wrapped = []
+    for m in model.modules():
+        original = getattr(m, "_gradient_checkpointing_func", None)
+        if getattr(m, "gradient_checkpointing", False) is True and callable(original):
+            wrapped.append((m, "_gradient_checkpointing_func" in vars(m), original))
+            m._gradient_checkpointing_func = wrap(original)
+    try:
+        yield
+    finally:
+        for m, own, original in wrapped:
+            if own:
+                m._gradient_checkpointing_func = original
+            else:
+                del m._gradient_checkpointing_func
+
 @cache
 def _forward_params(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
@@ -118,6 +157,25 @@ def separate_process_group(store: Any, *, rank: int, world_size: int, backend: s
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
+
+
+
+def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
+    """The path of the metadata file a ``torch.distributed.checkpoint.FileSystemReader`` would unpickle, so
+    `vlrl.train.checkpoint` can read it with a restricted unpickler instead.
+
+    Calls the reader's ``_get_metadata_path``. Public replacement: none (``read_metadata`` unpickles the file with
+    no way to restrict what it may construct)."""
+    return reader._get_metadata_path(rank)
+
+def own_tensor_tables(module: torch.nn.Module) -> tuple[dict, dict]:
+    """``module``'s own parameters and buffers (not its sub-modules'), as the two dicts that hold them, so a value
+    can be replaced under its name with whatever else points at the module (FSDP2's hooks, tied weights) intact.
+
+    Returns ``module._parameters`` and ``module._buffers``. Public replacement: ``named_parameters(recurse=False)``
+    to read and ``register_parameter`` / ``register_buffer`` to write — which re-checks each name and needs each
+    buffer's ``persistent`` flag, which only ``_non_persistent_buffers_set`` holds."""
+    return module._parameters, module._buffers
 
 def memory_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
     """torch's ``MemTracker`` set up for one training step of ``model`` and ``optimizer``: the peak memory by

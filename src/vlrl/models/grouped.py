@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from vlrl import compat
 from vlrl.models.adapters import TextAdapter, VisionInputs
 from vlrl.models.logprobs import LogprobChunk, head_scores
 
@@ -179,16 +180,14 @@ def _decoder_configs(model: torch.nn.Module, decoder: torch.nn.Module) -> list:
 @contextmanager
 def _attending(configs: Sequence, layout: GroupedLayout) -> Iterator[None]:
     """``vlrl_grouped`` attention with ``layout`` for the language model (its configs), in this thread."""
-    saved = [(c, c._attn_implementation_internal) for c in configs]
     previous = getattr(_ACTIVE, "layout", None)
-    for c in configs:
-        c._attn_implementation_internal = GROUPED_ATTENTION
+    saved = [(c, compat.swap_attn_implementation(c, GROUPED_ATTENTION)) for c in configs]
     _ACTIVE.layout = layout
     try:
         yield
     finally:
         for c, implementation in saved:
-            c._attn_implementation_internal = implementation
+            compat.swap_attn_implementation(c, implementation)
         _ACTIVE.layout = previous
 
 
@@ -202,22 +201,10 @@ def _replayed(original, configs: Sequence, layout: GroupedLayout, function, *arg
     return original(within, *args, **kwargs)
 
 
-@contextmanager
-def _checkpointing_within(decoder: torch.nn.Module, configs: Sequence, layout: GroupedLayout) -> Iterator[None]:
-    wrapped = []
-    for m in decoder.modules():
-        original = getattr(m, "_gradient_checkpointing_func", None)
-        if getattr(m, "gradient_checkpointing", False) is True and callable(original):
-            wrapped.append((m, "_gradient_checkpointing_func" in vars(m), original))
-            m._gradient_checkpointing_func = functools.partial(_replayed, original, configs, layout)
-    try:
-        yield
-    finally:
-        for m, own, original in wrapped:
-            if own:
-                m._gradient_checkpointing_func = original
-            else:
-                del m._gradient_checkpointing_func
+def _checkpointing_within(decoder: torch.nn.Module, configs: Sequence, layout: GroupedLayout):
+    """Within: ``decoder``'s checkpointed layers replay their forward under ``layout``'s attention."""
+    return compat.gradient_checkpointing_wrapped(decoder, lambda original: functools.partial(_replayed, original, configs,
+                                                                                             layout))
 
 
 # ----------------------------------------------------------------------------------------------- the batch

@@ -201,6 +201,12 @@ def expand_cache(cache: object, index: torch.Tensor, family: str) -> bool:
     return False
 
 
+def known_not_expandable(family: str) -> bool:
+    """Whether `expand_cache` already found (and logged) that ``family``'s KV cache cannot be expanded, so a caller
+    can skip the prefill that would only find it again."""
+    return family in _NOT_EXPANDABLE
+
+
 def _layer_tensors(layer: object) -> list[torch.Tensor]:
     """The per-row tensors a cache layer holds: keys/values, and linear-attention conv/recurrent states."""
     out = []

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from vlrl import compat
 from vlrl.config import CheckpointConfig
 from vlrl.train.carry import read_carry_over, write_carry_over
 from vlrl.train.distributed import DistContext, unwrap
@@ -256,7 +257,7 @@ def _safe_dcp_reader(path: Path):
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            file = self._get_metadata_path(kwargs.get("rank"))
+            file = compat.dcp_metadata_path(self, kwargs.get("rank"))
             try:
                 with open(file, "rb") as handle:
                     metadata = _MetadataUnpickler(handle).load()

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vlrl import compat
 from vlrl.config import DistConfig
 
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -229,7 +230,7 @@ def from_rank0(unit: torch.nn.Module, ctx: DistContext) -> None:
 
     done: dict[int, torch.Tensor] = {}
     for module in _own_modules(unit, FSDPModule):
-        for table in (module._parameters, module._buffers):
+        for table in compat.own_tensor_tables(module):
             for name, tensor in list(table.items()):
                 if tensor is None:
                     continue

@@ -149,7 +149,7 @@ def _cached_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter, prompt
     against it (None: the cache cannot be expanded)."""
     family = adapter.family
     device = next(model.parameters()).device
-    if family in decode._NOT_EXPANDABLE:  # found (and logged) before: not one more prefill to find it again
+    if decode.known_not_expandable(family):  # found (and logged) before: not one more prefill to find it again
         return None
     B = len(prompts)
     groups = [Request(sample=None, prompt_ids=_ids(prompts[k]), vision=visions[k]) for k in first]
