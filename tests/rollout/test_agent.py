@@ -371,16 +371,16 @@ def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="config field 'rollout.agent.max_turns'"):
         load_config(RLConfig, None, ["rollout.agent.max_turns=0"])
     # an environment or rollout-function option is checked against its signature when the config loads
-    with pytest.raises(ConfigError, match=r"'rollout.env_kwargs.zom': unknown option of shapes_feedback; known: "
+    with pytest.raises(ConfigError, match=r"'rollout.agent.env_kwargs.zom': unknown option of shapes_feedback; known: "
                                           r"feedback, margin, zoom, zoom_size"):
         load_config(RLConfig, None, ["rollout.agent.function=multi_turn", "rollout.agent.env=shapes_feedback",
                                      "rollout.agent.env_kwargs={zom: true}"])
-    with pytest.raises(ConfigError, match=r"'rollout.function_options.turns': unknown option of multi_turn; known: none"):
+    with pytest.raises(ConfigError, match=r"'rollout.agent.options.turns': unknown option of multi_turn; known: none"):
         load_config(RLConfig, None, ["rollout.agent.function=multi_turn", "rollout.agent.env=shapes_feedback",
                                      "rollout.agent.options={turns: 2}"])
     # and again where the rollout is built (a config made in code skips load_config)
     cfg = load_config(RLConfig, None, ["rollout.agent.function=multi_turn", "rollout.agent.env=shapes_feedback"])
-    with pytest.raises(EnvConfigError, match=r"rollout.env_kwargs.zom: unknown option"):
+    with pytest.raises(EnvConfigError, match=r"rollout.agent.env_kwargs.zom: unknown option"):
         build_rollout(cfg.rollout.model_copy(update={"agent": cfg.rollout.agent.model_copy(update={"env_kwargs": {"zom": True}})}))
 
 
@@ -397,10 +397,10 @@ def test_function_options_are_bound_to_a_custom_rollout_and_checked():
                                        "rollout.agent.options={hint: '!', repeat: 2}"])
     engine = RolloutEngine(ScriptedEngine(["ab"]), build_rollout(cfg.rollout))
     assert [t.response_text for t in engine.generate([engine.encode(sample())], SamplingParams(n=2))] == ["ab!!"] * 2
-    with pytest.raises(ConfigError, match=r"'rollout.function_options.repeat': Input should be a valid integer"):
+    with pytest.raises(ConfigError, match=r"'rollout.agent.options.repeat': Input should be a valid integer"):
         load_config(RLConfig, None, ["rollout.agent.function=tests.rollout.test_agent:hinted",
                                      "rollout.agent.options={repeat: many}"])
-    with pytest.raises(ConfigError, match=r"'rollout.function_options.agent': set by the rollout.\* fields"):
+    with pytest.raises(ConfigError, match=r"'rollout.agent.options.agent': set by the rollout.agent.\* fields"):
         load_config(RLConfig, None, ["rollout.agent.function=tests.rollout.test_agent:hinted",
                                      "rollout.agent.options={agent: 1}"])
 

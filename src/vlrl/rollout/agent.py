@@ -67,7 +67,7 @@ ROLLOUTS: Registry[RolloutFn] = Registry(
     "rollout function",
     signature="fn(engine, requests, sampling, *, agent: AgentSettings | None, **options) -> list[Trajectory]",
 )
-BOUND_BY_RECIPE = {"agent": "the rollout.* fields (AgentSettings)"}  # keyword parameters the recipe passes itself
+BOUND_BY_RECIPE = {"agent": "the rollout.agent.* fields (AgentSettings)"}  # keyword parameters the recipe passes itself
 GENERATES: Registry[Callable[..., Trajectory]] = Registry(
     "per-sample generate", signature="fn(engine, request, sampling, *, agent: AgentSettings) -> Trajectory"
 )
@@ -75,7 +75,7 @@ GENERATES: Registry[Callable[..., Trajectory]] = Registry(
 
 @dataclass
 class AgentSettings:
-    """What a rollout function needs to run episodes (bound from ``rollout.*`` config by `build_rollout`).
+    """What a rollout function needs to run episodes (bound from the ``rollout.agent.*`` config by `build_rollout`).
 
     Attributes:
         env: zero-argument factory of a fresh environment (see `vlrl.rollout.env.env_factory`), or None.

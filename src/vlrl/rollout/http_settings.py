@@ -15,7 +15,7 @@ update; before a distributed one, once this client's requests in flight ended â€
 
 @dataclasses.dataclass(frozen=True)
 class ClientSettings:
-    """How an `HTTPEngine` talks to its servers (the ``rollout.*`` fields `vlrl.rollout.build_engine` binds)."""
+    """How an `HTTPEngine` talks to its servers (the ``rollout.servers.*`` fields `vlrl.rollout.build_engine` binds)."""
 
     api_key: str | None = None
     """The servers' key (``Authorization: Bearer``); None: ``$VLRL_API_KEY``, if set."""
