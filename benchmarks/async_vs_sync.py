@@ -76,7 +76,8 @@ def main() -> None:
         samples = generate("shapes", 256, tasks=["count", "color"])
         def stage(eta: int) -> RLStage:
             return RLStage.model_validate({
-                "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens, "max_concurrent_rollouts": 2 * args.prompts},
+                "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens,
+                            "servers": {"max_concurrent_rollouts": 2 * args.prompts}},
                 "train": {"steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": args.prompts * args.n},
                 "staleness": {"eta": eta}, "optim": {"lr": 5e-4},
             })

@@ -71,7 +71,7 @@ def main() -> None:
     train, test = load_split(cfg.data, "train"), load_split(cfg.data, "test")
     seed_everything(cfg.seed)
     policy = load_policy(args.init or cfg.model.path, seed=cfg.model.init_seed)
-    engine = HFEngine(policy, max_batch_size=cfg.rl.rollout.max_batch_size)
+    engine = HFEngine(policy, max_batch_size=cfg.rl.rollout.engine.max_batch_size)
     steps = args.steps or max(args.eval_at)
     eval_at, save_at = set(args.eval_at), set(args.save_at)
     start = time.time()

@@ -8,7 +8,7 @@ Arms, on the same prompts, alternated, each repeated ``--repeats`` times (median
 - ``loop, prefill per row``: vlrl's sampling loop (`vlrl.rollout.decode`) with prompt sharing turned off —
   the per-token cost of the loop against `generate`'s;
 - ``loop, prefill per group``: the engine as shipped — each prompt prefilled once, its cache expanded;
-- ``loop, compiled step`` (``--compile``): the same with ``rollout.compile`` — a static KV cache and one decode
+- ``loop, compiled step`` (``--compile``): the same with ``rollout.engine.compile`` — a static KV cache and one decode
   step under ``torch.compile`` (`decode.CompiledStep`); its first call (the compile) is timed apart and left out
   of the median. ``--no-generate`` leaves out the (slow) ``generate`` arm.
 
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="realistic")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="add the compiled-step arm (rollout.compile)")
+    parser.add_argument("--compile", action="store_true", help="add the compiled-step arm (rollout.engine.compile)")
     parser.add_argument("--no-generate", action="store_true", help="leave out the generate arm")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -9,7 +9,7 @@ by piece:
   copy (bytes read + written) — the rates the figures below are compared with, beside the datasheet peak;
 - **generation** (`vlrl.rollout.decode`, the in-process engine's loop; EOS suppressed so all 64 rows decode 512
   tokens): tokens/s, ms per decode step, and the step's memory bound (weights + the KV cache read once per step,
-  over the measured copy bandwidth) — eager, and with ``rollout.compile`` (a static cache, one decode step in a CUDA
+  over the measured copy bandwidth) — eager, and with ``rollout.engine.compile`` (a static cache, one decode step in a CUDA
   graph; its first call, the compile, timed apart);
 - **sampler ≡ trainer**: max and mean |behaviour − teacher-forced| log-prob of the generated tokens in bf16;
 - **the update** (`prepare_batch` + `ppo_update`, what a GRPO step runs after generation; rewards set so every group
@@ -73,7 +73,7 @@ SMOKE = Shape(prompts=2, n=2, new_tokens=4, side=112, micro_batch=4)
 # predictable measurement), the others after it. A LoRA arm's adapters are removed again when it ends.
 ARMS = [("full, checkpointing", None, True), ("LoRA r=16, checkpointing", 16, True), ("full", None, False),
         ("LoRA r=16", 16, False)]
-COMPILE_AFTER = 2  # the rollout.compile measurement runs after this many arms
+COMPILE_AFTER = 2  # the rollout.engine.compile measurement runs after this many arms
 
 
 # ----------------------------------------------------------------------------------------------- ceilings
@@ -288,7 +288,7 @@ def planned(model: str, shape: Shape, lora: int | None, checkpointing: bool, mem
 
     overrides = [f"model.path={FIXTURES / f'{model}.json'}", "model.dtype=bfloat16", f"rollout.n={shape.n}",
                  f"train.prompts_per_step={shape.prompts}", f"rollout.max_new_tokens={shape.new_tokens}",
-                 f"train.micro_batch_size={shape.micro_batch}", f"rollout.max_batch_size={shape.prompts * shape.n}",
+                 f"train.micro_batch_size={shape.micro_batch}", f"rollout.engine.max_batch_size={shape.prompts * shape.n}",
                  f"train.gradient_checkpointing={str(checkpointing).lower()}", "data.tasks=[count,color]",
                  f"data.suite_options={{image_size: {shape.side}}}", "algo.kl_coef=0"]
     if lora is not None:
@@ -359,7 +359,7 @@ def check_model(model: str, shape: Shape, device: torch.device, ceiling: dict, b
     memory = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else None
     for k, arm_spec in enumerate([*arms, None]):
         if k == min(COMPILE_AFTER, len(arms)) and not args.no_compile:  # no adapters in the model at this point
-            attempt(results, "generate (rollout.compile)", lambda: generation(
+            attempt(results, "generate (rollout.engine.compile)", lambda: generation(
                 policy, prompts, shape, ceiling, compiled=True, backend=args.compile_backend), budget,
                 seconds["compiled"])
         if arm_spec is None:
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget", type=float, default=330.0,
                         help="seconds for everything; what would not fit is skipped")
     parser.add_argument("--models", nargs="*", default=["qwen2_5_vl_3b", "qwen2_5_vl_7b"])
-    parser.add_argument("--no-compile", action="store_true", help="leave out the rollout.compile arm")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the rollout.engine.compile arm")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of that arm")
     parser.add_argument("--set", nargs="*", default=[], help="RL stage overrides for the update arms")
     args = parser.parse_args(argv)

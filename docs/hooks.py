@@ -9,7 +9,9 @@
 - ``registries``: every `vlrl.registry.Registry` defined in a module of vlrl, its signature and its entries;
 - ``presets``: the tiny offline model presets, by the family module that declares each (`vlrl.models.families`);
 - ``metrics``: every metric name written literally in vlrl's source (``"policy/entropy"``, ``f"reward/{task}"``),
-  by group, with the modules that write it.
+  by group, with the modules that write it;
+- ``rollout_moves``: the flat ``rollout.*`` keys that moved into the rollout sub-sections, old → new
+  (`vlrl.config.MOVED_KEYS`, the table the config's own error messages come from).
 
 Run as a script to print one of them: ``python docs/hooks.py config`` (with vlrl importable).
 """
@@ -146,6 +148,15 @@ def config_reference() -> str:
             lines.append(f"| {_code(name)} | {kind} | {_default(field)} | "
                          f"{_cell(_bounds(field))} | {_cell(field.description or '')} |")
         lines.append("")
+    return "\n".join(lines)
+
+
+def rollout_moves() -> str:
+    """The old flat ``rollout.*`` keys → their places in the sub-sections, from `vlrl.config.MOVED_KEYS`."""
+    from vlrl.config import MOVED_KEYS
+
+    lines = ["| old key | new key |", "| --- | --- |"]
+    lines += [f"| {_code('rollout.' + old)} | {_code('rollout.' + new)} |" for old, new in MOVED_KEYS.items()]
     return "\n".join(lines)
 
 
@@ -328,7 +339,7 @@ def metrics_reference() -> str:
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "config": config_reference, "cli": cli_reference, "registries": registries_reference,
-    "presets": presets_reference, "metrics": metrics_reference,
+    "presets": presets_reference, "metrics": metrics_reference, "rollout_moves": rollout_moves,
 }
 _CACHE: dict[str, str] = {}
 

@@ -25,7 +25,7 @@ def test_the_smoke_run_measures_everything_and_writes_its_table(gpu_check, tmp_p
     # the compiled arm traced by aot_eager: inductor's C++ build takes minutes here (test_decode_compile.py has one)
     report = gpu_check.main(["--smoke", "--out", str(tmp_path), "--compile-backend", "aot_eager"])
     (results,) = report["models"].values()
-    expected = {"build", "generate (eager)", "sampler ≡ trainer", "generate (rollout.compile)",
+    expected = {"build", "generate (eager)", "sampler ≡ trainer", "generate (rollout.engine.compile)",
                 *(f"update: {name}" for name, _, _ in gpu_check.ARMS)}
     assert set(results) == expected
     failed = {k: v for k, v in results.items() if "error" in v or "skipped" in v}
@@ -35,7 +35,7 @@ def test_the_smoke_run_measures_everything_and_writes_its_table(gpu_check, tmp_p
         arm = results[f"update: {name}"]
         assert arm["gradient_checkpointing"] == checkpointing and 0 < arm["mfu"] < 1
         assert (arm["trainable_params"] < 200_000) == (lora is not None)  # LoRA trains the adapters only
-    assert results["generate (rollout.compile)"]["tokens"] == results["generate (eager)"]["tokens"] == 16
+    assert results["generate (rollout.engine.compile)"]["tokens"] == results["generate (eager)"]["tokens"] == 16
     assert json.loads((tmp_path / "gpu_check.json").read_text())["models"]["tiny-qwen2-vl"]["build"]
     table = (tmp_path / "gpu_check.md").read_text()
     assert table.count("| tiny-qwen2-vl |") == len(expected) and "tokens/s" in table and "MFU" in table

@@ -74,7 +74,7 @@ NOT_RUN = {
     "tests/test_newcomer.py",
     "vlrl eval --model runs/mine_rl/checkpoints/final": "your own run; tests/test_newcomer.py",
     "vlrl report runs/mine_sft runs/mine_rl": "your own runs; tests/test_newcomer.py",
-    "vlrl rl --config configs/judge_grpo.yaml rollout.env_kwargs.judge=/path/to/judge-model": "a judge model "
+    "vlrl rl --config configs/judge_grpo.yaml rollout.agent.env_kwargs.judge=/path/to/judge-model": "a judge model "
     "directory on your machine (the config's own judge, tiny-qwen2, is what tests/rollout run)",
     "pip install torch --index-url https://download.pytorch.org/whl/cu128": "installs a CUDA build of torch",
     "vlrl rl --config configs/shapes_grpo.yaml model.path=Qwen/Qwen2.5-VL-3B-Instruct": "a GPU and a hub download",

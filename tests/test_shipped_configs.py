@@ -194,7 +194,7 @@ def tool_zoom(run: Run) -> None:
 def judge(run: Run) -> None:
     records = multi_turn(run)
     assert all("agent/step_reward_mean" in r for r in records)  # the judge's verdict on every turn
-    assert run.config["rollout"]["env"] == "judge"
+    assert run.config["rollout"]["agent"]["env"] == "judge"
 
 
 def step_credit(run: Run, *, gate: bool = False) -> None:
@@ -309,7 +309,7 @@ CASES: dict[str, Case] = {
     "embodied_rule_prefix.yaml": Case("rl", step_credit, SHORT),
     "embodied_sft.yaml": Case("sft", lambda run: sft(run, "embodied/pick_place"), ("eval.max_new_tokens=24",)),
     "embodied_stepopsd.yaml": Case("rl", step_credit, SHORT),
-    "judge_grpo.yaml": Case("rl", judge, ("rollout.env_kwargs.judge={lm}",)),
+    "judge_grpo.yaml": Case("rl", judge, ("rollout.agent.env_kwargs.judge={lm}",)),
     "shapes_dapo.yaml": Case("rl", dapo, start="shapes_sft"),
     "shapes_dr_grpo.yaml": Case("rl", lambda run: plain_rl(run, "dr_grpo"), start="shapes_sft"),
     "shapes_lora_grpo.yaml": Case("rl", lambda run: lora(run), start="shapes_sft"),
@@ -459,7 +459,7 @@ def test_the_multi_turn_preset_asynchronous_against_a_vlrl_serve_server(request,
     try:
         _wait_for_port(port, server)
         cli("rl", "--config", str(CONFIGS / "shapes_feedback_grpo.yaml"), f"model.path={model}", *RL_TINY,
-            "rollout.mode=async", "staleness.eta=1", f"rollout.servers=[http://127.0.0.1:{port}]",
+            "rollout.mode=async", "staleness.eta=1", f"rollout.servers.urls=[http://127.0.0.1:{port}]",
             f"out={tmp_path}", env=key)
     finally:
         server.terminate()
@@ -495,7 +495,7 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout: float = 120) -
 # feature is asserted: the layout read, validation during training, LoRA, the rollout server, the curriculum's stages.
 RECIPES = CONFIGS / "recipes"
 RECIPE_TINY = ("train.steps=2", "train.prompts_per_step=2", "rollout.n=4", "train.minibatches=1", "train.micro_batch_size=8",
-               "rollout.max_new_tokens=12", "rollout.max_batch_size=64", "eval.samples=1", "eval.max_new_tokens=12",
+               "rollout.max_new_tokens=12", "rollout.engine.max_batch_size=64", "eval.samples=1", "eval.max_new_tokens=12",
                "train.log_every=1", "report.html=false", "checkpoint.every=0", "model.device=cpu", "model.dtype=float32",
                "dist.mixed_precision=none", "model.min_pixels=null", "model.max_pixels=null", "launch.rollout_servers=0",
                "optim.warmup_steps=0")
@@ -620,7 +620,7 @@ def _cli_log(*args: str, env: dict | None = None) -> str:
 
 
 def _with_server(model: str, args: list[str]) -> str:
-    """The run against one `vlrl serve` of ``model`` (rollout.servers; the launch's servers stood in for)."""
+    """The run against one `vlrl serve` of ``model`` (rollout.servers.urls; the launch's servers stood in for)."""
     key = {"VLRL_API_KEY": "recipes-test"}
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "vlrl.cli", "serve", "--model", model, "--port", str(port),
@@ -628,7 +628,7 @@ def _with_server(model: str, args: list[str]) -> str:
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_port(port, server)
-        return _cli_log(*args, f"rollout.servers=[http://127.0.0.1:{port}]", env=key)
+        return _cli_log(*args, f"rollout.servers.urls=[http://127.0.0.1:{port}]", env=key)
     finally:
         server.terminate()
         server.wait(timeout=30)

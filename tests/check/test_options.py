@@ -34,13 +34,13 @@ def test_wrong_types_missing_required_options_and_options_the_recipe_sets():
 
 
 def test_environment_and_rollout_function_options():
-    base = ("rollout.function=multi_turn", "rollout.env=tool_zoom")
-    assert "'rollout.env_kwargs.max_call': unknown option of tool_zoom; known: instructions, max_calls, role, zoom_size" \
-        in _error(*base, "rollout.env_kwargs={max_call: 2}")
-    assert "'rollout.env_kwargs.zoom_size': Input should be a valid integer" in _error(*base, "rollout.env_kwargs={zoom_size: big}")
-    assert "'rollout.function_options.turns': unknown option of multi_turn; known: none" in \
-        _error(*base, "rollout.function_options={turns: 3}")
-    load_run_config(RLConfig, None, [*base, "rollout.env_kwargs={max_calls: 2, zoom_size: 56}"])  # fine
+    base = ("rollout.agent.function=multi_turn", "rollout.agent.env=tool_zoom")
+    assert "'rollout.agent.env_kwargs.max_call': unknown option of tool_zoom; known: instructions, max_calls, role, zoom_size" \
+        in _error(*base, "rollout.agent.env_kwargs={max_call: 2}")
+    assert "'rollout.agent.env_kwargs.zoom_size': Input should be a valid integer" in _error(*base, "rollout.agent.env_kwargs={zoom_size: big}")
+    assert "'rollout.agent.options.turns': unknown option of multi_turn; known: none" in \
+        _error(*base, "rollout.agent.options={turns: 3}")
+    load_run_config(RLConfig, None, [*base, "rollout.agent.env_kwargs={max_calls: 2, zoom_size: 56}"])  # fine
 
 
 def test_step_credit_options_go_through_its_options_model():
@@ -52,11 +52,11 @@ def test_step_credit_options_go_through_its_options_model():
 
 
 def test_a_combination_that_cannot_work_is_refused_naming_both_fields():
-    message = _error("rollout.function=multi_turn", "rollout.env=shapes_feedback",
+    message = _error("rollout.agent.function=multi_turn", "rollout.agent.env=shapes_feedback",
                      "algo.advantage_shaping=[{name: step_credit, options: {signal: forward_proxy}}]")
     assert "'algo.advantage_shaping.0.options.signal': forward_proxy scores single-turn responses" in message
-    assert "rollout.function=multi_turn" in message
-    load_run_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=shapes_feedback",
+    assert "rollout.agent.function=multi_turn" in message
+    load_run_config(RLConfig, None, ["rollout.agent.function=multi_turn", "rollout.agent.env=shapes_feedback",
                                  "algo.advantage_shaping=[{name: step_credit, options: {signal: rule}}]"])
 
 

@@ -65,7 +65,7 @@ def test_vlrl_plan_plans_a_real_model_from_its_config_json_alone(tmp_path, as_di
         shutil.copy(FIXTURES / "qwen2_5_vl_7b.json", path / "config.json")
     result = CliRunner().invoke(app, ["plan", str(REPO / "configs" / "shapes_lora_grpo.yaml"), "--gpus", "1",
                                       "--gpu-mem", "80", f"model.path={path}", "model.dtype=bfloat16",
-                                      "rollout.max_new_tokens=1024", "rollout.max_batch_size=16",
+                                      "rollout.max_new_tokens=1024", "rollout.engine.max_batch_size=16",
                                       "train.micro_batch_size=16"])
     assert result.exit_code == 0, result.output
     # the README's worked case: Qwen2.5-VL-7B, LoRA r=16, bf16, checkpointing on one 80 GiB GPU

@@ -354,8 +354,8 @@ def test_numbers_an_environment_reports_become_per_episode_metrics():
 
 
 def test_build_rollout_from_config_and_the_engine_wrapper():
-    cfg = load_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=tests.rollout.test_agent:RightEnv",
-                                       "rollout.max_turns=3"])
+    cfg = load_config(RLConfig, None, ["rollout.agent.function=multi_turn", "rollout.agent.env=tests.rollout.test_agent:RightEnv",
+                                       "rollout.agent.max_turns=3"])
     engine = RolloutEngine(ScriptedEngine(["wrong", "right"]), build_rollout(cfg.rollout))
     out = engine.generate([engine.encode(sample())], SamplingParams(n=2))
     assert [t.num_turns for t in out] == [2, 2]
@@ -366,22 +366,22 @@ def test_build_rollout_from_config_and_the_engine_wrapper():
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ConfigError, match="rollout.env must name an environment"):
-        load_config(RLConfig, None, ["rollout.function=multi_turn"])
-    with pytest.raises(ConfigError, match="config field 'rollout.max_turns'"):
-        load_config(RLConfig, None, ["rollout.max_turns=0"])
+    with pytest.raises(ConfigError, match="rollout.agent.env must name an environment"):
+        load_config(RLConfig, None, ["rollout.agent.function=multi_turn"])
+    with pytest.raises(ConfigError, match="config field 'rollout.agent.max_turns'"):
+        load_config(RLConfig, None, ["rollout.agent.max_turns=0"])
     # an environment or rollout-function option is checked against its signature when the config loads
-    with pytest.raises(ConfigError, match=r"'rollout.env_kwargs.zom': unknown option of shapes_feedback; known: "
+    with pytest.raises(ConfigError, match=r"'rollout.agent.env_kwargs.zom': unknown option of shapes_feedback; known: "
                                           r"feedback, margin, zoom, zoom_size"):
-        load_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=shapes_feedback",
-                                     "rollout.env_kwargs={zom: true}"])
-    with pytest.raises(ConfigError, match=r"'rollout.function_options.turns': unknown option of multi_turn; known: none"):
-        load_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=shapes_feedback",
-                                     "rollout.function_options={turns: 2}"])
+        load_config(RLConfig, None, ["rollout.agent.function=multi_turn", "rollout.agent.env=shapes_feedback",
+                                     "rollout.agent.env_kwargs={zom: true}"])
+    with pytest.raises(ConfigError, match=r"'rollout.agent.options.turns': unknown option of multi_turn; known: none"):
+        load_config(RLConfig, None, ["rollout.agent.function=multi_turn", "rollout.agent.env=shapes_feedback",
+                                     "rollout.agent.options={turns: 2}"])
     # and again where the rollout is built (a config made in code skips load_config)
-    cfg = load_config(RLConfig, None, ["rollout.function=multi_turn", "rollout.env=shapes_feedback"])
-    with pytest.raises(EnvConfigError, match=r"rollout.env_kwargs.zom: unknown option"):
-        build_rollout(cfg.rollout.model_copy(update={"env_kwargs": {"zom": True}}))
+    cfg = load_config(RLConfig, None, ["rollout.agent.function=multi_turn", "rollout.agent.env=shapes_feedback"])
+    with pytest.raises(EnvConfigError, match=r"rollout.agent.env_kwargs.zom: unknown option"):
+        build_rollout(cfg.rollout.model_copy(update={"agent": cfg.rollout.agent.model_copy(update={"env_kwargs": {"zom": True}})}))
 
 
 def hinted(engine, requests, sampling, *, agent, hint: str = "", repeat: int = 1):
@@ -393,16 +393,16 @@ def hinted(engine, requests, sampling, *, agent, hint: str = "", repeat: int = 1
 
 
 def test_function_options_are_bound_to_a_custom_rollout_and_checked():
-    cfg = load_config(RLConfig, None, ["rollout.function=tests.rollout.test_agent:hinted",
-                                       "rollout.function_options={hint: '!', repeat: 2}"])
+    cfg = load_config(RLConfig, None, ["rollout.agent.function=tests.rollout.test_agent:hinted",
+                                       "rollout.agent.options={hint: '!', repeat: 2}"])
     engine = RolloutEngine(ScriptedEngine(["ab"]), build_rollout(cfg.rollout))
     assert [t.response_text for t in engine.generate([engine.encode(sample())], SamplingParams(n=2))] == ["ab!!"] * 2
-    with pytest.raises(ConfigError, match=r"'rollout.function_options.repeat': Input should be a valid integer"):
-        load_config(RLConfig, None, ["rollout.function=tests.rollout.test_agent:hinted",
-                                     "rollout.function_options={repeat: many}"])
-    with pytest.raises(ConfigError, match=r"'rollout.function_options.agent': set by the rollout.\* fields"):
-        load_config(RLConfig, None, ["rollout.function=tests.rollout.test_agent:hinted",
-                                     "rollout.function_options={agent: 1}"])
+    with pytest.raises(ConfigError, match=r"'rollout.agent.options.repeat': Input should be a valid integer"):
+        load_config(RLConfig, None, ["rollout.agent.function=tests.rollout.test_agent:hinted",
+                                     "rollout.agent.options={repeat: many}"])
+    with pytest.raises(ConfigError, match=r"'rollout.agent.options.agent': set by the rollout.agent.\* fields"):
+        load_config(RLConfig, None, ["rollout.agent.function=tests.rollout.test_agent:hinted",
+                                     "rollout.agent.options={agent: 1}"])
 
 
 def test_a_prompt_longer_than_the_budget_is_truncated_before_generating():

@@ -36,8 +36,8 @@ def test_multi_turn_grpo_on_shapes_feedback_raises_the_reward(tiny_vlm):
     # the old calibration hinged on one lucky stream of `generate`'s.
     stage = RLStage.model_validate({
         "optim": {"lr": 5e-3},
-        "rollout": {"n": 8, "max_new_tokens": 2, "top_k": 50, "function": "multi_turn", "env": "shapes_feedback",
-                    "max_turns": 3},
+        "rollout": {"n": 8, "max_new_tokens": 2, "top_k": 50,
+                    "agent": {"function": "multi_turn", "env": "shapes_feedback", "max_turns": 3}},
         "train": {"steps": 12, "prompts_per_step": 8, "micro_batch_size": 64},
     })
     engine = RolloutEngine(HFEngine(tiny_vlm), build_rollout(stage.rollout))
@@ -71,5 +71,5 @@ def stage_sampling(stage):
 def test_agent_presets_build_their_rollout(name):
     path = Path(__file__).parents[2] / "configs" / f"{name}.yaml"
     cfg = load_config(RLConfig, path)
-    assert cfg.rollout.function == "multi_turn" and cfg.rollout.max_turns == 3
+    assert cfg.rollout.agent.function == "multi_turn" and cfg.rollout.agent.max_turns == 3
     build_rollout(cfg.rollout)  # the environment and its kwargs check out

@@ -14,7 +14,7 @@ from vlrl.rollout import HFEngine, SamplingParams, build_engine, close_engine
 from vlrl.rollout.agent import AsyncRolloutEngine, RolloutEngine
 from vlrl.rollout.types import AsyncEngine, capability
 
-MULTI_TURN = ["rollout.function=multi_turn", "rollout.env=shapes_feedback", "rollout.max_turns=3"]
+MULTI_TURN = ["rollout.agent.function=multi_turn", "rollout.agent.env=shapes_feedback", "rollout.agent.max_turns=3"]
 
 
 def _rollout(*overrides):
@@ -22,7 +22,7 @@ def _rollout(*overrides):
 
 
 def test_single_turn_in_process_is_the_plain_engine(tiny_vlm):
-    engine = build_engine(_rollout("rollout.max_batch_size=7"), tiny_vlm)
+    engine = build_engine(_rollout("rollout.engine.max_batch_size=7"), tiny_vlm)
     assert type(engine) is HFEngine and engine.max_batch_size == 7
     watched = watch(build_engine(_rollout(), tiny_vlm), MetricsLogger(None, quiet=True))
     assert isinstance(watched, WatchedEngine) and type(watched.engine) is HFEngine
@@ -78,8 +78,8 @@ def test_single_turn_async_keeps_the_engines_own_batched_agenerate(tiny_vlm):
 
 
 def test_servers_need_a_place_for_the_weights(tiny_vlm):
-    with pytest.raises(ValueError, match="rollout.weights_dir"):
-        build_engine(_rollout("rollout.servers=[http://127.0.0.1:1]"), tiny_vlm)
+    with pytest.raises(ValueError, match="rollout.weight_sync.dir"):
+        build_engine(_rollout("rollout.servers.urls=[http://127.0.0.1:1]"), tiny_vlm)
 
 
 def test_recipes_and_commands_build_engines_only_through_build_engine():

@@ -1,9 +1,9 @@
-"""``rollout.compile``: the decode loop against a static KV cache with one compiled decode step
+"""``rollout.engine.compile``: the decode loop against a static KV cache with one compiled decode step
 (`vlrl.rollout.decode.CompiledStep`) gives the eager loop's greedy ids and behaviour log-probs.
 
 The family-wide tests trace the step with ``backend="aot_eager"`` (dynamo's graph of the model's forward over the
 static cache, run by the eager kernels: the static-cache semantics without minutes of code generation on 2 cores);
-one test compiles with the default inductor backend, as `vlrl rl … rollout.compile=true` does on a CPU — its
+one test compiles with the default inductor backend, as `vlrl rl … rollout.engine.compile=true` does on a CPU — its
 time here (2026-11-28, 2 shared cores): 123 s with a cold inductor cache on a loaded machine (load average ~14: the
 C++ kernels' build), 7.5 s once inductor's on-disk cache holds them; the whole file 40 s with a warm cache."""
 
@@ -82,7 +82,7 @@ def test_a_model_with_linear_attention_decodes_eagerly_and_says_so(caplog):
     with caplog.at_level(logging.WARNING, logger="vlrl.rollout.decode"):
         got = compiled.generate(requests, greedy)
     assert compiled.compiled.compiles == 0
-    assert any("rollout.compile" in r.message and "decodes eagerly" in r.message for r in caplog.records)
+    assert any("rollout.engine.compile" in r.message and "decodes eagerly" in r.message for r in caplog.records)
     _assert_same(eager.generate(requests, greedy), got, atol=0)  # the eager loop itself
 
 
@@ -91,7 +91,7 @@ def test_rollout_compile_reaches_the_in_process_engine():
     from vlrl.rollout.build import build_engine
 
     policy = load_policy("tiny-qwen2")
-    assert build_engine(RolloutConfig(compile=True), policy).compiled is not None
+    assert build_engine(RolloutConfig(engine={"compile": True}), policy).compiled is not None
     assert build_engine(RolloutConfig(), policy).compiled is None
 
 

@@ -101,13 +101,13 @@ def test_tied_tensors_are_sent_once_and_checksummed_under_every_name():
 def test_distributed_sync_needs_servers():
     from vlrl.config import RolloutConfig
 
-    with pytest.raises(ValueError, match="rollout.weight_sync=distributed"):
-        RolloutConfig(weight_sync="distributed")
+    with pytest.raises(ValueError, match="rollout.weight_sync.method=distributed"):
+        RolloutConfig(weight_sync={"method": "distributed"})
 
 
 @pytest.mark.e2e
 def test_vlrl_rl_with_distributed_weight_sync_leaves_the_servers_with_the_final_weights(tiny_vlm_dir, tmp_path):
-    """`vlrl rl … rollout.weight_sync=distributed` against two `vlrl serve` processes: the run trains, every
+    """`vlrl rl … rollout.weight_sync.method=distributed` against two `vlrl serve` processes: the run trains, every
     update goes by broadcast (nothing under rollout_weights/), and both servers end with the checksum of the
     exported final weights."""
     import os
@@ -118,8 +118,8 @@ def test_vlrl_rl_with_distributed_weight_sync_leaves_the_servers_with_the_final_
     with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2) as urls:
         args = [f"model.path={tiny_vlm_dir}", "train.steps=2", "train.prompts_per_step=2", "rollout.n=2",
                 "rollout.max_new_tokens=4", "data.n_train=8", "data.n_test=2", "report.html=false",
-                "check.enabled=false", "eval.samples=1", "eval.max_new_tokens=2", f"rollout.servers=[{','.join(urls)}]",
-                "rollout.weight_sync=distributed", f"out={out}"]
+                "check.enabled=false", "eval.samples=1", "eval.max_new_tokens=2", f"rollout.servers.urls=[{','.join(urls)}]",
+                "rollout.weight_sync.method=distributed", f"out={out}"]
         env = {**os.environ, "VLRL_API_KEY": API_KEY, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run([sys.executable, "-m", "vlrl.cli", "rl", *args], env=env, capture_output=True, text=True,
                               timeout=600)

@@ -111,9 +111,9 @@ def test_typed_kwargs_are_validated_and_coerced():
     build = env_factory("tests.rollout.test_env:CountingEnv", {"limit": "3"})
     env = build()
     assert env.limit == 3 and build() is not env  # a fresh instance per call
-    with pytest.raises(EnvConfigError, match=r"rollout.env_kwargs.limt: unknown option"):
+    with pytest.raises(EnvConfigError, match=r"rollout.agent.env_kwargs.limt: unknown option"):
         env_factory("tests.rollout.test_env:CountingEnv", {"limt": 3})
-    with pytest.raises(EnvConfigError, match=r"rollout.env_kwargs.limit: Input should be a valid integer"):
+    with pytest.raises(EnvConfigError, match=r"rollout.agent.env_kwargs.limit: Input should be a valid integer"):
         env_factory("tests.rollout.test_env:CountingEnv", {"limit": "many"})
 
 

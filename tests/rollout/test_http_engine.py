@@ -210,7 +210,7 @@ def test_a_call_larger_than_a_server_batch_goes_out_as_one_request_per_batch(tin
 
 # ----------------------------------------------------------------------------------------------- issue 35: real SGLang
 def test_a_weight_load_longer_than_the_request_timeout_keeps_the_server(tiny_vlm, http_engine_factory):
-    """A disk update has its own timeout (rollout.weight_update_timeout): a load that outlasts request_timeout
+    """A disk update has its own timeout (rollout.weight_sync.update_timeout): a load that outlasts request_timeout
     (SGLang's waits for every /generate in flight) is not taken for a stalled server."""
     import time
 
@@ -226,7 +226,7 @@ def test_a_weight_load_longer_than_the_request_timeout_keeps_the_server(tiny_vlm
                                           ("in_place", ["in_place"])])
 def test_each_update_pauses_the_servers_in_the_configured_mode_and_continues_after(tiny_vlm, http_engine_factory,
                                                                                    mode, paused):
-    """SGLang's /pause_generation before the load and /continue_generation after (mode: rollout.on_weight_update);
+    """SGLang's /pause_generation before the load and /continue_generation after (mode: rollout.servers.on_weight_update);
     ``finish`` on the disk path pauses nothing (SGLang's load waits for the requests in flight by itself)."""
     engine, servers = http_engine_factory(tiny_vlm, sync_options={"on_weight_update": mode})
     batcher, seen = servers[0].batcher, []
@@ -282,7 +282,7 @@ def test_requests_decoding_through_a_paused_update_are_tagged_with_the_weights_t
 def test_a_server_that_sampled_from_another_prompt_is_caught(tiny_vlm, http_engine_factory, monkeypatch, caplog, check):
     """SGLang re-processes a prompt's images with its own pixel bounds and reports the prompt it really used in
     meta_info.prompt_tokens. Here the server reports 4 tokens more than the trainer's prompt: an error naming the
-    sample and both counts (rollout.prompt_check=error), a counted warning (warn), or nothing (off)."""
+    sample and both counts (rollout.servers.prompt_check=error), a counted warning (warn), or nothing (off)."""
     import logging
 
     from vlrl.rollout.http_engine import PromptMismatchError
@@ -333,7 +333,7 @@ def test_server_facts_are_read_in_sglangs_spellings_and_ranks_follow_tp_size(tin
     assert (a.dtype, a.ranks, a.max_batch_size) == ("float16", 2, 64) and (b.dtype, b.ranks) == (None, 4)
     bodies = engine.weights.group.init_bodies([a, b], 29500, "g", "nccl")
     assert [(x["rank_offset"], x["world_size"]) for x in bodies] == [(1, 7), (3, 7)]  # trainer 0, a 1-2, b 3-6
-    engine.pool.distributed = True  # (rollout.weight_sync=distributed)
+    engine.pool.distributed = True  # (rollout.weight_sync.method=distributed)
     with pytest.raises(RolloutRequestError, match="dp_size 2"):
         engine.pool.read_facts(a, {"tp_size": 1, "dp_size": 2})
 

@@ -150,8 +150,8 @@ def test_every_sampling_key_passes_sglangs_schema(contract, engine, policy, reco
 def test_multi_turn_contexts_pass_sglangs_schema(contract, engine, recorded):
     """An agent's later turns send the whole context so far (prompt, answers, observations with new images) —
     beside text-only episodes in the same batch."""
-    rollout = build_rollout(RolloutConfig(function="multi_turn", env="shapes_feedback", env_kwargs={"zoom": True},
-                                          max_turns=3))
+    rollout = build_rollout(RolloutConfig(agent={"function": "multi_turn", "env": "shapes_feedback",
+                                                 "env_kwargs": {"zoom": True}, "max_turns": 3}))
     wrapped = RolloutEngine.wrap(engine, rollout, codec=engine)
     samples = [_text_sample(), *_image_samples(2)]
     out = wrapped.generate([wrapped.encode(s) for s in samples], SamplingParams(n=1, max_new_tokens=4))
@@ -165,7 +165,7 @@ def test_multi_turn_contexts_pass_sglangs_schema(contract, engine, recorded):
 
 @pytest.mark.parametrize("mode", ["finish", "abort", "retract", "in_place"])
 def test_every_weight_call_matches_sglangs_request_structs(mode, contract, engine, recorded):
-    """The disk path as sent (pause / load / continue) in every ``rollout.on_weight_update`` mode, and the
+    """The disk path as sent (pause / load / continue) in every ``rollout.servers.on_weight_update`` mode, and the
     distributed path's bodies (join, each bucket, the last bucket, leave) as the client builds them."""
     engine.weights.on_weight_update = mode
     try:

@@ -158,7 +158,7 @@ def test_abort_mode_requeues_in_flight_prompts_and_never_trains_on_them(monkeypa
 
     monkeypatch.setattr(ThreadedEngine, "update_weights", update_weights)
     monkeypatch.setattr(HFEngine, "generate", slow_generate)
-    stage = _stage(train={"steps": 4}, staleness={"eta": 1}, rollout={"on_weight_update": "abort"})
+    stage = _stage(train={"steps": 4}, staleness={"eta": 1}, rollout={"servers": {"on_weight_update": "abort"}})
     _, records, stats, state = _run_async(stage, _samples(), engine_options={"abort_on_update": True})
     aborted = records[-1]["rollout/requeued_total"]  # re-queued by weight updates (stop() re-queues the rest)
     assert 0 < aborted <= state["requeued"]
@@ -187,13 +187,13 @@ def test_a_plain_engine_is_refused():
 def test_config_fields_and_the_demo_refusing_async():
     from vlrl.config import ConfigError, DemoConfig, RLConfig, load_config
 
-    cfg = load_config(RLConfig, None, ["rollout.mode=async", "rollout.servers=[http://127.0.0.1:30000]",
-                                       "staleness.eta=2", "rollout.on_weight_update=abort"])
-    assert cfg.rollout.servers == ["http://127.0.0.1:30000"] and cfg.staleness.eta == 2
+    cfg = load_config(RLConfig, None, ["rollout.mode=async", "rollout.servers.urls=[http://127.0.0.1:30000]",
+                                       "staleness.eta=2", "rollout.servers.on_weight_update=abort"])
+    assert cfg.rollout.servers.urls == ["http://127.0.0.1:30000"] and cfg.staleness.eta == 2
     with pytest.raises(ConfigError, match="staleness.eta"):
         load_config(RLConfig, None, ["staleness.eta=-1"])
-    with pytest.raises(ConfigError, match="rollout.on_weight_update"):
-        load_config(RLConfig, None, ["rollout.on_weight_update=later"])
+    with pytest.raises(ConfigError, match="rollout.servers.on_weight_update"):
+        load_config(RLConfig, None, ["rollout.servers.on_weight_update=later"])
     with pytest.raises(ConfigError, match="use `vlrl rl`"):
         load_config(DemoConfig, None, ["rl.rollout.mode=async"])
 

@@ -38,7 +38,7 @@ ETA, P, STEPS = 2, 4, 4
 ARGS = [f"train.prompts_per_step={P}", "rollout.n=2", "rollout.max_new_tokens=6", "train.micro_batch_size=4",
         "train.log_every=1", "data.n_test=2", "report.html=false", "check.enabled=false",
         "eval.samples=1", "eval.max_new_tokens=2", "rollout.mode=async", f"staleness.eta={ETA}",
-        "rollout.weight_sync=distributed"]
+        "rollout.weight_sync.method=distributed"]
 
 
 def _data(tmp_path):
@@ -53,7 +53,7 @@ def _data(tmp_path):
 
 def _cmd(model, urls, out, data, *extra):
     return torchrun(2, "-m", "vlrl.cli", "rl", "--config", str(REPO / "configs/shapes_grpo.yaml"), f"model.path={model}",
-                    f"data.train={data}", f"data.test={data}", *ARGS, f"rollout.servers=[{','.join(urls)}]",
+                    f"data.train={data}", f"data.test={data}", *ARGS, f"rollout.servers.urls=[{','.join(urls)}]",
                     f"out={out}", *extra)
 
 
@@ -107,7 +107,7 @@ def test_async_on_two_ranks_with_two_servers_one_killed_mid_run(tiny_vlm_dir, tm
         # gloo for minutes (seen once in ~8 runs under load: the test took 360 s and failed) — a weight-sync matter,
         # not the rollout driver's, which this test is about
         proc = subprocess.Popen(_cmd(tiny_vlm_dir, urls, out, _data(tmp_path), f"train.steps={steps}",
-                                     f"checkpoint.every={steps}", "rollout.weight_sync=disk"),
+                                     f"checkpoint.every={steps}", "rollout.weight_sync.method=disk"),
                                 env=quiet_env(VLRL_API_KEY=API_KEY), cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:

@@ -176,7 +176,7 @@ def test_features_that_run_in_one_process_are_refused_under_several_ranks_naming
     check_scalable(load_config(RLConfig, None, ["algo.advantage=gae", "checkpoint.every=2"]), 2)  # the critic is wrapped
     check_scalable(load_config(RLConfig, None, ["algo.dynamic_sampling.enabled=true", "checkpoint.every=2"]), 1)
     check_scalable(load_config(RLConfig, None, ["algo.dynamic_sampling.enabled=true"]), 2)  # gathered filter
-    servers = ["rollout.servers=[http://127.0.0.1:30000]"]
+    servers = ["rollout.servers.urls=[http://127.0.0.1:30000]"]
     check_scalable(load_config(RLConfig, None, servers), 2)  # every rank generates on them, rank 0 updates them
     check_scalable(load_config(RLConfig, None, [*servers, "rollout.mode=async"]), 2)  # rank 0 drives the rollout
     check_scalable(load_config(RLConfig, None, ["synth.enabled=true", "checkpoint.every=2"]), 1)  # SynthState resumes

@@ -51,7 +51,7 @@ def _actors_gone(text: str) -> bool:
 
 def test_launch_starts_a_rollout_server_for_two_ranks_and_stops_it(tiny_vlm_dir, tmp_path):
     out = tmp_path / "run"
-    cmd = _cmd(tiny_vlm_dir, out, "rollout.weight_sync=distributed", "launch.server_args=[--batch-window-ms, '1{i}']")
+    cmd = _cmd(tiny_vlm_dir, out, "rollout.weight_sync.method=distributed", "launch.server_args=[--batch-window-ms, '1{i}']")
     proc = subprocess.run(cmd, env=quiet_env(), capture_output=True, text=True, timeout=900, cwd=REPO)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{text[-8000:]}"
@@ -124,8 +124,8 @@ def test_a_server_that_cannot_start_ends_the_launch_before_the_ranks(tmp_path):
 
 @pytest.mark.parametrize(("config", "extra", "code", "message"), [
     ("shapes_sft.yaml", ["launch.rollout_servers=1"], 2, "launch.rollout_servers=1: rollout servers serve RL runs"),
-    ("shapes_grpo.yaml", ["launch.rollout_servers=1", "rollout.servers=[http://127.0.0.1:30000]"], 2,
-     "rollout.servers is set too"),
+    ("shapes_grpo.yaml", ["launch.rollout_servers=1", "rollout.servers.urls=[http://127.0.0.1:30000]"], 2,
+     "rollout.servers.urls is set too"),
 ])
 def test_settings_the_servers_cannot_honour_are_refused_before_anything_starts(tmp_path, config, extra, code, message):
     cmd = [sys.executable, "-m", "vlrl.cli", "launch", str(REPO / "configs" / config), f"out={tmp_path}", *extra]

@@ -72,12 +72,12 @@ class _Pool:
 
 
 def test_server_urls_are_wired_and_the_sync_address_only_across_nodes():
-    assert _server_overrides(_Pool(["10.0.0.1"], wire=True), "10.0.0.1") == ["rollout.servers=[http://10.0.0.1:30000]"]
+    assert _server_overrides(_Pool(["10.0.0.1"], wire=True), "10.0.0.1") == ["rollout.servers.urls=[http://10.0.0.1:30000]"]
     # a server on another node joins the trainer's broadcast group at rank 0's IP, not at loopback
     assert _server_overrides(_Pool(["10.0.0.1", "10.0.0.2"], wire=True), "10.0.0.1") == [
-        "rollout.servers=[http://10.0.0.1:30000,http://10.0.0.2:30001]", "rollout.weight_sync_address=10.0.0.1"]
+        "rollout.servers.urls=[http://10.0.0.1:30000,http://10.0.0.2:30001]", "rollout.weight_sync.address=10.0.0.1"]
     # weight_sync=disk, or an address the user set: left alone
-    assert _server_overrides(_Pool(["10.0.0.2"], wire=False), "10.0.0.1") == ["rollout.servers=[http://10.0.0.2:30000]"]
+    assert _server_overrides(_Pool(["10.0.0.2"], wire=False), "10.0.0.1") == ["rollout.servers.urls=[http://10.0.0.2:30000]"]
 
 
 def test_server_plan_defaults_to_the_trainers_device_and_compute_dtype():
@@ -88,6 +88,6 @@ def test_server_plan_defaults_to_the_trainers_device_and_compute_dtype():
     plan = server_plan(load_config(RLConfig, None, [*base, "model.dtype=float16", "launch.server_dtype=float32",
                                                      "launch.server_args=[--batch-window-ms, '{i}']"]), "rl")
     assert plan.dtype == "float32" and plan.command(1)[-2:] == ["--batch-window-ms", "1"]
-    cfg = load_config(RLConfig, None, [*base, "model.dtype=float16", "rollout.servers=[http://h:1]",
-                                       "rollout.weight_sync=distributed"])
+    cfg = load_config(RLConfig, None, [*base, "model.dtype=float16", "rollout.servers.urls=[http://h:1]",
+                                       "rollout.weight_sync.method=distributed"])
     assert server_plan(cfg, "rl").dtype == "float16" and server_plan(cfg, "rl").wire_sync_address

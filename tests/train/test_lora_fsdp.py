@@ -113,9 +113,9 @@ def test_export_from_the_shards_is_the_merged_model_and_its_adapter(two_ranks_lo
 def test_lora_runs_under_fsdp2_with_either_weight_sync():
     check_scalable(load_config(RLConfig, None, ["model.lora.r=4"]), 2)  # dist.strategy=fsdp, the default
     check_scalable(load_config(RLConfig, None, ["model.lora.r=4", "dist.strategy=ddp"]), 2)
-    servers = ["model.lora.r=4", "rollout.servers=[http://127.0.0.1:30000]"]
+    servers = ["model.lora.r=4", "rollout.servers.urls=[http://127.0.0.1:30000]"]
     for sync in ("disk", "distributed"):  # servers get the merged weights either way
-        cfg = load_config(RLConfig, None, [*servers, f"rollout.weight_sync={sync}"])
+        cfg = load_config(RLConfig, None, [*servers, f"rollout.weight_sync.method={sync}"])
         check_scalable(cfg, 2)
 
 
@@ -183,8 +183,8 @@ def test_lora_fsdp2_rl_through_the_cli_exports_merged_and_adapter_and_resumes_ex
 @pytest.mark.e2e
 @pytest.mark.parametrize("sync", ["disk", "distributed"])
 def test_lora_fsdp2_ranks_update_a_rollout_server(tiny_vlm_dir, tmp_path, sync):
-    """2 FSDP2 ranks with `rollout.servers`: each update merges the adapters on the shards; with
-    `rollout.weight_sync=disk` the merged weights are gathered onto rank 0, which writes them for the server, with
+    """2 FSDP2 ranks with `rollout.servers.urls`: each update merges the adapters on the shards; with
+    `rollout.weight_sync.method=disk` the merged weights are gathered onto rank 0, which writes them for the server, with
     `distributed` they are gathered bucket by bucket and broadcast under the transformers names (nothing written).
     Either way the server ends at the last version with the checksum of the exported (merged) final weights."""
     import httpx
@@ -194,7 +194,7 @@ def test_lora_fsdp2_ranks_update_a_rollout_server(tiny_vlm_dir, tmp_path, sync):
     data = write_rl_data(tmp_path / "data" / "train.jsonl")
     out = tmp_path / "run"
     with vlrl_serve(str(tiny_vlm_dir), tmp_path) as (url,):
-        records = _rl(out, tiny_vlm_dir, data, "train.steps=2", f"rollout.servers=[{url}]", f"rollout.weight_sync={sync}",
+        records = _rl(out, tiny_vlm_dir, data, "train.steps=2", f"rollout.servers.urls=[{url}]", f"rollout.weight_sync.method={sync}",
                       env=quiet_env(VLRL_API_KEY=API_KEY))
         info = httpx.get(f"{url}/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
     final = load_policy(str(out / "checkpoints" / "final"))

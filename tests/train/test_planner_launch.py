@@ -151,13 +151,13 @@ def test_an_applied_separate_placement_runs_through_vlrl_launch(tiny_vlm_dir, tm
 
 def test_a_config_with_servers_of_its_own_gets_them_replaced_by_the_placements():
     # colocated: no servers at all; separate: the launch's own instead of the config's (one or the other)
-    text = _plan("--gpus", "2", "train.prompts_per_step=12", "rollout.servers=[http://10.0.0.9:30000]")
+    text = _plan("--gpus", "2", "train.prompts_per_step=12", "rollout.servers.urls=[http://10.0.0.9:30000]")
     ranked = _ranked(text)
     assert len(ranked) == 3 and "refuses" not in text, text
     for m, argv in ranked:
-        assert "rollout.servers=[]" in argv
+        assert "rollout.servers.urls=[]" in argv
         ready = prepare("rl", CONFIG, argv[5:])
         _, _, servers = _expected(m)
         assert ready.cfg.launch.rollout_servers == servers
         # colocated: the ranks generate in-process; separate: the placeholder for the servers the launch starts
-        assert ready.cfg.rollout.servers == ([] if servers == 0 else ["http://127.0.0.1:1"])
+        assert ready.cfg.rollout.servers.urls == ([] if servers == 0 else ["http://127.0.0.1:1"])

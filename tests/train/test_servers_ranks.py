@@ -1,4 +1,4 @@
-"""``rollout.servers`` under torchrun: 2 gloo trainer ranks (FSDP2) share one `vlrl serve` process — each rank
+"""``rollout.servers.urls`` under torchrun: 2 gloo trainer ranks (FSDP2) share one `vlrl serve` process — each rank
 generates its share of every step's prompts on it, and after each update rank 0 alone broadcasts the weights to it
 (SGLang's distributed protocol), every rank joining the FSDP2 gathers bucket by bucket. The run, through
 `torchrun … -m vlrl.cli rl`, leaves the server with the checksum of its exported final weights, and logs the same
@@ -28,7 +28,7 @@ STEPS = 3
 ARGS = [f"train.steps={STEPS}", "train.prompts_per_step=4", "rollout.n=2", "rollout.top_k=1", "rollout.max_new_tokens=6",
         "train.micro_batch_size=3", "algo.advantage=reinforce_pp", "optim.lr=1e-3", "train.log_every=1",
         "data.n_test=2", "report.html=false", "check.enabled=false", "eval.samples=1", "eval.max_new_tokens=2",
-        "rollout.weight_sync=distributed"]
+        "rollout.weight_sync.method=distributed"]
 COMPARED = ("reward/mean", "reward/std", "response/length_mean", "policy/loss", "policy/grad_norm", "policy/entropy",
             "policy/approx_kl_old", "policy/zero_adv_groups_frac")
 
@@ -43,7 +43,7 @@ def _write_data(path):
 
 def _run(cmd, out, url, data, *extra):
     args = [*cmd, "rl", f"model.path={data['model']}", f"data.train={data['file']}", f"data.test={data['file']}",
-            *ARGS, f"rollout.servers=[{url}]", f"out={out}", *extra]
+            *ARGS, f"rollout.servers.urls=[{url}]", f"out={out}", *extra]
     proc = subprocess.run(args, env=quiet_env(VLRL_API_KEY=API_KEY), capture_output=True, text=True, timeout=900,
                           cwd=REPO)
     assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -63,8 +63,8 @@ def test_two_ranks_and_a_server_end_at_the_exported_weights(served, tmp_path, mo
     url, data, initial = served
     out = tmp_path / "run"
     args = [*torchrun(2, "-m", "vlrl.cli"), "rl", "model.path=tiny-qwen2-vl", f"data.train={data}",
-            f"data.test={data}", *ARGS, f"rollout.servers=[{url}]", f"out={out}", f"rollout.mode={mode}",
-            f"dist.strategy={strategy}", f"rollout.weight_sync={sync}"]
+            f"data.test={data}", *ARGS, f"rollout.servers.urls=[{url}]", f"out={out}", f"rollout.mode={mode}",
+            f"dist.strategy={strategy}", f"rollout.weight_sync.method={sync}"]
     if mode == "async":
         args.append("staleness.eta=1")
     if lora:

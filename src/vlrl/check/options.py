@@ -4,8 +4,8 @@
 
 A plug-in's options are its keyword-only parameters (`vlrl.registry.option_problems`): the estimator's
 ``algo.advantage_options``, the policy loss's ``algo.policy_loss_options`` (``clip_low`` / ``clip_high`` come from
-``algo.clip_low`` / ``algo.clip_high``), each shaper's ``options``, the environment's ``rollout.env_kwargs`` and the
-rollout function's ``rollout.function_options``. A problem names the config field:
+``algo.clip_low`` / ``algo.clip_high``), each shaper's ``options``, the environment's ``rollout.agent.env_kwargs`` and the
+rollout function's ``rollout.agent.options``. A problem names the config field:
 
     algo.advantage_options.epz: unknown option of grpo; known: eps, norm_by_std
 
@@ -69,14 +69,14 @@ def stage_problems(stage: Any, prefix: str = "") -> list[Problem]:
     checks: list[tuple[Callable, str, dict, str, dict]] = [
         (get_advantage, algo.advantage, algo.advantage_options, "algo.advantage_options", {}),
         (get_policy_loss, algo.policy_loss, algo.policy_loss_options, "algo.policy_loss_options", loss_bound),
-        (get_rollout, rollout.function, rollout.function_options, "rollout.function_options", BOUND_BY_RECIPE),
+        (get_rollout, rollout.agent.function, rollout.agent.options, "rollout.agent.options", BOUND_BY_RECIPE),
     ]
     checks += [(get_reward_shaping, spec.name, spec.options, f"algo.reward_shaping.{k}.options", {})
                for k, spec in enumerate(algo.reward_shaping)]
     checks += [(get_advantage_shaping, spec.name, spec.options, f"algo.advantage_shaping.{k}.options", {})
                for k, spec in enumerate(algo.advantage_shaping)]
-    if rollout.env is not None:
-        checks.append((get_env, rollout.env, rollout.env_kwargs, "rollout.env_kwargs", {}))
+    if rollout.agent.env is not None:
+        checks.append((get_env, rollout.agent.env, rollout.agent.env_kwargs, "rollout.agent.env_kwargs", {}))
     problems = []
     for lookup, name, options, where, bound in checks:
         try:
@@ -136,7 +136,7 @@ def combination_problems(stage: Any) -> list[Problem]:
     from vlrl.algos.losses import applies_behaviour_weight
 
     problems = []
-    multi_turn = stage.rollout.function != "single_turn"
+    multi_turn = stage.rollout.agent.function != "single_turn"
     correction = stage.algo.rollout_correction
     if correction.tis_cap is not None:
         try:
@@ -156,7 +156,7 @@ def combination_problems(stage: Any) -> list[Problem]:
         if spec.name == "step_credit" and spec.options.get("signal") == "forward_proxy" and multi_turn:
             problems.append((f"algo.advantage_shaping.{k}.options.signal",
                              f"forward_proxy scores single-turn responses (the teacher reads the prompt plus the "
-                             f"reference plan), but rollout.function={stage.rollout.function}: use signal=rule "
+                             f"reference plan), but rollout.agent.function={stage.rollout.agent.function}: use signal=rule "
                              f"for multi-turn episodes"))
     return problems
 

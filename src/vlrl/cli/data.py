@@ -238,7 +238,7 @@ def data_select(
     chat_template_kwargs: str | None = TEMPLATE_KWARGS,
 ) -> None:
     """Discrepancy-driven selection: N rollouts per prompt, pass@1 / pass@k / mean reward, keep the band."""
-    from vlrl.config import RolloutConfig
+    from vlrl.config import RolloutConfig, ServersConfig, WeightSyncConfig
     from vlrl.data import DataError, write_samples
     from vlrl.eval.select import Band, RolloutStore, rollout_and_score, select, summarise
     from vlrl.models import load_policy
@@ -261,8 +261,9 @@ def data_select(
                 from vlrl.models.policy import load_processor
 
                 urls = [u.strip() for u in servers.split(",") if u.strip()]
-                engine = build_engine(RolloutConfig(servers=urls, weights_dir=str(out / "weights")),
-                                      load_processor(model, options=options), sync_weights=False)
+                rollout = RolloutConfig(servers=ServersConfig(urls=urls),
+                                        weight_sync=WeightSyncConfig(dir=str(out / "weights")))
+                engine = build_engine(rollout, load_processor(model, options=options), sync_weights=False)
             else:
                 engine = build_engine(RolloutConfig(), load_policy(model, options=options))
         sampling = SamplingParams(n=n, temperature=temperature, top_k=top_k, max_new_tokens=max_new_tokens)

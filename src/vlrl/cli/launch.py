@@ -28,7 +28,7 @@ def launch(
 
     extra = [*([f"launch.nproc={nproc}"] if nproc else []), *([f"checkpoint.resume={resume}"] if resume else [])]
     try:
-        # servers the launch starts stand in for rollout.servers while the config is checked (their URLs come later)
+        # servers the launch starts stand in for rollout.servers.urls while the config is checked (their URLs come later)
         ready = prepare(detect(config, recipe), config, [*(overrides or []), *extra])  # before Ray starts
     except ConfigError as err:
         typer.secho(str(err), fg="red", err=True)

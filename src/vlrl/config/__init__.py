@@ -11,7 +11,8 @@ The package, by topic (every name is importable from ``vlrl.config`` itself):
 
 - `vlrl.config.base`: `Section`, `ConfigError`, `SEED_MAX`;
 - `vlrl.config.model`: the policy and its data (`ModelConfig`, `LoraConfig`, `DataConfig`, `EvalConfig`);
-- `vlrl.config.rollout`: how the RL stage samples (`RolloutConfig`, `StalenessConfig`, `DynamicSamplingConfig`);
+- `vlrl.config.rollout`: how the RL stage samples (`RolloutConfig` and its sub-sections `EngineConfig`, `AgentConfig`,
+  `ServersConfig`, `WeightSyncConfig`; `StalenessConfig`, `DynamicSamplingConfig`);
 - `vlrl.config.train`: the optimizer, the SFT stage and the RL stage's algorithm and loop (`SFTStage`, `RLStage`);
 - `vlrl.config.runs`: the run-wide sections and the whole runs (`RunConfig`, `SFTConfig`, `RLConfig`, `DemoConfig`);
 - `vlrl.config.loading`: `load_config`, `apply_overrides`, `resolve_paths`, `dump_config`.
@@ -25,7 +26,16 @@ from vlrl.config.loading import (
     resolve_paths,
 )
 from vlrl.config.model import DataConfig, EvalConfig, LoraConfig, ModelConfig
-from vlrl.config.rollout import DynamicSamplingConfig, RolloutConfig, StalenessConfig
+from vlrl.config.rollout import (
+    MOVED_KEYS,
+    AgentConfig,
+    DynamicSamplingConfig,
+    EngineConfig,
+    RolloutConfig,
+    ServersConfig,
+    StalenessConfig,
+    WeightSyncConfig,
+)
 from vlrl.config.runs import (
     CheckConfig,
     CheckpointConfig,
@@ -57,10 +67,11 @@ from vlrl.config.train import (
 )
 
 __all__ = [
-    "SEED_MAX", "AlgoConfig", "CheckConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig",
-    "DemoConfig", "DistConfig", "DynamicSamplingConfig", "EvalConfig", "LaunchConfig", "LoraConfig", "MlflowOptions",
-    "ModelConfig", "OptimConfig", "RLConfig", "RLStage", "RLStageSpec", "RLTrainConfig", "ReportConfig",
-    "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SFTConfig", "SFTStage", "SFTStageSpec",
-    "SFTTrainConfig", "SandboxConfig", "Section", "SelectConfig", "ShapingSpec", "StalenessConfig", "SynthConfig",
-    "WandbOptions", "apply_overrides", "dump_config", "load_config", "resolve_paths",
+    "MOVED_KEYS", "SEED_MAX", "AgentConfig", "AlgoConfig", "CheckConfig", "CheckpointConfig", "ConfigError",
+    "CriticConfig", "DataConfig", "DemoConfig", "DistConfig", "DynamicSamplingConfig", "EngineConfig", "EvalConfig",
+    "LaunchConfig", "LoraConfig", "MlflowOptions", "ModelConfig", "OptimConfig", "RLConfig", "RLStage", "RLStageSpec",
+    "RLTrainConfig", "ReportConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SFTConfig", "SFTStage",
+    "SFTStageSpec", "SFTTrainConfig", "SandboxConfig", "Section", "SelectConfig", "ServersConfig", "ShapingSpec",
+    "StalenessConfig", "SynthConfig", "WandbOptions", "WeightSyncConfig", "apply_overrides", "dump_config",
+    "load_config", "resolve_paths",
 ]

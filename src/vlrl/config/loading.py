@@ -64,7 +64,7 @@ def load_config(cls: type[Section], path: str | Path | None = None, overrides: l
     Input paths (the fields marked ``json_schema_extra={"path": ...}``: data files, packing plans, model
     directories) are made absolute: a relative one written in the YAML file is taken from the file's own
     directory, one given as an override (or ``--data`` / ``--test``) from the current directory. Output
-    locations (``out``, ``rollout.weights_dir``) stay as written, relative to the current directory.
+    locations (``out``, ``rollout.weight_sync.dir``) stay as written, relative to the current directory.
     """
     raw: dict[str, Any] = {}
     if path is not None:
@@ -159,6 +159,8 @@ def _explain(err: ValidationError, path: Path | None) -> str:
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "(top level)"
         message = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        if e["type"] == "value_error" and "error" in e.get("ctx", {}):  # a validator's own words, not "Value error, …"
+            message = str(e["ctx"]["error"])
         lines.append(f"{where}config field '{field}': {message}")
     return "\n".join(lines)
 

@@ -1,5 +1,6 @@
-"""The RL stage's rollout sections: how responses are sampled (`RolloutConfig`), the asynchronous staleness
-bound (`StalenessConfig`) and the DAPO dynamic sampling (`DynamicSamplingConfig`)."""
+"""The RL stage's rollout sections: how responses are sampled (`RolloutConfig`, with its sub-sections `EngineConfig`,
+`AgentConfig`, `ServersConfig` and `WeightSyncConfig`, and `MOVED_KEYS`: the old flat keys → their new places), the
+asynchronous staleness bound (`StalenessConfig`) and the DAPO dynamic sampling (`DynamicSamplingConfig`)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,13 @@ from vlrl.config.base import Section
 
 
 # ----------------------------------------------------------------------------------------------- RL stage
-class RolloutConfig(Section):
-    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size; LLaVA-OV-1.5: 16).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (LLaVA-OV-1.5: 1.0).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold; 1 disables.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables (the full vocabulary, as verl, TRL, SGLang "
-                       "and vLLM). The shipped configs set 50: what they were tuned with (transformers' `generate` "
-                       "default, which the in-process engine applied silently before it sampled with its own loop).")
-    max_new_tokens: int = Field(16, ge=1, description="Response budget; longer responses are TRUNCATED.")
-    stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
-    max_batch_size: int = Field(256, ge=1, description="Sequences generated at once by the in-process engine.")
+class EngineConfig(Section):
+    """The in-process engine (`rollout.engine`): used when no rollout servers are set (``rollout.servers.urls``
+    empty) — rollout.mode=sync generates with the trainer's own model, async with a private copy of it."""
+
+    max_batch_size: int = Field(
+        256, ge=1, description="Sequences generated at once by the in-process engine (`vlrl plan` also sizes a rollout "
+        "server's generation batch with it).")
     compile: bool = Field(
         False, description="In-process engine (rollout.mode=sync, no servers): decode against a static KV cache with one "
         "decode step compiled by torch.compile (CUDA graphs on GPUs, mode reduce-overhead; inductor on CPU) instead of "
@@ -28,16 +26,23 @@ class RolloutConfig(Section):
         "(seconds on a GPU, ~a minute for a tiny model on 2 CPU cores). Layers other than full attention and FSDP2 "
         "shards decode eagerly.",
     )
-    # multi-turn agents (vlrl.rollout.agent): README "Multi-turn agents"
+
+
+class AgentConfig(Section):
+    """The rollout function and the multi-turn agent loop (`rollout.agent`, `vlrl.rollout.agent`; docs: "Multi-turn
+    agents"): ``function`` applies to every run (single_turn, the default, is one ``engine.generate``); the
+    environment and episode fields apply when ``function`` is multi_turn, per_sample or a custom one."""
+
     function: str = Field(
         "single_turn", description="Rollout function: single_turn (= engine.generate), multi_turn (the batched agent "
-        "loop over rollout.env), per_sample (rollout.generate per sample), or 'pkg.mod:fn' with the same signature.",
+        "loop over rollout.agent.env), per_sample (rollout.agent.generate per sample), or 'pkg.mod:fn' with the same "
+        "signature.",
     )
     generate: str = Field(
-        "agent", description="Per-sample generate used by rollout.function=per_sample: agent (one episode of the "
+        "agent", description="Per-sample generate used by rollout.agent.function=per_sample: agent (one episode of the "
         "agent loop) or 'pkg.mod:fn' — slime's second plug-in level.",
     )
-    function_options: dict[str, Any] = Field(
+    options: dict[str, Any] = Field(
         default_factory=dict, description="Free-form options handed to a custom rollout function (AgentSettings.options).",
     )
     env: str | None = Field(
@@ -60,19 +65,26 @@ class RolloutConfig(Section):
         30.0, gt=0, description="An environment reset/step taking longer counts as failed (and is retried on a fresh instance).",
     )
 
-    mode: Literal["sync", "async"] = Field(
-        "sync", description="sync: generate a batch, then train on it (on-policy). async: rollout workers generate "
-        "continuously into a buffer while the trainer trains (AReaL-style decoupled PPO; see the `staleness` section)."
-    )
-    servers: list[str] = Field(
+
+class ServersConfig(Section):
+    """Rollout servers (`rollout.servers`; docs: "Rollout servers"): used when ``urls`` names servers (`vlrl serve`
+    or SGLang), which then generate instead of an in-process engine. ``on_weight_update`` and
+    ``max_concurrent_rollouts`` also apply to rollout.mode=async without servers (its threaded engine)."""
+
+    urls: list[str] = Field(
         default_factory=list, description="Rollout server base URLs (`vlrl serve` or SGLang, e.g. "
         "http://127.0.0.1:30000). Empty: generate in this process (async mode uses a private copy of the policy)."
     )
     api_key_env: str = Field(
         "VLRL_API_KEY", description="Environment variable holding the servers' bearer token (never put the key itself in a config)."
     )
+    admin_api_key_env: str = Field(
+        "VLRL_ADMIN_API_KEY", description="Environment variable holding the servers' admin key (SGLang's / vlrl "
+        "serve's --admin-api-key), sent on the weight and pause calls; unset: they carry the api_key_env key."
+    )
     max_concurrent_rollouts: int | None = Field(
-        None, ge=1, description="Async mode: prompts (each with n samples) in flight at once. Unset: 2 × train.prompts_per_step."
+        None, ge=1, description="Async mode (with or without servers): prompts (each with n samples) in flight at once. "
+        "Unset: 2 × train.prompts_per_step."
     )
     on_weight_update: Literal["finish", "abort", "retract", "in_place"] = Field(
         "finish", description="Requests in flight during a weight update (async mode; servers are sent SGLang's "
@@ -83,63 +95,148 @@ class RolloutConfig(Section):
         "their tokens span two versions and the answer is tagged with the older; vlrl serve decodes them again from "
         "the prompt on the new weights); 'in_place' (SGLang: held with their KV cache and continued on the new "
         "weights, the prefix cache not flushed — prompts cached before the update are reused; vlrl serve finishes "
-        "them on the old weights). README \"Rollout servers\"."
+        "them on the old weights). The in-process async engine (no servers) honours it too. Docs: \"Rollout servers\"."
     )
     prompt_check: Literal["error", "warn", "off"] = Field(
-        "error", description="Rollout servers: compare each answer's meta_info.prompt_tokens with the prompt the "
+        "error", description="Compare each answer's meta_info.prompt_tokens with the prompt the "
         "trainer scores; a mismatch (SGLang re-processed the images with other pixel bounds, or a context did not "
         "survive decode → encode) is an error naming the sample and both counts, a logged warning, or not checked."
-    )
-    weight_update_timeout: float = Field(
-        600.0, gt=0, description="Rollout servers: seconds each weight call (/update_weights_from_disk, "
-        "/pause_generation, /continue_generation, /destroy_weights_update_group) may take before its server counts "
-        "as failed — apart from request_timeout, so a long load is never taken for a stalled generation."
-    )
-    admin_api_key_env: str = Field(
-        "VLRL_ADMIN_API_KEY", description="Environment variable holding the servers' admin key (SGLang's / vlrl "
-        "serve's --admin-api-key), sent on the weight and pause calls; unset: they carry the api_key_env key."
     )
     request_timeout: float = Field(300.0, gt=0, description="Seconds a server may take for one /generate before it counts as stalled.")
     max_retries: int = Field(3, ge=0, description="Times a failed request is retried on another server before the run stops.")
     max_server_failures: int = Field(
         2, ge=1, description="Consecutive failures (errors or timeouts) after which a server is dropped from the pool."
     )
-    weights_dir: str | None = Field(
-        None, description="Where weights are saved for the servers to load (must be visible to them). Unset: <out>/rollout_weights."
-    )
-    weight_sync: Literal["disk", "distributed"] = Field(
-        "disk", description="How the servers get each weight version: 'disk' (save_pretrained under weights_dir, then "
-        "SGLang's /update_weights_from_disk; works with any server pool) or 'distributed' (SGLang's "
+
+
+class WeightSyncConfig(Section):
+    """How rollout servers get each weight version (`rollout.weight_sync`): used only with servers
+    (``rollout.servers.urls``); in-process engines share the trainer's weights. Docs: "Scaling out"."""
+
+    method: Literal["disk", "distributed"] = Field(
+        "disk", description="'disk' (save_pretrained under rollout.weight_sync.dir, then SGLang's "
+        "/update_weights_from_disk; works with any server pool) or 'distributed' (SGLang's "
         "/init_weights_update_group + /update_weights_from_distributed: the servers join a process group hosted by "
         "the trainer, which broadcasts the weights bucket by bucket — gloo on CPU, NCCL on GPUs; no disk; falls back "
-        "to disk for an update when a server dies mid-broadcast). README \"Scaling out\"."
+        "to disk for an update when a server dies mid-broadcast)."
     )
-    weight_sync_address: str = Field(
-        "127.0.0.1", description="weight_sync=distributed: the trainer's address as the servers reach it (its rendezvous "
+    dir: str | None = Field(
+        None, description="Where weights are saved for the servers to load (must be visible to them). Unset: <out>/rollout_weights."
+    )
+    update_timeout: float = Field(
+        600.0, gt=0, description="Seconds each weight call (/update_weights_from_disk, "
+        "/pause_generation, /continue_generation, /destroy_weights_update_group) may take before its server counts "
+        "as failed — apart from rollout.servers.request_timeout, so a long load is never taken for a stalled generation."
+    )
+    address: str = Field(
+        "127.0.0.1", description="method=distributed: the trainer's address as the servers reach it (its rendezvous "
         "store listens there); set the trainer node's IP when servers run on other machines."
     )
-    weight_sync_port: int = Field(
-        0, ge=0, le=65535, description="weight_sync=distributed: the rendezvous port on weight_sync_address; 0 = a free port."
+    port: int = Field(
+        0, ge=0, le=65535, description="method=distributed: the rendezvous port on `address`; 0 = a free port."
     )
-    weight_sync_bucket_mb: float = Field(
-        256.0, gt=0, description="weight_sync=distributed: megabytes of parameters per broadcast bucket (one HTTP call "
+    bucket_mb: float = Field(
+        256.0, gt=0, description="method=distributed: megabytes of parameters per broadcast bucket (one HTTP call "
         "per bucket; an FSDP2 trainer gathers one bucket of full tensors at a time)."
     )
-    weight_sync_timeout: float = Field(
-        120.0, gt=0, description="weight_sync=distributed: seconds the trainer waits for the servers to join a group, "
+    timeout: float = Field(
+        120.0, gt=0, description="method=distributed: seconds the trainer waits for the servers to join a group, "
         "for a bucket's broadcast and for its answers; past it (or as soon as a server's call fails) the group is "
         "closed, that update goes by disk to the servers left and the next one forms a new group."
     )
 
+
+# The flat ``rollout.*`` keys of before the sections (issue 37) → where each lives now, under ``rollout.``; a config
+# still using one gets an error naming its new place (`RolloutConfig._moved_keys`).
+MOVED_KEYS: dict[str, str] = {
+    "max_batch_size": "engine.max_batch_size",
+    "compile": "engine.compile",
+    "function": "agent.function",
+    "generate": "agent.generate",
+    "function_options": "agent.options",
+    "env": "agent.env",
+    "env_kwargs": "agent.env_kwargs",
+    "max_turns": "agent.max_turns",
+    "max_total_tokens": "agent.max_total_tokens",
+    "max_env_retries_per_turn": "agent.max_env_retries_per_turn",
+    "env_timeout_seconds": "agent.env_timeout_seconds",
+    "api_key_env": "servers.api_key_env",
+    "admin_api_key_env": "servers.admin_api_key_env",
+    "max_concurrent_rollouts": "servers.max_concurrent_rollouts",
+    "on_weight_update": "servers.on_weight_update",
+    "prompt_check": "servers.prompt_check",
+    "request_timeout": "servers.request_timeout",
+    "max_retries": "servers.max_retries",
+    "max_server_failures": "servers.max_server_failures",
+    "weights_dir": "weight_sync.dir",
+    "weight_sync_address": "weight_sync.address",
+    "weight_sync_port": "weight_sync.port",
+    "weight_sync_bucket_mb": "weight_sync.bucket_mb",
+    "weight_sync_timeout": "weight_sync.timeout",
+    "weight_update_timeout": "weight_sync.update_timeout",
+    # keys that became sections: a plain value given there is the field named here
+    "servers": "servers.urls",
+    "weight_sync": "weight_sync.method",
+}
+
+
+class RolloutConfig(Section):
+    """How the RL stage samples (`rollout`). The fields here apply to every run; the sub-sections apply when their
+    docstrings say: `engine` without servers, `agent` for multi-turn and custom rollouts, `servers` and
+    `weight_sync` with rollout servers."""
+
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate a batch, then train on it (on-policy). async: rollout workers generate "
+        "continuously into a buffer while the trainer trains (AReaL-style decoupled PPO; see the `staleness` section)."
+    )
+    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size; LLaVA-OV-1.5: 16).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (LLaVA-OV-1.5: 1.0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold; 1 disables.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables (the full vocabulary, as verl, TRL, SGLang "
+                       "and vLLM). The shipped configs set 50: what they were tuned with (transformers' `generate` "
+                       "default, which the in-process engine applied silently before it sampled with its own loop).")
+    max_new_tokens: int = Field(16, ge=1, description="Response budget; longer responses are TRUNCATED.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="The in-process engine (used without rollout servers).")
+    agent: AgentConfig = Field(
+        default_factory=AgentConfig, description="The rollout function and the multi-turn agent loop.")
+    servers: ServersConfig = Field(
+        default_factory=ServersConfig, description="Rollout servers (used when rollout.servers.urls is set).")
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig, description="How rollout servers get each weight version.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """An old flat key (`MOVED_KEYS`), or a plain value where a sub-section goes: an error naming the new place."""
+        if not isinstance(data, dict):
+            return data
+        problems = []
+        for key, value in data.items():
+            if key in ("servers", "weight_sync") and not isinstance(value, (dict, Section)):
+                what = "the URL list" if key == "servers" else "the method (disk | distributed)"
+                problems.append(f"rollout.{key} is a section now: {what} is rollout.{MOVED_KEYS[key]}")
+            elif key in ("engine", "agent", "servers", "weight_sync") and not isinstance(value, (dict, Section)):
+                field = next(new for new in MOVED_KEYS.values() if new.startswith(f"{key}."))
+                problems.append(f"rollout.{key} is a section: set its fields, e.g. rollout.{field}")
+            elif key in MOVED_KEYS and key not in ("servers", "weight_sync"):
+                problems.append(f"rollout.{key} moved to rollout.{MOVED_KEYS[key]}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return data
+
     @model_validator(mode="after")
     def _check_agent(self) -> RolloutConfig:
-        if self.function in ("multi_turn", "per_sample") and self.env is None:
-            raise ValueError(f"rollout.env must name an environment when rollout.function={self.function!r}")
-        if self.env is not None and self.function == "single_turn":
-            raise ValueError("rollout.env is set but rollout.function=single_turn would ignore it; use multi_turn")
-        if self.weight_sync == "distributed" and not self.servers:
-            raise ValueError("rollout.weight_sync=distributed sends weights to rollout servers: set rollout.servers "
-                             "(in-process engines share the trainer's weights)")
+        agent = self.agent
+        if agent.function in ("multi_turn", "per_sample") and agent.env is None:
+            raise ValueError(f"rollout.agent.env must name an environment when rollout.agent.function={agent.function!r}")
+        if agent.env is not None and agent.function == "single_turn":
+            raise ValueError("rollout.agent.env is set but rollout.agent.function=single_turn would ignore it; "
+                             "use multi_turn")
+        if self.weight_sync.method == "distributed" and not self.servers.urls:
+            raise ValueError("rollout.weight_sync.method=distributed sends weights to rollout servers: set "
+                             "rollout.servers.urls (in-process engines share the trainer's weights)")
         return self
 
 

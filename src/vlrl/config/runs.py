@@ -154,8 +154,8 @@ class LaunchConfig(Section):
     rollout_servers: int = Field(
         0, ge=0, description="`vlrl launch` (rl): start this many `vlrl serve` processes, each in a Ray actor of its own "
         "placement-group bundle ({CPU: server_cpus, GPU: gpus_per_server}) bound to its node's IP on a free port; wait "
-        "for their /health, pass their URLs as rollout.servers and a generated key in rollout.api_key_env, stop them "
-        "when the run ends; a server that dies stops the ranks. 0: none (rollout.servers as configured). "
+        "for their /health, pass their URLs as rollout.servers.urls and a generated key in rollout.servers.api_key_env, stop them "
+        "when the run ends; a server that dies stops the ranks. 0: none (rollout.servers.urls as configured). "
         "`vlrl plan --apply` writes it."
     )
     server_cpus: float = Field(1.0, ge=0, description="`vlrl launch`: CPUs reserved in each rollout server's bundle.")
@@ -293,8 +293,8 @@ class DemoConfig(RunConfig):
         if self.eval.every:
             raise ValueError("eval.every: the demo evaluates at its own points (base, sft, rl, control); validation "
                              "during training is for `vlrl sft` and `vlrl rl`")
-        if self.rl.rollout.mode != "sync" or self.rl.rollout.servers:
-            raise ValueError("rl.rollout.mode / rl.rollout.servers: the demo runs the synchronous in-process recipe; "
+        if self.rl.rollout.mode != "sync" or self.rl.rollout.servers.urls:
+            raise ValueError("rl.rollout.mode / rl.rollout.servers.urls: the demo runs the synchronous in-process recipe; "
                              "use `vlrl rl` for asynchronous training or rollout servers")
         if self.control and self.control_budget == "wall" and self.sft.optim.schedule != "constant":
             raise ValueError(f"sft.optim.schedule={self.sft.optim.schedule} with control_budget=wall: the control's "

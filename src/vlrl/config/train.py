@@ -133,7 +133,7 @@ class AlgoConfig(Section):
     )
     loss_agg_max_length: int | None = Field(
         None, ge=1, description="The constant L of loss_agg=seq_mean_token_sum_norm (Dr.GRPO divides by the generation "
-        "budget). Unset: rollout.max_new_tokens × rollout.max_turns. Ignored by the other aggregations.",
+        "budget). Unset: rollout.max_new_tokens × rollout.agent.max_turns. Ignored by the other aggregations.",
     )
     rollout_correction: RolloutCorrectionConfig = Field(
         default_factory=RolloutCorrectionConfig, description="Importance correction of the mismatch between "

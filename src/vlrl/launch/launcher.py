@@ -22,8 +22,8 @@ Rollout servers (``launch.rollout_servers: K``, `RolloutServers`): the placement
 launcher). Each actor starts `vlrl serve` on its node, bound to the node's IP (not loopback: the ranks may run on
 other nodes) on a free port, with a generated bearer key in its environment, and reports the URL the server
 prints; once every server answers /health (asked by its actor, on its node), the ranks get
-``rollout.servers=[URLs]`` and the key in ``rollout.api_key_env`` (and, for rollout.weight_sync=distributed left at
-its loopback default while a server runs on another node, rank 0's IP as ``rollout.weight_sync_address``). While
+``rollout.servers.urls=[URLs]`` and the key in ``rollout.servers.api_key_env`` (and, for rollout.weight_sync.method=distributed left at
+its loopback default while a server runs on another node, rank 0's IP as ``rollout.weight_sync.address``). While
 the ranks run, a server that exits — or whose actor dies — stops them (the error names the server); when the ranks
 end, ok or not, the servers are stopped (SIGTERM, then SIGKILL; a server also gets SIGKILL when its actor dies).
 ``--ray local`` takes the same path: one code path, the one a cluster runs, is the one the CPU tests cover; the
@@ -159,13 +159,13 @@ def _rank_actors(group, launch_cfg) -> list[Any]:
 
 
 def _server_overrides(pool: RolloutServers, rank0_ip: str) -> list[str]:
-    """The healthy servers' URLs as rollout.servers; with distributed weight sync at its loopback default and a
-    server on another node than rank 0, rank 0's IP as rollout.weight_sync_address (where the servers join the
+    """The healthy servers' URLs as rollout.servers.urls; with distributed weight sync at its loopback default and a
+    server on another node than rank 0, rank 0's IP as rollout.weight_sync.address (where the servers join the
     trainer's broadcast group)."""
     urls = pool.wait_ready()
-    overrides = [f"rollout.servers=[{','.join(urls)}]"]
+    overrides = [f"rollout.servers.urls=[{','.join(urls)}]"]
     if pool.plan.wire_sync_address and any(s.ip != rank0_ip for s in pool.servers):
-        overrides.append(f"rollout.weight_sync_address={rank0_ip}")
+        overrides.append(f"rollout.weight_sync.address={rank0_ip}")
     return overrides
 
 
@@ -271,12 +271,12 @@ class ServerPlan:
     threads: int = 1
     args: tuple[str, ...] = ()
     timeout: float = 300.0
-    api_key_env: str = "VLRL_API_KEY"  # where the ranks' HTTP engines read the key (rollout.api_key_env)
+    api_key_env: str = "VLRL_API_KEY"  # where the ranks' HTTP engines read the key (rollout.servers.api_key_env)
     cpus: float = 1.0  # each server's bundle
     gpus: float = 0.0
     device: str = "cpu"
     dtype: str = "float32"
-    wire_sync_address: bool = False  # rollout.weight_sync=distributed at its loopback default: set rank 0's IP
+    wire_sync_address: bool = False  # rollout.weight_sync.method=distributed at its loopback default: set rank 0's IP
 
     def command(self, index: int) -> list[str]:
         """`vlrl serve` without --host / --port (the actor adds its node's IP and port 0)."""
@@ -285,9 +285,9 @@ class ServerPlan:
 
 
 def starts_servers(config: Path | None, overrides: list[str]) -> str | None:
-    """``rollout.servers=[…]``, a stand-in for the URLs of the servers ``launch.rollout_servers`` will start, so
-    the config validates (rollout.weight_sync=distributed needs servers); None when the launch starts none.
-    `LaunchRefused` when rollout.servers is set as well (one or the other)."""
+    """``rollout.servers.urls=[…]``, a stand-in for the URLs of the servers ``launch.rollout_servers`` will start, so
+    the config validates (rollout.weight_sync.method=distributed needs servers); None when the launch starts none.
+    `LaunchRefused` when rollout.servers.urls is set as well (one or the other)."""
     from vlrl.config import apply_overrides
     from vlrl.safe_yaml import load_file
 
@@ -295,14 +295,15 @@ def starts_servers(config: Path | None, overrides: list[str]) -> str | None:
         raw = load_file(config) if config is not None and config.is_file() else {}
         raw = apply_overrides(raw if isinstance(raw, dict) else {}, list(overrides))
         count, servers = (raw.get("launch") or {}).get("rollout_servers"), (raw.get("rollout") or {}).get("servers")
+        servers = servers.get("urls") if isinstance(servers, dict) else None  # a list: an old key, reported at load
     except Exception:  # noqa: BLE001 - malformed input: the full load reports it with its own message
         return None
     if not isinstance(count, int) or count <= 0:
         return None
     if servers:
         raise LaunchRefused(f"launch.rollout_servers={count} starts the rollout servers and passes their URLs; "
-                            f"rollout.servers is set too ({servers}): set one or the other")
-    return "rollout.servers=[http://127.0.0.1:1]"
+                            f"rollout.servers.urls is set too ({servers}): set one or the other")
+    return "rollout.servers.urls=[http://127.0.0.1:1]"
 
 
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -324,10 +325,10 @@ def server_plan(cfg, recipe: str) -> ServerPlan | None:
                    *(["--trust-remote-code"] if model.trust_remote_code else [])]
     return ServerPlan(
         launch_cfg.rollout_servers, launch_cfg.server_model or cfg.model.path, threads=launch_cfg.server_threads,
-        args=(*model_flags, *launch_cfg.server_args), timeout=launch_cfg.server_timeout, api_key_env=rollout.api_key_env,
+        args=(*model_flags, *launch_cfg.server_args), timeout=launch_cfg.server_timeout, api_key_env=rollout.servers.api_key_env,
         cpus=launch_cfg.server_cpus, gpus=launch_cfg.gpus_per_server, device=launch_cfg.server_device or cfg.model.device,
         dtype=launch_cfg.server_dtype or COMPUTE_DTYPES.get(cfg.dist.mixed_precision, cfg.model.dtype),
-        wire_sync_address=rollout.weight_sync == "distributed" and rollout.weight_sync_address == "127.0.0.1")
+        wire_sync_address=rollout.weight_sync.method == "distributed" and rollout.weight_sync.address == "127.0.0.1")
 
 
 def _death_signal():

@@ -7,7 +7,7 @@ only with a KL term), critic (trained, only for ``gae``), rollout (generation) �
   sharded actor (vlrl's in-process engine; each decode step all-gathers the weights);
 - ``colocated ddp``: the same with a full replica per device;
 - ``separate``: rollout servers on G devices (one full replica each, data parallel), the trainer FSDP2 over
-  the other N − G, weights shipped to the servers after every step (OpenRLHF-style; `rollout.servers`).
+  the other N − G, weights shipped to the servers after every step (OpenRLHF-style; `rollout.servers.urls`).
 
 and prints the feasible placements ranked by estimated step time, with the formula beside every number. Each
 ranked placement comes with the `vlrl launch` command that starts exactly it (`Placement.overrides`), checked by
@@ -146,13 +146,13 @@ class Placement:
     def overrides(self, *, gpu: bool, replace_servers: bool = False) -> list[str]:
         """The `vlrl launch` settings that start exactly this placement. ``gpu``: a device is a GPU (one per bundle);
         otherwise a CPU bundle of launch.cpus_per_rank / launch.server_cpus. ``replace_servers``: the config names
-        rollout.servers of its own, which this placement replaces (none colocated, the launch's own when separate)."""
+        rollout.servers.urls of its own, which this placement replaces (none colocated, the launch's own when separate)."""
         out = [f"launch.nproc={self.trainer_ranks}", f"dist.strategy={self.strategy}",
                f"launch.gpus_per_rank={int(gpu)}", f"launch.rollout_servers={self.servers}"]
         if self.servers:
             out.append(f"launch.gpus_per_server={int(gpu)}")
         if replace_servers:
-            out.append("rollout.servers=[]")
+            out.append("rollout.servers.urls=[]")
         if self.asynchronous:
             out.append("rollout.mode=async")
         return out
@@ -511,7 +511,7 @@ def launch_settings(plan: Plan, cfg, recipe: str, config: Path | None, overrides
 
     rollout = getattr(cfg, "rollout", None)
     own = tuple(plan.placement.overrides(gpu=cfg.model.device.startswith("cuda"),
-                                         replace_servers=bool(rollout is not None and rollout.servers)))
+                                         replace_servers=bool(rollout is not None and rollout.servers.urls)))
     given = [*overrides, *own]
     command = shlex.join(["vlrl", "launch", "--ray", "local", *([str(config)] if config else []), *given])
     try:

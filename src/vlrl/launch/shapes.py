@@ -54,7 +54,7 @@ class Workload:
     old_pass: bool = False  # a π_old scoring pass (several optimizer steps per RL step)
     reference: bool = False  # a frozen reference model (kl_coef > 0); under LoRA a pass only (adapters disabled)
     critic: bool = False  # a value model (advantage gae)
-    gen_batch: int = 256  # B: rollout.max_batch_size
+    gen_batch: int = 256  # B: rollout.engine.max_batch_size
     asynchronous: bool = False
     weight_bytes: int = 4  # b_w
     compute_bytes: int = 4  # b_c
@@ -251,7 +251,7 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
             "rl", prompt, cfg.rollout.max_new_tokens, patches, rows, min(cfg.train.micro_batch_size, rows),
             prompts=cfg.train.prompts_per_step, epochs=cfg.train.ppo_epochs, minibatches=cfg.train.minibatches,
             old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1,
-            reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.max_batch_size,
+            reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.engine.max_batch_size,
             asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute,
             shared_prefix=cfg.train.shared_prefix, cpu_offload=cfg.dist.cpu_offload,
             logprob_chunk=cfg.train.logprob_chunk)

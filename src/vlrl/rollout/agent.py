@@ -2,13 +2,13 @@
 
 Two plug-in levels, as in slime (both are registries; a name may be a dotted path ``pkg.mod:fn``):
 
-- ``rollout.function`` replaces the whole rollout: ``fn(engine, requests, sampling, *, agent, **options) ->
+- ``rollout.agent.function`` replaces the whole rollout: ``fn(engine, requests, sampling, *, agent, **options) ->
   list[Trajectory]`` (``len(requests) * sampling.n`` trajectories, the n of request i with
-  ``group_index == i``); ``options`` are its keyword-only parameters, bound from ``rollout.function_options``
+  ``group_index == i``); ``options`` are its keyword-only parameters, bound from ``rollout.agent.options``
   (checked against its signature when the config loads). ``single_turn`` is exactly ``engine.generate``;
   ``multi_turn`` is the batched agent loop below; ``per_sample`` runs a per-sample generate for every
   (request, sample) pair.
-- ``rollout.generate`` replaces only the per-sample generate used by ``per_sample``:
+- ``rollout.agent.generate`` replaces only the per-sample generate used by ``per_sample``:
   ``fn(engine, request, sampling, *, agent) -> Trajectory``; ``agent`` is the default (the same loop for one
   sample).
 
@@ -67,7 +67,7 @@ ROLLOUTS: Registry[RolloutFn] = Registry(
     "rollout function",
     signature="fn(engine, requests, sampling, *, agent: AgentSettings | None, **options) -> list[Trajectory]",
 )
-BOUND_BY_RECIPE = {"agent": "the rollout.* fields (AgentSettings)"}  # keyword parameters the recipe passes itself
+BOUND_BY_RECIPE = {"agent": "the rollout.agent.* fields (AgentSettings)"}  # keyword parameters the recipe passes itself
 GENERATES: Registry[Callable[..., Trajectory]] = Registry(
     "per-sample generate", signature="fn(engine, request, sampling, *, agent: AgentSettings) -> Trajectory"
 )
@@ -75,7 +75,7 @@ GENERATES: Registry[Callable[..., Trajectory]] = Registry(
 
 @dataclass
 class AgentSettings:
-    """What a rollout function needs to run episodes (bound from ``rollout.*`` config by `build_rollout`).
+    """What a rollout function needs to run episodes (bound from the ``rollout.agent.*`` config by `build_rollout`).
 
     Attributes:
         env: zero-argument factory of a fresh environment (see `vlrl.rollout.env.env_factory`), or None.
@@ -102,15 +102,17 @@ def get_rollout(name: str) -> RolloutFn:
 
 def build_rollout(cfg: Any) -> Callable[[Engine, Sequence[Request], SamplingParams], list[Trajectory]]:
     """``fn(engine, requests, sampling)`` for a `vlrl.config.RolloutConfig`: the configured rollout function
-    with its `AgentSettings` and ``rollout.function_options`` bound (the environment is built once here, so bad
-    ``env_kwargs`` fail now)."""
+    with its `AgentSettings` and ``rollout.agent.options`` bound (the environment is built once here, so bad
+    ``rollout.agent.env_kwargs`` fail now)."""
+    cfg = cfg.agent
     fn = get_rollout(cfg.function)
-    problems = option_problems(fn, cfg.function_options, where="rollout.function_options", name=cfg.function,
+    problems = option_problems(fn, cfg.options, where="rollout.agent.options", name=cfg.function,
                                bound=BOUND_BY_RECIPE)
     if problems:
         raise ValueError("\n".join(f"{field}: {message}" for field, message in problems))
     if cfg.env is None and cfg.function in ("multi_turn", "per_sample"):
-        raise ValueError(f"config field 'rollout.env': rollout.function={cfg.function!r} needs an environment")
+        raise ValueError(f"config field 'rollout.agent.env': rollout.agent.function={cfg.function!r} needs an "
+                         "environment")
     agent = AgentSettings(
         env=env_factory(cfg.env, cfg.env_kwargs) if cfg.env is not None else None,
         max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
@@ -118,7 +120,7 @@ def build_rollout(cfg: Any) -> Callable[[Engine, Sequence[Request], SamplingPara
         generate=cfg.generate,
     )
     GENERATES.get(agent.generate)  # fail now on a bad name
-    return functools.partial(fn, agent=agent, **cfg.function_options)
+    return functools.partial(fn, agent=agent, **cfg.options)
 
 
 class TurnEngine:
@@ -282,7 +284,7 @@ def agent_generate(engine: Engine, request: Request, sampling: SamplingParams, *
 
 def _require_env(agent: AgentSettings | None) -> AgentSettings:
     if agent is None or agent.env is None:
-        raise ValueError("a multi-turn rollout needs an environment (config field 'rollout.env')")
+        raise ValueError("a multi-turn rollout needs an environment (config field 'rollout.agent.env')")
     return agent
 
 

@@ -1,10 +1,11 @@
 """`build_engine`: the one place an engine is built, from a ``rollout`` config section.
 
-    generation      HTTPEngine over rollout.servers   (any mode; the servers get the trainer's weights as version 0)
+    generation      HTTPEngine over rollout.servers.urls (any mode; the servers get the trainer's weights as version 0)
                     ThreadedEngine                     (rollout.mode=async, no servers: a private copy of the policy)
                     HFEngine                           (rollout.mode=sync, no servers: the trainer's own model)
-    rollout         RolloutEngine(build_rollout(cfg))  (rollout.function other than single_turn: multi_turn,
-                                                        per_sample, or a dotted path — episodes behind ``generate``
+    rollout         RolloutEngine(build_rollout(cfg))  (rollout.agent.function other than single_turn:
+                                                        multi_turn, per_sample, or a dotted path — episodes behind
+                                                        ``generate``
                                                         and, over an asynchronous engine, ``agenerate``)
 
 The report's watcher (progress, rollout metrics, samples.jsonl) is the recipe's to add (`vlrl.report.watch.watch`):
@@ -33,13 +34,13 @@ def build_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None = None, sy
                  max_batch_size: int | None = None) -> Engine:
     """The engine of a `vlrl.config.RolloutConfig` ``cfg`` over ``policy`` (see the module docstring).
 
-    ``run_dir``: where weights for the servers go when ``rollout.weights_dir`` is unset (``RUN_DIR/rollout_weights``).
+    ``run_dir``: where weights for the servers go when ``rollout.weight_sync.dir`` is unset (``RUN_DIR/rollout_weights``).
     ``sync_weights``: set the servers' weights to the policy's (version 0) — False when they already serve it
     and ``policy`` holds no weights (`vlrl data select --servers`). ``max_batch_size``: overrides
-    ``rollout.max_batch_size`` (evaluation's own batch size)."""
+    ``rollout.engine.max_batch_size`` (evaluation's own batch size)."""
     engine = _generation_engine(cfg, policy, run_dir=run_dir, sync_weights=sync_weights,
-                                max_batch_size=max_batch_size or cfg.max_batch_size)
-    if cfg.function != "single_turn":
+                                max_batch_size=max_batch_size or cfg.engine.max_batch_size)
+    if cfg.agent.function != "single_turn":
         codec = engine if isinstance(engine, HFEngine) else HFEngine(policy)  # encodes observations for the others
         engine = RolloutEngine.wrap(engine, build_rollout(cfg), codec=codec)
     return engine
@@ -48,33 +49,34 @@ def build_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None = None, sy
 def http_settings(cfg: Any, run_dir: str | Path | None) -> tuple[SyncSettings, ClientSettings]:
     """The `HTTPEngine`'s settings of a `vlrl.config.RolloutConfig` ``cfg``: how the servers get the weights, how the
     engine talks to them (the keys read from the environment variables ``cfg`` names)."""
-    if cfg.weights_dir is None and run_dir is None:
-        raise ValueError("rollout.weights_dir: set it (or give the run directory) so the servers can load weights")
-    sync = SyncSettings(weights_dir=cfg.weights_dir or Path(run_dir) / "rollout_weights", method=cfg.weight_sync,
-                        on_weight_update=cfg.on_weight_update, update_timeout=cfg.weight_update_timeout,
-                        address=cfg.weight_sync_address, port=cfg.weight_sync_port, bucket_mb=cfg.weight_sync_bucket_mb,
-                        timeout=cfg.weight_sync_timeout)
-    client = ClientSettings(api_key=os.environ.get(cfg.api_key_env),
-                            admin_api_key=os.environ.get(cfg.admin_api_key_env) or None,
-                            request_timeout=cfg.request_timeout, max_retries=cfg.max_retries,
-                            max_server_failures=cfg.max_server_failures, prompt_check=cfg.prompt_check)
+    weights, servers = cfg.weight_sync, cfg.servers
+    if weights.dir is None and run_dir is None:
+        raise ValueError("rollout.weight_sync.dir: set it (or give the run directory) so the servers can load weights")
+    sync = SyncSettings(weights_dir=weights.dir or Path(run_dir) / "rollout_weights", method=weights.method,
+                        on_weight_update=servers.on_weight_update, update_timeout=weights.update_timeout,
+                        address=weights.address, port=weights.port, bucket_mb=weights.bucket_mb,
+                        timeout=weights.timeout)
+    client = ClientSettings(api_key=os.environ.get(servers.api_key_env),
+                            admin_api_key=os.environ.get(servers.admin_api_key_env) or None,
+                            request_timeout=servers.request_timeout, max_retries=servers.max_retries,
+                            max_server_failures=servers.max_server_failures, prompt_check=servers.prompt_check)
     return sync, client
 
 
 def _generation_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None, sync_weights: bool,
                        max_batch_size: int) -> Engine:
-    if cfg.servers:
+    if cfg.servers.urls:
         from vlrl.rollout.http_engine import HTTPEngine
 
-        engine = HTTPEngine(policy, cfg.servers, *http_settings(cfg, run_dir))
+        engine = HTTPEngine(policy, cfg.servers.urls, *http_settings(cfg, run_dir))
         if sync_weights:
             engine.update_weights(version=0)
         return engine
     if cfg.mode == "async":
         from vlrl.rollout.threaded_engine import ThreadedEngine
 
-        return ThreadedEngine(policy, max_batch_size=max_batch_size, on_weight_update=cfg.on_weight_update)
-    return HFEngine(policy, max_batch_size=max_batch_size, compile=cfg.compile)
+        return ThreadedEngine(policy, max_batch_size=max_batch_size, on_weight_update=cfg.servers.on_weight_update)
+    return HFEngine(policy, max_batch_size=max_batch_size, compile=cfg.engine.compile)
 
 
 def close_engine(engine: Any) -> None:

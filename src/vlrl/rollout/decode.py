@@ -19,7 +19,7 @@ vision tokens per image, n = 8–16) that prefill, vision tower included, is mos
    tokens, nothing else; EOS and the request's ``stop_token_ids`` end a row. Finished rows leave the batch (the cache is compacted when a
    quarter of its rows are done).
 
-**Compiled decode** (``rollout.compile``, `CompiledStep`): after the prefill the expanded cache is copied into a
+**Compiled decode** (``rollout.engine.compile``, `CompiledStep`): after the prefill the expanded cache is copied into a
 transformers ``StaticCache`` of ``P + max_new_tokens`` positions (rounded up to `STATIC_LENGTH_STEP`), and one decode
 step — the model's forward on one token per row — runs under ``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA
 graphs, on GPUs; inductor's default on CPU): every step has the same shapes (rows never leave the batch, the mask
@@ -266,7 +266,7 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
     """One sample per entry of ``rows`` (a request repeated n times is prefilled once).
 
     ``on_step``: called after every decode step, returns a (rows,) bool tensor — those rows stop there.
-    ``compiled``: decode through this compiled step over a static cache (``rollout.compile``; module docstring)."""
+    ``compiled``: decode through this compiled step over a static cache (``rollout.engine.compile``; module docstring)."""
     stats = stats if stats is not None else DecodeStats()
     stats.rows, stats.steps, stats.compactions = len(rows), 0, 0
     start = time.perf_counter()
@@ -368,7 +368,7 @@ def _all_ranks_done(local: bool, ranks: torch.device | None) -> bool:
 
 # ----------------------------------------------------------------------------------------------- compiled step
 STATIC_LENGTH_STEP = 64  # static cache lengths are rounded up to a multiple: batches of similar length share a graph
-_EAGER: set[str] = set()  # families decoded eagerly under rollout.compile (logged once each)
+_EAGER: set[str] = set()  # families decoded eagerly under rollout.engine.compile (logged once each)
 
 
 def _decode_step(model: torch.nn.Module, cache_key: str, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -380,7 +380,7 @@ def _decode_step(model: torch.nn.Module, cache_key: str, cache, input_ids: torch
 
 
 class CompiledStep:
-    """``rollout.compile``: one decode step under ``torch.compile`` over a transformers ``StaticCache`` (module
+    """``rollout.engine.compile``: one decode step under ``torch.compile`` over a transformers ``StaticCache`` (module
     docstring). Holds the compiled step and the static cache, reused while the batch shape (rows, cache length,
     dtype, device) stays the same — a new shape allocates a new cache and compiles again. ``mode``: torch.compile's
     (default: ``reduce-overhead`` — CUDA graphs — on a GPU, inductor's default elsewhere); ``backend``: its backend
@@ -401,7 +401,7 @@ class CompiledStep:
         if reason is not None:
             if family not in _EAGER:
                 _EAGER.add(family)
-                log.warning("rollout.compile: %s decodes eagerly (%s)", family, reason)
+                log.warning("rollout.engine.compile: %s decodes eagerly (%s)", family, reason)
             return None
         from transformers.cache_utils import StaticCache
 

@@ -212,7 +212,7 @@ def broadcast(group: dist.ProcessGroup, flat: torch.Tensor, *, settled: threadin
     done = work.get_future()
     done.add_done_callback(lambda _: settled.set())
     if not settled.wait(timeout):
-        raise Abandoned(f"the broadcast did not complete within {timeout:.0f} s (rollout.weight_sync_timeout)")
+        raise Abandoned(f"the broadcast did not complete within {timeout:.0f} s (rollout.weight_sync.timeout)")
     if not done.done():
         raise Abandoned("a server failed while the bucket was broadcast")
     work.wait()  # raises the broadcast's own error (a peer's connection dropped)

@@ -69,7 +69,7 @@ class EnvConfigError(ValueError):
     """Environment options that do not fit the environment's constructor; the message names the option."""
 
 
-def env_factory(name: str, kwargs: dict[str, Any] | None = None, *, where: str = "rollout.env_kwargs") -> Callable[[], Environment]:
+def env_factory(name: str, kwargs: dict[str, Any] | None = None, *, where: str = "rollout.agent.env_kwargs") -> Callable[[], Environment]:
     """A zero-argument factory of environment ``name`` with ``kwargs`` validated against its typed signature.
 
     One instance is built here, so a wrong option fails at start-up naming ``where.<option>``.

@@ -45,7 +45,7 @@ class HFEngine:
     def __init__(self, policy: Policy, *, max_batch_size: int = 256, compile: bool = False) -> None:
         self.policy = policy
         self.max_batch_size = max_batch_size
-        self.compiled = decode.CompiledStep() if compile else None  # rollout.compile: a static cache, one compiled step
+        self.compiled = decode.CompiledStep() if compile else None  # rollout.engine.compile: a static cache, one compiled step
         self.weight_version = 0
         eos = set(policy.eos_token_ids)
         self.suppress = [t for t in policy.adapter.special_token_ids() if t not in eos]  # never sampled: markup, specials

@@ -377,13 +377,13 @@ class HTTPEngine:
         return out
 
     def _check_prompt(self, url: str, request: Request, reported: Any) -> None:
-        """``rollout.prompt_check``: the server's ``meta_info.prompt_tokens`` against the prompt the trainer scores.
+        """``rollout.servers.prompt_check``: the server's ``meta_info.prompt_tokens`` against the prompt the trainer scores.
         SGLang re-runs the served model's processor on a prompt's images with its own pixel bounds and replaces the
         ids; a mismatch means the response was sampled from another prompt (biased ratios, no other sign)."""
         if self.pool.settings.prompt_check == "off":
             return
         if not isinstance(reported, int):
-            self.pool.warn_once(url, "prompt_tokens", "%s reports no meta_info.prompt_tokens: rollout.prompt_check cannot "
+            self.pool.warn_once(url, "prompt_tokens", "%s reports no meta_info.prompt_tokens: rollout.servers.prompt_check cannot "
                             "compare its prompts with the trainer's", url)
             return
         if reported == len(request.prompt_ids):
@@ -391,7 +391,7 @@ class HTTPEngine:
         message = (f"{url} sampled sample {request.sample.id!r} from a prompt of {reported} tokens; the trainer scores "
                    f"{len(request.prompt_ids)}. With images, the server re-processed them with its own pixel bounds: "
                    "start SGLang with --mm-process-config holding model.min_pixels / model.max_pixels (README "
-                   "\"Rollout servers\"), or set rollout.prompt_check=warn / off")
+                   "\"Rollout servers\"), or set rollout.servers.prompt_check=warn / off")
         if self.pool.settings.prompt_check == "error":
             raise PromptMismatchError(message)
         self.prompt_mismatches += 1

@@ -9,13 +9,13 @@ from pathlib import Path
 
 PROMPT_CHECKS = ("error", "warn", "off")
 PAUSE_MODES = {"finish": "retract", "abort": "abort", "retract": "retract", "in_place": "in_place"}
-"""`rollout.on_weight_update` → the ``/pause_generation`` mode sent before each update (``finish``: none before a disk
+"""`rollout.servers.on_weight_update` → the ``/pause_generation`` mode sent before each update (``finish``: none before a disk
 update; before a distributed one, once this client's requests in flight ended — nothing of its own is retracted)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ClientSettings:
-    """How an `HTTPEngine` talks to its servers (the ``rollout.*`` fields `vlrl.rollout.build_engine` binds)."""
+    """How an `HTTPEngine` talks to its servers (the ``rollout.servers.*`` fields `vlrl.rollout.build_engine` binds)."""
 
     api_key: str | None = None
     """The servers' key (``Authorization: Bearer``); None: ``$VLRL_API_KEY``, if set."""
@@ -33,12 +33,12 @@ class ClientSettings:
     max_server_failures: int = 2
     """Consecutive failures after which a server is dropped from the pool."""
     prompt_check: str = "error"
-    """``rollout.prompt_check``: a server's ``meta_info.prompt_tokens`` against the trainer's prompt (error, warn,
+    """``rollout.servers.prompt_check``: a server's ``meta_info.prompt_tokens`` against the trainer's prompt (error, warn,
     off)."""
 
     def __post_init__(self) -> None:
         if self.prompt_check not in PROMPT_CHECKS:
-            raise ValueError(f"rollout.prompt_check: error, warn or off, got {self.prompt_check!r}")
+            raise ValueError(f"rollout.servers.prompt_check: error, warn or off, got {self.prompt_check!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,26 +48,26 @@ class SyncSettings:
     weights_dir: str | Path
     """Where each version is saved for ``/update_weights_from_disk`` (a RAM disk when servers share the host)."""
     method: str = "disk"
-    """``rollout.weight_sync``: ``disk`` or ``distributed`` (a process group: `vlrl.rollout.weight_group`)."""
+    """``rollout.weight_sync.method``: ``disk`` or ``distributed`` (a process group: `vlrl.rollout.weight_group`)."""
     on_weight_update: str = "finish"
-    """``rollout.on_weight_update``: what the servers do with requests in flight during an update (`PAUSE_MODES`)."""
+    """``rollout.servers.on_weight_update``: what the servers do with requests in flight during an update (`PAUSE_MODES`)."""
     update_timeout: float = 600.0
-    """``rollout.weight_update_timeout``: seconds one weight or pause call may take."""
+    """``rollout.weight_sync.update_timeout``: seconds one weight or pause call may take."""
     keep_checkpoints: int = 2
     """Saved versions kept under ``weights_dir`` (older ones are deleted)."""
     address: str = "127.0.0.1"
-    """``rollout.weight_sync_address``: the trainer's address as the servers reach it (distributed)."""
+    """``rollout.weight_sync.address``: the trainer's address as the servers reach it (distributed)."""
     port: int = 0
-    """``rollout.weight_sync_port``: the rendezvous port (distributed); 0: a free port."""
+    """``rollout.weight_sync.port``: the rendezvous port (distributed); 0: a free port."""
     bucket_mb: float = 256.0
-    """``rollout.weight_sync_bucket_mb``: megabytes of parameters per broadcast bucket (distributed)."""
+    """``rollout.weight_sync.bucket_mb``: megabytes of parameters per broadcast bucket (distributed)."""
     timeout: float = 120.0
-    """``rollout.weight_sync_timeout``: seconds to form a group or to see a bucket through (distributed)."""
+    """``rollout.weight_sync.timeout``: seconds to form a group or to see a bucket through (distributed)."""
     backend: str | None = None
     """The weight-update group's backend; None: NCCL for a CUDA policy, else gloo."""
 
     def __post_init__(self) -> None:
         if self.method not in ("disk", "distributed"):
-            raise ValueError(f"rollout.weight_sync: 'disk' or 'distributed', got {self.method!r}")
+            raise ValueError(f"rollout.weight_sync.method: 'disk' or 'distributed', got {self.method!r}")
         if self.on_weight_update not in PAUSE_MODES:
-            raise ValueError(f"rollout.on_weight_update: one of {sorted(PAUSE_MODES)}, got {self.on_weight_update!r}")
+            raise ValueError(f"rollout.servers.on_weight_update: one of {sorted(PAUSE_MODES)}, got {self.on_weight_update!r}")

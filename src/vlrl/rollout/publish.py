@@ -14,7 +14,7 @@ when every server confirmed (the asynchronous recipe trains its next step meanwh
 disk (``/dev/shm``) when servers share the host.
 
 Distributed (``weight_sync="distributed"``): if the group breaks — a server died mid-broadcast or could not join, or
-nothing came back within ``sync_timeout`` (``rollout.weight_sync_timeout``) — the trainer closes the group (ending the
+nothing came back within ``sync_timeout`` (``rollout.weight_sync.timeout``) — the trainer closes the group (ending the
 survivors' broadcast too) and has the servers destroy it, that update falls back to disk and the next one forms a new
 group with the servers left.
 
@@ -144,7 +144,7 @@ class ServerWeights:
         self.publish(version=version, state_dict=state_dict).result()
 
     def join_trainer_ranks(self, rank: int, world_size: int) -> None:
-        """``rollout.servers`` under torchrun: this engine is rank ``rank``'s of ``world_size`` trainer ranks (in
+        """``rollout.servers.urls`` under torchrun: this engine is rank ``rank``'s of ``world_size`` trainer ranks (in
         the default torch.distributed group), each generating its share of the step on the same servers. A
         weight update is then a collective call of every rank: rank 0 alone talks to the servers, the others join
         the FSDP2 gathers of the parameters (bucket by bucket, or the full state dict for the disk path)."""

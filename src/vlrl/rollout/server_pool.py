@@ -147,7 +147,7 @@ class ServerPool:
             raise RolloutRequestError(
                 f"{server.url}: dp_size {replicas}, pp_size {stages}: SGLang's distributed weight update takes one "
                 "data-parallel replica, and ranks rank_offset + tp_rank (pipeline stages would share them); start one "
-                "server per replica with pp_size 1, or use rollout.weight_sync=disk")
+                "server per replica with pp_size 1, or use rollout.weight_sync.method=disk")
 
     # -------------------------------------------------------------------------------------------- failures
     def record_failure(self, server: ServerState, failure: str) -> None:

@@ -1,4 +1,4 @@
-"""`WeightGroup`: the distributed path of the HTTP engine's weight sync (``rollout.weight_sync=distributed``).
+"""`WeightGroup`: the distributed path of the HTTP engine's weight sync (``rollout.weight_sync.method=distributed``).
 
 The weights travel over a process group (SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distributed``;
 `vlrl.rollout.dist_sync`): the first update has every live server join a group hosted by the trainer (rank 0); each
@@ -252,7 +252,7 @@ class WeightGroup:
             results = answers.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             answers.cancel()
-            raise dist_sync.Abandoned(f"no answer within {timeout:.0f} s (rollout.weight_sync_timeout)") from None
+            raise dist_sync.Abandoned(f"no answer within {timeout:.0f} s (rollout.weight_sync.timeout)") from None
         for server, answer in zip(live, results, strict=True):
             if isinstance(answer, BaseException):
                 raise RuntimeError(f"{server.url}: {type(answer).__name__}: {answer}")

@@ -196,7 +196,7 @@ def _driver(engine: Engine, cursor: PromptCursor, stage: RLStage, algorithm,
     if not ctx.is_main:
         return None, None
     P, eta = stage.train.prompts_per_step, stage.staleness.eta
-    max_concurrent = stage.rollout.max_concurrent_rollouts or 2 * P
+    max_concurrent = stage.rollout.servers.max_concurrent_rollouts or 2 * P
     buffer = GroupBuffer(capacity=(eta + 1) * P + max_concurrent)
     rollout = AsyncRollout(capability(engine, AsyncEngine), cursor, sampling_params(stage.rollout), buffer,
                            prompts_per_step=P, eta=eta, max_concurrent=max_concurrent,

@@ -109,7 +109,7 @@ class GroupBuffer:
             if len(groups) > self.capacity:
                 raise ValueError(f"the checkpoint holds {len(groups)} undrained groups, the buffer takes {self.capacity}: "
                                  "resume with the same train.prompts_per_step, staleness.eta and "
-                                 "rollout.max_concurrent_rollouts")
+                                 "rollout.servers.max_concurrent_rollouts")
             self._groups.extendleft(reversed(groups))
             self._cond.notify_all()
 

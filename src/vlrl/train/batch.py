@@ -156,10 +156,10 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
 
 def loss_agg_max_length(stage: RLStage) -> int:
     """L of ``seq_mean_token_sum_norm``: ``algo.loss_agg_max_length``, else the generation budget of a response
-    (``rollout.max_new_tokens`` × ``rollout.max_turns``; observations between turns are not counted)."""
+    (``rollout.max_new_tokens`` × ``rollout.agent.max_turns``; observations between turns are not counted)."""
     if stage.algo.loss_agg_max_length is not None:
         return stage.algo.loss_agg_max_length
-    return stage.rollout.max_new_tokens * stage.rollout.max_turns
+    return stage.rollout.max_new_tokens * stage.rollout.agent.max_turns
 
 
 def reference_model(policy: Policy) -> torch.nn.Module:

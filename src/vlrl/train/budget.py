@@ -105,7 +105,7 @@ class FlopMeter:
         else:
             self.flops.inference += forward_flops
 
-    @torch.compiler.disable  # a compiled decode step (rollout.compile) runs the count eagerly
+    @torch.compiler.disable  # a compiled decode step (rollout.engine.compile) runs the count eagerly
     def _on_decoder(self, module, args, kwargs, output) -> None:
         s = self.sizes
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state  # (B, L, h)

@@ -174,7 +174,7 @@ def _engine(rollout: RolloutConfig, policy: Policy, run_dir: Path, logger: Metri
 
 
 def _share_servers(engine, ctx: DistContext) -> None:
-    """``rollout.servers`` under torchrun: every rank generates its share of each step on the servers, and weight
+    """``rollout.servers.urls`` under torchrun: every rank generates its share of each step on the servers, and weight
     updates become collective calls in which rank 0 alone updates the servers (`HTTPEngine.join_trainer_ranks`)."""
     servers = capability(engine, WeightPublisher)
     if servers is not None and ctx.enabled:
@@ -344,8 +344,8 @@ def run_rl(cfg: RLConfig) -> dict:
             summary.update(_rl_stages(policy, train, test, cfg, run_dir, logger))
             write_json(run_dir / "summary.json", summary)
             return summary
-        # in-process, threaded (rollout.mode=async) or rollout.servers over HTTP; single- or multi-turn
-        # (rollout.servers under torchrun: rank 0 gives the servers the initial weights, every rank generates on them)
+        # in-process, threaded (rollout.mode=async) or rollout.servers.urls over HTTP; single- or multi-turn
+        # (rollout.servers.urls under torchrun: rank 0 gives the servers the initial weights, every rank generates on them)
         engine = _engine(cfg.rollout, policy, run_dir, logger, _samples(cfg, run_dir), sync_weights=ctx.is_main)
         validation = _validation(cfg, engine, test, logger, "rl", cfg.train.steps, ctx)
         try:
@@ -356,7 +356,7 @@ def run_rl(cfg: RLConfig) -> dict:
             stats = _rl(policy, engine, train, cfg, cfg, logger, runtime=runtime, validate=validation)
             final = _export(policy, runtime, run_dir / "checkpoints" / "final", logger)
             if ctx.is_main:  # the servers hold the final weights; an in-process engine must load the exported ones
-                evaluator = engine if not ctx.enabled or cfg.rollout.servers else \
+                evaluator = engine if not ctx.enabled or cfg.rollout.servers.urls else \
                     _engine(cfg.rollout, _eval_policy(policy, runtime, final, cfg), run_dir, logger, engine.samples)
                 summary.update({"rl": _eval(evaluator, test, cfg, logger, "final", validation=validation,
                                             step=int(stats.get("steps", 0))), "train": stats})

@@ -2,7 +2,7 @@
 
 Each model turn is shown to the judge (question, reference answer, the model's answer) with ``template``;
 the judge's text is the feedback. The episode ends when the judge's text matches ``accept_pattern`` (or
-at ``rollout.max_turns``). The judge is any `Engine` — the in-process engine on a preset or a local model
+at ``rollout.agent.max_turns``). The judge is any `Engine` — the in-process engine on a preset or a local model
 (``judge: tiny-qwen2``, loaded once per process), or an engine object passed in code (e.g. an HTTP engine
 on a real model). The sample's own verifier still gives the reward (on the final answer); the judge only
 talks. A judge that raises or hangs is retried by the agent loop like any environment.

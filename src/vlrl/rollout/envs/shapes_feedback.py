@@ -3,7 +3,7 @@
 The geo3k-style multi-turn of the slime seed on vlrl's own shapes tasks (any sample with a verifier works):
 each model turn is checked by the sample's verifier; a correct answer ends the episode, a wrong one gets the
 feedback text — and, with ``zoom=True``, a crop of the region that matters enlarged as a new image — until
-``rollout.max_turns``. The reward stage scores the final answer; each step's verifier score is reported as
+``rollout.agent.max_turns``. The reward stage scores the final answer; each step's verifier score is reported as
 ``info["reward"]``.
 """
 

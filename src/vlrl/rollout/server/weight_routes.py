@@ -253,7 +253,7 @@ class _IncomingUpdate:
         renames = self.names["names"]
         if renames is None:
             raise ValueError("this model's checkpoint layout is more than a renaming of its tensors; load its weights "
-                             "with /update_weights_from_disk (rollout.weight_sync=disk)")
+                             "with /update_weights_from_disk (rollout.weight_sync.method=disk)")
         if self.spare is None:
             self.spare = self.batcher.take_spare()
             self.writer = WeightWriter(self.spare.model)
