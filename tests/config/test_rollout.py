@@ -129,3 +129,17 @@ def test_shipped_configs_with_servers_and_an_agent_load_into_the_sections():
         ("multi_turn", "shapes_feedback", {"zoom": True, "zoom_size": 112}, 3)
     llava = load_config(RLConfig, "configs/recipes/llava_ov_1_5_rl_answer_only.yaml").rollout
     assert llava.engine.max_batch_size == 64 and llava.mode == "async"
+
+
+@pytest.mark.parametrize("yaml_value, override, new", [
+    ("servers: [http://127.0.0.1:30000]", "rollout.servers.urls=[http://127.0.0.1:30001]", "servers.urls"),
+    ("weight_sync: distributed", "rollout.weight_sync.method=disk", "weight_sync.method"),
+])
+def test_a_new_key_under_an_old_value_in_the_yaml_names_the_old_key(tmp_path, yaml_value, override, new):
+    """A config still holding an old value where a section now goes, given the new key as an override: the
+    override cannot descend into it, and says which old key the config still sets."""
+    path = tmp_path / "old.yaml"
+    path.write_text(f"rollout:\n  {yaml_value}\n")
+    old = yaml_value.split(":")[0]
+    with pytest.raises(ConfigError, match=rf"it still sets the old rollout\.{old}, now rollout\.{new}"):
+        load_config(RLConfig, path, [override])

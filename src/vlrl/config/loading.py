@@ -38,7 +38,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[Base
             resolve_paths(cls, alone, base)
             value = node[parts[-1]]
         node = raw
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1]):
             if isinstance(node, list):  # stages.1.train.steps: an index into a list of sections
                 if not part.isdigit() or int(part) >= len(node):
                     raise ConfigError(f"override {item!r}: {part!r} is not an index of the {len(node)} item(s) there")
@@ -46,12 +46,23 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[Base
             else:
                 child = node.setdefault(part, {})
             if not isinstance(child, (dict, list)):
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+                moved = _moved_hint(parts[: depth + 1])
+                raise ConfigError(f"override {item!r}: {part!r} is not a section{moved}")
             node = child
         if isinstance(node, list):
-            raise ConfigError(f"override {item!r}: {parts[-1]!r} would replace one item of a list; set a field inside it")
+            raise ConfigError(f"override {item!r}: {parts[-1]!r} would replace one item of a list; set a field inside "
+                              f"it{_moved_hint(parts[:-1])}")
         node[parts[-1]] = value
     return raw
+
+
+def _moved_hint(path: list[str]) -> str:
+    """Where a config still holding an old flat rollout key (``rollout.servers: [url]``) must put it now."""
+    from vlrl.config.rollout import MOVED_KEYS
+
+    if len(path) >= 2 and path[-2] == "rollout" and path[-1] in MOVED_KEYS:
+        return f" in this config: it still sets the old rollout.{path[-1]}, now rollout.{MOVED_KEYS[path[-1]]}"
+    return ""
 
 
 def load_config(cls: type[Section], path: str | Path | None = None, overrides: list[str] | None = None, *,
