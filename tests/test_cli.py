@@ -249,3 +249,32 @@ def test_hostile_and_broken_overrides_are_one_line_naming_the_override_or_field(
         assert done.returncode == 2, (override, done.stderr[-1500:])
         assert done.stderr.strip().splitlines() == [done.stderr.strip()] and message in done.stderr, (override, done.stderr)
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "run").exists()
+
+
+def _command_paths():
+    """Every command of the `vlrl` app as its words (``["data", "gen"]``), from typer's click object model."""
+    import typer
+
+    root = typer.main.get_command(app)
+    paths = []
+
+    def walk(cmd, names, parent):
+        ctx = cmd.context_class(cmd, info_name=names[-1] if names else "vlrl", parent=parent)
+        if hasattr(cmd, "list_commands"):
+            for name in cmd.list_commands(ctx):
+                walk(cmd.get_command(ctx, name), [*names, name], ctx)
+        else:
+            paths.append(names)
+
+    walk(root, [], None)
+    return paths
+
+
+def test_every_command_has_working_help():
+    """`vlrl <command> --help` prints its usage for every command (typer 0.13-0.15 with click >= 8.2 crashed here:
+    `make test-floor`, 2026-11-28, raised typer's floor to 0.16)."""
+    paths = _command_paths()
+    assert {"rl", "sft", "demo", "env"} <= {p[0] for p in paths}
+    for words in paths:
+        result = runner.invoke(app, [*words, "--help"])
+        assert result.exit_code == 0 and "Usage" in result.output, (words, result.output, result.exception)

@@ -60,7 +60,8 @@ def test_only_allow_listed_image_formats_are_decoded(tmp_path, fmt):
         Image.new("RGB", (8, 6)).save(buffer, format=ok)
         assert load_image(buffer.getvalue()).size == (8, 6) and image_size(buffer.getvalue()) == (8, 6)
     buffer = io.BytesIO()
-    Image.new("RGB", (8, 8)).save(buffer, format=fmt)
+    # ICO: name the icon's size, or Pillow < 13 writes an empty icon (no size of its default list fits 8×8)
+    Image.new("RGB", (8, 8)).save(buffer, format=fmt, **({"sizes": [(8, 8)]} if fmt == "ICO" else {}))
     path = tmp_path / f"image.{fmt.lower()}"
     path.write_bytes(buffer.getvalue())
     url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

@@ -17,6 +17,7 @@ from vlrl.report import MetricsLogger
 from vlrl.rollout import HFEngine
 from vlrl.rollout.threaded_engine import ThreadedEngine
 from vlrl.serving import ServerThread
+from vlrl.synth.client import AsyncSynthesizer
 from vlrl.synth.server import SynthService, SynthSettings, create_app
 from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.grpo import train_grpo
@@ -132,9 +133,20 @@ def _start_synth_server(tmp_path):
 def test_killing_the_synthesis_server_mid_run_costs_no_step_and_is_counted(tiny_vlm, tmp_path, monkeypatch):
     monkeypatch.setenv("VLRL_API_KEY", KEY)
     process, url = _start_synth_server(tmp_path)
+    clients = []  # the run's AsyncSynthesizer, to kill the server once it has taken a job (not after a fixed time:
+    original = AsyncSynthesizer.__init__  # a tiny step is ~0.2 s, a first POST from a busy process can take longer)
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        clients.append(self)
+
+    monkeypatch.setattr(AsyncSynthesizer, "__init__", recording)
     try:
-        def kill(version):  # after two steps' submissions (one was too few for a loaded machine's client thread)
+        def kill(version):
             if version == 3:
+                deadline = time.time() + 60
+                while clients[0].counts["submitted"] < 1 and time.time() < deadline:
+                    time.sleep(0.05)
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait(10)
 
