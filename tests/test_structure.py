@@ -40,9 +40,7 @@ LEVEL = {
 }
 
 # Files over MAX_FILE_LINES on 2026-11-28, with their lengths then: each may shrink, none may grow.
-LONG_FILES = {
-    "rewards/_sandbox_child.py": 639,
-}
+LONG_FILES: dict[str, int] = {}
 # Functions over MAX_FUNCTION_LINES on 2026-11-28 ("file:function": lines).
 LONG_FUNCTIONS: dict[str, int] = {}
 # Imports from a higher room into a lower one on 2026-11-28, as (room, room it imports from).

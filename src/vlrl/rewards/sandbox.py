@@ -13,7 +13,7 @@ disk                  a tmpfs of ``disk_mb`` on ``/tmp`` (the working directory 
                       tmpfs on every other writable place (namespaced modes)
 filesystem            a new read-only root: the interpreter, its standard library and shared libraries,
                       the ``packages`` allow-listed, a few device nodes; no other host file is visible
-                      (namespaced modes; see ``_sandbox_child._private_filesystem``)
+                      (namespaced modes; see ``_sandbox_root.private_filesystem``)
 processes             ``RLIMIT_NPROC`` once running as an unprivileged user; a PID namespace, so every
                       process the program forks dies with the runner (namespaced modes)
 network               a fresh network namespace with no interfaces (namespaced modes); otherwise the
