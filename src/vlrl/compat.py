@@ -1,8 +1,8 @@
 """Every use vlrl makes of a name that transformers or torch does not publish — in one file, each with its reason.
 
 A private name can change in any release, with no deprecation; that is why pyproject.toml caps both packages at the
-newest minor release the whole suite passed on (``transformers<5.25``, ``torch<2.14``: `make test-latest` with
-torch 2.14.1 had 5 failures in the 1,254 tests it reached, not yet identified, so 2.14 stays out). Before raising a ceiling, read
+newest minor release the suite passed on (``transformers<5.25``; ``torch<2.15``: torch 2.14.1 passed the fast subset
+and the torchrun/Ray tests, 2026-11-28 — the end-to-end demo runs were not run on it). Before raising a ceiling, read
 this file against the new release: each function says what it reaches into and which public API would replace it.
 The rest of vlrl imports these functions, never the private names.
 
