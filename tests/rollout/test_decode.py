@@ -14,7 +14,7 @@ import torch
 from vlrl.data import generate
 from vlrl.models import collate, load_policy, response_logprobs
 from vlrl.models.presets import PRESETS
-from vlrl.rollout import HFEngine, SamplingParams, decode
+from vlrl.rollout import HFEngine, Request, SamplingParams, decode
 from vlrl.rollout.agent import AgentSettings, multi_turn
 
 from .test_agent_training import ImageOnTurnThree  # the 3-turn episode with an image in turn 3
@@ -176,6 +176,42 @@ def test_equal_prompts_are_found_by_content():
     assert ra_again.vision is not ra.vision
     prompts, index = decode.distinct_prompts([ra, rb, ra_again, ra])
     assert index == [0, 1, 0, 0] and prompts == [ra, rb]
+
+
+def test_distinct_prompts_is_linear_in_the_rows(monkeypatch):
+    """64 prompts sharing one text, 8 rows each (the demo's rollout): each row is placed by identity or by its
+    vision fingerprint; ``torch.equal`` confirms one candidate per new request object (the old search compared
+    each row with every earlier prompt of the same ids: ~16,000 calls here)."""
+    from vlrl.models.vision_inputs import VisionInputs
+
+    def request(seed: int) -> Request:
+        g = torch.Generator().manual_seed(seed)
+        return Request(sample=None, prompt_ids=[1, 2, 3],
+                       vision=VisionInputs({"pixel_values": torch.randn(16, 12, generator=g),
+                                            "image_grid_thw": torch.tensor([[1, 4, 4]])}, num_images=1))
+
+    prompts = [request(k) for k in range(64)]
+    twin = request(5)  # equal tensors, other objects: the same prompt
+    zero = Request(sample=None, prompt_ids=[1, 2, 3], vision=VisionInputs(
+        {"pixel_values": torch.zeros(16, 12), "image_grid_thw": torch.tensor([[1, 4, 4]])}, num_images=1))
+    negative_zero = Request(sample=None, prompt_ids=[1, 2, 3], vision=VisionInputs(
+        {"pixel_values": -torch.zeros(16, 12), "image_grid_thw": torch.tensor([[1, 4, 4]])}, num_images=1))
+    big = torch.randn(100, 100, generator=torch.Generator().manual_seed(7))
+    nudged = big.clone()
+    nudged[0, 1] += 1  # a value the fingerprint's strided sample (every 2nd of 10,000) does not read
+    large, large_nudged = (Request(sample=None, prompt_ids=[1, 2, 3], vision=VisionInputs({"pixel_values": t}))
+                           for t in (big, nudged))
+    rows = [p for p in prompts for _ in range(8)] + [twin, zero, negative_zero, Request(None, [1, 2, 3]),
+                                                      large, large_nudged]
+    calls = []
+    real = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: calls.append(1) or real(a, b))
+    unique, index = decode.distinct_prompts(rows)
+    assert unique == prompts + [zero, rows[-3], large, large_nudged]
+    assert index == [k for k in range(64) for _ in range(8)] + [5, 64, 64, 65, 66, 67]  # -0.0 equals 0.0 (torch.equal)
+    # twin and negative_zero: one candidate each, two tensors each; large_nudged: same fingerprint, told apart by
+    # torch.equal on its one tensor
+    assert len(calls) == 2 * 2 + 1
 
 
 def test_next_tokens_greedy_suppression_top_k_top_p():
