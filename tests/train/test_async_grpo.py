@@ -251,3 +251,47 @@ def test_stale_groups_give_their_quota_back_while_the_trainer_waits():
     assert returned[:2] == [0, 1]  # both stale groups reported before the wait
     assert [g.draw.ticket for g in result["stale"]] == [0, 1]
     assert [g.weight_version for g in result["batch"]] == [3]
+
+
+def test_dropped_groups_give_their_quota_back_before_the_wait_and_a_starved_step_keeps_its_last_batch():
+    """DAPO on the async path (`GroupBuffer.take_batch` with the informative filter, its cap 2 × P = 4 dropped
+    groups): the buffer holds 2 all-equal groups. They are dropped and their quota returned *before* the trainer waits
+    — the rollout (``check``, called while waiting) only then pushes 2 replacements, all-equal again. The cap is
+    spent with nothing informative: the step is starved and trains that last batch, whose quota stays taken and
+    which is not counted as dropped."""
+    from vlrl.config import DynamicSamplingConfig
+    from vlrl.train.async_rollout import GroupBuffer
+    from vlrl.train.informative import informative_filter
+    from vlrl.train.sampling import Draw, Group
+
+    from .fakes import fake_trajectories
+
+    def group(ticket):
+        trajectories = fake_trajectories([1.0, 1.0], [0, 0], [2, 2])
+        return Group(trajectories, Draw(ticket, trajectories[0].sample, 0))
+
+    buffer = GroupBuffer(capacity=8)
+    buffer.put(group(0))
+    buffer.put(group(1))
+    released = []
+
+    def check():  # the trainer waits: the rollout generates replacements for the quota it got back, if any
+        if sum(released) == 2 and len(buffer) == 0 and not check.pushed:
+            check.pushed = True
+            buffer.put(group(2))
+            buffer.put(group(3))
+
+    check.pushed = False
+    informative = informative_filter(DynamicSamplingConfig(enabled=True, max_extra_rounds=1), "dropped",
+                                     prompts_per_step=2)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(zip(("taken", "stale"), buffer.take_batch(
+        2, version=0, eta=0, check=check, release=released.append, informative=informative), strict=True)),
+        daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the trainer waited for replacements of groups whose quota it still held"
+    taken, stale = result["taken"], result["stale"]
+    assert [g.draw.ticket for g in taken.groups] == [2, 3] and [g.draw.ticket for g in taken.dropped] == [0, 1]
+    assert sum(released) == 2 and stale == [] and len(buffer) == 0
+    assert taken.metrics == {"sampling/groups_dropped": 2, "sampling/prompts_used": 2, "sampling/starved": 1.0}

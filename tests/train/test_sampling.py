@@ -6,10 +6,11 @@ import torch
 from vlrl.config import DynamicSamplingConfig
 from vlrl.data.cursor import PromptCursor
 from vlrl.rollout import SamplingParams
-from vlrl.train.sampling import Draw, Group, GroupSampler, flatten, is_informative, starved_warning
+from vlrl.train.informative import is_informative, starved_warning
+from vlrl.train.sampling import GroupSampler, flatten
 from vlrl.train.state import GroupRecord
 
-from .fakes import ScriptedEngine, fake_trajectories, scripted_samples
+from .fakes import ScriptedEngine, scripted_samples
 
 ALL_RIGHT = ("a", ["a", "a"], "a")
 ALL_WRONG = ("a", ["b", "c"], "b")
@@ -118,12 +119,3 @@ def test_carried_groups_round_trip_through_their_typed_record():
         assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.behaviour_logp, b.behaviour_logp)
         assert (a.reward, a.accuracy, a.weight_version, a.status) == (b.reward, b.accuracy, b.weight_version, b.status)
 
-
-def test_informative_groups_by_reward_and_by_accuracy():
-    def group(rewards, accuracy):
-        trajectories = fake_trajectories(rewards, [0] * len(rewards), [2] * len(rewards), accuracy=accuracy)
-        return Group(trajectories, Draw(0, trajectories[0].sample, 0))
-
-    assert is_informative(group([0.75, 0.5], [0, 0]))  # rewards differ
-    assert not is_informative(group([0.75, 0.5], [0, 0]), "accuracy")  # both wrong
-    assert is_informative(group([1.0, 1.0], [1, 0]), "accuracy") and not is_informative(group([1.0, 1.0], [1, 0]))

@@ -13,8 +13,8 @@
 
 The estimator, the loss, the aggregation and the shapers are looked up by name from config once
 (`build_algorithm`); the step never branches on algorithm names. Everything but the order of the steps is
-shared with the asynchronous recipe: the `Group` records, scoring, the informative-group filter and `flatten`
-(`vlrl.train.sampling`), the set-up and the step's closing metrics (`vlrl.train.loop`), steps 4–5
+shared with the asynchronous recipe: the `Group` records, scoring and `flatten` (`vlrl.train.sampling`), the
+informative-group filter (`vlrl.train.informative`), the set-up and the step's closing metrics (`vlrl.train.loop`), steps 4–5
 (`vlrl.train.batch`, `vlrl.train.update`), the step metrics (`vlrl.train.metrics`) and the typed checkpoint state
 (`vlrl.train.state`).
 """
@@ -33,6 +33,7 @@ from vlrl.report import MetricsLogger
 from vlrl.rollout import Engine
 from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.batch import prepare_batch
+from vlrl.train.informative import starved_warning
 from vlrl.train.loop import (
     StageParts,
     analysis_dir,
@@ -44,7 +45,7 @@ from vlrl.train.loop import (
 )
 from vlrl.train.metrics import step_metrics
 from vlrl.train.runtime import Runtime
-from vlrl.train.sampling import GroupSampler, flatten, sampling_params, starved_warning
+from vlrl.train.sampling import GroupSampler, flatten, sampling_params
 from vlrl.train.state import AlgorithmState, GroupRecord, SyncState, expect_state
 from vlrl.train.update import ppo_update
 from vlrl.train.zero_advantage import ZeroAdvantageWatch

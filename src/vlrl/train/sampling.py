@@ -4,21 +4,16 @@ informative groups, and flatten the kept groups into the step's batch.
     Draw / Group      a prompt drawn from the data cursor (ticket, sample, epoch) / its n scored responses
     PromptEncoder     each sample encoded once (token ids + processor outputs), for as long as it is in the data
     score_groups      score a round's responses (and ReMax's greedy responses) and cut them into groups
-    is_informative    DAPO eq. 11: a group whose rewards (or accuracies) all agree has zero advantage
-    starved_warning   the line a recipe prints when dynamic sampling found no informative group in a step
     flatten           groups → the batch's trajectories (``group_index`` = position of the group) and baselines
     GroupSampler      the synchronous recipe's steps 1–3; the asynchronous one keeps prompts in flight instead
                       (`vlrl.train.async_grpo.AsyncRollout`) and pushes the same `Group` records into its buffer
 
-Dynamic sampling (DAPO §3.2.2, eq. 11; verl ``filter_groups``), synchronous recipe: generate a round of prompts,
-drop the groups whose rewards are all equal (zero advantage, no gradient), and generate more rounds until the
-batch holds ``prompts_per_step`` informative groups or ``max_extra_rounds`` extra rounds were spent. A round asks
-for ``ceil(missing × oversample)`` prompts; informative groups beyond the batch are carried over to the next step
-(they were sampled by weights one step older: the update treats them as on-policy, like verl). At the cap the step
-trains on the informative groups it has; with none at all (a model that is always right or always wrong on these
-prompts) it trains on ``prompts_per_step`` groups of the last round — zero advantage, no policy gradient, the run
-goes on — logs ``sampling/starved`` = 1 and the recipe warns with `starved_warning`. (verl raises at its cap
-``max_num_gen_batches``, stopping the run; a starved step here costs one step and says which knobs to turn.)
+Dynamic sampling (DAPO §3.2.2, eq. 11; verl ``filter_groups``), synchronous recipe: `GroupSampler.next_batch`
+feeds rounds of ``ceil(missing × oversample)`` prompts to the informative-group filter
+(`vlrl.train.informative.InformativeFilter`: the informative test, the cap of ``max_extra_rounds`` extra rounds,
+the starved rule, the trim) until the batch holds ``prompts_per_step`` informative groups or the cap is spent.
+Informative groups beyond the batch are carried over to the next step (`GroupSampler.carry`; they were sampled by
+weights one step older: the update treats them as on-policy, like verl).
 
 Under several ranks every rank holds the whole round (`gathered_round`): the ranks filter the same groups, keep
 the same ones and carry the same surplus — what one process would — and the kept groups are then sharded. A
@@ -27,19 +22,18 @@ batch left short when the extra rounds run out is cut to a multiple of the numbe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from vlrl.algos.filters import informative_groups
 from vlrl.config import DynamicSamplingConfig
 from vlrl.data import Sample
 from vlrl.data.cursor import PromptCursor
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import Engine, Request, SamplingParams, Trajectory
+from vlrl.train.informative import informative_filter
 
 
 @dataclass(frozen=True)
@@ -112,15 +106,6 @@ def score_groups(draws: Sequence[Draw], trajectories: Sequence[Trajectory], n: i
     return groups
 
 
-def is_informative(group: Group, metric: str = "reward") -> bool:
-    """True if the group's ``metric`` — the scalar reward, or the verifiers' accuracy (0 when none reports one) —
-    is not the same for every response (DAPO eq. 11)."""
-    values = [t.accuracy or 0.0 for t in group.trajectories] if metric == "accuracy" else \
-        [t.reward for t in group.trajectories]
-    scores = torch.tensor([float(v) for v in values])
-    return bool(informative_groups(scores, torch.zeros(len(scores), dtype=torch.long)).all())
-
-
 def flatten(groups: Sequence[Group]) -> tuple[list[Trajectory], torch.Tensor | None]:
     """The batch's trajectories, group by group, with ``group_index`` = the group's position in the batch, and
     (B,) the greedy reward of each response's prompt when the groups carry one (ReMax), else None."""
@@ -132,16 +117,6 @@ def flatten(groups: Sequence[Group]) -> tuple[list[Trajectory], torch.Tensor | N
     if not groups or groups[0].baseline_reward is None:
         return trajectories, None
     return trajectories, torch.tensor([g.baseline_reward for g in groups for _ in g.trajectories])
-
-
-def starved_warning(step: int, metrics: dict[str, float], *, prompts_per_step: int) -> str:
-    """The one line a recipe prints when dynamic sampling found no informative group at ``step`` (``metrics``: the
-    step's ``sampling/…`` values): what happened, what the step did instead, and which knobs change it."""
-    return (f"step {step}: dynamic sampling found no group with differing rewards in "
-            f"{int(metrics['sampling/groups_dropped']) + prompts_per_step} groups; this step trains on "
-            f"{prompts_per_step} of them (zero advantage: no policy gradient). If it persists, raise "
-            "algo.dynamic_sampling.max_extra_rounds, rollout.n or rollout.temperature, keep informative prompts with "
-            "`vlrl data select`, start from a better SFT checkpoint, or check the reward")
 
 
 @dataclass
@@ -163,35 +138,22 @@ class GroupSampler:
         self.engine, self.cursor, self.sampling = engine, cursor, sampling
         self.shard = shard or (lambda draws: draws)
         self.gather, self.world_size = gather, world_size
-        self.prompts_per_step, self.dynamic, self.greedy_baseline = prompts_per_step, dynamic, greedy_baseline
+        self.prompts_per_step, self.greedy_baseline = prompts_per_step, greedy_baseline
+        self.filter = informative_filter(dynamic, "rounds", prompts_per_step=prompts_per_step, world_size=world_size)
         self.encode = PromptEncoder(engine)
         self.carry: list[Group] = []  # informative groups left over from the previous step
         self.drawn = 0  # tickets issued
 
     def next_batch(self) -> SampledBatch:
-        if not self.dynamic.enabled:
+        if self.filter is None:
             return SampledBatch(self._round(self.prompts_per_step))
-        P = self.prompts_per_step
-        kept, carried_in = self.carry, len(self.carry)
-        self.carry = []
-        rounds = generated = dropped = 0
-        groups: list[Group] = []
-        while len(kept) < P and rounds <= self.dynamic.max_extra_rounds:
-            groups = self._whole_round(math.ceil((P - len(kept)) * self.dynamic.oversample))
-            rounds, generated = rounds + 1, generated + len(groups)
-            informative = [g for g in groups if is_informative(g, self.dynamic.metric)]
-            dropped += len(groups) - len(informative)
-            kept = kept + informative
-        usable = min(P, len(kept) - len(kept) % self.world_size)  # several ranks: a short batch still splits evenly
-        kept, self.carry = kept[:usable], kept[usable:]
-        starved = not kept
-        if starved:  # nothing informative within the cap: go on with the last round's (zero-advantage) groups
-            kept, dropped = groups[:P], dropped - len(groups[:P])
-        return SampledBatch(self.shard(kept) if self.world_size > 1 else kept, {  # (every rank kept the same groups)
-            "sampling/rounds": rounds, "sampling/prompts_generated": generated,
-            "sampling/samples_generated": generated * self.sampling.n, "sampling/groups_dropped": dropped,
-            "sampling/prompts_used": len(kept), "sampling/carried_in": carried_in,
-            "sampling/carried_over": len(self.carry), "sampling/starved": float(starved)})
+        self.filter.begin(self.carry)
+        while not self.filter.done():
+            self.filter.offer(self._whole_round(self.filter.round_size()))
+        step = self.filter.finish()
+        self.carry = step.surplus
+        # (every rank kept the same groups: `gathered_round`)
+        return SampledBatch(self.shard(step.groups) if self.world_size > 1 else step.groups, step.metrics)
 
     def draw(self) -> Draw:
         sample = self.cursor.next(1)[0]
