@@ -80,3 +80,21 @@ def test_two_ranks_and_a_server_end_at_the_exported_weights(served, tmp_path, mo
     assert info["weight_checksum"] == weight_checksum(final.model)
     assert info["weight_checksum"] != initial
     assert (out / "rollout_weights").exists() == (sync == "disk")  # distributed sync writes nothing for the server
+
+
+@pytest.mark.e2e
+def test_async_without_servers_on_two_fsdp_ranks(served, tmp_path):
+    """`rollout.mode=async` with no rollout server on 2 FSDP2 ranks (the defaults otherwise): every rank's in-process
+    engine takes a whole copy of the policy, so every rank loads the whole model even with ``dist.rank0_load``
+    (the default) — rank 1 built on the meta device crashed copying it ("Cannot copy out of meta tensor") before."""
+    _, data, _ = served
+    out = tmp_path / "run"
+    run_checked([*torchrun(2, "-m", "vlrl.cli"), "rl", "model.path=tiny-qwen2-vl", f"data.train={data}",
+                 f"data.test={data}", *ARGS, f"out={out}", "rollout.mode=async", "staleness.eta=1"],
+                timeout=600, cwd=REPO, retry_native_abort=True)
+    rl = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("stage") == "rl"]
+    assert [r["step"] for r in rl] == list(range(1, STEPS + 1))
+    assert all(r["dist/ranks"] == 2 and r["dist/lockstep"] == 1.0 for r in rl)
+    assert rl[0]["policy/grad_norm"] > 0
+    assert weight_checksum(load_policy(str(out / "checkpoints" / "final")).model) != \
+        weight_checksum(load_policy("tiny-qwen2-vl").model)

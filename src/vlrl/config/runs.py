@@ -114,7 +114,8 @@ class DistConfig(Section):
         "the model on the meta device (no memory) and get each unit's tensors broadcast from rank 0 just before it is "
         "sharded — they never hold more than their shards and one unit, instead of a whole copy each (the broadcast "
         "set_model_state_dict(broadcast_from_rank0=True) does, unit by unit). false: every rank loads the whole model, "
-        "then shards it. DDP needs the whole model on every rank either way.",
+        "then shards it. DDP needs the whole model on every rank either way, and so does rollout.mode=async without "
+        "rollout servers (each rank's in-process rollout engine holds a whole copy).",
     )
     cpu_offload: bool = Field(
         False, description="FSDP2 CPUOffloadPolicy: the sharded parameters, their gradients and the AdamW moments live "

@@ -134,7 +134,8 @@ def _load(cfg: RunConfig, logger: MetricsLogger, ctx: DistContext | None = None)
     them their shards of rank 0's weights (`vlrl.train.distributed.shard`)."""
     seed_everything(cfg.seed)
     device = str(ctx.device if ctx is not None else cfg.model.device)
-    on_meta = ctx is not None and ctx.enabled and not ctx.is_main and cfg.dist.strategy == "fsdp" and cfg.dist.rank0_load
+    on_meta = (ctx is not None and ctx.enabled and not ctx.is_main and cfg.dist.strategy == "fsdp"
+               and cfg.dist.rank0_load and not _whole_copy_per_rank(cfg))
     with logger.progress.task("load policy"):
         if on_meta:
             policy = load_processor(cfg.model.path, seed=cfg.model.init_seed, min_pixels=cfg.model.min_pixels,
@@ -148,6 +149,14 @@ def _load(cfg: RunConfig, logger: MetricsLogger, ctx: DistContext | None = None)
     logger.info(f"policy {policy.source}: {policy.num_parameters() / 1e6:.2f}M parameters, family {policy.adapter.family}, "
                 f"attention {attention}")
     return _with_lora(cfg, policy, logger)
+
+
+def _whole_copy_per_rank(cfg: RunConfig) -> bool:
+    """An asynchronous run without rollout servers generates on every rank with a private whole copy of the policy
+    (`vlrl.rollout.threaded_engine.ThreadedEngine`, built before the model is sharded): every rank loads the whole
+    model, ``dist.rank0_load`` or not (a rank built on the meta device had nothing to copy)."""
+    rollout = getattr(cfg, "rollout", None)
+    return rollout is not None and rollout.mode == "async" and not rollout.servers.urls
 
 
 def _with_lora(cfg: RunConfig, policy: Policy, logger: MetricsLogger | None = None) -> Policy:
