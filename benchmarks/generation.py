@@ -16,10 +16,12 @@ EOS is replaced by a suppressed token so every arm decodes exactly ``max_new_tok
 prefill is measured as a ``max_new_tokens=1`` call, so its per-token cost is (t(T) − t(1)) / (T − 1).
 
     PYTHONPATH=src python benchmarks/generation.py [--preset tiny-qwen2-vl] [--shape realistic] [--threads 1] \
-        [--compile] [--no-generate]
+        [--compile] [--no-generate] [--pairwise]
 
 Shapes: ``today`` = 8 prompts × n 4 × 32 new tokens, 112×112 images (16 vision tokens); ``realistic`` = 4
-prompts × n 8 × 64 new tokens, 448×448 images (256 vision tokens).
+prompts × n 8 × 64 new tokens, 448×448 images (256 vision tokens); ``demo`` = the demo's RL rollout, 64 count
+prompts (one text) × n 8 × 8 new tokens, 112×112 images. ``--pairwise`` adds the arm ``loop, pairwise grouping``:
+the shipped loop with the prompt grouping it had before 2026-11-28 (`pairwise_distinct_prompts`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,32 @@ from vlrl.models import load_policy
 from vlrl.models.adapters import VisionInputs
 from vlrl.rollout import Request, SamplingParams, decode
 
-SHAPES = {"today": dict(prompts=8, n=4, new=32, side=112), "realistic": dict(prompts=4, n=8, new=64, side=448)}
+SHAPES = {"today": dict(prompts=8, n=4, new=32, side=112), "realistic": dict(prompts=4, n=8, new=64, side=448),
+          "demo": dict(prompts=64, n=8, new=8, side=112, tasks=["count"])}
+
+
+def pairwise_distinct_prompts(requests):
+    """`decode.distinct_prompts` before 2026-11-28, for the ``--pairwise`` arm: each row compared (``torch.equal``)
+    with every earlier prompt of the same token ids until one matched — quadratic when prompts share their text."""
+    unique, by_ids, index = [], {}, []
+    for request in requests:
+        key = tuple(request.prompt_ids)
+        match = next((k for k in by_ids.get(key, []) if _equal_vision(unique[k].vision, request.vision)), None)
+        if match is None:
+            match = len(unique)
+            unique.append(request)
+            by_ids.setdefault(key, []).append(match)
+        index.append(match)
+    return unique, index
+
+
+def _equal_vision(a, b) -> bool:
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    ta, tb = a.tensors, b.tensors
+    return ta.keys() == tb.keys() and all(ta[k].shape == tb[k].shape and torch.equal(ta[k], tb[k]) for k in ta)
 
 
 def hf_generate(policy, rows, sampling: SamplingParams, eos: int, suppress: list[int]) -> None:
@@ -61,13 +88,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="add the compiled-step arm (rollout.engine.compile)")
     parser.add_argument("--no-generate", action="store_true", help="leave out the generate arm")
+    parser.add_argument("--pairwise", action="store_true", help="add the arm with the old (pairwise) prompt grouping")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shape = SHAPES[args.shape]
     side = shape["side"]
     policy = load_policy(args.preset, max_pixels=side * side)
     policy.model.eval()
-    samples = generate("shapes", shape["prompts"], tasks=["count", "color"], image_size=side)
+    samples = generate("shapes", shape["prompts"], tasks=shape.get("tasks", ["count", "color"]),
+                       image_size=side)
     requests = []
     for s in samples:
         encoded = policy.adapter.encode_prompt(s.messages, [load_image(i) for i in s.images])
@@ -82,10 +111,12 @@ def main() -> None:
           f"{shape['n']} × {T} new tokens, {vision_tokens} vision tokens/image, prompt {len(requests[0].prompt_ids)} "
           f"tokens, {args.threads} thread(s)")
 
-    def run_loop(share: bool, compiled: decode.CompiledStep | None = None) -> tuple[float, float, float]:
+    def run_loop(share: bool | str, compiled: decode.CompiledStep | None = None) -> tuple[float, float, float]:
         real = decode.distinct_prompts
         if not share:
             decode.distinct_prompts = lambda rs: (list(rs), list(range(len(rs))))
+        elif share == "pairwise":
+            decode.distinct_prompts = pairwise_distinct_prompts
         try:
             stats = decode.DecodeStats()
             start = time.perf_counter()
@@ -110,6 +141,8 @@ def main() -> None:
             "loop, prefill per group": lambda: run_loop(True)}
     if args.no_generate:
         del arms["generate"]
+    if args.pairwise:
+        arms["loop, pairwise grouping"] = lambda: run_loop("pairwise")
     if args.compile:
         compiled = decode.CompiledStep()
         start = time.perf_counter()
