@@ -1,5 +1,5 @@
 """DAPO's informative-group filter on its own (no engine, no buffer): the informative test, the two caps, the
-starved rule on either side of the world-size trim, and the ``sampling/…`` metrics each cap reports."""
+starved rule and the world-size trim, and the ``sampling/…`` metrics each cap reports."""
 
 import pytest
 
@@ -107,17 +107,29 @@ def test_a_short_batch_is_cut_to_split_over_the_ranks():
     assert len(out.groups) == 2 and len(out.surplus) == 1 and out.metrics["sampling/prompts_used"] == 2
 
 
-@pytest.mark.parametrize(("counts", "starved"), [("rounds", 1.0), ("dropped", 0.0)])
-def test_fewer_informative_groups_than_ranks_at_the_cap(counts, starved):
-    """Where the two caps' starved rules part (`Cap`): 1 informative group over 2 ranks. The sync sampler, left with
-    nothing after the trim, trains the last round and carries the group over (the group is in both); the async
-    buffer finds the step not starved, its batch empty, and puts the group back. This pins the recipes' behaviour
-    as it was, not as it should be (see `Cap`)."""
+@pytest.mark.parametrize("counts", ["rounds", "dropped"])
+def test_fewer_informative_groups_than_ranks_at_the_cap(counts):
+    """1 informative group over 2 ranks at the cap, under either cap: the step trains it with the last round's other
+    group (an even split), carries nothing over and drops nothing. (Before 2026-11-28 the sync sampler trained the
+    group *and* carried it over, and the async buffer returned an empty batch the ranks could not train.)"""
     f = _filter(counts, 1, P=2, world_size=2)  # 1 round, or 1 dropped group
     f.begin()
     kept, dropped = good(), bad()
     f.offer([kept, dropped])
     assert f.done()
     out = f.finish()
-    assert out.surplus == [kept] and out.metrics["sampling/starved"] == starved
-    assert out.groups == ([kept, dropped] if counts == "rounds" else [])
+    assert out.groups == [kept, dropped] and out.surplus == [] and out.dropped == []
+    assert out.metrics["sampling/starved"] == 0.0 and out.metrics["sampling/groups_dropped"] == 0
+    assert out.metrics["sampling/prompts_used"] == 2
+
+
+def test_a_starved_batch_still_splits_over_the_ranks():
+    """Nothing informative and a last round shorter than the batch (3 groups, 2 ranks): 2 of them are trained."""
+    f = _filter("rounds", 2, P=4, world_size=2)
+    f.begin()
+    f.offer([bad(), bad(), bad(), bad()])
+    last = [bad(), bad(), bad()]
+    f.offer(last)
+    out = f.finish()
+    assert out.groups == last[:2] and out.metrics["sampling/starved"] == 1.0
+    assert out.metrics["sampling/groups_dropped"] == 5 and out.dropped[-1] is last[2]

@@ -19,7 +19,10 @@ metrics. With nothing informative within the cap the step is *starved*: it train
 the last round offered — zero advantage, no policy gradient, the run goes on — logs ``sampling/starved`` = 1 and
 the recipe warns with `starved_warning`. (verl raises at its cap ``max_num_gen_batches``, stopping the run; a
 starved step here costs one step and says which knobs to turn.) A batch left short at the cap is cut to a multiple
-of the number of ranks, so that it splits evenly; the rest is surplus.
+of the number of ranks, so that it splits evenly; the rest is surplus. With fewer informative groups than ranks (and
+several ranks) the step trains them together with the last groups offered, cut the same way — none is also carried
+over or put back (until 2026-11-28 the sync sampler trained such a group and carried it over too, and the async
+buffer handed the ranks an empty batch).
 """
 
 from __future__ import annotations
@@ -70,12 +73,8 @@ class Cap:
       each dropped group is one replacement the trainer waits for. Its metrics are the dropped, used and starved
       counts (what was generated is the rollout's business, logged under ``rollout/…``).
 
-    The two also place the starved rule on either side of the world-size trim, as each recipe always has (kept
-    so that the numbers stay as they were): the sampler calls a step starved when nothing is left *after* the trim
-    — with fewer informative groups than ranks it carries them over *and* trains the last round, which may hold
-    them, so such a group is trained twice —, the buffer when no informative group was found at all — fewer than
-    the ranks are put back and the batch is empty, which the update cannot train. Neither edge is right; with one
-    rank the two rules are the same."""
+    Both end a step the same way (`InformativeFilter.finish`): the batch is cut to a multiple of the ranks, and with
+    fewer informative groups than ranks (none: the step is *starved*) it is filled up with the last groups offered."""
 
     counts: Literal["rounds", "dropped"]
     limit: int
@@ -139,15 +138,19 @@ class InformativeFilter:
 
     def finish(self) -> Filtered:
         """The step's batch: at most ``prompts_per_step`` kept groups, cut to a multiple of ``world_size`` (several
-        ranks: a short batch still splits evenly); starved, the last round's first ``prompts_per_step`` groups."""
-        P = self.prompts_per_step
-        usable = min(P, len(self.kept) - len(self.kept) % self.world_size)
+        ranks: a short batch still splits evenly). With fewer kept groups than ranks (none at all: *starved*) the
+        batch is what was kept plus the last groups offered (zero advantage), cut the same way."""
+        P, W = self.prompts_per_step, self.world_size
+        usable = min(P, len(self.kept) - len(self.kept) % W)
         groups, surplus = self.kept[:usable], self.kept[usable:]
-        starved = not (groups if self.cap.counts == "rounds" else self.kept)  # (see `Cap`)
-        if starved:  # nothing informative within the cap: go on with the last round's (zero-advantage) groups
-            groups = self.last[:P]
-            self.groups_dropped -= len(groups)
-            self.dropped = [g for g in self.dropped if not any(g is t for t in groups)]
+        starved = not self.kept
+        if not groups:  # too few informative groups within the cap to split: fill up with the last ones offered
+            pool = self.kept + [g for g in self.last if not _holds(self.kept, g)]
+            groups = pool[: min(P, len(pool) - len(pool) % W)]
+            surplus = [g for g in self.kept if not _holds(groups, g)]
+            trained = [g for g in self.dropped if _holds(groups, g)]
+            self.groups_dropped -= len(trained)
+            self.dropped = [g for g in self.dropped if not _holds(groups, g)]
         if self.cap.counts == "rounds":
             metrics = {"sampling/rounds": self.rounds, "sampling/prompts_generated": self.generated,
                        "sampling/samples_generated": self.samples, "sampling/groups_dropped": self.groups_dropped,
@@ -157,6 +160,10 @@ class InformativeFilter:
             metrics = {"sampling/groups_dropped": self.groups_dropped, "sampling/prompts_used": len(groups),
                        "sampling/starved": float(starved)}
         return Filtered(groups, surplus, self.dropped, metrics)
+
+
+def _holds(groups: Sequence[Group], group: Group) -> bool:
+    return any(g is group for g in groups)
 
 
 def informative_filter(config: DynamicSamplingConfig, counts: Literal["rounds", "dropped"], *, prompts_per_step: int,
