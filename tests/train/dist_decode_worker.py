@@ -24,6 +24,6 @@ torch.manual_seed(ctx.rank)
 stops = list(range(200, 400))
 for _ in range(3):
     out = engine.generate(requests, SamplingParams(n=1, temperature=3.0, max_new_tokens=16, stop_token_ids=stops))
-    print(f"rank {ctx.rank} lengths {[len(t.response_ids) for t in out]}", flush=True)
+    print(f"rank {ctx.rank} lengths {[len(t.response_ids) for t in out]}\n", end="", flush=True)  # one write
 dist.barrier()
 shutdown_distributed(ctx)

@@ -30,15 +30,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 
 from vlrl.algos.filters import informative_groups
 from vlrl.config import DynamicSamplingConfig
+from vlrl.rollout import Trajectory
 
-if TYPE_CHECKING:  # (vlrl.train.sampling imports this module)
-    from vlrl.train.sampling import Group
+
+class Group(Protocol):
+    """What the filter reads of a group (`vlrl.train.sampling.Group`, which imports this module): its scored
+    responses."""
+
+    trajectories: list[Trajectory]
 
 
 def is_informative(group: Group, metric: str = "reward") -> bool:
