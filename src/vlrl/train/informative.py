@@ -112,7 +112,7 @@ class InformativeFilter:
         self.kept: list[Group] = list(carried)
         self.carried_in = len(self.kept)
         self.dropped: list[Group] = []  # this step's uninformative groups, in the order offered
-        self.rounds = self.generated = self.samples = self.groups_dropped = 0
+        self.rounds = self.generated = self.samples = 0
         self.last: list[Group] = []  # the last groups offered (a starved step trains them)
 
     @property
@@ -126,7 +126,7 @@ class InformativeFilter:
 
     def done(self) -> bool:
         """The batch is full, or the cap is spent."""
-        spent = self.rounds if self.cap.counts == "rounds" else self.groups_dropped
+        spent = self.rounds if self.cap.counts == "rounds" else len(self.dropped)
         return len(self.kept) >= self.prompts_per_step or spent >= self.cap.limit
 
     def offer(self, groups: Sequence[Group]) -> list[Group]:
@@ -135,8 +135,7 @@ class InformativeFilter:
         bad = [g for g, ok in zip(groups, flags, strict=True) if not ok]
         self.kept += [g for g, ok in zip(groups, flags, strict=True) if ok]
         self.dropped += bad
-        self.rounds, self.generated, self.groups_dropped = self.rounds + 1, self.generated + len(groups), \
-            self.groups_dropped + len(bad)
+        self.rounds, self.generated = self.rounds + 1, self.generated + len(groups)
         self.samples += sum(len(g.trajectories) for g in groups)
         self.last = list(groups)
         return bad
@@ -153,16 +152,14 @@ class InformativeFilter:
             pool = self.kept + [g for g in self.last if not _holds(self.kept, g)]
             groups = pool[: min(P, len(pool) - len(pool) % W)]
             surplus = [g for g in self.kept if not _holds(groups, g)]
-            trained = [g for g in self.dropped if _holds(groups, g)]
-            self.groups_dropped -= len(trained)
             self.dropped = [g for g in self.dropped if not _holds(groups, g)]
         if self.cap.counts == "rounds":
             metrics = {"sampling/rounds": self.rounds, "sampling/prompts_generated": self.generated,
-                       "sampling/samples_generated": self.samples, "sampling/groups_dropped": self.groups_dropped,
+                       "sampling/samples_generated": self.samples, "sampling/groups_dropped": len(self.dropped),
                        "sampling/prompts_used": len(groups), "sampling/carried_in": self.carried_in,
                        "sampling/carried_over": len(surplus), "sampling/starved": float(starved)}
         else:
-            metrics = {"sampling/groups_dropped": self.groups_dropped, "sampling/prompts_used": len(groups),
+            metrics = {"sampling/groups_dropped": len(self.dropped), "sampling/prompts_used": len(groups),
                        "sampling/starved": float(starved)}
         return Filtered(groups, surplus, self.dropped, metrics)
 
