@@ -289,4 +289,4 @@ def teacher_logprobs(model: torch.nn.Module, policy: Policy, trajectories: Seque
         logp, _ = teacher_forced(model, policy.adapter, prompts, [t.response_ids for t in trajectories], visions,
                                  pad_token_id=policy.pad_token_id, temperature=temperature, padding_free=padding_free,
                                  shared_prefix=shared_prefix, sums=sums, logprob_chunk=logprob_chunk)
-    return logp
+    return logp.cpu()  # a step's batch lives on the host (`UpdateBatch`); the update moves its micro-batches

@@ -41,7 +41,8 @@ from vlrl.train.update_stats import UpdateStats
 
 @dataclass
 class UpdateBatch:
-    """One RL step's training data. Shapes: B sequences, R response columns (right-padded)."""
+    """One RL step's training data. Shapes: B sequences, R response columns (right-padded). Its tensors live on
+    the host (the CPU); `accumulate` (and the critic's update) move each micro-batch's rows to the model's device."""
 
     trajectories: list[Any]  # the B `Trajectory` records (token ids, vision inputs)
     loss_mask: torch.Tensor  # (B, R) 1 = trained-on model token
@@ -198,13 +199,17 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
                     shared_prefix=settings.shared_prefix, sums=stats.token_sums,
                     logprob_chunk=settings.logprob_chunk)  # (b, R) each, 0 at padding
             R = logp.shape[1]
-            mask = batch.loss_mask[micro, :R]
-            behaviour = batch.behaviour_logp[micro, :R]
-            old = batch.old_logp[micro, :R] if batch.old_logp is not None else logp.detach()
+
+            def rows_of(tensor: torch.Tensor) -> torch.Tensor:  # the batch lives on the host: these rows, moved
+                return tensor[micro, :R].to(logp.device)  # to the model's device (a no-op on the CPU)
+
+            mask = rows_of(batch.loss_mask)
+            behaviour = rows_of(batch.behaviour_logp)
+            old = rows_of(batch.old_logp) if batch.old_logp is not None else logp.detach()
             out = settings.loss_fn(PolicyLossInputs(
-                logp=logp, old_logp=old, advantages=batch.advantages[micro, :R], loss_mask=mask,
+                logp=logp, old_logp=old, advantages=rows_of(batch.advantages), loss_mask=mask,
                 behaviour_logp=behaviour, entropy=entropy,
-                cov_selection=cov_selection[micro, :R] if cov_selection is not None else None))
+                cov_selection=rows_of(cov_selection) if cov_selection is not None else None))
             per_token = out.per_token_loss
             w, capped = behaviour_weight(old, behaviour, cap=settings.behaviour_weight_cap,
                                          mode=settings.behaviour_weight_mode)  # (b, R) each
@@ -212,10 +217,10 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
             if settings.apply_behaviour_weight:
                 per_token = per_token * w
             if batch.rollout_weights is not None:  # TIS: min(π_old / π_sampler, C), 1 without it (MIS only)
-                per_token = per_token * batch.rollout_weights[micro, :R]
+                per_token = per_token * rows_of(batch.rollout_weights)
             loss = aggregate(per_token, mask, settings.loss_agg, normaliser=normaliser)
             if batch.ref_logp is not None and settings.kl_coef > 0:
-                kl = kl_estimate(logp, batch.ref_logp[micro, :R], settings.kl_estimator)
+                kl = kl_estimate(logp, rows_of(batch.ref_logp), settings.kl_estimator)
                 loss = loss + settings.kl_coef * aggregate(kl, mask, settings.loss_agg, normaliser=normaliser)
                 stats.add_tokens("policy/kl_ref", kl, mask)
             loss.backward()
@@ -226,7 +231,7 @@ def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings
             stats.add_tokens(f"policy/{name}", values, mask)
         stats.behaviour_weights.append(w[mask.bool()].detach())
         stats.behaviour_capped += int((capped & mask.bool()).sum())
-        drift, n = logp_drift(behaviour, old, mask, batch.same_version[micro])
+        drift, n = logp_drift(behaviour, old, mask, batch.same_version[micro].to(logp.device))
         stats.drift_sum += float(drift) * int(n)
         stats.drift_tokens += int(n)
     stats.add("policy/loss", total_loss)
