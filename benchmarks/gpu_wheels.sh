@@ -3,7 +3,11 @@
 # .whl/ (git-ignored) for the `device` tool to carry. The image has torch 2.11 + CUDA 13, transformers 5.17, peft,
 # accelerate, numpy, pillow, pyyaml, jinja2, rich, typer, httpx, safetensors, tokenizers (KINDS.md), not pydantic —
 # which vlrl.config needs. RapidFuzz and Pebble are vlrl dependencies too (rewards, the reward pool): small, and a
-# `vlrl rl` run on the device imports them. Versions: this project's venv's. Python 3.12 there (cp312 wheels).
+# `vlrl rl` run on the device imports them. transformers: the image's 5.17 lacks what vlrl's pin (5.24) gives — a
+# boolean `logits_to_keep` mask, which every update's packed/grouped forward passes (the first device run, 2026-11-28:
+# "IndexError: too many indices for tensor of dimension 3" in the head) — so the pinned release travels too (pure
+# Python; the image's huggingface_hub 1.33 and tokenizers 0.23.2 satisfy it). Versions: this project's venv's.
+# Python 3.12 there (cp312 wheels).
 #
 #     bash benchmarks/gpu_wheels.sh        # then carry ".whl" in the `run` call (docs/gpu.md has the command)
 set -euo pipefail
@@ -16,6 +20,7 @@ WHEELS=(
   typing-extensions==4.16.0
   rapidfuzz==3.14.6
   pebble==5.2.3
+  transformers==5.24.0
 )
 mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
