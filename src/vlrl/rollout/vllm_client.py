@@ -122,6 +122,47 @@ class VLLMServers:
                 return GenerateAnswer(response.status_code, text)
         return GenerateAnswer(200, answers=[r.json() for r in responses])
 
+    @staticmethod
+    def bodies(requests: Sequence[Any], sampling: Any, *, stop_token_ids: Sequence[int], suppress: Sequence[int],
+               images: Callable[[Any], list[str]]) -> list[dict[str, Any]]:
+        """One ``/inference/v1/generate`` body per request (`vllm_protocol.generate_body`): the trainer's EOS and the
+        sampling's own stop ids, the engine's suppressed tokens and the sampling's bias, the request's images as
+        data URLs (``images(request)``)."""
+        bias = {t: proto.SUPPRESS_BIAS for t in suppress}
+        bias.update(sampling.logit_bias)
+        stops = sorted(set(stop_token_ids) | set(sampling.stop_token_ids))
+        return [proto.generate_body(list(r.prompt_ids), n=sampling.n, temperature=sampling.temperature,
+                                    top_p=sampling.top_p, top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
+                                    stop=sampling.stop, stop_token_ids=stops, logit_bias=bias,
+                                    image_urls=images(r) if r.images else ()) for r in requests]
+
+    @staticmethod
+    def trajectories(answers: Sequence[dict[str, Any]], requests: Sequence[Any], sampling: Any, *, url: str,
+                     version_at_start: int, decode: Callable[[list[int]], str],
+                     check_prompt: Callable[[str, Any, list[int] | None], None]) -> list[Any]:
+        """The `Trajectory` records of one answer per request, prompt-major (the n samples of request 0 first).
+        ``check_prompt(url, request, the server's prompt ids)``: ``rollout.servers.prompt_check`` (not for an
+        aborted sample: it is never trained on); the weight version: the oldest span that sampled it
+        (`http_engine.answer_version`)."""
+        from vlrl.rollout.http_engine import answer_version
+        from vlrl.rollout.types import Status, Trajectory
+
+        out = []
+        for i, (request, answer) in enumerate(zip(requests, answers, strict=True)):
+            prompt, choices = proto.parse_generate(answer, n=sampling.n, url=url)
+            if any(c.status != "aborted" for c in choices):
+                check_prompt(url, request, prompt)
+            prompt_ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
+            for choice in choices:
+                out.append(Trajectory(
+                    sample=request.sample, prompt_ids=prompt_ids, response_ids=torch.tensor(choice.token_ids, dtype=torch.long),
+                    loss_mask=torch.ones(len(choice.token_ids), dtype=torch.long),
+                    behaviour_logp=torch.tensor(choice.logprobs, dtype=torch.float), vision=request.vision,
+                    images=request.images, weight_version=answer_version({"weight_versions": choice.weight_versions},
+                                                                         version_at_start),
+                    status=Status(choice.status), response_text=decode(choice.token_ids), group_index=i))
+        return out
+
     async def abort(self) -> None:
         """``/abort_requests`` on every server for this client's requests still in flight (on shutdown)."""
         for server in self.pool.live():
