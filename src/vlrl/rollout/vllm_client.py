@@ -49,6 +49,9 @@ class GenerateAnswer:
     text: str = ""
     answers: list[dict[str, Any]] | None = None
 
+    def json(self) -> list[dict[str, Any]] | None:  # (read like an HTTP response by `HTTPEngine._generate_chunk`)
+        return self.answers
+
 
 class VLLMServers:
     """vLLM's side of an `HTTPEngine`: ``pool``'s servers are vLLM servers (``rollout.servers.engine=vllm``)."""
@@ -210,9 +213,19 @@ class VLLMServers:
             await self.verify_checksums(self.pool.live(), state(), version, timeout)
 
     async def _call(self, server: ServerState, method: str, path: str, body: dict | None, timeout: float) -> Any:
-        """One weight call; its JSON answer, or `WeightSyncError` naming the server, the call and vLLM's message."""
-        response = await self.pool.client.request(method, f"{server.url}{path}", json=body,
-                                                  headers=self.pool.admin_headers, timeout=timeout)
+        """One weight call; its JSON answer, or `WeightSyncError` naming the server, the call and vLLM's message. A
+        connection that breaks before an answer is retried once on a new one (vLLM closes the connection of a call that
+        raised — an error answer — and the client's pool may hand out that connection next)."""
+        import httpx
+
+        for attempt in (0, 1):
+            try:
+                response = await self.pool.client.request(method, f"{server.url}{path}", json=body,
+                                                          headers=self.pool.admin_headers, timeout=timeout)
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                if attempt:
+                    raise
         if response.status_code >= 400:
             try:
                 answer = response.json()
@@ -248,8 +261,9 @@ class VLLMServers:
         try:
             await self._load_one(server, Path(previous[0]), previous[1], timeout)
         except Exception as err:  # noqa: BLE001 - the server is unusable: it leaves the pool
-            self.pool.drop(server, f"weight update failed, and so did restoring version {previous[1]}: {err}")
-            return f"{failure}; restoring version {previous[1]} failed too ({err}): {server.url} was dropped"
+            why = f"{type(err).__name__}: {err}"
+            self.pool.drop(server, f"weight update failed, and so did restoring version {previous[1]}: {why}")
+            return f"{failure}; restoring version {previous[1]} failed too ({why}): {server.url} was dropped"
         log.warning("%s: weight update failed (%s); version %d reloaded from %s in %.1f s", server.url, failure,
                     previous[1], previous[0], time.monotonic() - started)
         return f"{failure}; {server.url} serves version {previous[1]} again (reloaded from {previous[0]})"
