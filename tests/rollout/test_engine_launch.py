@@ -4,6 +4,7 @@ are small Python programs (the real engines' start-up is minutes: tests/rollout/
 
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -65,3 +66,29 @@ def test_engine_commands():
     vlrl = engine_command("vlrl", "/p", model="tiny", host="127.0.0.1", port=9, dtype="float32", api_key="k")
     assert vlrl[1:4] == ["-m", "vlrl.cli", "serve"] and "--api-key" not in vlrl  # vlrl serve reads $VLRL_API_KEY
     assert engine_python("vlrl", None) == sys.executable and engine_python("vllm", "/x/python") == "/x/python"
+
+
+@pytest.mark.e2e
+def test_vlrl_rl_launches_its_servers_and_stops_them(tmp_path):
+    """``vlrl rl`` with rollout.servers.launch: one `vlrl serve` started on loopback (the trainer's preset saved for
+    it), generating and loading each version, stopped when the run ends."""
+    import json
+    import os
+    import re
+    import subprocess
+
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "vlrl.cli", "rl", "--config", "configs/arith_grpo.yaml",
+                           "rollout.servers.launch.count=1", "rollout.servers.engine=auto", "train.steps=2",
+                           "train.prompts_per_step=2", "rollout.n=4", "data.n_train=8", "data.n_test=2", "eval.samples=1",
+                           "train.log_every=1", "report.html=false", "checkpoint.every=0", f"out={out}"],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "rollout_model" / "config.json").is_file()  # the preset, saved for the server to load
+    log = (out / "rollout_servers" / "server-0.log").read_text()
+    url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log).group(1)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("rollout/logprob_diff_max", 1) < 1e-4 for r in records)
+    with pytest.raises(httpx.HTTPError):  # stopped with the run
+        httpx.get(f"{url}/health", timeout=2)

@@ -97,8 +97,13 @@ def launch(cfg: Any, policy: Any, *, run_dir: str | Path | None) -> Any:
     """``rollout.servers.launch``: start the servers (`vlrl.rollout.engine_launch`) on what the trainer holds — the
     launch's model, else ``model.path`` when it is a directory, else the policy saved under ``RUN_DIR/rollout_model``
     — in the policy's dtype; auto starts vlrl serve."""
+    import torch.distributed as dist
+
     from vlrl.rollout.engine_launch import launch_servers
 
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("rollout.servers.launch starts servers from one trainer process; with several ranks let `vlrl "
+                         "launch` start them (launch.rollout_servers) or give their URLs (rollout.servers.urls)")
     spec = cfg.servers.launch
     base = Path(run_dir) if run_dir is not None else Path(cfg.weight_sync.dir or ".")
     model = spec.model or (policy.source if policy.source and Path(policy.source).is_dir() else None)

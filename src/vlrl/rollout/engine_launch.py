@@ -73,6 +73,13 @@ def engine_command(engine: str, python: str, *, model: str, host: str, port: int
     return [*base, "--model-path", model, "--host", host, "--port", str(port), "--dtype", dtype, "--api-key", api_key]
 
 
+def _fill(part: str, values: Mapping[str, str]) -> str:
+    """``part`` with ``{name}`` replaced for each of ``values`` (not str.format: an argument may hold JSON)."""
+    for name, value in values.items():
+        part = part.replace("{" + name + "}", value)
+    return part
+
+
 def _death_signal():
     """Linux: a ``preexec_fn`` giving the child SIGKILL when its parent dies; None elsewhere."""
     try:
@@ -178,7 +185,7 @@ def launch_servers(engine: str, count: int, *, model: str, dtype: str, log_dir: 
         for i in range(count):
             port = free_port(host)
             fill = {"model": model, "host": host, "port": str(port), "dtype": dtype, "i": str(i), "python": python}
-            cmd = ([part.format(**fill) for part in command] if command else
+            cmd = ([_fill(part, fill) for part in command] if command else
                    engine_command(engine, python, model=model, host=host, port=port, dtype=dtype, api_key=key,
                                   device=device))
             cmd += [arg.replace("{i}", str(i)) for arg in args]
