@@ -304,6 +304,9 @@ class HTTPEngine:
         ``stop_token_ids`` (not the server's generation config) and the family's vision markup and other special
         tokens never sampled (a ``logit_bias`` of `SUPPRESS_BIAS`). vLLM: one body per prompt (`VLLMServers.bodies`)."""
         if self.vllm is not None:
+            problem = self.vllm.logprob_problem(sampling)
+            if problem:  # (the run goes on: rollout/logprob_diff_max shows the gap)
+                self.pool.warn_once("vllm", f"logprobs {sampling_key(sampling)}", "%s", problem)
             return self.vllm.bodies(requests, sampling, stop_token_ids=self.policy.eos_token_ids,
                                     suppress=self._encoder.suppress, images=self._encoded_images)
         body: dict[str, Any] = {"input_ids": [list(r.prompt_ids) for r in requests]}
