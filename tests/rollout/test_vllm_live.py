@@ -122,15 +122,16 @@ def test_async_rl_finds_vllm_by_itself(vllm, tmp_path):
 def test_shipped_vllm_recipe_cpu_sized(vllm, tmp_path):
     """configs/recipes/qwen2_5_7b_math_vllm_grpo.yaml with the tiny text preset on the CPU, MATH rows in verl's layout,
     the module's server instead of the one the recipe launches (launch.count=0)."""
-    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     rows = [{"data_source": "DigitalLearningGmbH/MATH-lighteval", "ability": "math",
              "prompt": [{"role": "user", "content": f"What is {a} + {b}? Let's think step by step and output the final "
                          "answer within \\boxed{}."}],
              "reward_model": {"style": "rule", "ground_truth": str(a + b)}, "extra_info": {"index": k}}
             for k, (a, b) in enumerate([(3, 4), (5, 7), (2, 9), (8, 1), (6, 6), (4, 3)])]
-    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
-    pd.DataFrame(rows[:2]).to_parquet(tmp_path / "test.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "test.parquet")
     records, log = _rl(vllm, tmp_path / "run", "--config", str(CONFIGS / "recipes" / "qwen2_5_7b_math_vllm_grpo.yaml"),
                        f"model.path={vllm.model}", "model.dtype=float32", "model.device=cpu",
                        f"data.train={tmp_path / 'train.parquet'}", f"data.test={tmp_path / 'test.parquet'}",
