@@ -12,8 +12,8 @@ Arms, alternated, each repeated ``--repeats`` times after one warm-up call (medi
 Tokens/s counts the response tokens returned (a sample that ends at EOS counts its own length), over the wall time of
 one batch. Shapes (text only: vLLM's VLM modules need torchvision, which no CPU build of is served here):
 ``demo`` = the demo's RL rollout with a text model — 64 arithmetic prompts × n 8 × 8 new tokens, tiny-qwen2 (0.8M
-parameters); ``realistic`` = 8 prompts of ~256 tokens × n 8 × 128 new tokens on a 22M-parameter Qwen2 built from a
-config (random weights; tiny-qwen2's tokenizer).
+parameters); ``realistic`` = 8 prompts of ~350 tokens × n 8 × 128 new tokens on a 25M-parameter Qwen2 built from a
+config (hidden 512, 8 layers; random weights; tiny-qwen2's tokenizer).
 
     PYTHONPATH=src python benchmarks/engines.py [--shape demo realistic] [--repeats 3] [--threads 2]
 
@@ -35,7 +35,7 @@ SHAPES = {"demo": dict(prompts=64, n=8, new=8, model="tiny", prompt_words=0),
 
 
 def save_model(kind: str, out: Path) -> Path:
-    """tiny-qwen2, or a 22M-parameter Qwen2 (hidden 512, 8 layers) with its tokenizer, saved for both engines."""
+    """tiny-qwen2, or a 25M-parameter Qwen2 (hidden 512, 8 layers) with its tokenizer, saved for both engines."""
     from vlrl.models import load_policy
 
     policy = load_policy("tiny-qwen2")
