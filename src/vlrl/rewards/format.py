@@ -1,8 +1,10 @@
-"""Format and length rewards: they score the shape of a response, not its correctness.
+"""Format and length rewards: they score the shape of a response, not its correctness — and the answer forms
+a sample may declare (`ANSWER_FORMATS`, `has_answer_form`), which strict scoring requires of every response.
 
 A format reward alone is the classic hack target (a well-formed wrong answer), so use it as a small
 weight next to an accuracy verifier (``{"math": 0.8, "cot_format": 0.2}``); none of these reports an
-``accuracy`` part. All are linear-time string checks and run inline.
+``accuracy`` part, and each is registered with ``shape=True`` (strict scoring leaves their scores as they are).
+All are linear-time string checks and run inline.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def _one_block(text: str, tag: str, *, filled: bool = False) -> tuple[int, int] 
     return start, end + len(close_tag)
 
 
-@register_reward("format")
+@register_reward("format", shape=True)
 def think_answer_format(response: str, answer: Any = None, **meta: Any) -> float:
     """1 if the response is exactly one ``<think>…</think>`` followed by one non-empty ``<answer>…</answer>``
     and nothing else (trailing special tokens aside), else 0 — LLaVA-OV-1.5's stage-2 prompt template. An
@@ -38,7 +40,7 @@ def think_answer_format(response: str, answer: Any = None, **meta: Any) -> float
     return 1.0 if ok else 0.0
 
 
-@register_reward("answer_format")
+@register_reward("answer_format", shape=True)
 def answer_format(response: str, answer: Any = None, **meta: Any) -> float:
     """1 if the response is exactly one non-empty ``<answer>…</answer>`` block and nothing else, else 0 —
     LLaVA-OV-1.5's stage-1 template ("Put ONLY your final answer within <answer></answer>"). A block of
@@ -48,7 +50,7 @@ def answer_format(response: str, answer: Any = None, **meta: Any) -> float:
     return 1.0 if block == (0, len(text)) else 0.0
 
 
-@register_reward("cot_format")
+@register_reward("cot_format", shape=True)
 def cot_format(response: str, answer: Any = None, *, max_boxed_fraction: float = 0.2, **meta: Any) -> float:
     """1 if the response has exactly one ``<think>…</think>`` block, at least one ``\\boxed{}``, and the
     boxed content is at most 20 % of the response's length; else 0.
@@ -63,7 +65,7 @@ def cot_format(response: str, answer: Any = None, *, max_boxed_fraction: float =
     return 1.0 if sum(len(b) for b in boxes) <= max_boxed_fraction * len(text) else 0.0
 
 
-@register_reward("overlong", low=-1.0, high=0.0)
+@register_reward("overlong", low=-1.0, high=0.0, shape=True)
 def overlong(response: str, answer: Any = None, *, max_length: int, cache_length: int,
              response_length: int | None = None, unit: str = "tokens", **meta: Any) -> float:
     """DAPO soft overlong punishment (eq. 13), in [−1, 0]:
@@ -89,3 +91,28 @@ def overlong(response: str, answer: Any = None, *, max_length: int, cache_length
     if length <= max_length:
         return ((max_length - cache_length) - length) / cache_length
     return -1.0
+
+
+# The forms a sample may declare its answer in (`vlrl.data.Sample.answer_format`; the names of the procedural
+# suites' prompt templates, `vlrl.data.tasks.TEMPLATES`):
+#   answer  exactly one non-empty <answer>…</answer> and nothing else (LLaVA-OV-1.5's stage-1 template);
+#   think   the same, after at most one leading <think>…</think> (stage 2's; the `format` reward is the one that
+#           requires the <think> block — add it to the reward to pay for thinking);
+#   none    any text: only whether the response ended counts.
+ANSWER_FORMATS = ("answer", "think", "none")
+
+
+def has_answer_form(response: str, answer_format: str) -> bool:
+    """Whether ``response`` (trailing special tokens aside) has the declared ``answer_format`` (`ANSWER_FORMATS`).
+    ``<answer>3</answer>3</answer>`` has no form: a second close tag, text after the block."""
+    if answer_format == "none":
+        return True
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"unknown answer format {answer_format!r}; choose from {', '.join(ANSWER_FORMATS)}")
+    text = strip_special(response)
+    if answer_format == "think" and ("<think>" in text or "</think>" in text):
+        think = _one_block(text, "think")
+        if think is None or think[0] != 0:
+            return False
+        text = text[think[1] :].lstrip()
+    return _one_block(text, "answer", filled=True) == (0, len(text))
