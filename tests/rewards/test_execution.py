@@ -156,9 +156,9 @@ def test_strict_scoring_refuses_what_a_parser_refuses():
 
 
 def test_strict_scoring_leaves_shape_verifiers_their_score():
-    """A format or length verifier scores the response's shape: strict scoring does not set it to its minimum. Here
-    0.5 · number (refused: truncated → 0) + 1 · overlong ((90 − 95) / 10 = −0.5) = −0.5; the free form (``none``)
-    of an ended response is well-formed whatever its text."""
+    """A format or length verifier (no ``accuracy`` part) scores the response's shape: strict scoring does not set it
+    to its minimum. Here 0.5 · number (refused: truncated → 0) + 1 · overlong ((90 − 95) / 10 = −0.5) = −0.5; the
+    free form (``none``) of an ended response is well-formed whatever its text."""
     t = _trajectory("<answer>3</answer>", reward={"number": 0.5, "overlong": 1.0}, length=95, status="truncated")
     t.sample.metadata = {"max_length": 100, "cache_length": 10}
     free = _trajectory("3 apples", form="none")

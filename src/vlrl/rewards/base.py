@@ -33,25 +33,22 @@ class RewardSpec:
         deadline: seconds one item may take. Enforced for ``pool``; for ``inline`` measured, and an
             item over it is counted as slow.
         low, high: the range of ``overall``.
-        shape: the verifier scores a response's shape (format, length), not its correctness; strict scoring
-            (`vlrl.rewards.execution`) leaves its score as it is where it sets a correctness verifier's to ``low``.
     """
 
     mode: Literal["inline", "pool", "judge"] = "inline"
     deadline: float = 1.0
     low: float = 0.0
     high: float = 1.0
-    shape: bool = False
 
 
 DEFAULT_SPEC = RewardSpec()  # a user's function without a spec runs inline (documented in the README)
 
 
 def register_reward(name: str, *, mode: Literal["inline", "pool", "judge"] = "inline", deadline: float | None = None,
-                    low: float = 0.0, high: float = 1.0, shape: bool = False):
+                    low: float = 0.0, high: float = 1.0):
     """Decorator: register a verifier under ``name`` (``@register_reward("bbox_iou")``) with its `RewardSpec`."""
     spec = RewardSpec(mode=mode, deadline=deadline if deadline is not None else (1.0 if mode == "inline" else 10.0),
-                      low=low, high=high, shape=shape)
+                      low=low, high=high)
 
     def decorator(fn: RewardFn) -> RewardFn:
         fn.reward_spec = spec  # type: ignore[attr-defined]

@@ -60,7 +60,7 @@ class RewardItem:
     id: str = ""
     task: str = ""
     gated: bool = False  # strict scoring refused the response (truncated, or not in its declared answer form):
-    # every correctness verifier scores its minimum, shape verifiers (`RewardSpec.shape`) score it as usual
+    # every verifier that reports an ``accuracy`` scores its minimum, the others (format, length) as usual
 
 
 @dataclass
@@ -332,9 +332,10 @@ class RewardExecutor:
 
 
 def _gate(outputs: Mapping[str, RewardOutput]) -> dict[str, RewardOutput]:
-    """Strict scoring of a refused response: each correctness verifier's ``overall`` set to its minimum (its parts,
-    ``accuracy`` among them, kept as the verifier reported them), each shape verifier's left as it is."""
-    return {name: out if spec_of(name).shape else RewardOutput(spec_of(name).low, dict(out.parts))
+    """Strict scoring of a refused response: the ``overall`` of each verifier that reports an ``accuracy`` (a
+    correctness verifier) set to its minimum, its parts kept as it reported them; a verifier of the response's
+    shape (format, length: no ``accuracy``) left as it is."""
+    return {name: out if out.accuracy is None else RewardOutput(spec_of(name).low, dict(out.parts))
             for name, out in outputs.items()}
 
 
@@ -384,9 +385,9 @@ def score_trajectories(trajectories: list, *, strict: bool = False, fallback: fl
 
     ``well_formed``: the response ended (not truncated, failed or aborted) and has its sample's declared answer
     form (`vlrl.data.Sample.declared_format`, `has_answer_form`); it is also the part ``well_formed``. With
-    ``strict`` (the RL recipes' ``algo.strict_reward``) a response that is not well-formed scores every
-    correctness verifier's minimum — a truncated ``<answer>1</answer>1</answer>1…`` earns no accuracy reward —
-    while ``accuracy`` keeps what the verifier said (evaluation's ``strict`` is accuracy × well-formed).
+    ``strict`` (the RL recipes' ``algo.strict_reward``) a response that is not well-formed scores the minimum of
+    every verifier that reports an accuracy — a truncated ``<answer>1</answer>1</answer>1…`` earns no accuracy
+    reward — while ``accuracy`` keeps what the verifier said (evaluation's ``strict`` is accuracy × well-formed).
 
     The verifier metadata is the sample's ``metadata`` plus ``response_length`` (the trajectory's number
     of model tokens, for ``overlong``) and, for judge verifiers, ``question`` (the prompt's text). A unit

@@ -3,8 +3,8 @@ a sample may declare (`ANSWER_FORMATS`, `has_answer_form`), which strict scoring
 
 A format reward alone is the classic hack target (a well-formed wrong answer), so use it as a small
 weight next to an accuracy verifier (``{"math": 0.8, "cot_format": 0.2}``); none of these reports an
-``accuracy`` part, and each is registered with ``shape=True`` (strict scoring leaves their scores as they are).
-All are linear-time string checks and run inline.
+``accuracy`` part, so strict scoring leaves their scores as they are. All are linear-time string checks and run
+inline.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _one_block(text: str, tag: str, *, filled: bool = False) -> tuple[int, int] 
     return start, end + len(close_tag)
 
 
-@register_reward("format", shape=True)
+@register_reward("format")
 def think_answer_format(response: str, answer: Any = None, **meta: Any) -> float:
     """1 if the response is exactly one ``<think>…</think>`` followed by one non-empty ``<answer>…</answer>``
     and nothing else (trailing special tokens aside), else 0 — LLaVA-OV-1.5's stage-2 prompt template. An
@@ -40,7 +40,7 @@ def think_answer_format(response: str, answer: Any = None, **meta: Any) -> float
     return 1.0 if ok else 0.0
 
 
-@register_reward("answer_format", shape=True)
+@register_reward("answer_format")
 def answer_format(response: str, answer: Any = None, **meta: Any) -> float:
     """1 if the response is exactly one non-empty ``<answer>…</answer>`` block and nothing else, else 0 —
     LLaVA-OV-1.5's stage-1 template ("Put ONLY your final answer within <answer></answer>"). A block of
@@ -50,7 +50,7 @@ def answer_format(response: str, answer: Any = None, **meta: Any) -> float:
     return 1.0 if block == (0, len(text)) else 0.0
 
 
-@register_reward("cot_format", shape=True)
+@register_reward("cot_format")
 def cot_format(response: str, answer: Any = None, *, max_boxed_fraction: float = 0.2, **meta: Any) -> float:
     """1 if the response has exactly one ``<think>…</think>`` block, at least one ``\\boxed{}``, and the
     boxed content is at most 20 % of the response's length; else 0.
@@ -65,7 +65,7 @@ def cot_format(response: str, answer: Any = None, *, max_boxed_fraction: float =
     return 1.0 if sum(len(b) for b in boxes) <= max_boxed_fraction * len(text) else 0.0
 
 
-@register_reward("overlong", low=-1.0, high=0.0, shape=True)
+@register_reward("overlong", low=-1.0, high=0.0)
 def overlong(response: str, answer: Any = None, *, max_length: int, cache_length: int,
              response_length: int | None = None, unit: str = "tokens", **meta: Any) -> float:
     """DAPO soft overlong punishment (eq. 13), in [−1, 0]:

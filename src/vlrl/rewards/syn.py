@@ -58,7 +58,7 @@ def parse_syn_response(response: str, *, require_think: bool = True) -> SynRespo
     return SynResponse(parts["think"], diversity, description, parts["answer"], well_formed)
 
 
-@register_reward("syn_format", shape=True)
+@register_reward("syn_format")
 def syn_format(response: str, answer: Any = None, *, require_think: bool = True, **meta: Any) -> float:
     """1 if the response follows the Syn-GRPO template exactly — ``<think>`` (unless ``require_think=False``),
     ``<diversity>`` holding one number in [0, 1], a non-empty ``<description>``, ``<answer>``, each once, in

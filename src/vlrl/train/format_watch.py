@@ -14,7 +14,7 @@ from collections import deque
 
 from vlrl.report import MetricsLogger
 
-ADVICE = ("keep algo.strict_reward=true (the default: a truncated or ill-formed response earns no correctness "
+ADVICE = ("keep algo.strict_reward=true (the default: a truncated or ill-formed response earns no accuracy "
           "reward), add a format verifier to the reward (e.g. data.reward={number: 0.9, answer_format: 0.1}), "
           "punish or mask truncated responses (algo.reward_shaping overlong_penalty, algo.mask_truncated), or lower "
           "optim.lr; check the answers themselves in the run's samples")
