@@ -39,7 +39,7 @@ layer type; `vlrl plan --measure` and tests/launch/test_planner.py compare it wi
 
 **Families.** The same formulas serve every family, with its sizes read from its config: the vision tower's
 depth (``depth`` or ``num_hidden_layers``), width and patch values; N_p = the patches the tower encodes
-(`vision_patches`: Qwen-style patch rows, or tiles × (H/p)(W/p) of InternVL / Gemma 3 / LLaVA-OV / SmolVLM
+(`VisionInputs.patches`: Qwen-style patch rows, or tiles × (H/p)(W/p) of InternVL / Gemma 3 / LLaVA-OV / SmolVLM
 pixels); I = the MLP width a token passes through (a mixture of experts: the chosen experts' plus the shared
 one's; Ψ still counts every expert). Stated approximations, measured against a CPU step of each tiny preset
 (tests/models/test_families.py): parameters, gradients and AdamW moments exact; activations 0.76–1.14× of
@@ -103,7 +103,6 @@ from vlrl.launch.shapes import (  # noqa: F401  (`vlrl plan` reads the model and
     is_config_only,
     meta_model,
     model_shape,
-    vision_patches,
     workload,
 )
 

@@ -130,19 +130,6 @@ def _active_intermediate(text: Any) -> int:
     return text.intermediate_size
 
 
-def vision_patches(vision: Any, patch_size: int) -> int:
-    """N_p: patches the vision tower encodes for one sequence's processor outputs — rows of Qwen-style
-    ``(patches, values)`` pixels, or tiles × (H / p) × (W / p) of ``(tiles, C, H, W)`` images (InternVL, Gemma 3),
-    of ``(images, crops, C, H, W)`` (LLaVA-OneVision) and of ``(1, tiles, C, H, W)`` (SmolVLM), padding included."""
-    pixels = vision.pixel_values
-    if pixels is None:
-        return 0
-    if pixels.dim() == 2:
-        return int(pixels.shape[0])
-    tiles = int(torch.tensor(pixels.shape[:-3]).prod())
-    return tiles * (pixels.shape[-2] // patch_size) * (pixels.shape[-1] // patch_size)
-
-
 def _patch_size(adapter: Any) -> int:
     vision = getattr(getattr(adapter, "config", None), "vision_config", None)
     patch = getattr(vision, "patch_size", 14) or 14
@@ -240,7 +227,7 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
         encoded = adapter.encode_prompt(sample.messages, [load_image(src) for src in sample.images])
         prompt = max(prompt, len(encoded.input_ids))
         if encoded.vision is not None:
-            patches = max(patches, vision_patches(encoded.vision, _patch_size(adapter)))
+            patches = max(patches, encoded.vision.patches(_patch_size(adapter)))
         if sample.response is not None:
             response = max(response, len(adapter.encode_text(sample.response)) + 1)
     weight = DTYPE_BYTES[cfg.model.dtype]
