@@ -211,3 +211,29 @@ def test_shared_prefix_keeps_a_groups_rows_in_one_micro_batch(long_tail):
     groups = [{trajectories[r].group_index for r in m.rows} for m in mb.micro_batches]
     for g in range(4):  # every group's two rows sit in one micro-batch
         assert sum(g in groups_of for groups_of in groups) == 1
+
+
+def test_the_budget_through_vlrl_rl_and_vlrl_sft(tmp_path, tiny_vlm_dir):
+    """`vlrl rl` / `vlrl sft` with train.max_tokens_per_micro_batch: metrics.jsonl shows the split — several
+    micro-batches, none costlier than the budget — where the same runs without it show one micro-batch over it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    common = [f"model.path={tiny_vlm_dir}", "data.n_train=8", "data.n_test=2", "train.steps=1", "eval.samples=1",
+              "eval.max_new_tokens=2", "report.html=false", "check.enabled=false"]
+    recipes = {"rl": ["train.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=4"],
+               "sft": ["train.batch_size=8", "train.micro_batch_size=8"]}
+    for recipe, options in recipes.items():
+        logged = {}
+        for budget in (None, 150):
+            run = tmp_path / f"{recipe}_{budget}"
+            extra = [f"train.max_tokens_per_micro_batch={budget}"] if budget else []
+            result = CliRunner().invoke(app, [recipe, f"out={run}", *common, *options, *extra])
+            assert result.exit_code == 0, result.output
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            logged[budget] = next(r for r in records if r.get("stage") == recipe and "perf/micro_batches" in r)
+        assert logged[None]["perf/micro_batches"] == 1 and logged[None]["perf/micro_batch_cost_max"] > 150, recipe
+        assert logged[150]["perf/micro_batches"] > 1 and logged[150]["perf/micro_batch_cost_max"] <= 150, recipe
