@@ -103,7 +103,7 @@ def human_seconds(t: float) -> str:
     return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} µs"
 
 
-def _mb(n: float) -> str:
+def count_text(n: float) -> str:
     return f"{n / 1e6:.3g}M" if n >= 1e5 else f"{n:.0f}"
 
 
@@ -115,15 +115,15 @@ def trained_state(s: ModelShape, w: Workload, d: int, role: str) -> list[Term]:
     a = w.adapter_params if role == "actor" else 0
     if not a and t == p:
         return [
-            Term(f"{role} parameters", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}"),
-            Term(f"{role} gradients", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}"),
-            Term(f"{role} AdamW moments", 2 * p * b / d, "2·Ψ·b_w/d", f"2·{_mb(p)}·{b}/{d}"),
+            Term(f"{role} parameters", p * b / d, "Ψ·b_w/d", f"{count_text(p)}·{b}/{d}"),
+            Term(f"{role} gradients", p * b / d, "Ψ·b_w/d", f"{count_text(p)}·{b}/{d}"),
+            Term(f"{role} AdamW moments", 2 * p * b / d, "2·Ψ·b_w/d", f"2·{count_text(p)}·{b}/{d}"),
         ]
     return [
-        Term(f"{role} parameters", (p * b + a * 4) / d, "(Ψ·b_w + Ψ_lora·4)/d", f"({_mb(p)}·{b} + {_mb(a)}·4)/{d}"),
-        Term(f"{role} gradients", (t * b + a * 4) / d, "(Ψ_t·b_w + Ψ_lora·4)/d", f"({_mb(t)}·{b} + {_mb(a)}·4)/{d}"),
+        Term(f"{role} parameters", (p * b + a * 4) / d, "(Ψ·b_w + Ψ_lora·4)/d", f"({count_text(p)}·{b} + {count_text(a)}·4)/{d}"),
+        Term(f"{role} gradients", (t * b + a * 4) / d, "(Ψ_t·b_w + Ψ_lora·4)/d", f"({count_text(t)}·{b} + {count_text(a)}·4)/{d}"),
         Term(f"{role} AdamW moments", 2 * (t * b + a * 4) / d, "2·(Ψ_t·b_w + Ψ_lora·4)/d",
-             f"2·({_mb(t)}·{b} + {_mb(a)}·4)/{d}"),
+             f"2·({count_text(t)}·{b} + {count_text(a)}·4)/{d}"),
     ]
 
 
@@ -131,7 +131,7 @@ def gather_buffers(s: ModelShape, w: Workload, d: int) -> list[Term]:
     if d == 1:
         return []
     return [Term("FSDP gather buffers", 2 * s.largest_unit * w.compute_bytes, "2·U·b_c",
-                 f"2·{_mb(s.largest_unit)}·{w.compute_bytes}")]
+                 f"2·{count_text(s.largest_unit)}·{w.compute_bytes}")]
 
 
 def activations(s: ModelShape, w: Workload, role: str = "actor", *, ranks: int = 1) -> list[Term]:
@@ -184,7 +184,7 @@ def generation(s: ModelShape, w: Workload, rows: int) -> list[Term]:
 
 def frozen(s: ModelShape, w: Workload, d: int, role: str) -> list[Term]:
     p, b = s.params, w.weight_bytes
-    return [Term(f"{role} parameters", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}")]
+    return [Term(f"{role} parameters", p * b / d, "Ψ·b_w/d", f"{count_text(p)}·{b}/{d}")]
 
 
 def model_state(s: ModelShape, w: Workload, d: int) -> list[Term]:
@@ -208,7 +208,7 @@ def micro_rows(w: Workload, ranks: int = 1) -> float:
     return min(share, max(1.0, w.max_tokens / (w.length + w.patch_weight * w.patches)))
 
 
-def _m(m: float) -> str:
+def rows_text(m: float) -> str:
     return f"{m:g}" if float(m).is_integer() else f"{m:.3g}"
 
 
@@ -219,12 +219,12 @@ def scoring(s: ModelShape, w: Workload, ranks: int = 1) -> list[Term]:
 
     m, L, b = micro_rows(w, ranks), w.length, w.compute_bytes
     terms = [Term("scoring layer", m * L * (4 * s.hidden + 2 * s.kv_dim + 3 * s.intermediate) * b, "m·L·(4h+2k+3I)·b_c",
-                  f"{_m(m)}·{L}·(4·{s.hidden}+2·{s.kv_dim}+3·{s.intermediate})·{b}"),
-             Term("input embeddings", 2 * m * L * s.hidden * b, "2·m·L·h·b_c", f"2·{_m(m)}·{L}·{s.hidden}·{b}")]
+                  f"{rows_text(m)}·{L}·(4·{s.hidden}+2·{s.kv_dim}+3·{s.intermediate})·{b}"),
+             Term("input embeddings", 2 * m * L * s.hidden * b, "2·m·L·h·b_c", f"2·{rows_text(m)}·{L}·{s.hidden}·{b}")]
     if s.vision_depth and w.patches:
         per_patch = 12 * s.vision_hidden + 3 * s.vision_intermediate + s.patch_values
         terms.append(Term("scoring vision block", m * w.patches * per_patch * b, "m·N_p·(12h_v+3I_v+C)·b_c",
-                          f"{_m(m)}·{w.patches}·(12·{s.vision_hidden}+3·{s.vision_intermediate}+{s.patch_values})·{b}"))
+                          f"{rows_text(m)}·{w.patches}·(12·{s.vision_hidden}+3·{s.vision_intermediate}+{s.patch_values})·{b}"))
     R = w.response_tokens
     tokens = math.ceil(m * (R + 1))
     chunk = chunk_tokens(w.logprob_chunk, tokens, s.vocab) or tokens
@@ -237,14 +237,14 @@ def optimizer_temporaries(s: ModelShape, w: Workload, d: int, *, foreach: bool =
     two of the largest parameter (a CPU's per-parameter loop)."""
     if not foreach:
         return [Term("AdamW step temporaries", 2 * s.largest_param * w.weight_bytes, "2·max|p|·b_w  [per parameter]",
-                     f"2·{_mb(s.largest_param)}·{w.weight_bytes}")]
+                     f"2·{count_text(s.largest_param)}·{w.weight_bytes}")]
     t = s.params if w.trained_params is None else w.trained_params
     a = w.adapter_params
     if a or t != s.params:
         return [Term("AdamW step temporaries", (t * w.weight_bytes + a * 4) / d, "(Ψ_t·b_w + Ψ_lora·4)/d  [foreach]",
-                     f"({_mb(t)}·{w.weight_bytes} + {_mb(a)}·4)/{d}")]
+                     f"({count_text(t)}·{w.weight_bytes} + {count_text(a)}·4)/{d}")]
     return [Term("AdamW step temporaries", t * w.weight_bytes / d, "Ψ·b_w/d  [foreach]",
-                 f"{_mb(t)}·{w.weight_bytes}/{d}")]
+                 f"{count_text(t)}·{w.weight_bytes}/{d}")]
 
 
 @dataclass

@@ -56,9 +56,8 @@ from vlrl.launch.measure import measure_train_step  # noqa: F401  (`vlrl plan --
 from vlrl.launch.memory import (  # noqa: F401  (the memory terms, by phase; tests and the GPU check read planner.…)
     PhaseMemory,
     Term,
-    _m,
-    _mb,
     activations,
+    count_text,
     estimate_phases,
     estimate_train_step,
     generation,
@@ -67,6 +66,7 @@ from vlrl.launch.memory import (  # noqa: F401  (the memory terms, by phase; tes
     micro_rows,
     model_state,
     phase_memory,
+    rows_text,
     trained_state,
 )
 from vlrl.launch.memory import scoring as memory_scoring  # noqa: F401
@@ -138,13 +138,13 @@ def train_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]
     flops = (c * s.params_text * T_train + c_v * s.params_vision * Tv
              + 12 * s.layers * s.hidden * w.length * T_train) * w.epochs
     terms = [Term("train", flops / rate, "(c·Ψ_t·T + c_v·Ψ_v·T_v + 12·n_layers·h·L·T)·epochs/(n·F·η)",
-                  f"({c:g}·{_mb(s.params_text)}·{T_train} + {c_v:g}·{_mb(s.params_vision)}·{Tv} + 12·{s.layers}·"
+                  f"({c:g}·{count_text(s.params_text)}·{T_train} + {c_v:g}·{count_text(s.params_vision)}·{Tv} + 12·{s.layers}·"
                   f"{s.hidden}·{w.length}·{T_train})·{w.epochs}/({n}·{dev.tflops:g}T·{dev.mfu:g})")]
     shared_passes, critic = int(w.old_pass) + int(w.reference), int(w.critic)
     tokens = shared_passes * T_shared + critic * T
     if tokens:
         terms.append(Term("scoring passes", 2 * s.params * tokens / rate, "2Ψ·(passes·T + critic·rows·L)/(n·F·η)",
-                          f"2·{_mb(s.params)}·({shared_passes}·{T_shared} + {critic}·{T})/({n}·{dev.tflops:g}T·"
+                          f"2·{count_text(s.params)}·({shared_passes}·{T_shared} + {critic}·{T})/({n}·{dev.tflops:g}T·"
                           f"{dev.mfu:g})"))
     return terms
 
@@ -178,17 +178,17 @@ def sync_seconds(s: ModelShape, w: Workload, dev: Device, n: int, strategy: str)
     if strategy == "ddp":
         if a:
             return [Term("gradient all-reduce", steps * 2 * a * 4 * frac / (dev.link_gbs * 1e9),
-                         "steps·2Ψ_lora·4·(n−1)/n/Λ", f"{steps}·2·{_mb(a)}·4·{link}")]
+                         "steps·2Ψ_lora·4·(n−1)/n/Λ", f"{steps}·2·{count_text(a)}·4·{link}")]
         volume = steps * 2 * s.params * w.weight_bytes * frac
         return [Term("gradient all-reduce", volume / (dev.link_gbs * 1e9), "steps·2Ψ·b_w·(n−1)/n/Λ",
-                     f"{steps}·2·{_mb(s.params)}·{w.weight_bytes}·{link}")]
+                     f"{steps}·2·{count_text(s.params)}·{w.weight_bytes}·{link}")]
     if a:
         volume = steps * (2 * micro * s.params * w.compute_bytes + a * 4) * frac
         return [Term("FSDP gathers + reduce", volume / (dev.link_gbs * 1e9), "steps·(2·micro·Ψ·b_c + Ψ_lora·4)·(n−1)/n/Λ",
-                     f"{steps}·(2·{micro}·{_mb(s.params)}·{w.compute_bytes} + {_mb(a)}·4)·{link}")]
+                     f"{steps}·(2·{micro}·{count_text(s.params)}·{w.compute_bytes} + {count_text(a)}·4)·{link}")]
     volume = steps * (2 * micro + 1) * s.params * w.compute_bytes * frac
     return [Term("FSDP gathers + reduce", volume / (dev.link_gbs * 1e9), "steps·(2·micro+1)·Ψ·b_c·(n−1)/n/Λ",
-                 f"{steps}·(2·{micro}+1)·{_mb(s.params)}·{w.compute_bytes}·{link}")]
+                 f"{steps}·(2·{micro}+1)·{count_text(s.params)}·{w.compute_bytes}·{link}")]
 
 
 def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, shard: int = 1,
@@ -204,18 +204,18 @@ def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, 
     decode = R * calls * (s.params * b + kv) / (dev.bandwidth_gbs * 1e9)  # every decode step reads all weights
     terms = [
         Term("prefill", prefill, "2Ψ·P·prompts/(n_gen·F·η)",
-             f"2·{_mb(s.params)}·{w.prompt_tokens}·{prompts}/({replicas}·{dev.tflops:g}T·{dev.mfu:g})"),
-        Term("decode", decode, "R·calls·(Ψ·b_c + KV/2)/W", f"{R}·{calls}·({_mb(s.params)}·{b} + {_mb(kv)})"
+             f"2·{count_text(s.params)}·{w.prompt_tokens}·{prompts}/({replicas}·{dev.tflops:g}T·{dev.mfu:g})"),
+        Term("decode", decode, "R·calls·(Ψ·b_c + KV/2)/W", f"{R}·{calls}·({count_text(s.params)}·{b} + {count_text(kv)})"
              f"/{dev.bandwidth_gbs:g}G"),
     ]
     if shard > 1:
         gathered = s.params * b * (shard - 1) / shard
         terms.append(Term("decode all-gathers", R * calls * gathered / (dev.link_gbs * 1e9), "R·calls·Ψ·b_c·(d−1)/d/Λ",
-                          f"{R}·{calls}·{_mb(s.params)}·{b}·{shard - 1}/{shard}/{dev.link_gbs:g}G"))
+                          f"{R}·{calls}·{count_text(s.params)}·{b}·{shard - 1}/{shard}/{dev.link_gbs:g}G"))
     if offload:  # every decode step copies the rank's offloaded shards to the device before gathering them
         copied = s.params * w.weight_bytes / shard
         terms.append(Term("decode offload copies", R * calls * copied / (dev.pcie_gbs * 1e9), "R·calls·Ψ·b_w/d/P_cie",
-                          f"{R}·{calls}·{_mb(s.params)}·{w.weight_bytes}/{shard}/{dev.pcie_gbs:g}G"))
+                          f"{R}·{calls}·{count_text(s.params)}·{w.weight_bytes}/{shard}/{dev.pcie_gbs:g}G"))
     return terms
 
 
@@ -231,9 +231,9 @@ def offload_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Ter
     copies = steps * (2 * micro * s.params * w.weight_bytes + trained * w.weight_bytes) / n
     adam = steps * trained * 7 * w.weight_bytes / n
     return [Term("offload copies", copies / (dev.pcie_gbs * 1e9), "steps·(2·micro·Ψ + Ψ_t)·b_w/n/P_cie",
-                 f"{steps}·(2·{micro}·{_mb(s.params)} + {_mb(trained)})·{w.weight_bytes}/{n}/{dev.pcie_gbs:g}G"),
+                 f"{steps}·(2·{micro}·{count_text(s.params)} + {count_text(trained)})·{w.weight_bytes}/{n}/{dev.pcie_gbs:g}G"),
             Term("host AdamW step", adam / (dev.host_gbs * 1e9), "steps·7·Ψ_t·b_w/n/H",
-                 f"{steps}·7·{_mb(trained)}·{w.weight_bytes}/{n}/{dev.host_gbs:g}G")]
+                 f"{steps}·7·{count_text(trained)}·{w.weight_bytes}/{n}/{dev.host_gbs:g}G")]
 
 
 def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
@@ -262,13 +262,13 @@ def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
             offload = w.cpu_offload and d > 1
             trainer = phase_memory(s, w, d, ranks=d, offload=offload)
             server = PhaseMemory([Term("rollout parameters", s.params * w.compute_bytes, "Ψ·b_c",
-                                       f"{_mb(s.params)}·{w.compute_bytes}")],
+                                       f"{count_text(s.params)}·{w.compute_bytes}")],
                                  {"generate": generation(s, w, math.ceil(w.sequences / g))})
             gen, train = generate_seconds(s, w, dev, g), train_seconds(s, w, dev, d) + sync_seconds(s, w, dev, d, "fsdp")
             if offload:
                 train += offload_seconds(s, w, dev, d)
             sync = Term("weight sync", s.params * w.compute_bytes / (dev.link_gbs * 1e9), "Ψ·b_c/Λ",
-                        f"{_mb(s.params)}·{w.compute_bytes}/{dev.link_gbs:g}G")
+                        f"{count_text(s.params)}·{w.compute_bytes}/{dev.link_gbs:g}G")
             g_sec, t_sec = sum(t.value for t in gen), sum(t.value for t in train)
             step = (max(g_sec, t_sec) if w.asynchronous else g_sec + t_sec) + sync.value
             notes = [f"trainer peak phase: {trainer.peak_phase}"]
@@ -297,18 +297,18 @@ def format_plans(plans: list[Plan], dev: Device, w: Workload, s: ModelShape,
     refused = [p for p in ranked(plans, dev) if p not in feasible]
     infeasible = [p for p in plans if not p.feasible(dev)]
     lines = [
-        f"model: Ψ = {_mb(s.params)} parameters (vision Ψ_v = {_mb(s.params_vision)}), {s.layers} layers, h = {s.hidden}, "
-        f"I = {s.intermediate}, k = {s.kv_dim}, V = {s.vocab}, largest FSDP unit U = {_mb(s.largest_unit)}",
+        f"model: Ψ = {count_text(s.params)} parameters (vision Ψ_v = {count_text(s.params_vision)}), {s.layers} layers, h = {s.hidden}, "
+        f"I = {s.intermediate}, k = {s.kv_dim}, V = {s.vocab}, largest FSDP unit U = {count_text(s.largest_unit)}",
         f"step ({w.recipe}): {w.sequences} sequences of L = P + R = {w.prompt_tokens} + {w.response_tokens} tokens "
         f"({w.patches} vision patches each), "
         + (f"train.max_tokens_per_micro_batch {w.max_tokens} (m = B / (L + w_v·N_p) = {w.max_tokens} / ({w.length} + "
-           f"{w.patch_weight:.3g}·{w.patches}) = {_m(micro_rows(w))} rows, ≥ 1, at most a rank's share)"
+           f"{w.patch_weight:.3g}·{w.patches}) = {rows_text(micro_rows(w))} rows, ≥ 1, at most a rank's share)"
            if w.max_tokens is not None else
            f"train.micro_batch_size {w.micro_batch} (m = the smaller of it and a rank's share)")
         + f", b_w = {w.weight_bytes}, b_c = {w.compute_bytes}"
         + (", gradient checkpointing" if w.checkpointing else "")
-        + (f", LoRA Ψ_lora = {_mb(w.adapter_params)} (base frozen)" if w.adapter_params else "")
-        + (f", trained Ψ_t = {_mb(w.trained_params)}" if w.trained_params and not w.adapter_params else ""),
+        + (f", LoRA Ψ_lora = {count_text(w.adapter_params)} (base frozen)" if w.adapter_params else "")
+        + (f", trained Ψ_t = {count_text(w.trained_params)}" if w.trained_params and not w.adapter_params else ""),
         f"devices: {dev.count} × {dev.memory_gb:g} GiB, F = {dev.tflops:g} TFLOP/s, η = {dev.mfu:g}, "
         f"W = {dev.bandwidth_gbs:g} GB/s, Λ = {dev.link_gbs:g} GB/s"
         + ("; each launch line starts its placement (--ray ADDRESS instead of local on a cluster)" if launches else ""),
