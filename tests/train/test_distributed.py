@@ -238,7 +238,8 @@ def test_lora_rl_run_on_2_ranks_exports_merged_weights_and_adapters(two_ranks):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_token_budget_on_2_ranks_gives_the_count_based_loss_and_gradient(two_ranks, strategy):
     """train.max_tokens_per_micro_batch on 2 gloo ranks, a long tail (rank 0 holds a 200-token response among
-    2–6-token ones): at budgets from "every row alone" to "all in one", padded and packed, token- and sequence-mean,
+    2–6-token ones): at budgets 1 (every row alone) and 100 (the long row alone), padded and packed, token- and
+    sequence-mean,
     the loss and gradient equal the count-based split's of the same batch (fp32, 1e-6) — the rows rebalanced over
     the ranks (imbalance below the count-based split's), every row run once, both ranks the same number of
     micro-batches (FSDP2 would hang otherwise), and a rank short of rows running no-op micro-batches."""
