@@ -1,7 +1,7 @@
 """Micro-batches by a token budget (`vlrl.train.microbatch`): the split's pieces on hand-worked numbers, and the
 loss and gradients of a long-tail batch — one prompt with four images among short ones — equal to the count-based
 split's at any budget, padded and packed, for every aggregation (fp32, 1e-6). The 2-rank cases (DDP, FSDP2) are in
-test_distributed.py; the CLI's own signature in test_microbatch_cli below."""
+test_distributed.py; the CLI's, by the split's own metrics, in `test_the_budget_through_vlrl_rl_and_vlrl_sft` below."""
 
 import dataclasses
 import logging

@@ -4,7 +4,10 @@
         for minibatch in shuffle(batch).chunk(minibatches):
             N = normaliser of the whole minibatch (tokens or sequences)         ← same gradient for any split
             I = Clip-Cov / KL-Cov tokens, chosen once over the minibatch        (those losses only; seeded)
-            for micro in minibatch.split(micro_batch_size):                    ← `accumulate`
+            for micro in minibatch.split(micro_batch_size):                    ← `accumulate` (or by cost:
+                                                                                 train.max_tokens_per_micro_batch,
+                                                                                 rows rebalanced over the ranks —
+                                                                                 `minibatches`, vlrl.train.microbatch)
                 logp, entropy = πθ(response)                                   teacher-forced, with grad (each
                                                                                  prompt once: train.shared_prefix)
                 L_t = policy_loss(logp, π_old, Â, π_behave, entropy, I)         per token (B, T)
