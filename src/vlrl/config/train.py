@@ -165,6 +165,15 @@ class AlgoConfig(Section):
         "(GRPO eq. 5); 'reward' subtracts β · KL(π_old ‖ π_ref) from each token's reward before the estimator "
         "(InstructGPT / REINFORCE++; verl use_kl_in_reward).",
     )
+    strict_reward: bool = Field(
+        True, description="Strict scoring (R1 / EasyR1-style): a response that did not end (truncated at "
+        "rollout.max_new_tokens) or is not in its sample's answer form (data.answer_format; e.g. "
+        "<answer>1</answer>1</answer>1…) scores the minimum of every verifier that reports an accuracy (number, math, "
+        "multiple_choice, bbox_iou, …); format and length verifiers (format, answer_format, overlong, …) and your "
+        "own verifiers that report no accuracy still score it. false: the verifier alone decides, and most read the "
+        "first answer block and ignore what follows, so a policy can win reward with answers no parser accepts "
+        "(issue 52: the demo at seed 0).",
+    )
     mask_truncated: bool = Field(
         False, description="DAPO overlong filtering: truncated responses get no loss (they still count in their "
         "group's reward statistics).",
