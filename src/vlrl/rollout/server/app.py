@@ -235,8 +235,8 @@ class GenerateRoute:
 
         def answers() -> list[dict[str, Any]]:
             policy = batcher.policy
-            return [sglang_output(policy, t, sampling, return_logprob=body.return_logprob, abort_message=why)
-                    for t in trajectories]
+            return [sglang_output(policy, t, sampling, return_logprob=body.return_logprob, abort_message=why,
+                                  return_prompt_ids=body.return_prompt_token_ids) for t in trajectories]
 
         out = await self.in_pool(self.prep, answers)
         return answer(out if is_batched(body) or sampling.n > 1 else out[0])  # a batch: prompt-major, n per prompt

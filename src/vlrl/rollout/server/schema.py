@@ -99,6 +99,7 @@ class GenerateBody(BaseModel):
     image_data: ImageItem | list[ImageItem | list[ImageItem | None] | None] | None = None
     sampling_params: SamplingBody = Field(default_factory=SamplingBody)
     return_logprob: bool = False
+    return_prompt_token_ids: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
     logprob_start_len: int = -1
