@@ -47,7 +47,8 @@ from vlrl.serving import (
 )
 
 ADMIN_PATHS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
-               "/destroy_weights_update_group", "/pause_generation", "/continue_generation")
+               "/destroy_weights_update_group", "/pause_generation", "/continue_generation",
+               "/begin_weight_update", "/end_weight_update", "/flush_cache")  # (the session: issue 46)
 """The routes an admin key guards when one is set (SGLang's ``ADMIN_OPTIONAL`` routes among those vlrl serves)."""
 
 

@@ -163,6 +163,20 @@ class ContinueBody(BaseModel):
     torch_empty_cache: bool = True
 
 
+class BeginSessionBody(BaseModel):
+    """SGLang's ``BeginWeightUpdateReqInput``: open a weight-update session (``selector``: the runners it covers —
+    vlrl serve has one)."""
+
+    model_config = ConfigDict(extra="forbid")
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndSessionBody(BaseModel):
+    """SGLang's ``EndWeightUpdateReqInput``: close the weight-update session (no fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class DestroyGroupBody(BaseModel):
     """SGLang's ``DestroyWeightsUpdateGroupReqInput``: leave a weight-update group."""
 
