@@ -399,8 +399,11 @@ class ServerWeights:
                 raise RolloutRequestError("the HTTP engine was closed during a weight update") from err
             failure = f"{type(err).__name__}: {err}"
         if failure is not None:  # (out of the except block: its traceback no longer holds the group's sockets open)
-            self.group.destroy()  # first: the servers still waiting in its broadcast see the connection close …
-            self.group.close_session(session, timeout=self.settings.timeout)  # … then their sessions can end
+            # best effort, within what is left of the deadline (at least 5 s): a server still inside a receive answers
+            # neither before that receive ends — on gloo when this side closes, on NCCL at the server's own timeout
+            cleanup = max(5.0, min(self.settings.timeout, deadline - time.monotonic()))
+            self.group.destroy(timeout=cleanup)  # first: the servers still waiting in its broadcast see it close …
+            self.group.close_session(session, timeout=cleanup)  # … then their sessions can end
             gc.collect()
             self.fallbacks.append(failure)
             if not fallback:
