@@ -433,3 +433,34 @@ def test_an_admin_key_guards_the_weight_routes_and_the_client_sends_it(tiny_vlm,
     finally:
         server.stop()
         batcher.close()
+
+
+def test_a_server_that_never_answers_at_start_is_given_up_on_at_the_startup_timeout(tiny_vlm, tmp_path):
+    """A server that accepts the connection and never answers /server_info: the start-up probe waits startup_timeout,
+    not request_timeout (before the fix: the whole request_timeout, here 120 s)."""
+    import socket
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # (the kernel accepts the connection; nobody ever answers)
+        started = time.monotonic()
+        with pytest.raises(RolloutRequestError, match="not ready after 2s"):
+            HTTPEngine(tiny_vlm, [f"http://127.0.0.1:{silent.getsockname()[1]}"], SyncSettings(tmp_path),
+                       ClientSettings(startup_timeout=2.0, request_timeout=120.0))
+        assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("reports, verify, computed", [(True, True, 1), (True, False, 0), (False, True, 0)])
+def test_the_trainer_computes_a_checksum_only_for_servers_that_report_one(tiny_vlm, http_engine_factory, monkeypatch,
+                                                                          reports, verify, computed):
+    """vlrl serve reports a weight checksum, SGLang none: the trainer's own (every weight read once more — on a GPU
+    copied to the host) is computed only for servers that report one at start, and only with verify_checksum."""
+    from vlrl.rollout import publish
+
+    engine, servers = http_engine_factory(tiny_vlm, sync_options={"verify_checksum": verify})
+    engine.servers[0].reports_checksum = reports  # (an SGLang server: its /server_info has no weight_checksum)
+    real, calls = publish.weight_checksum, []
+    monkeypatch.setattr(publish, "weight_checksum", lambda *a, **k: calls.append(1) or real(*a, **k))
+    engine.update_weights(version=1)
+    assert len(calls) == computed and servers[0].batcher.version[0] == 1 and engine.weight_version == 1
