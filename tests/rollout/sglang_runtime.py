@@ -37,6 +37,7 @@ import asyncio
 import concurrent.futures
 import enum
 import importlib.util
+import os
 import sys
 import types
 import zipfile
@@ -66,7 +67,9 @@ def extract(wheel: Path, folder: Path) -> Path:
             target = folder / member
             if not target.exists():
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(archive.read(member))
+                partial = target.with_name(f"{target.name}.{os.getpid()}")
+                partial.write_bytes(archive.read(member))
+                os.replace(partial, target)  # (atomic: a concurrent run reads the whole file or none)
     return folder
 
 
