@@ -43,6 +43,19 @@ def wheel_path() -> Path:
     given = os.environ.get(WHEEL_ENV)
     if given:
         return Path(given)
+    if _UNAVAILABLE:  # (tried in this process already: offline stays offline, one attempt is enough)
+        raise _UNAVAILABLE[0]
+    try:
+        return _download()
+    except WheelUnavailable as err:
+        _UNAVAILABLE.append(err)
+        raise
+
+
+_UNAVAILABLE: list[WheelUnavailable] = []
+
+
+def _download() -> Path:
     folder = cache_dir()
     found = sorted(folder.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
     if found:
