@@ -16,7 +16,8 @@ transport error, timeout or 5xx answer counts as a failure of that server and th
 with a warning. A 503/429 (queue full) is waited out, not counted. A 4xx is a bug in the request and raises.
 
 Weights (`vlrl.rollout.publish`, `vlrl.rollout.weight_group`): by disk or over a process group, each update bracketed
-by pausing the servers; `publish` returns before the servers confirmed (`WeightPublisher`).
+by pausing the servers (their caches flushed first) and, over a group, by SGLang's weight-update session; `publish`
+returns before the servers confirmed (`WeightPublisher`).
 
 Batching: the prompts of one `generate` call (or of the `agenerate` calls made together) are sent as one
 batched ``/generate`` per server (SGLang's list form of ``input_ids``), split evenly over the live servers.
