@@ -97,8 +97,8 @@ def test_a_server_that_refuses_the_update_gets_no_collective_and_the_update_goes
 @pytest.fixture(scope="module")
 def served_process(tiny_vlm_dir, tmp_path_factory):
     """One `vlrl serve` process (a group cannot join another in the same process: torch names groups per process).
-    Its receives give up after 10 s (``--join-timeout``: its group's timeout), as an NCCL server's at its own timeout."""
-    with vlrl_serve(str(tiny_vlm_dir), tmp_path_factory.mktemp("serve"), args=("--join-timeout", "10")) as (url,):
+    Its receives give up after 6 s (``--join-timeout``: its group's timeout), as an NCCL server's at its own timeout."""
+    with vlrl_serve(str(tiny_vlm_dir), tmp_path_factory.mktemp("serve"), args=("--join-timeout", "6")) as (url,):
         yield url
 
 
@@ -107,7 +107,7 @@ def test_a_collective_that_never_returns_cannot_hang_the_update(tiny_vlm_dir, se
     """The trainer's broadcast call itself never returns (NCCL's first collective creates the communicator and waits
     there for every rank; a server that refused its bucket never comes). The call runs off the trainer's thread: the
     update is abandoned at its deadline (2 s; the bucket timeout is 120 s), the group torn down, the server's receive
-    ends at its own timeout (10 s), the version is loaded by disk — and once broadcasts return again the next update
+    ends at its own timeout (6 s), the version is loaded by disk — and once broadcasts return again the next update
     goes over a new group. Before the fix the update's own thread sat in the call for good."""
     released = threading.Event()
     real = dist_sync.dist.broadcast
