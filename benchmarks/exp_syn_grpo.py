@@ -65,9 +65,9 @@ def main() -> None:
     from vlrl.config import RLConfig, SFTConfig
     from vlrl.data import generate
     from vlrl.data.io import write_samples
+    from vlrl.recipes import run_rl, run_sft
     from vlrl.report.html import write_report
     from vlrl.synth.workflow import apply_syn_template
-    from vlrl.train.recipes import run_rl, run_sft
 
     out = Path(args.out)
     data = out / "data"

@@ -10,7 +10,7 @@ bf16 as published checkpoints are, loaded as ``--dtype``: vlrl's default ``model
 weights) converts at load, so every rank that loads holds a converted copy of its own; loaded as bf16, transformers
 maps the file, and the ranks share its pages through the page cache.
 
-Each rank runs exactly the recipes' start (`vlrl.train.recipes._load`, `make_runtime`: load → FSDP2 shards → the
+Each rank runs exactly the recipes' start (`vlrl.recipes.run.load_run_policy`, `make_runtime`: load → FSDP2 shards → the
 root's first forward) and reports the peak of its anonymous resident memory (its own allocations, sampled every
 millisecond) at the end of sharding and after the first forward, the peak of its file-backed resident memory
 (mapped safetensors pages), and its anonymous memory after the start — all above its resident memory before the
@@ -74,9 +74,9 @@ def worker(model_dir: str, rank0_load: str, dtype: str) -> None:
     import torch
 
     from vlrl.config import SFTConfig, load_config
+    from vlrl.recipes.run import load_run_policy
     from vlrl.report import MetricsLogger
     from vlrl.train.distributed import init_distributed, shutdown_distributed
-    from vlrl.train.recipes import _load
     from vlrl.train.runtime import make_runtime
 
     cfg = load_config(SFTConfig, None, [f"model.path={model_dir}", f"model.dtype={dtype}", "dist.strategy=fsdp",
@@ -94,7 +94,7 @@ def worker(model_dir: str, rank0_load: str, dtype: str) -> None:
 
     distributed._keep_output_capturing = mark
     with PeakSampler() as sampler:
-        policy = _load(cfg, MetricsLogger(None, quiet=True), ctx)
+        policy = load_run_policy(cfg, MetricsLogger(None, quiet=True), ctx)
         runtime = make_runtime(cfg, ctx, policy, Path(cfg.out))
         ctx.barrier()
     shards = sum(p.to_local().numel() * p.element_size() for p in runtime.module.parameters())

@@ -4,9 +4,15 @@ A registry maps a short name to a callable. Every entry of one registry has the 
 by the registry's ``signature`` text and checked by the contract tests). A lookup accepts a registered
 name or a dotted path ``package.module:attribute``, so a researcher can plug in their own function from
 config without touching vlrl. Registering a name twice is an error: silent shadowing is how two plug-ins
-end up fighting over one name. An entry may also be registered by location (`Registry.register_path`): the
-module that defines it is imported at the first lookup, so a low room can name a plug-in that lives in a
-higher one (the ``step_credit`` shaper needs a model) without importing it.
+end up fighting over one name.
+
+Built-ins are found, not listed: a registry created with ``discover=<package>`` imports every public module of that
+package at its first lookup, so a built-in reward, environment or task suite is one file in its package that
+registers itself (`vlrl.rewards`, `vlrl.rollout.envs`, `vlrl.data.tasks`; model families do the same,
+`vlrl.models.families`). The package names no module, and its modules import the registry: no circle of imports.
+An entry may also be registered by location (`Registry.register_path`, ``pkg.mod:attr``): the module is imported at
+the first lookup. The structure test reads such a string as an import, so a registration never points to a higher
+room.
 
 Options. A plug-in's options are its keyword-only parameters (``fn(inputs, *, eps=1e-6, norm_by_std=True)``);
 the recipe binds them from config. `option_problems` checks a config's options against that signature — unknown
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pkgutil
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
@@ -43,11 +50,23 @@ class Registry(Generic[F]):
     True
     """
 
-    def __init__(self, kind: str, *, signature: str = "") -> None:
+    def __init__(self, kind: str, *, signature: str = "", discover: str | None = None) -> None:
         self.kind = kind
         self.signature = signature
+        self.discover = discover  # the package whose public modules hold the built-ins (imported at the first lookup)
         self._entries: dict[str, F] = {}
         self._paths: dict[str, str] = {}  # name → "pkg.mod:attr", imported at the first lookup
+        self._found = discover is None
+
+    def _find_builtins(self) -> None:
+        """Import every public module of the ``discover`` package once (each registers its entries)."""
+        if self._found:
+            return
+        self._found = True
+        package = importlib.import_module(self.discover)
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda info: info.name):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{self.discover}.{info.name}")
 
     def register(self, name: str) -> Callable[[F], F]:
         """Decorator: add ``fn`` under ``name``; a second registration of the same name raises."""
@@ -70,6 +89,7 @@ class Registry(Generic[F]):
 
     def get(self, name: str) -> F:
         """Return the entry for a registered ``name`` or a dotted path ``pkg.mod:attr``."""
+        self._find_builtins()
         if name in self._entries:
             return self._entries[name]
         if name in self._paths:
@@ -92,12 +112,14 @@ class Registry(Generic[F]):
             raise RegistryError(f"{self.kind} {name!r}: module {module_name!r} has no {attr!r}") from err
 
     def __contains__(self, name: str) -> bool:
+        self._find_builtins()
         return name in self._entries or name in self._paths
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
     def names(self) -> list[str]:
+        self._find_builtins()
         return sorted({*self._entries, *self._paths})
 
     def items(self) -> list[tuple[str, F]]:

@@ -165,6 +165,27 @@ def test_decoupled_equals_ppo_clip_on_policy():
     assert torch.equal(a, b)
 
 
+def test_every_policy_loss_names_its_arguments_as_the_contract_says():
+    """`PolicyLoss`: the clip range is a keyword-only parameter of every built-in loss (written, not left to
+    ``**options``), and a loss that applies the behaviour weight takes ``cap`` and ``behaviour_weight_mode`` too;
+    `bind_policy_loss` binds exactly those (and the loss's own options)."""
+    import inspect
+
+    from vlrl.algos import applies_behaviour_weight, bind_policy_loss
+
+    for name, fn in POLICY_LOSSES.items():
+        if not fn.__module__.startswith("vlrl."):
+            continue
+        keyword = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+        wanted = {"clip_low", "clip_high"} | ({"cap", "behaviour_weight_mode"} if applies_behaviour_weight(fn) else set())
+        assert wanted <= keyword, (name, wanted - keyword)
+    bound = bind_policy_loss("decoupled", clip_low=0.1, clip_high=0.3, behaviour_weight_cap=2.0,
+                             behaviour_weight_mode="drop", options={"clip_ratio_c": 3.0})
+    assert bound.keywords == {"clip_low": 0.1, "clip_high": 0.3, "cap": 2.0, "behaviour_weight_mode": "drop",
+                              "clip_ratio_c": 3.0}
+    assert bind_policy_loss("ppo_clip", clip_low=0.2, clip_high=0.28).keywords == {"clip_low": 0.2, "clip_high": 0.28}
+
+
 def test_which_losses_apply_the_behaviour_weight_themselves():
     import functools
 

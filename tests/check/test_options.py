@@ -71,7 +71,8 @@ def test_stages_and_the_demo_name_their_prefix():
 
 def test_an_unknown_name_is_left_to_the_preflight_check():
     cfg = load_run_config(RLConfig, None, ["algo.advantage=no_such_estimator", "algo.advantage_options={x: 1}"])
-    from vlrl.check.preflight import CheckReport, _check_names
+    from vlrl.check.preflight import _check_names
+    from vlrl.check.report import CheckReport
 
     report = CheckReport()
     _check_names(report, cfg, [("", cfg)])
@@ -79,7 +80,8 @@ def test_an_unknown_name_is_left_to_the_preflight_check():
 
 
 def test_the_preflight_check_lists_option_problems_of_a_config_built_in_code():
-    from vlrl.check.preflight import CheckReport, _check_names
+    from vlrl.check.preflight import _check_names
+    from vlrl.check.report import CheckReport
 
     cfg = RLConfig.model_validate({"algo": {"advantage_options": {"epz": 1}}})  # no load_config: no check yet
     report = CheckReport()
@@ -120,11 +122,11 @@ def test_decoupled_takes_its_cap_and_mode_from_the_staleness_section():
         _error("algo.policy_loss=decoupled", "algo.policy_loss_options={behaviour_weight_mode: drop}")
     assert "'staleness.behaviour_weight_mode': Input should be 'clamp' or 'drop'" in \
         _error("staleness.behaviour_weight_mode=cut")
-    from vlrl.check.options import bound_loss
+    from vlrl.train.batch import policy_loss
 
     cfg = load_run_config(RLConfig, None, ["algo.policy_loss=decoupled", "staleness.behaviour_weight_cap=2.0",
                                        "staleness.behaviour_weight_mode=drop"])
-    assert bound_loss(cfg).keywords == {"clip_low": 0.2, "clip_high": 0.28, "cap": 2.0, "behaviour_weight_mode": "drop"}
+    assert policy_loss(cfg).keywords == {"clip_low": 0.2, "clip_high": 0.28, "cap": 2.0, "behaviour_weight_mode": "drop"}
 
 
 def test_tis_with_the_behaviour_weight_is_refused_at_load_naming_both_fields():

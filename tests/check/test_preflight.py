@@ -179,12 +179,13 @@ def test_missing_sink_package_is_named(monkeypatch):
 
 
 def test_recipes_stop_before_loading_weights(tmp_path, monkeypatch):
-    import vlrl.train.recipes as recipes
+    import vlrl.recipes as recipes
+    import vlrl.recipes.run as run
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded despite a failed preflight")
 
-    monkeypatch.setattr(recipes, "load_policy", no_weights)
+    monkeypatch.setattr(run, "load_policy", no_weights)
     cfg = load_config(RLConfig, None, [*SMALL, f"out={tmp_path}", "rollout.max_new_tokens=4000"])
     with pytest.raises(PreflightError, match=r"rollout.max_new_tokens: .* exceeds the model context"):
         recipes.run_rl(cfg)

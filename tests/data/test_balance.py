@@ -8,16 +8,15 @@ from typer.testing import CliRunner
 
 from vlrl.data import Sample, generate, read_samples, write_samples
 from vlrl.data.balance import (
-    EMBEDDERS,
     balance,
     balance_samples,
     coverage,
-    get_embedder,
     read_vocabulary,
     resample,
     resampled,
     top_k_concepts,
 )
+from vlrl.models.embedders import EMBEDDERS, get_embedder
 
 VOCAB = ["cat", "dog", "car", "tree"]
 

@@ -109,8 +109,8 @@ def test_select_command_on_a_tiny_model(tmp_path):
 
 def test_select_for_training_keeps_the_band_and_logs_it(tmp_path):
     from vlrl.config import RolloutConfig, SelectConfig
+    from vlrl.recipes.select import select_for_training
     from vlrl.report import MetricsLogger
-    from vlrl.train.select import select_for_training
 
     samples = [_sample(x) for x in "abcde"]
     logger = MetricsLogger(tmp_path / "metrics.jsonl", quiet=True, progress="off")

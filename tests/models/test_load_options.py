@@ -115,13 +115,13 @@ def test_chat_template_kwargs_switch_a_thinking_template_off():
 def test_the_recipes_load_the_model_with_its_section(tmp_path):
     """`vlrl sft` / `vlrl rl` load the policy through one function that takes every option of ``model``."""
     from vlrl.config import RLConfig, load_config
+    from vlrl.recipes.run import load_run_policy
     from vlrl.report import MetricsLogger
-    from vlrl.train.recipes import _load
 
     cfg = load_config(RLConfig, None, ["model.path=tiny-qwen3.5", "model.attn_implementation=eager",
                                        "model.chat_template_kwargs={enable_thinking: false}"])
     logger = MetricsLogger(None, quiet=True)
-    policy = _load(cfg, logger)
+    policy = load_run_policy(cfg, logger)
     assert _attention(policy.model) == {"eager"}
     assert policy.adapter.render(MESSAGES).endswith("<think>\n\n</think>\n\n")
 

@@ -139,7 +139,7 @@ def test_not_a_run_directory_is_a_clear_error(tmp_path):
 def demo_run(tmp_path_factory):
     """A tiny `vlrl demo` (SFT → eval → RL → eval → control): the recipe writes report.html itself."""
     from vlrl.config import DemoConfig, load_config
-    from vlrl.train.recipes import run_demo
+    from vlrl.recipes import run_demo
 
     out = tmp_path_factory.mktemp("demo")
     cfg = load_config(DemoConfig, None, [

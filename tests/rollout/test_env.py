@@ -13,16 +13,14 @@ from vlrl.registry import RegistryError
 from vlrl.rollout import HFEngine, SamplingParams
 from vlrl.rollout.agent import AgentSettings, multi_turn
 from vlrl.rollout.env import (
-    ENVIRONMENTS,
     BaseEnv,
     EnvConfigError,
     Environment,
     Observation,
     env_factory,
-    get_env,
     observation_message,
-    register_env,
 )
+from vlrl.rollout.envs import ENVIRONMENTS, get_env, register_env
 from vlrl.rollout.envs.judge import JudgeEnv
 from vlrl.rollout.envs.shapes_feedback import relevant_box
 from vlrl.rollout.envs.tool_zoom import ToolZoomEnv

@@ -375,7 +375,7 @@ def test_a_server_whose_image_settings_differ_is_named_with_both_flags(tiny_vlm,
 
 
 def test_answer_versions_tolerate_labels_and_take_the_oldest_span():
-    from vlrl.rollout.http_engine import answer_version
+    from vlrl.rollout.versions import answer_version
 
     assert answer_version({"weight_version": "7"}, 3) == 7
     assert answer_version({"weight_version": "default"}, 3) == 3  # SGLang's --weight-version before vlrl's first

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from vlrl.serving import ServerThread
-from vlrl.synth.server import SynthService, SynthSettings, create_app
+from vlrl.synth.app import create_app
+from vlrl.synth.schema import SynthSettings
+from vlrl.synth.server import SynthService
 
 API_KEY = "synth-test-key"
 

@@ -24,10 +24,10 @@ from dist_helpers import MICRO, grads_of, sft_batch, sft_stage  # noqa: E402
 
 from vlrl.config import DistConfig, RLConfig, load_config  # noqa: E402
 from vlrl.models import load_policy  # noqa: E402
+from vlrl.recipes.run import load_run_policy  # noqa: E402
 from vlrl.report import MetricsLogger  # noqa: E402
 from vlrl.train.common import clip_and_step, make_optimizer  # noqa: E402
 from vlrl.train.distributed import init_distributed, shutdown_distributed, wrap_model  # noqa: E402
-from vlrl.train.recipes import _load  # noqa: E402
 from vlrl.train.runtime import Runtime, make_runtime  # noqa: E402
 from vlrl.train.sft import sft_backward  # noqa: E402
 
@@ -45,7 +45,7 @@ def start(model_dir: str, out: Path, ctx, *, lean: bool, lora: bool) -> None:
     overrides = [f"model.path={model_dir}", "dist.strategy=fsdp", f"dist.rank0_load={str(lean).lower()}",
                  "algo.kl_coef=0.05", f"out={out / 'unused'}"] + (["model.lora.r=4"] if lora else [])
     cfg = load_config(RLConfig, None, overrides)
-    policy = _load(cfg, MetricsLogger(None, quiet=True), ctx)  # the recipes' own start-up
+    policy = load_run_policy(cfg, MetricsLogger(None, quiet=True), ctx)  # the recipes' own start-up
     built_on_meta = next(policy.model.parameters()).is_meta
     rt = make_runtime(cfg, ctx, policy, out / "unused")  # the reference is copied and sharded before the actor
     name = f"{'lean' if lean else 'full'}_{'lora' if lora else 'plain'}"

@@ -50,11 +50,11 @@ from dist_helpers import (  # noqa: E402
 from vlrl.algos import AGGREGATIONS, normaliser_for  # noqa: E402
 from vlrl.config import CheckpointConfig, DistConfig, RLConfig, SFTConfig, load_config  # noqa: E402
 from vlrl.models import load_policy  # noqa: E402
+from vlrl.recipes import run_rl, run_sft  # noqa: E402
 from vlrl.train.checkpoint import Checkpointer  # noqa: E402
 from vlrl.train.common import clip_and_step, make_optimizer  # noqa: E402
 from vlrl.train.distributed import init_distributed, shutdown_distributed, wrap_model  # noqa: E402
 from vlrl.train.modules import gradient_checkpointing  # noqa: E402
-from vlrl.train.recipes import run_rl, run_sft  # noqa: E402
 from vlrl.train.runtime import Runtime  # noqa: E402
 from vlrl.train.sft import sft_backward  # noqa: E402
 from vlrl.train.update import accumulate, minibatch_cov_selection  # noqa: E402

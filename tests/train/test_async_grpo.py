@@ -200,7 +200,7 @@ def test_config_fields_and_the_demo_refusing_async():
 
 def test_run_rl_dispatches_to_the_async_loop(tmp_path):
     from vlrl.config import RLConfig, load_config
-    from vlrl.train.recipes import run_rl
+    from vlrl.recipes import run_rl
 
     cfg = load_config(RLConfig, None, [
         "rollout.mode=async", "rollout.n=2", "rollout.max_new_tokens=4", "staleness.eta=1", "train.steps=2",

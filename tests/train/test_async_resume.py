@@ -270,7 +270,7 @@ def test_vlrl_rl_async_with_checkpoints_resumes_through_the_recipe(tmp_path):
     steps: metrics.jsonl holds steps 1 and 2 once each and the summary counts 2 steps."""
     import json
 
-    from vlrl.train.recipes import run_rl
+    from vlrl.recipes import run_rl
 
     args = ["rollout.mode=async", "rollout.n=2", "rollout.max_new_tokens=4", "staleness.eta=1", "train.prompts_per_step=2",
             "data.n_train=8", "data.n_test=2", "eval.samples=1", "eval.max_new_tokens=4", "checkpoint.every=1",

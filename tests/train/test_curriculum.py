@@ -8,7 +8,7 @@ import torch
 from vlrl.config import ConfigError, RLConfig, load_config
 from vlrl.data.tasks import TEMPLATES
 from vlrl.models import load_policy
-from vlrl.train.recipes import run_rl
+from vlrl.recipes import run_rl
 
 
 def test_two_stage_curriculum(tmp_path):

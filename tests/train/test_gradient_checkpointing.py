@@ -73,7 +73,7 @@ def test_cli_runs_log_checkpointing_on_with_the_plain_runs_numbers(tiny_vlm_dir,
     """`vlrl sft|rl train.gradient_checkpointing=true`: the run says it is on, and its first step's loss and
     gradient norm are the plain run's (the same sampled batch: the weights are equal before step 1)."""
     from vlrl.config import RLConfig, SFTConfig, load_config
-    from vlrl.train.recipes import run_rl, run_sft
+    from vlrl.recipes import run_rl, run_sft
 
     common = [f"model.path={tiny_vlm_dir}", "train.steps=1", "data.n_train=8", "data.n_test=2", "eval.samples=1",
               "eval.max_new_tokens=2", "report.html=false", "check.enabled=false"]

@@ -10,8 +10,8 @@ import torch
 from vlrl.config import ConfigError, LoraConfig, RLConfig, SFTConfig, load_config
 from vlrl.models import load_policy
 from vlrl.models.lora import AdaptersOff, apply_lora, lora_parameter_names, merged_state_dict
+from vlrl.recipes import run_rl, run_sft
 from vlrl.train.batch import reference_model, teacher_logprobs
-from vlrl.train.recipes import run_rl, run_sft
 
 from .dist_helpers import rl_trajectories, write_rl_data
 

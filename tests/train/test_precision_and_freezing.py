@@ -9,7 +9,7 @@ import torch
 from vlrl.config import LoraConfig, RLConfig, SFTConfig, load_config
 from vlrl.models import load_policy
 from vlrl.models.lora import apply_lora
-from vlrl.train.recipes import run_rl, run_sft
+from vlrl.recipes import run_rl, run_sft
 
 TINY_RL = ["train.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=6", "data.n_train=8", "data.n_test=2",
            "eval.samples=1", "eval.max_new_tokens=2", "report.html=false", "check.enabled=false", "train.log_every=1",

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from vlrl.config import RLConfig, SFTConfig, load_config
-from vlrl.train.recipes import run_rl, run_sft
+from vlrl.recipes import run_rl, run_sft
 
 from .dist_helpers import (
     COMPARED,

@@ -5,7 +5,7 @@ import torch
 
 from vlrl.config import ConfigError, SFTConfig, load_config
 from vlrl.models import load_policy
-from vlrl.train.recipes import run_sft
+from vlrl.recipes import run_sft
 
 
 def _weights(path):

@@ -17,8 +17,10 @@ from vlrl.report import MetricsLogger
 from vlrl.rollout import HFEngine
 from vlrl.rollout.threaded_engine import ThreadedEngine
 from vlrl.serving import ServerThread
+from vlrl.synth.app import create_app
 from vlrl.synth.client import AsyncSynthesizer
-from vlrl.synth.server import SynthService, SynthSettings, create_app
+from vlrl.synth.schema import SynthSettings
+from vlrl.synth.server import SynthService
 from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.grpo import train_grpo
 

@@ -21,10 +21,13 @@ from vlrl.algos.kl import KL_ESTIMATORS, kl_estimate, kl_reward_penalty
 from vlrl.algos.losses import (
     AGGREGATIONS,
     POLICY_LOSSES,
+    BoundLoss,
     LossOutput,
+    PolicyLoss,
     PolicyLossInputs,
     aggregate,
     applies_behaviour_weight,
+    bind_policy_loss,
     get_policy_loss,
     masked_mean,
     minibatch_selection,
@@ -46,13 +49,10 @@ from vlrl.algos.shaping import (
     register_reward_shaping,
 )
 
-# The step-level credit shaper scores responses with a model, so it lives in the training room; it is registered
-# here by location like every other shaper is by name (imported at its first lookup, never as a side effect).
-ADVANTAGE_SHAPING.register_path("step_credit", "vlrl.train.step_credit:step_credit")
-
 __all__ = [
     "ADVANTAGES", "ADVANTAGE_SHAPING", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "REWARD_SHAPING",
-    "AdvantageInputs", "AdvantageOutput", "AdvantageShapingInputs", "DiversityState", "LossOutput", "PolicyLossInputs",
+    "AdvantageInputs", "AdvantageOutput", "AdvantageShapingInputs", "BoundLoss", "DiversityState", "LossOutput",
+    "PolicyLoss", "PolicyLossInputs", "bind_policy_loss",
     "RewardShapingInputs", "ShapingOutput", "advantage_needs", "aggregate", "applies_behaviour_weight",
     "diversity_reward", "get_advantage", "get_advantage_shaping", "get_policy_loss", "get_reward_shaping",
     "group_stats", "group_variance", "informative_groups", "kl_estimate", "kl_reward_penalty", "mask_truncated",

@@ -1,7 +1,10 @@
 """Policy losses (one registry, one signature) and the aggregation of per-token losses.
 
-A policy loss is ``fn(inputs: PolicyLossInputs, **options) -> LossOutput``: per-token losses (B, T) and
-per-token metric indicators (B, T) that the recipe averages over ``loss_mask``. Aggregation into a scalar
+A policy loss is ``fn(inputs: PolicyLossInputs, *, clip_low, clip_high, **options) -> LossOutput`` (`PolicyLoss`):
+per-token losses (B, T) and per-token metric indicators (B, T) that the recipe averages over ``loss_mask``. Every
+argument it receives is named by the contract: its inputs, the clip range every loss takes (``algo.clip_low`` /
+``algo.clip_high``), the behaviour weight's ``cap`` and ``behaviour_weight_mode`` for a loss that applies it
+(``decoupled``), and its own options (``algo.policy_loss_options``) — `bind_policy_loss` binds all of them once. Aggregation into a scalar
 is a separate function, `aggregate`, with an explicit normaliser so that gradient accumulation and data
 parallelism reproduce the gradient of one big batch.
 
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -43,7 +48,20 @@ class LossOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (B, T) values, masked-mean'd
 
 
-POLICY_LOSSES: Registry = Registry("policy loss", signature="fn(inputs: PolicyLossInputs, **options) -> LossOutput")
+class PolicyLoss(Protocol):
+    """The contract of a registered policy loss: its inputs, the clip range (every loss takes ``clip_low`` and
+    ``clip_high``; `tests/algos/test_losses.py` checks each one), and keyword-only options of its own. A loss that
+    applies the behaviour weight itself (``applies_behaviour_weight``) also takes ``cap`` and
+    ``behaviour_weight_mode``."""
+
+    def __call__(self, inputs: PolicyLossInputs, *, clip_low: float, clip_high: float, **options: Any) -> LossOutput:
+        ...
+
+
+BoundLoss = Callable[[PolicyLossInputs], LossOutput]  # a policy loss with every argument but its inputs bound
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry(
+    "policy loss", signature="fn(inputs: PolicyLossInputs, *, clip_low: float, clip_high: float, **options) -> LossOutput")
 
 
 POLICY_LOSS_INPUTS = ("behaviour_logp", "entropy")  # the optional `PolicyLossInputs` a loss may need
@@ -331,6 +349,31 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 def applies_behaviour_weight(fn) -> bool:
     """True for a policy loss that multiplies by the behaviour weight itself (``decoupled``)."""
     return bool(getattr(getattr(fn, "func", fn), "applies_behaviour_weight", False))
+
+
+def bind_policy_loss(name: str, *, clip_low: float, clip_high: float, behaviour_weight_cap: float = 5.0,
+                     behaviour_weight_mode: str = "clamp", options: Mapping[str, Any] | None = None) -> BoundLoss:
+    """The policy loss ``name`` (registered, or ``pkg.mod:fn``) with every argument of `PolicyLoss` bound but its
+    inputs: the clip range, the behaviour weight's cap and mode when the loss applies the weight itself, and its own
+    ``options``. The one place a loss is bound (the update's and the config check's probes use the same)."""
+    loss = get_policy_loss(name)
+    bound: dict[str, Any] = dict(clip_low=clip_low, clip_high=clip_high)
+    if applies_behaviour_weight(loss):
+        bound.update(cap=behaviour_weight_cap, behaviour_weight_mode=behaviour_weight_mode)
+    return functools.partial(loss, **bound, **dict(options or {}))
+
+
+def check_zero_at_zero_advantage(loss_fn: BoundLoss, name: str) -> None:
+    """``train.skip_zero_advantage`` is exact only for a policy loss that is 0 wherever Â = 0 (Â · f(ratio), or
+    an advantage shaped to stay 0 there like ``entropy_advantage``; not ``entropy_bonus`` or ``kl_cov``); probe
+    the bound loss once on random log-probs and entropies and refuse it otherwise."""
+    g = torch.Generator().manual_seed(0)
+    logp, old = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)
+    out = loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=torch.zeros(2, 3), loss_mask=torch.ones(2, 3),
+                                   behaviour_logp=old - 0.1, entropy=torch.rand(2, 3, generator=g)))
+    if bool((out.per_token_loss != 0).any()):
+        raise ValueError(f"train.skip_zero_advantage: algo.policy_loss={name!r} is not 0 where the advantage is 0, "
+                         "so leaving those sequences out would change the gradient; set it to false")
 
 
 def minibatch_selection(fn):

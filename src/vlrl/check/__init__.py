@@ -2,15 +2,13 @@
 every recipe) and every plug-in option against its plug-in (`vlrl.check.options`, also when a config loads)."""
 
 from vlrl.check.preflight import (
-    CheckReport,
-    PreflightError,
-    Problem,
     detect_recipe,
     memory_bytes,
     preflight,
     read_data,
     sandbox_isolation,
 )
+from vlrl.check.report import CheckReport, PreflightError, Problem
 from vlrl.check.samples import model_path_problem
 
 __all__ = [

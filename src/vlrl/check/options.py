@@ -17,7 +17,6 @@ check (`vlrl.check`), which lists it with everything else.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,8 @@ def stage_problems(stage: Any, prefix: str = "") -> list[Problem]:
     from vlrl.algos import get_advantage, get_advantage_shaping, get_policy_loss, get_reward_shaping
     from vlrl.algos.losses import applies_behaviour_weight
     from vlrl.rollout.agent import BOUND_BY_RECIPE, get_rollout
-    from vlrl.rollout.env import get_env
+    from vlrl.rollout.envs import get_env
+    from vlrl.train import step_credit  # noqa: F401  (the training room's shaper registers itself)
 
     algo, rollout = stage.algo, stage.rollout
     try:  # a loss that applies the behaviour weight takes its cap and mode from the staleness section
@@ -90,28 +90,17 @@ def stage_problems(stage: Any, prefix: str = "") -> list[Problem]:
     return problems + [(prefix + field, message) for field, message in combination_problems(stage)]
 
 
-def bound_loss(stage: Any) -> Callable:
-    """The configured policy loss with every option bound as `vlrl.train.batch.build_algorithm` binds it."""
-    from vlrl.algos import get_policy_loss
-    from vlrl.algos.losses import applies_behaviour_weight
-
-    algo, staleness = stage.algo, stage.staleness
-    loss = get_policy_loss(algo.policy_loss)
-    bound = dict(clip_low=algo.clip_low, clip_high=algo.clip_high)
-    if applies_behaviour_weight(loss):
-        bound.update(cap=staleness.behaviour_weight_cap, behaviour_weight_mode=staleness.behaviour_weight_mode)
-    return functools.partial(loss, **bound, **algo.policy_loss_options)
-
-
 def loss_problems(stage: Any) -> list[Problem]:
     """Run the bound policy loss once on a fake 2 × 3 batch: a value it refuses (ValueError) is reported at
     ``algo.policy_loss_options``; with ``train.skip_zero_advantage``, a loss that is not 0 at Â = 0 too."""
     import torch
 
     from vlrl.algos import PolicyLossInputs
+    from vlrl.algos.losses import check_zero_at_zero_advantage
+    from vlrl.train.batch import policy_loss
 
     try:
-        fn = bound_loss(stage)
+        fn = policy_loss(stage)
     except RegistryError:
         return []
     g = torch.Generator().manual_seed(0)
@@ -159,20 +148,3 @@ def combination_problems(stage: Any) -> list[Problem]:
                              f"reference plan), but rollout.agent.function={stage.rollout.agent.function}: use signal=rule "
                              f"for multi-turn episodes"))
     return problems
-
-
-def check_zero_at_zero_advantage(loss_fn: Callable, name: str) -> None:
-    """``train.skip_zero_advantage`` is exact only for a policy loss that is 0 wherever Â = 0 (Â · f(ratio), or
-    an advantage shaped to stay 0 there like ``entropy_advantage``; not ``entropy_bonus`` or ``kl_cov``); probe
-    the configured loss once on random log-probs and entropies and refuse it otherwise."""
-    import torch
-
-    from vlrl.algos import PolicyLossInputs
-
-    g = torch.Generator().manual_seed(0)
-    logp, old = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)
-    out = loss_fn(PolicyLossInputs(logp=logp, old_logp=old, advantages=torch.zeros(2, 3), loss_mask=torch.ones(2, 3),
-                                   behaviour_logp=old - 0.1, entropy=torch.rand(2, 3, generator=g)))
-    if bool((out.per_token_loss != 0).any()):
-        raise ValueError(f"train.skip_zero_advantage: algo.policy_loss={name!r} is not 0 where the advantage is 0, "
-                         "so leaving those sequences out would change the gradient; set it to false")

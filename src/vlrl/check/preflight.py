@@ -26,10 +26,10 @@ import logging
 import re
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlrl.check.report import Budget, CheckReport
 from vlrl.check.samples import check_samples, load_processor, sample_location
 from vlrl.config import DemoConfig, RLConfig, RLStage, RunConfig, SFTConfig, SFTStage
 from vlrl.data import DataError, MediaLimits, Sample, read_samples
@@ -39,52 +39,6 @@ _DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _SHOWN_RECORDS = 10  # bad data records listed one by one; the rest are counted
 
 
-@dataclass
-class Problem:
-    where: str  # a config field ("rollout.max_new_tokens"), "file:line", or a sample
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.message}"
-
-
-@dataclass
-class CheckReport:
-    """Problems stop the run; warnings are printed; facts say what was checked."""
-
-    problems: list[Problem] = field(default_factory=list)
-    warnings: list[Problem] = field(default_factory=list)
-    facts: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def problem(self, where: str, message: str) -> None:
-        self.problems.append(Problem(where, message))
-
-    def warn(self, where: str, message: str) -> None:
-        self.warnings.append(Problem(where, message))
-
-    def format(self) -> str:
-        lines = [f"  · {fact}" for fact in self.facts]
-        lines += [f"  ! {w}" for w in self.warnings]
-        lines += [f"  ✗ {p}" for p in self.problems]
-        verdict = (f"preflight: {len(self.problems)} problem(s) — the run would fail; nothing was loaded onto a device"
-                   if self.problems else "preflight: ok" + (f" ({len(self.warnings)} warning(s))" if self.warnings else ""))
-        here = str(Path.cwd()).rstrip("/") + "/"  # config paths are absolute: show those under the cwd relative
-        return "\n".join([*lines, verdict]).replace(here, "")
-
-
-class PreflightError(RuntimeError):
-    """Raised by the recipes when the preflight check finds problems; the message lists them all."""
-
-    def __init__(self, report: CheckReport) -> None:
-        super().__init__(report.format())
-        self.report = report
-
-
-Budget = tuple[str, str, int]  # (split, field or option named in the problem, new tokens)
 
 
 def preflight(cfg: RunConfig, *, splits: dict[str, list[Sample]] | None = None,
@@ -241,6 +195,7 @@ def _check_names(report: CheckReport, cfg: RunConfig, rl) -> None:
     from vlrl.algos import get_advantage, get_advantage_shaping, get_policy_loss, get_reward_shaping
     from vlrl.check.options import config_problems
     from vlrl.report.sinks import SINKS, sink_requirement
+    from vlrl.train import step_credit  # noqa: F401  (the training room's shaper registers itself)
 
     for where, message in config_problems(cfg):  # options against each plug-in's signature
         report.problem(where, message)

@@ -8,12 +8,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from vlrl.check.report import Budget, CheckReport
 from vlrl.data import Sample, load_image
-
-if TYPE_CHECKING:
-    from vlrl.check.preflight import Budget, CheckReport
 
 
 def sample_location(sample: Sample, split: str) -> str:

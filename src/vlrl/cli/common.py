@@ -88,19 +88,20 @@ def load_run(cls, config: Path | None, overrides: list[str] | None, extra: list[
         raise typer.Exit(2) from None
 
 
-def run_recipe(command: str, recipe, cfg) -> None:
-    """Run a recipe. What the user can fix ends the command with its message and exit 1, without a traceback:
+def run_recipe(command: str, cfg) -> None:
+    """Run the recipe of ``command`` (`vlrl.recipes.RECIPES`: ``demo``, ``rl``, ``sft``). What the user can fix ends the command with its message and exit 1, without a traceback:
     a failed preflight check (every problem in one list; nothing was loaded), or a data file / name / plan
     that fails once the run is under way (then the preflight lists every problem it can find)."""
     from vlrl.check import PreflightError, preflight
     from vlrl.data import DataError
     from vlrl.data.packing import PackingError
+    from vlrl.recipes import RECIPES
     from vlrl.registry import RegistryError
     from vlrl.train.checkpoint import CheckpointError
     from vlrl.train.common import NonFiniteError
 
     try:
-        recipe(cfg)
+        RECIPES[command](cfg)
     except PreflightError as err:
         preflight_failed(command, str(cfg.out), err.report)
     except (CheckpointError, NonFiniteError) as err:  # a corrupt checkpoint, a failed save, a NaN loss/gradient

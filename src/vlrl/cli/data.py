@@ -175,8 +175,9 @@ def data_balance(
 ) -> None:
     """Concept balancing: top-K concepts per image, inverse-frequency resampling, coverage before/after."""
     from vlrl.data import DataError, read_samples, write_samples
-    from vlrl.data.balance import balance_samples, get_embedder, plot_coverage, read_vocabulary, resampled
+    from vlrl.data.balance import balance_samples, plot_coverage, read_vocabulary, resampled
     from vlrl.data.packing import ids_fingerprint
+    from vlrl.models.embedders import get_embedder
     from vlrl.registry import RegistryError
 
     progress = progress_bars()

@@ -18,11 +18,9 @@ def demo(
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
     """The main job: tiny VLM, shapes data, SFT warm start, eval, GRPO, eval, and an SFT control with the RL stage's FLOPs."""
-    from vlrl.train.recipes import run_demo
-
     default = Path(__file__).parent.parent / "configs" / "demo.yaml"
     cfg = load_run(DemoConfig, config or default, overrides, [f"out={out or 'runs/demo'}"])
-    run_recipe("demo", run_demo, cfg)
+    run_recipe("demo", cfg)
 
 
 @app.command()
@@ -37,8 +35,6 @@ def sft(
 ) -> None:
     """Supervised fine-tuning on reference responses (one stage, or the stages of the config in order; one
     process, or every rank under torchrun)."""
-    from vlrl.train.recipes import run_sft
-
     cfg = load_run(SFTConfig, config, overrides, extra_overrides(data, resume, test))
     if stages is not None:
         wanted = [s.strip() for s in stages.split(",") if s.strip()]
@@ -49,7 +45,7 @@ def sft(
                         fg="red", err=True)
             raise typer.Exit(2)
         cfg.stages = [s for s in cfg.stages if s.name in wanted]
-    run_recipe("sft", run_sft, cfg)
+    run_recipe("sft", cfg)
 
 
 @app.command()
@@ -61,6 +57,4 @@ def rl(
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
     """GRPO-family RL with verifiable rewards (synchronous, or asynchronous with rollout.mode=async)."""
-    from vlrl.train.recipes import run_rl
-
-    run_recipe("rl", run_rl, load_run(RLConfig, config, overrides, extra_overrides(data, resume, test)))
+    run_recipe("rl", load_run(RLConfig, config, overrides, extra_overrides(data, resume, test)))

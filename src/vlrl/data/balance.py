@@ -12,8 +12,8 @@ and ``n_out`` samples are drawn with probability ∝ w_i: without replacement (E
 keys u^(1/w), the default when n_out ≤ N) or with replacement (systematic resampling over the samples
 ordered by their top concept, so a concept's share of the draws is within one of its expectation).
 
-The embedder is pluggable (`EMBEDDERS`): ``clip`` is transformers' CLIP loaded from a local path
-(`vlrl.models.embedders`); any ``pkg.mod:factory`` with ``factory(path, **options)`` returning an object with
+The embedder is any object with the `Embedder` protocol; the command picks it by name from
+`vlrl.models.embedders.EMBEDDERS` (``clip`` is transformers' CLIP loaded from a local path); any ``pkg.mod:factory`` with ``factory(path, **options)`` returning an object with
 ``embed_images(list[PIL.Image]) -> (N, D)`` and ``embed_texts(list[str]) -> (K, D)`` (L2-normalised rows)
 works. A sample with several images uses the mean of their embeddings; a sample without images is embedded
 by its text (prompt + response). Embeddings are streamed in batches; only the (N, K) top-K table is kept.
@@ -34,7 +34,6 @@ import numpy as np
 from PIL import Image
 
 from vlrl.data.sample import Sample, load_image
-from vlrl.registry import Registry
 
 
 class Embedder(Protocol):
@@ -45,18 +44,6 @@ class Embedder(Protocol):
     def embed_texts(self, texts: list[str]) -> np.ndarray:
         """(K, D) L2-normalised text embeddings, in the same space."""
         ...
-
-
-EMBEDDERS: Registry[Callable[..., Embedder]] = Registry(
-    "embedder", signature="factory(path, **options) -> Embedder (embed_images(images) -> (N, D), embed_texts(texts) -> (K, D))"
-)
-# the built-in embedders live with the models (they load one); registered by location, imported at the first lookup
-EMBEDDERS.register_path("clip", "vlrl.models.embedders:clip_embedder")
-
-
-def get_embedder(name: str) -> Callable[..., Embedder]:
-    """A registered embedder factory (``clip``) or a dotted path ``pkg.mod:factory``."""
-    return EMBEDDERS.get(name)
 
 
 @dataclass

@@ -17,7 +17,7 @@ it), or ``small_gap``.
 Rollouts are cached in a `RolloutStore` (jsonl, append-only) keyed by (model key, sampling settings, sample
 id): a later selection with the same model re-uses them instead of generating again, and an online
 dynamic-sampling filter can read per-item statistics from it (`RolloutStore.item_stats`). An RL stage's
-``select.enabled`` runs it through `vlrl.train.select.select_for_training`.
+``select.enabled`` runs it through `vlrl.recipes.select.select_for_training`.
 """
 
 from __future__ import annotations

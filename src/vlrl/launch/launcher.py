@@ -66,10 +66,10 @@ def _run_recipe(spec: RankSpec, env: dict[str, str]) -> dict:
     os.environ.update(env)
     from vlrl.check.options import load_run_config
     from vlrl.config import RLConfig, SFTConfig
-    from vlrl.train.recipes import run_rl, run_sft
+    from vlrl.recipes import RECIPES
 
-    config_cls, recipe = (SFTConfig, run_sft) if spec.recipe == "sft" else (RLConfig, run_rl)
-    return recipe(load_run_config(config_cls, spec.config, list(spec.overrides)))
+    config_cls = SFTConfig if spec.recipe == "sft" else RLConfig
+    return RECIPES[spec.recipe](load_run_config(config_cls, spec.config, list(spec.overrides)))
 
 
 def _rank_actor_class():

@@ -1,8 +1,8 @@
 """Models: loading policies (presets, local dirs, hub ids), family adapters, teacher-forced log-probs."""
 
 from vlrl.models.logprobs import TokenBatch, collate, response_logprobs
-from vlrl.models.policy import Policy, load_policy
-from vlrl.models.presets import PRESETS, build_preset
+from vlrl.models.policy import Policy, build_preset, load_policy
+from vlrl.models.presets import PRESETS
 from vlrl.models.vision_inputs import EncodedPrompt, VisionInputs
 
 __all__ = [

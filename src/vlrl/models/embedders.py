@@ -2,15 +2,29 @@
 
 ``clip``: transformers' ``CLIPModel`` (also MetaCLIP checkpoints, which use the CLIP architecture) loaded from
 a local directory with its tokenizer and the PIL image processor (no torchvision). open_clip is not used: it
-needs torchvision. Any other encoder plugs in as ``pkg.mod:factory`` (see `vlrl.data.balance.EMBEDDERS`, which
-registers ``clip`` by location: this module is imported at the first lookup).
+needs torchvision. Any other encoder plugs in as ``pkg.mod:factory`` (`EMBEDDERS`: ``factory(path, **options)``
+returning a `vlrl.data.balance.Embedder`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 from PIL import Image
+
+from vlrl.registry import Registry
+
+EMBEDDERS: Registry[Callable[..., Any]] = Registry(
+    "embedder", signature="factory(path, **options) -> Embedder (embed_images(images) -> (N, D), embed_texts(texts) -> (K, D))"
+)
+
+
+def get_embedder(name: str) -> Callable[..., Any]:
+    """A registered embedder factory (``clip``) or a dotted path ``pkg.mod:factory``."""
+    return EMBEDDERS.get(name)
 
 
 class CLIPEmbedder:
@@ -63,6 +77,7 @@ def _normalise(x: torch.Tensor) -> np.ndarray:
     return torch.nn.functional.normalize(x.float(), dim=-1).cpu().numpy()
 
 
+@EMBEDDERS.register("clip")
 def clip_embedder(path: str, **options) -> CLIPEmbedder:
     """transformers CLIP from a local directory (options: device, template, batch_size)."""
     return CLIPEmbedder(path, **options)

@@ -121,6 +121,36 @@ class Policy:
         return out_dir
 
 
+def build_preset(name: str, *, seed: int = 0):
+    """Build preset ``name`` with random weights (deterministic for ``seed``); returns a `Policy`."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from vlrl.models.presets import PRESETS, preset_tokenizer
+
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+    spec = PRESETS[name]
+    tokenizer = preset_tokenizer(name)
+    ids = dict(tokenizer.get_vocab())
+    ids["__vocab__"] = len(tokenizer)
+    config, image_processor, settings = spec.build(ids)
+    torch.manual_seed(seed)
+    auto = AutoModelForImageTextToText if image_processor is not None else AutoModelForCausalLM
+    model = auto.from_config(config)
+    if spec.post_init is not None:
+        with torch.no_grad():
+            spec.post_init(model)
+    text = config.get_text_config()
+    model.generation_config.eos_token_id = text.eos_token_id
+    model.generation_config.pad_token_id = text.pad_token_id
+    if image_processor is None:
+        return Policy.from_parts(model, tokenizer, None, source=f"preset:{name}")
+    from vlrl.models.processor import build_processor
+
+    processor = build_processor(config, tokenizer, image_processor, **settings)
+    return Policy.from_parts(model, tokenizer, image_processor, source=f"preset:{name}", processor=processor)
+
+
 def load_policy(
     name_or_path: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
     min_pixels: int | None = None, max_pixels: int | None = None, options: LoadOptions | None = None,
@@ -130,7 +160,7 @@ def load_policy(
     ``min_pixels`` / ``max_pixels``: native-resolution bounds set on the image processor (`set_pixel_bounds`).
     ``options``: attention implementation, revision, remote code and chat-template variables (`LoadOptions`).
     """
-    from vlrl.models.presets import PRESETS, build_preset
+    from vlrl.models.presets import PRESETS
 
     options = options or LoadOptions()
     if dtype not in DTYPES:
@@ -158,7 +188,7 @@ def load_processor(
     start, `vlrl.train.distributed.shard`)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from vlrl.models.presets import PRESETS, build_preset
+    from vlrl.models.presets import PRESETS
 
     options = options or LoadOptions()
     name = name_or_path.removeprefix("preset:")

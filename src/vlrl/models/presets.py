@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import torch
-
 from vlrl.models.families import PresetSpec, all_families
 from vlrl.models.markup import Markup
 
@@ -67,33 +65,3 @@ def preset_tokenizer(name: str):
 
     spec = PRESETS[name]
     return copy.deepcopy(_trained_tokenizer(spec.markup, spec.vocab_size))
-
-
-def build_preset(name: str, *, seed: int = 0):
-    """Build preset ``name`` with random weights (deterministic for ``seed``); returns a `Policy`."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from vlrl.models.policy import Policy
-
-    if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
-    spec = PRESETS[name]
-    tokenizer = preset_tokenizer(name)
-    ids = dict(tokenizer.get_vocab())
-    ids["__vocab__"] = len(tokenizer)
-    config, image_processor, settings = spec.build(ids)
-    torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if image_processor is not None else AutoModelForCausalLM
-    model = auto.from_config(config)
-    if spec.post_init is not None:
-        with torch.no_grad():
-            spec.post_init(model)
-    text = config.get_text_config()
-    model.generation_config.eos_token_id = text.eos_token_id
-    model.generation_config.pad_token_id = text.pad_token_id
-    if image_processor is None:
-        return Policy.from_parts(model, tokenizer, None, source=f"preset:{name}")
-    from vlrl.models.processor import build_processor
-
-    processor = build_processor(config, tokenizer, image_processor, **settings)
-    return Policy.from_parts(model, tokenizer, image_processor, source=f"preset:{name}", processor=processor)

@@ -1,6 +1,8 @@
 """Rewards: pure verifier functions in one registry, their composition, and deadline-safe batch scoring.
 
-Call a verifier as ``get_reward(name)(response, answer, **meta)``; score a batch with `score_trajectories`
+A verifier is one module of this package that registers itself (``@register_reward("name")``); the registry finds
+the modules at its first lookup (`vlrl.registry.Registry`'s ``discover``). Call a verifier as
+``get_reward(name)(response, answer, **meta)``; score a batch with `score_trajectories`
 (the RL loop) or `RewardExecutor` (anything else). See the README ("Rewards") for the registered names.
 
 Modules: ``extract`` (answer extraction), ``answers`` (number, multiple_choice, bool, string_match, ocr),
@@ -11,7 +13,6 @@ syn_format), ``execution`` (the batch scorer), ``cli`` (``vlrl reward score``),
 ``deps`` (optional dependencies: `missing_dependency`).
 """
 
-from vlrl.rewards import answers, boxes, code_exec, format, judge, markup, math_equiv, plan, syn  # noqa: F401  (register)
 from vlrl.rewards.base import (
     REWARDS,
     RewardOutput,

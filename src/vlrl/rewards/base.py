@@ -19,7 +19,9 @@ from typing import Any, Literal
 from vlrl.registry import Registry
 
 RewardFn = Callable[..., "float | RewardOutput"]
-REWARDS: Registry[RewardFn] = Registry("reward", signature="f(response: str, answer, **meta) -> float | RewardOutput")
+# the built-in verifiers are the modules of vlrl.rewards that register one (found at the first lookup)
+REWARDS: Registry[RewardFn] = Registry("reward", signature="f(response: str, answer, **meta) -> float | RewardOutput",
+                                       discover="vlrl.rewards")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Environments for multi-turn rollouts: the protocol, the registry, and loading with typed kwargs.
+"""Environments for multi-turn rollouts: the protocol and loading with typed kwargs (the registry: `vlrl.rollout.envs`).
 
 An environment sees one episode of one sample (slime's ``BaseInteractionEnv``, with ``reset`` taking the
 sample):
@@ -16,8 +16,8 @@ An environment may raise from ``step`` (a tool that crashed, a judge that timed 
 stateful environments whose state a failed step may have corrupted). After a timeout the instance may still
 be running in its thread, so the loop always uses a fresh instance (``reset_replay``).
 
-Registering: ``@register_env("name")`` on a class (or factory) whose constructor takes keyword-only, typed
-options. `env_factory` validates config kwargs against that signature (pydantic), so a wrong key or type
+Registering: ``@register_env("name")`` (`vlrl.rollout.envs`: a built-in is one module of that package) on a class
+(or factory) whose constructor takes keyword-only, typed options. `env_factory` validates config kwargs against that signature (pydantic), so a wrong key or type
 stops the run before any rollout with an error naming the option.
 """
 
@@ -31,7 +31,7 @@ from PIL import Image
 from pydantic import ValidationError, validate_call
 
 from vlrl.data.sample import Sample
-from vlrl.registry import Registry
+from vlrl.rollout.envs import get_env
 
 Message = dict[str, Any]
 StepResult = tuple[Any, bool, dict[str, Any]]
@@ -46,23 +46,6 @@ class Environment(Protocol):
     def step(self, response_text: str) -> StepResult: ...
 
     def format_observation(self, observation: Any) -> Message | list[Message]: ...
-
-
-ENVIRONMENTS: Registry[Callable[..., Environment]] = Registry(
-    "environment", signature="cls(**typed_kwargs) -> Environment (reset, step, format_observation)"
-)
-
-
-def register_env(name: str):
-    """Decorator: register an environment class under ``name``."""
-    return ENVIRONMENTS.register(name)
-
-
-def get_env(name: str) -> Callable[..., Environment]:
-    """An environment class by registered name or dotted path ``pkg.mod:Class``."""
-    from vlrl.rollout import envs  # noqa: F401  (registers the built-in environments)
-
-    return ENVIRONMENTS.get(name)
 
 
 class EnvConfigError(ValueError):

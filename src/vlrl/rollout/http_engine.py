@@ -52,29 +52,12 @@ from vlrl.rollout.prompt_check import PromptCheck
 from vlrl.rollout.publish import ServerWeights, SyncStats
 from vlrl.rollout.server_pool import RolloutRequestError, ServerPool, ServerState
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
+from vlrl.rollout.versions import answer_version
 
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 SUPPRESS_BIAS = -1.0e4  # the logit_bias of a token never to be sampled: exp(-1e4) underflows to 0 in float32
-
-
-def answer_version(meta: dict[str, Any], version_at_start: int) -> int:
-    """The weight version an answer is tagged with: the oldest of SGLang's ``weight_versions`` spans (a request
-    that lived through an update — paused ``retract`` / ``in_place`` — holds tokens of both), else its
-    ``weight_version``. A version that is no integer (SGLang's ``--weight-version`` default ``default``, or any
-    label a server was started with) or none at all counts as the version current when the request started —
-    the oldest the server can have used, so staleness is never under-estimated."""
-    spans = meta.get("weight_versions") or []
-    reported = [span.get("version") if isinstance(span, dict) else span[0] if isinstance(span, list) and span else None
-                for span in spans] or [meta.get("weight_version")]
-    versions = []
-    for value in reported:
-        try:
-            versions.append(int(value))
-        except (TypeError, ValueError):
-            versions.append(version_at_start)
-    return min(versions)
 
 
 def _chunks(prompts: list, size: int, max_pixels: int | None) -> list[list]:

@@ -146,9 +146,9 @@ class VLLMServers:
         """The `Trajectory` records of one answer per request, prompt-major (the n samples of request 0 first).
         ``check_prompt(url, request, the server's prompt ids)``: ``rollout.servers.prompt_check`` (not for an
         aborted sample: it is never trained on); the weight version: the oldest span that sampled it
-        (`http_engine.answer_version`)."""
-        from vlrl.rollout.http_engine import answer_version
+        (`vlrl.rollout.versions.answer_version`)."""
         from vlrl.rollout.types import Status, Trajectory
+        from vlrl.rollout.versions import answer_version
 
         out = []
         for i, (request, answer) in enumerate(zip(requests, answers, strict=True)):

@@ -1,4 +1,4 @@
-"""The HTTP application of the synthesis server (`vlrl.synth.server`): `create_app` over one `SynthService` —
+"""The HTTP application of the synthesis server (`vlrl.synth.server`): `create_app` over one `JobService` —
 the error handlers, ``POST /jobs`` (`_submit_route`) and the status routes (``/health``, ``GET /jobs``,
 ``/jobs/{id}``, ``/jobs/{id}/image``) — and `client_identity`, who a request comes from for the queue's fair shares.
 """
@@ -6,13 +6,25 @@ the error handlers, ``POST /jobs`` (`_submit_route`) and the status routes (``/h
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from vlrl.serving import BodyError, BodyParser, encode_json, explain_validation_error, on_close, protect
-from vlrl.synth.schema import BadRequest, JobBody, QueueFull, parse_job
+from vlrl.synth.schema import BadRequest, JobBody, QueueFull, SynthSettings, parse_job
 
-if TYPE_CHECKING:
-    from vlrl.synth.server import SynthService
+
+class JobService(Protocol):
+    """What the routes ask of the service behind them (`vlrl.synth.server.SynthService`)."""
+
+    settings: SynthSettings
+
+    def submit(self, image: Any, keep: Any, boxes: list[list[float]], description: str, seed: int,
+               refine: bool = True, *, client: str = "local") -> Any: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def get(self, job_id: str) -> Any: ...
+
+    def result(self, job: Any) -> bytes | None: ...
 
 
 def client_identity(request: Any) -> str:
@@ -26,7 +38,7 @@ def client_identity(request: Any) -> str:
     return f"{hashlib.sha256(token.encode()).hexdigest()[:8]}@{host}"
 
 
-def create_app(service: SynthService, *, api_key: str | None) -> Any:
+def create_app(service: JobService, *, api_key: str | None) -> Any:
     """The FastAPI application of ``service``. ``api_key=None`` disables authentication. Bodies are bounded by
     ``max_body_bytes`` as they are received (`vlrl.serving.BodyLimit`) and parsed off the event loop
     (`vlrl.serving.BodyParser`); an unexpected error answers 500 with an id, never a traceback."""
@@ -64,7 +76,7 @@ def _error_handlers(app: Any, answer: type) -> None:
         return answer({"error": str(err)}, 400)
 
 
-def _submit_route(service: SynthService, parser: BodyParser, answer: type) -> Any:
+def _submit_route(service: JobService, parser: BodyParser, answer: type) -> Any:
     """``POST /jobs``: parse and check the body, queue the job (202), or 429 when the queue is full."""
     import asyncio
 
@@ -98,7 +110,7 @@ def _submit_route(service: SynthService, parser: BodyParser, answer: type) -> An
     return submit
 
 
-def _job_routes(app: Any, service: SynthService) -> None:
+def _job_routes(app: Any, service: JobService) -> None:
     """``/health``, ``GET /jobs?ids=`` (many statuses), ``GET /jobs/{id}`` and ``GET /jobs/{id}/image``."""
     from fastapi.responses import JSONResponse, Response
 

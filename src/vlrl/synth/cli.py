@@ -52,7 +52,7 @@ def serve(
     no_auth: bool = typer.Option(False, "--no-auth", help="Accept requests without a token (loopback addresses only)."),
 ) -> None:
     """Serve foreground-preserving image synthesis: POST /jobs, GET /jobs/{id}, GET /jobs?ids=…, GET /health."""
-    from vlrl.synth.server import SynthSettings
+    from vlrl.synth.schema import SynthSettings
     from vlrl.synth.server import serve as run_server
 
     if executor not in ("process", "thread"):

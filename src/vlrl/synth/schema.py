@@ -1,22 +1,64 @@
-"""The synthesis server's requests (`vlrl.synth.server`): the ``POST /jobs`` body (`JobBody`), its checks
-(`parse_job`, `decode_image`, `check_boxes`) and the two errors the server answers with (`BadRequest` → 400,
-`QueueFull` → 429).
+"""The synthesis server's settings and requests (`vlrl.synth.server`): `SynthSettings` (its limits and back-ends), the
+``POST /jobs`` body (`JobBody`), its checks against the settings (`parse_job`, `decode_image`, `check_boxes`) and the
+two errors the server answers with (`BadRequest` → 400, `QueueFull` → 429).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from vlrl.data.sample import SampleError, image_size, load_image
 
-if TYPE_CHECKING:
-    from vlrl.synth.server import SynthSettings
+
+@dataclasses.dataclass
+class SynthSettings:
+    """Everything `SynthService` needs (the CLI flags of `vlrl synth serve`).
+
+    Attributes:
+        backend / backend_options: generator back-end (``classical``, ``diffusers`` or ``pkg.mod:factory``) and
+            its keyword options (e.g. ``{"model_path": ...}`` for diffusers).
+        segmenter / segmenter_options: optional box → mask refinement (``border``, ``model``; None = boxes).
+        workers: jobs run at once. executor: ``process`` (killable timeouts) or ``thread``.
+        max_queued_jobs: accepted jobs waiting for a worker; more get 429.
+        max_queued_per_client: queued jobs one client (token + address) may hold; more get 429. None: a quarter
+            of ``max_queued_jobs`` (at least 1).
+        job_timeout: seconds one job may run.
+        results_dir: where result PNGs go (None: a temporary directory removed at shutdown).
+        max_results_bytes: size cap of the results; the oldest are deleted beyond it.
+        max_jobs: finished jobs remembered (older ones are forgotten: 404).
+        max_image_side / min_image_side / max_image_pixels / max_boxes / max_description_chars /
+        max_body_bytes: input limits (400 / 413 beyond them; the body limit counts the bytes received, so it holds
+        for chunked bodies too).
+        drain_seconds: on SIGTERM, HTTP requests in flight get this long before they are cancelled; queued jobs
+        then fail with "the server shut down".
+    """
+
+    backend: str = "classical"
+    backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    segmenter: str | None = None
+    segmenter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    workers: int = 1
+    executor: Literal["process", "thread"] = "process"
+    max_queued_jobs: int = 64
+    max_queued_per_client: int | None = None
+    job_timeout: float = 60.0
+    results_dir: str | None = None
+    max_results_bytes: int = 512 << 20
+    max_jobs: int = 10_000
+    max_image_side: int = 4096
+    min_image_side: int = 8
+    max_image_pixels: int = 16 << 20
+    max_boxes: int = 256
+    max_description_chars: int = 2000
+    max_body_bytes: int = 64 << 20
+    drain_seconds: float = 10.0
 
 
 class BadRequest(ValueError):

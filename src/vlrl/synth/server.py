@@ -46,73 +46,20 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from vlrl.data.sample import IMAGE_FORMATS  # noqa: F401  (re-exported)
 from vlrl.serving import (
     bind_socket,
     resolve_api_key,
     run_server,
 )
-from vlrl.synth.app import client_identity, create_app  # noqa: F401  (re-exported: the HTTP application)
-from vlrl.synth.schema import (  # noqa: F401  (re-exported: the job body and its checks)
-    BadRequest,
-    JobBody,
-    QueueFull,
-    check_boxes,
-    decode_image,
-    parse_job,
-)
+from vlrl.synth.app import create_app
+from vlrl.synth.schema import QueueFull, SynthSettings
 
 log = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------------------------- settings
-@dataclasses.dataclass
-class SynthSettings:
-    """Everything `SynthService` needs (the CLI flags of `vlrl synth serve`).
-
-    Attributes:
-        backend / backend_options: generator back-end (``classical``, ``diffusers`` or ``pkg.mod:factory``) and
-            its keyword options (e.g. ``{"model_path": ...}`` for diffusers).
-        segmenter / segmenter_options: optional box → mask refinement (``border``, ``model``; None = boxes).
-        workers: jobs run at once. executor: ``process`` (killable timeouts) or ``thread``.
-        max_queued_jobs: accepted jobs waiting for a worker; more get 429.
-        max_queued_per_client: queued jobs one client (token + address) may hold; more get 429. None: a quarter
-            of ``max_queued_jobs`` (at least 1).
-        job_timeout: seconds one job may run.
-        results_dir: where result PNGs go (None: a temporary directory removed at shutdown).
-        max_results_bytes: size cap of the results; the oldest are deleted beyond it.
-        max_jobs: finished jobs remembered (older ones are forgotten: 404).
-        max_image_side / min_image_side / max_image_pixels / max_boxes / max_description_chars /
-        max_body_bytes: input limits (400 / 413 beyond them; the body limit counts the bytes received, so it holds
-        for chunked bodies too).
-        drain_seconds: on SIGTERM, HTTP requests in flight get this long before they are cancelled; queued jobs
-        then fail with "the server shut down".
-    """
-
-    backend: str = "classical"
-    backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    segmenter: str | None = None
-    segmenter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    workers: int = 1
-    executor: Literal["process", "thread"] = "process"
-    max_queued_jobs: int = 64
-    max_queued_per_client: int | None = None
-    job_timeout: float = 60.0
-    results_dir: str | None = None
-    max_results_bytes: int = 512 << 20
-    max_jobs: int = 10_000
-    max_image_side: int = 4096
-    min_image_side: int = 8
-    max_image_pixels: int = 16 << 20
-    max_boxes: int = 256
-    max_description_chars: int = 2000
-    max_body_bytes: int = 64 << 20
-    drain_seconds: float = 10.0
 
 
 # ----------------------------------------------------------------------------------------------- the worker side

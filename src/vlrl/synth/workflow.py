@@ -316,7 +316,9 @@ class SynGRPO:
         url, key = cfg.server, os.environ.get(cfg.api_key_env)
         if url is None:
             from vlrl.serving import ServerThread
-            from vlrl.synth.server import SynthService, SynthSettings, create_app
+            from vlrl.synth.app import create_app
+            from vlrl.synth.schema import SynthSettings
+            from vlrl.synth.server import SynthService
 
             key = secrets.token_urlsafe(16)
             service = SynthService(SynthSettings(backend=cfg.backend, backend_options=dict(cfg.backend_options),

@@ -27,7 +27,13 @@ from vlrl.algos import AdvantageInputs, get_advantage, get_policy_loss
 from vlrl.algos.advantages import advantage_needs
 from vlrl.algos.filters import mask_truncated
 from vlrl.algos.kl import kl_reward_penalty
-from vlrl.algos.losses import applies_behaviour_weight, minibatch_selection
+from vlrl.algos.losses import (
+    BoundLoss,
+    applies_behaviour_weight,
+    bind_policy_loss,
+    check_zero_at_zero_advantage,
+    minibatch_selection,
+)
 from vlrl.algos.rollout_correction import rollout_correction
 from vlrl.algos.shaping import (
     AdvantageShapingInputs,
@@ -35,13 +41,13 @@ from vlrl.algos.shaping import (
     get_advantage_shaping,
     get_reward_shaping,
 )
-from vlrl.check.options import bound_loss, check_zero_at_zero_advantage
 from vlrl.config import RLStage, RolloutCorrectionConfig, ShapingSpec
 from vlrl.models import Policy
 from vlrl.rollout import Status, Trajectory
-from vlrl.train.common import evaluating, frozen_copy
+from vlrl.train import step_credit  # noqa: F401  (registers the training room's shaper, step_credit)
+from vlrl.train.common import frozen_copy
 from vlrl.train.critic import Critic
-from vlrl.train.shared_prefix import teacher_forced
+from vlrl.train.shared_prefix import teacher_logprobs
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
@@ -115,7 +121,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
     estimator = get_advantage(algo.advantage)
     needs = advantage_needs(estimator)
     loss = get_policy_loss(algo.policy_loss)
-    loss_fn = bound_loss(stage)  # clip from algo.clip_*, a behaviour-weight loss's cap and mode from staleness.*
+    loss_fn = policy_loss(stage)  # clip from algo.clip_*, a behaviour-weight loss's cap and mode from staleness.*
     weighted = applies_behaviour_weight(loss) or apply_behaviour_weight
     if algo.rollout_correction.tis_cap is not None and weighted:
         raise ValueError("algo.rollout_correction.tis_cap: the behaviour weight π_prox / π_behave is already applied "
@@ -155,6 +161,16 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         rollout_correction=algo.rollout_correction,
         ctx=ctx,
     )
+
+
+def policy_loss(stage: RLStage) -> BoundLoss:
+    """``algo.policy_loss`` bound as the update runs it (`vlrl.algos.losses.bind_policy_loss`): the clip range from
+    ``algo.clip_low`` / ``algo.clip_high``, a behaviour-weight loss's cap and mode from ``staleness.*``, its options
+    from ``algo.policy_loss_options``."""
+    algo, staleness = stage.algo, stage.staleness
+    return bind_policy_loss(algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
+                            behaviour_weight_cap=staleness.behaviour_weight_cap,
+                            behaviour_weight_mode=staleness.behaviour_weight_mode, options=algo.policy_loss_options)
 
 
 def loss_agg_max_length(stage: RLStage) -> int:
@@ -310,22 +326,3 @@ def place_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, last_index: to
     token_rewards = torch.zeros_like(loss_mask)
     token_rewards[torch.arange(len(rewards)), last_index] = rewards.to(token_rewards.dtype)
     return token_rewards
-
-
-def teacher_logprobs(model: torch.nn.Module, policy: Policy, trajectories: Sequence[Trajectory], temperature: float, *,
-                     padding_free: bool = False, shared_prefix: bool = False, prompts: Sequence[Any] | None = None,
-                     visions: Sequence[Any] | None = None, sums: dict[str, list[float]] | None = None,
-                     logprob_chunk: int | str = "auto") -> torch.Tensor:
-    """(B, R) log-probs of the trajectories' responses under ``model`` (no gradient, eval mode), after their own
-    prompts or the given ``prompts`` / ``visions`` (a teacher's context): the one teacher-forced function,
-    `vlrl.models.packed.sequence_logprobs`, padded or packed (the same values) — or, with ``shared_prefix``, each
-    distinct prompt prefilled once and its keys/values expanded to its rows (`vlrl.train.shared_prefix`; the same
-    values, the plain pass where that does not apply; ``sums``: where its rows are counted, `tally`);
-    ``logprob_chunk``: `vlrl.models.logprobs.chunk_tokens`."""
-    prompts = [t.prompt_ids for t in trajectories] if prompts is None else prompts
-    visions = [t.vision for t in trajectories] if visions is None else visions
-    with evaluating(model):
-        logp, _ = teacher_forced(model, policy.adapter, prompts, [t.response_ids for t in trajectories], visions,
-                                 pad_token_id=policy.pad_token_id, temperature=temperature, padding_free=padding_free,
-                                 shared_prefix=shared_prefix, sums=sums, logprob_chunk=logprob_chunk)
-    return logp.cpu()  # a step's batch lives on the host (`UpdateBatch`); the update moves its micro-batches

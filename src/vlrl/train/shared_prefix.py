@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +49,10 @@ from vlrl.compat import cache_argument
 from vlrl.models.adapters import TextAdapter, VisionInputs
 from vlrl.models.grouped import group_sequences, grouped_response_logprobs
 from vlrl.models.logprobs import LogprobChunk, head_scores
+from vlrl.models.policy import Policy
 from vlrl.rollout import decode
-from vlrl.rollout.types import Request
+from vlrl.rollout.types import Request, Trajectory
+from vlrl.train.common import evaluating
 
 log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()  # fallback reasons already logged
@@ -220,3 +223,22 @@ def teacher_forced(model: torch.nn.Module, adapter: TextAdapter, prompts: Sequen
                                          temperature=temperature, with_entropy=with_entropy, padding_free=padding_free,
                                          logprob_chunk=logprob_chunk)
     return logp, entropy
+
+
+def teacher_logprobs(model: torch.nn.Module, policy: Policy, trajectories: Sequence[Trajectory], temperature: float, *,
+                     padding_free: bool = False, shared_prefix: bool = False, prompts: Sequence[Any] | None = None,
+                     visions: Sequence[Any] | None = None, sums: dict[str, list[float]] | None = None,
+                     logprob_chunk: int | str = "auto") -> torch.Tensor:
+    """(B, R) log-probs of the trajectories' responses under ``model`` (no gradient, eval mode), after their own
+    prompts or the given ``prompts`` / ``visions`` (a teacher's context): the one teacher-forced function,
+    `vlrl.models.packed.sequence_logprobs`, padded or packed (the same values) — or, with ``shared_prefix``, each
+    distinct prompt prefilled once and its keys/values expanded to its rows (`vlrl.train.shared_prefix`; the same
+    values, the plain pass where that does not apply; ``sums``: where its rows are counted, `tally`);
+    ``logprob_chunk``: `vlrl.models.logprobs.chunk_tokens`."""
+    prompts = [t.prompt_ids for t in trajectories] if prompts is None else prompts
+    visions = [t.vision for t in trajectories] if visions is None else visions
+    with evaluating(model):
+        logp, _ = teacher_forced(model, policy.adapter, prompts, [t.response_ids for t in trajectories], visions,
+                                 pad_token_id=policy.pad_token_id, temperature=temperature, padding_free=padding_free,
+                                 shared_prefix=shared_prefix, sums=sums, logprob_chunk=logprob_chunk)
+    return logp.cpu()  # a step's batch lives on the host (`UpdateBatch`); the update moves its micro-batches

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vlrl.algos.shaping import AdvantageShapingInputs, ShapingOutput
+from vlrl.algos.shaping import AdvantageShapingInputs, ShapingOutput, register_advantage_shaping
 from vlrl.algos.step_credit import (
     STEP_PROXIES,
     FlipCounts,
@@ -45,8 +45,8 @@ from vlrl.models import Policy
 from vlrl.models.spans import token_char_offsets
 from vlrl.registry import RegistryError
 from vlrl.rewards.plan import locate_plan, plan_steps
-from vlrl.train.batch import teacher_logprobs
 from vlrl.train.common import frozen_copy
+from vlrl.train.shared_prefix import teacher_logprobs
 
 Source = Literal["action_id", "action_name", "semantic"]
 
@@ -219,6 +219,7 @@ class StepCreditState:
     analysis_dir: Path | None = None
 
 
+@register_advantage_shaping("step_credit")  # (it scores responses with a model: the training room's shaper)
 def step_credit(inputs: AdvantageShapingInputs, **options: Any) -> ShapingOutput:
     """Step-level credit for JSON action plans (the embodied seed's ``grpo_step`` and StepOPSD), as an
     advantage shaper: A^E = the estimator's advantages; see the module docstring and `StepCreditOptions`.

@@ -1,7 +1,8 @@
 """Procedural, seeded task suites: the data vlrl ships with (no download).
 
 A suite is a function ``generate(n, *, split, seed, tasks, **options) -> list[Sample]`` registered in
-`TASK_SUITES`. Sample ``i`` of a split depends only on ``(seed, split, i)``, so the same call always
+`TASK_SUITES` by its own module of this package (found at the first lookup: `vlrl.registry.Registry`'s ``discover``;
+adding a suite is one file). Sample ``i`` of a split depends only on ``(seed, split, i)``, so the same call always
 returns the same data and train/test never share a random stream.
 """
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 from vlrl.registry import Registry
 
-TASK_SUITES = Registry("task suite", signature="generate(n, *, split, seed, tasks=None, **options) -> list[Sample]")
+TASK_SUITES = Registry("task suite", signature="generate(n, *, split, seed, tasks=None, **options) -> list[Sample]",
+                       discover=__name__)
 
 # Prompt suffixes of the LLaVA-OV-1.5 RL curriculum (stage 1: answer only; stage 2: chain of thought).
 TEMPLATES = {
@@ -36,6 +38,4 @@ def format_response(answer_text: str, template: str) -> str:
 
 def generate(suite: str, n: int, *, split: str = "train", seed: int = 0, tasks: list[str] | None = None, **options):
     """Generate ``n`` samples of a registered suite (see `TASK_SUITES`)."""
-    from vlrl.data.tasks import arith, embodied, shapes  # noqa: F401  (registers the built-in suites)
-
     return TASK_SUITES.get(suite)(n, split=split, seed=seed, tasks=tasks, **options)

@@ -15,7 +15,8 @@ import re
 from typing import Any
 
 from vlrl.data.sample import Sample
-from vlrl.rollout.env import BaseEnv, Observation, StepResult, register_env
+from vlrl.rollout.env import BaseEnv, Observation, StepResult
+from vlrl.rollout.envs import register_env
 from vlrl.rollout.types import Engine, SamplingParams
 
 TEMPLATE = ("Question: {question}\nReference answer: {answer}\nStudent answer: {response}\n"

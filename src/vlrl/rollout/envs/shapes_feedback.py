@@ -15,7 +15,8 @@ from PIL import Image
 
 from vlrl.data.sample import Sample, load_image
 from vlrl.rewards import compose
-from vlrl.rollout.env import BaseEnv, Observation, StepResult, register_env
+from vlrl.rollout.env import BaseEnv, Observation, StepResult
+from vlrl.rollout.envs import register_env
 
 KINDS = ("circle", "square", "triangle")
 

@@ -15,7 +15,8 @@ from typing import Any
 from PIL import Image
 
 from vlrl.data.sample import Sample, load_image
-from vlrl.rollout.env import BaseEnv, Observation, StepResult, register_env
+from vlrl.rollout.env import BaseEnv, Observation, StepResult
+from vlrl.rollout.envs import register_env
 
 ZOOM_CALL = re.compile(r"zoom\(\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*\)")
 INSTRUCTIONS = ("You may call zoom(x1, y1, x2, y2) with pixel coordinates to see that region enlarged; "
