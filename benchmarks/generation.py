@@ -34,7 +34,7 @@ import torch
 
 from vlrl.data import generate
 from vlrl.data.sample import load_image
-from vlrl.models import load_policy
+from vlrl.models import kv_cache, load_policy
 from vlrl.models.adapters import VisionInputs
 from vlrl.rollout import Request, SamplingParams, decode
 
@@ -43,7 +43,7 @@ SHAPES = {"today": dict(prompts=8, n=4, new=32, side=112), "realistic": dict(pro
 
 
 def pairwise_distinct_prompts(requests):
-    """`decode.distinct_prompts` before 2026-11-28, for the ``--pairwise`` arm: each row compared (``torch.equal``)
+    """`kv_cache.distinct_prompts` before 2026-11-28, for the ``--pairwise`` arm: each row compared (``torch.equal``)
     with every earlier prompt of the same token ids until one matched — quadratic when prompts share their text."""
     unique, by_ids, index = [], {}, []
     for request in requests:
@@ -112,11 +112,11 @@ def main() -> None:
           f"tokens, {args.threads} thread(s)")
 
     def run_loop(share: bool | str, compiled: decode.CompiledStep | None = None) -> tuple[float, float, float]:
-        real = decode.distinct_prompts
+        real = kv_cache.distinct_prompts
         if not share:
-            decode.distinct_prompts = lambda rs: (list(rs), list(range(len(rs))))
+            kv_cache.distinct_prompts = lambda rs: (list(rs), list(range(len(rs))))
         elif share == "pairwise":
-            decode.distinct_prompts = pairwise_distinct_prompts
+            kv_cache.distinct_prompts = pairwise_distinct_prompts
         try:
             stats = decode.DecodeStats()
             start = time.perf_counter()
@@ -124,7 +124,7 @@ def main() -> None:
                           eos_token_ids=[eos], suppress=suppress, stats=stats, compiled=compiled)
             return time.perf_counter() - start, stats.prefill_seconds, stats.decode_seconds
         finally:
-            decode.distinct_prompts = real
+            kv_cache.distinct_prompts = real
 
     def run_generate() -> tuple[float, float, float]:
         start = time.perf_counter()

@@ -262,13 +262,13 @@ def long_tail(rows, shape: Shape):
 def drift(policy, rows, micro_batch: int) -> dict[str, float]:
     """|teacher-forced − behaviour| log-prob over every generated token (the sampler ≡ trainer check, bf16), the
     teacher-forced pass in micro-batches (its fp32 logits: rows × R × V × 4 bytes)."""
-    from vlrl.train.batch import teacher_logprobs
+    from vlrl.models.forward import score
 
     gaps = []
     for start in range(0, len(rows), micro_batch):
         part = rows[start : start + micro_batch]
         with torch.no_grad():
-            logp = teacher_logprobs(policy.model, policy, part, 1.0).float().cpu()
+            logp = score(policy.model, policy, part, 1.0).float().cpu()
         gaps += [(logp[i, : len(t.behaviour_logp)] - t.behaviour_logp).abs() for i, t in enumerate(part)]
     gaps = torch.cat(gaps)
     return {"logp_drift_max": float(gaps.max()), "logp_drift_mean": float(gaps.mean()),
@@ -349,8 +349,9 @@ def update(policy, rows, shape: Shape, arm: Arm, steps: int, extra: list[str], c
     memory read per phase (`PhasePeaks`; a no-grad scoring pass of one micro-batch first, as π_old / π_ref run), and
     with ``arm.profile`` one more under torch.profiler (`profiled`)."""
     from vlrl.config import LoraConfig
+    from vlrl.models.forward import score
     from vlrl.models.lora import apply_lora
-    from vlrl.train.batch import build_algorithm, prepare_batch, teacher_logprobs
+    from vlrl.train.batch import build_algorithm, prepare_batch
     from vlrl.train.budget import PhaseMeter
     from vlrl.train.common import make_optimizer
     from vlrl.train.modules import stage_modules
@@ -371,7 +372,7 @@ def update(policy, rows, shape: Shape, arm: Arm, steps: int, extra: list[str], c
             last, profiling = step == steps - 1, step == steps
             if last:  # the phases of the last timed step, a no-grad pass over one micro-batch first
                 with torch.no_grad():
-                    peaks.measure("old/ref log-probs", lambda: teacher_logprobs(
+                    peaks.measure("old/ref log-probs", lambda: score(
                         policy.model, policy, rows[: shape.micro_batch], 1.0))
             with PhaseMeter(policy.model, device, next(policy.model.parameters()).dtype) as perf, \
                     profiled(device, out if profiling else None, out_dir, arm):

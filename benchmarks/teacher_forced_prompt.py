@@ -30,9 +30,8 @@ import torch
 
 from vlrl.data import generate
 from vlrl.models import collate, load_policy, response_logprobs
+from vlrl.models.forward import PassLayout, evaluating, teacher_forced
 from vlrl.rollout import HFEngine
-from vlrl.train.common import evaluating
-from vlrl.train.shared_prefix import teacher_forced
 
 SHAPES = {"today": dict(prompts=8, n=4, new=32, side=112), "realistic": dict(prompts=4, n=8, new=64, side=448)}
 
@@ -40,8 +39,9 @@ SHAPES = {"today": dict(prompts=8, n=4, new=32, side=112), "realistic": dict(pro
 def no_grad_pass(policy, rows, responses, *, shared: bool) -> tuple[float, torch.Tensor]:
     start = time.perf_counter()
     with evaluating(policy.model):
-        logp, _ = teacher_forced(policy.model, policy.adapter, [r.prompt_ids for r in rows], responses,
-                                 [r.vision for r in rows], pad_token_id=policy.pad_token_id, shared_prefix=shared)
+        logp = teacher_forced(policy.model, policy.adapter, [r.prompt_ids for r in rows], responses,
+                              [r.vision for r in rows], pad_token_id=policy.pad_token_id,
+                              layout=PassLayout(shared_prefix=shared)).logp
     return time.perf_counter() - start, logp
 
 
@@ -55,9 +55,9 @@ def update_pass(policy, rows, responses, *, shared: bool, checkpointing: bool = 
 def _update_pass(policy, rows, responses, *, shared: bool) -> float:
     policy.model.train()
     start = time.perf_counter()
-    logp, _ = teacher_forced(policy.model, policy.adapter, [r.prompt_ids for r in rows], responses,
-                             [r.vision for r in rows], pad_token_id=policy.pad_token_id, with_entropy=True,
-                             shared_prefix=shared)
+    logp = teacher_forced(policy.model, policy.adapter, [r.prompt_ids for r in rows], responses,
+                          [r.vision for r in rows], pad_token_id=policy.pad_token_id, with_entropy=True,
+                          layout=PassLayout(shared_prefix=shared)).logp
     (-(logp.sum() / sum(len(r) for r in responses))).backward()
     seconds = time.perf_counter() - start
     policy.model.zero_grad(set_to_none=True)

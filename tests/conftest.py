@@ -92,16 +92,16 @@ def one_thread():
 
 @pytest.fixture
 def prefills(monkeypatch):
-    """The number of prompts each `vlrl.rollout.decode.prefill` call ran, in order (the engine's group prefill
+    """The number of prompts each `vlrl.models.kv_cache.prefill` call ran, in order (the engine's group prefill
     and the shared-prefix teacher-forced pass both call it)."""
-    from vlrl.rollout import decode
+    from vlrl.models import kv_cache
 
     calls: list[int] = []
-    real = decode.prefill
+    real = kv_cache.prefill
 
     def spy(model, adapter, prompts, pad_token_id):
         calls.append(len(prompts))
         return real(model, adapter, prompts, pad_token_id)
 
-    monkeypatch.setattr(decode, "prefill", spy)
+    monkeypatch.setattr(kv_cache, "prefill", spy)
     return calls

@@ -19,7 +19,7 @@ from vlrl.config import RLStage, SFTStage
 from vlrl.data import Sample, generate, load_image
 from vlrl.models import collate, load_policy, response_logprobs
 from vlrl.models.adapters import vision_tower
-from vlrl.models.packed import sequence_logprobs
+from vlrl.models.forward import PassLayout, teacher_forced
 from vlrl.models.presets import FAMILY_PRESETS
 from vlrl.models.vision_inputs import VisionInputs
 from vlrl.report import MetricsLogger
@@ -51,10 +51,10 @@ def _two_image_sample(k: int = 0) -> Sample:
 
 def _rescore(policy, trajectories, *, temperature: float = 1.0, padding_free: bool = False):
     with torch.no_grad():
-        logp, _, _ = sequence_logprobs(policy.model, policy.adapter, [t.prompt_ids for t in trajectories],
-                                       [t.response_ids for t in trajectories], [t.vision for t in trajectories],
-                                       pad_token_id=policy.pad_token_id, temperature=temperature,
-                                       padding_free=padding_free)
+        logp = teacher_forced(policy.model, policy.adapter, [t.prompt_ids for t in trajectories],
+                              [t.response_ids for t in trajectories], [t.vision for t in trajectories],
+                              pad_token_id=policy.pad_token_id, temperature=temperature,
+                              layout=PassLayout(padding_free=padding_free)).logp
     return logp
 
 
@@ -226,11 +226,11 @@ def test_padding_free_scoring_equals_padded(name):
     prompts, responses = [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories]
     visions = [t.vision for t in trajectories]
     with torch.no_grad():
-        padded, _, _ = sequence_logprobs(policy.model, policy.adapter, prompts, responses, visions,
-                                         pad_token_id=policy.pad_token_id)
-        packed, _, _ = sequence_logprobs(policy.model, policy.adapter, prompts, responses, visions,
-                                         pad_token_id=policy.pad_token_id, padding_free=True,
-                                         groups=[[0, 1, 2], [3, 4], [5]])
+        padded = teacher_forced(policy.model, policy.adapter, prompts, responses, visions,
+                                pad_token_id=policy.pad_token_id).logp
+        packed = teacher_forced(policy.model, policy.adapter, prompts, responses, visions,
+                                pad_token_id=policy.pad_token_id, layout=PassLayout(padding_free=True),
+                                groups=[[0, 1, 2], [3, 4], [5]]).logp
     assert torch.allclose(padded, packed, atol=TOL)
     # recurrent layers (Qwen3.5) and token-type attention masks (Gemma 3) keep one sequence per packed row
     assert policy.adapter.one_sequence_per_row == (name in ONE_SEQUENCE_PER_ROW)

@@ -57,7 +57,7 @@ def _sliding_policy(window: int | None):
 
 
 def test_a_sliding_window_is_kept():
-    from vlrl.models.packed import sequence_logprobs
+    from vlrl.models.forward import teacher_forced
 
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 64, (7,), generator=generator), torch.randint(2, 64, (5,), generator=generator)]
@@ -74,8 +74,9 @@ def test_a_sliding_window_is_kept():
             batch = group_sequences(model, policy.adapter, rows, responses, [None] * 6, index, pad_token_id=0)
             logp, entropy = grouped_response_logprobs(model, policy.adapter, batch, temperature=0.7, with_entropy=True)
         else:
-            logp, entropy, _ = sequence_logprobs(model, policy.adapter, rows, responses, [None] * 6, pad_token_id=0,
-                                                 temperature=0.7, with_entropy=True)
+            scores = teacher_forced(model, policy.adapter, rows, responses, [None] * 6, pad_token_id=0,
+                                    temperature=0.7, with_entropy=True)
+            logp, entropy = scores.logp, scores.entropy
         (logp.sum() / 23 + 0.1 * entropy.sum() / 23).backward()
         return logp.detach(), entropy.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
@@ -88,6 +89,6 @@ def test_a_sliding_window_is_kept():
     unwindowed = _sliding_policy(None)
     unwindowed.model.load_state_dict(model.state_dict())
     with torch.no_grad():
-        logp, _, _ = sequence_logprobs(unwindowed.model, unwindowed.adapter, rows, responses, [None] * 6,
-                                       pad_token_id=0, temperature=0.7)
+        logp = teacher_forced(unwindowed.model, unwindowed.adapter, rows, responses, [None] * 6,
+                              pad_token_id=0, temperature=0.7).logp
     assert float((logp - plain[0]).abs().max()) > 1e-3

@@ -84,23 +84,23 @@ def test_chunk_tokens_by_setting_and_size():
 
 def _layouts():
     """name → (scorer(policy, trajectories, chunk) → (logp, entropy), with gradients?) of every teacher-forced pass."""
-    from vlrl.models.packed import sequence_logprobs
-    from vlrl.train.shared_prefix import teacher_forced
+    from vlrl.models.forward import PassLayout, teacher_forced
 
     def inputs(trajectories):
         return [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories], [t.vision for t in trajectories]
 
     def plain(padding_free):
         def run(policy, trajectories, chunk):
-            logp, entropy, _ = sequence_logprobs(policy.model, policy.adapter, *inputs(trajectories),
-                                                 pad_token_id=policy.pad_token_id, temperature=0.9, with_entropy=True,
-                                                 padding_free=padding_free, logprob_chunk=chunk)
-            return logp, entropy
+            scores = teacher_forced(policy.model, policy.adapter, *inputs(trajectories),
+                                    pad_token_id=policy.pad_token_id, temperature=0.9, with_entropy=True,
+                                    layout=PassLayout(padding_free=padding_free, logprob_chunk=chunk))
+            return scores.logp, scores.entropy
         return run
 
     def shared(policy, trajectories, chunk):  # grouped with grad, the KV-cache pass without
-        return teacher_forced(policy.model, policy.adapter, *inputs(trajectories), pad_token_id=policy.pad_token_id,
-                              temperature=0.9, with_entropy=True, shared_prefix=True, logprob_chunk=chunk)
+        scores = teacher_forced(policy.model, policy.adapter, *inputs(trajectories), pad_token_id=policy.pad_token_id,
+                                temperature=0.9, with_entropy=True, layout=PassLayout(shared_prefix=True, logprob_chunk=chunk))
+        return scores.logp, scores.entropy
 
     return {"padded": (plain(False), True), "packed": (plain(True), True), "shared": (shared, True),
             "shared, no grad": (shared, False)}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vlrl.data import generate
-from vlrl.models import collate, load_policy, response_logprobs
+from vlrl.models import collate, kv_cache, load_policy, response_logprobs
 from vlrl.models.presets import PRESETS
 from vlrl.rollout import HFEngine, Request, SamplingParams, decode
 from vlrl.rollout.agent import AgentSettings, multi_turn
@@ -139,7 +139,7 @@ def test_decode_positions_continue_the_teacher_forced_ones(name):
     engine = HFEngine(policy)
     request = engine.encode(_samples(policy, 1)[0])
     response = [policy.pad_token_id - 1 - k for k in range(5)]  # 5 ordinary tokens
-    _, _, _, last, _ = decode.prefill(policy.model, policy.adapter, [request], policy.pad_token_id)
+    _, _, _, last, _ = kv_cache.prefill(policy.model, policy.adapter, [request], policy.pad_token_id)
     ids = torch.tensor([request.prompt_ids + response])
     full = policy.adapter.forward_inputs(policy.model, ids, torch.ones_like(ids), request.vision)["position_ids"]
     P = len(request.prompt_ids)
@@ -155,7 +155,7 @@ def test_a_cache_that_cannot_expand_falls_back_exactly_and_says_so_once(monkeypa
         raise NotImplementedError("no reorder here")
 
     monkeypatch.setattr(DynamicCache, "reorder_cache", broken)
-    monkeypatch.setattr(decode, "_NOT_EXPANDABLE", set())
+    monkeypatch.setattr(kv_cache, "_NOT_EXPANDABLE", set())
     policy = _policy("tiny-qwen2-vl")
     engine = HFEngine(policy)
     requests = [engine.encode(s) for s in _samples(policy, 2)]
@@ -174,7 +174,7 @@ def test_equal_prompts_are_found_by_content():
     a, b = _samples(policy, 2)
     ra, ra_again, rb = engine.encode(a), engine.encode(a), engine.encode(b)  # ra_again: equal, other objects
     assert ra_again.vision is not ra.vision
-    prompts, index = decode.distinct_prompts([ra, rb, ra_again, ra])
+    prompts, index = kv_cache.distinct_prompts([ra, rb, ra_again, ra])
     assert index == [0, 1, 0, 0] and prompts == [ra, rb]
 
 
@@ -206,7 +206,7 @@ def test_distinct_prompts_is_linear_in_the_rows(monkeypatch):
     calls = []
     real = torch.equal
     monkeypatch.setattr(torch, "equal", lambda a, b: calls.append(1) or real(a, b))
-    unique, index = decode.distinct_prompts(rows)
+    unique, index = kv_cache.distinct_prompts(rows)
     assert unique == prompts + [zero, rows[-3], large, large_nudged]
     assert index == [k for k in range(64) for _ in range(8)] + [5, 64, 64, 65, 66, 67]  # -0.0 equals 0.0 (torch.equal)
     # twin and negative_zero: one candidate each, two tensors each; large_nudged: same fingerprint, told apart by

@@ -165,16 +165,16 @@ def _trajectories_and_mismatch(engine) -> tuple[list, float]:
     """Sample 4 × 4 arithmetic prompts on the server; the largest |behaviour − teacher-forced| log-prob gap."""
     from vlrl.algos.staleness import logp_drift_max
     from vlrl.data import generate
+    from vlrl.models.forward import teacher_forced
     from vlrl.rollout import SamplingParams
-    from vlrl.train.shared_prefix import teacher_forced
 
     requests = [engine.encode(s) for s in generate("arith", 4, split="train", tasks=["add"])]
     trajectories = engine.generate(requests, SamplingParams(n=4, temperature=1.0, max_new_tokens=8))
     policy = engine.policy
     with torch.no_grad():
-        logp, _ = teacher_forced(policy.model.eval(), policy.adapter, [t.prompt_ids for t in trajectories],
-                                 [t.response_ids for t in trajectories], [None] * len(trajectories),
-                                 pad_token_id=policy.pad_token_id, temperature=1.0)
+        logp = teacher_forced(policy.model.eval(), policy.adapter, [t.prompt_ids for t in trajectories],
+                              [t.response_ids for t in trajectories], [None] * len(trajectories),
+                              pad_token_id=policy.pad_token_id, temperature=1.0).logp
     behaviour, mask = torch.zeros_like(logp), torch.zeros_like(logp)
     for i, t in enumerate(trajectories):
         behaviour[i, : len(t.behaviour_logp)], mask[i, : len(t.behaviour_logp)] = t.behaviour_logp, 1

@@ -179,9 +179,9 @@ def rl_loss_batch(policy, trajectories, loss: str, *, first_row: int = 0, runtim
         algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, runtime.ctx)
     algorithm.settings = dataclasses.replace(algorithm.settings, micro_batch_size=RL_MICRO)
     batch = prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
-    from vlrl.train.batch import teacher_logprobs
+    from vlrl.models.forward import score
 
-    old = batch.old_logp if batch.old_logp is not None else teacher_logprobs(policy.model, policy, trajectories, 1.0)
+    old = batch.old_logp if batch.old_logp is not None else score(policy.model, policy, trajectories, 1.0)
     rows = torch.arange(old.shape[0], dtype=old.dtype).unsqueeze(1) + first_row
     cols = torch.arange(old.shape[1], dtype=old.dtype).unsqueeze(0)
     batch.old_logp = old + 0.3 * torch.sin(7 * rows + cols)

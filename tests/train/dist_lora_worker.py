@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_helpers import lora_policy, lora_steps  # noqa: E402
 
 from vlrl.config import DistConfig  # noqa: E402
-from vlrl.train.batch import reference_model, teacher_logprobs  # noqa: E402
+from vlrl.models.forward import score
+from vlrl.train.batch import reference_model  # noqa: E402
 from vlrl.train.checkpoint import export_hf  # noqa: E402
 from vlrl.train.distributed import init_distributed, shutdown_distributed, wrap_model  # noqa: E402
 from vlrl.train.runtime import Runtime  # noqa: E402
@@ -35,8 +36,8 @@ def main(model_dir: str, out: str) -> None:
     rt = Runtime(ctx, wrap_model(policy.model, ctx, cfg), cfg)
     trajectories = ctx.shard(torch.load(out_dir / "trajectories.pt", weights_only=False), what="trajectories")
     with torch.no_grad():
-        reference = teacher_logprobs(reference_model(policy), policy, trajectories, 1.0)
-        adapted = teacher_logprobs(policy.model, policy, trajectories, 1.0)
+        reference = score(reference_model(policy), policy, trajectories, 1.0)
+        adapted = score(policy.model, policy, trajectories, 1.0)
     grads, adapters = lora_steps(policy, trajectories, rt.module, rt)
     adapters = {name: weight.full_tensor() for name, weight in adapters.items()}  # DTensor shards → full (collective)
     everyone = ctx.gather_objects({"adapters": adapters, "reference": reference, "adapted": adapted})

@@ -22,10 +22,10 @@ from dist_helpers import grads_of, rl_settings, rl_update_batch  # noqa: E402
 from vlrl.algos import normaliser_for  # noqa: E402
 from vlrl.config import DistConfig  # noqa: E402
 from vlrl.models import load_policy  # noqa: E402
+from vlrl.models.shared_prefix import SHARED_METRIC  # noqa: E402
 from vlrl.train.distributed import init_distributed, shutdown_distributed, wrap_model  # noqa: E402
 from vlrl.train.modules import gradient_checkpointing  # noqa: E402
 from vlrl.train.runtime import Runtime  # noqa: E402
-from vlrl.train.shared_prefix import SHARED_METRIC  # noqa: E402
 from vlrl.train.update import accumulate  # noqa: E402
 
 

@@ -9,9 +9,10 @@ import torch
 
 from vlrl.config import ConfigError, LoraConfig, RLConfig, SFTConfig, load_config
 from vlrl.models import load_policy
+from vlrl.models.forward import score
 from vlrl.models.lora import AdaptersOff, apply_lora, lora_parameter_names, merged_state_dict
 from vlrl.recipes import run_rl, run_sft
-from vlrl.train.batch import reference_model, teacher_logprobs
+from vlrl.train.batch import reference_model
 
 from .dist_helpers import rl_trajectories, write_rl_data
 
@@ -56,9 +57,9 @@ def test_reference_with_adapters_disabled_is_exactly_the_base_model(tiny_vlm_dir
     assert isinstance(reference, AdaptersOff)
     assert {id(p) for p in reference.parameters()} <= {id(p) for p in policy.model.parameters()}  # no second copy
     base = load_policy(str(tiny_vlm_dir))
-    expected = teacher_logprobs(base.model, base, trajectories, 1.0)
-    assert torch.equal(teacher_logprobs(reference, policy, trajectories, 1.0), expected)
-    adapted = teacher_logprobs(policy.model, policy, trajectories, 1.0)
+    expected = score(base.model, base, trajectories, 1.0)
+    assert torch.equal(score(reference, policy, trajectories, 1.0), expected)
+    adapted = score(policy.model, policy, trajectories, 1.0)
     assert (adapted - expected).abs().max() > 1e-3  # the adapters are on outside the reference
 
 

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 
 from vlrl.config import RLConfig, load_config
 from vlrl.models import load_policy
+from vlrl.models.forward import score
 from vlrl.models.lora import merged_state_dict
 from vlrl.rollout.weights import weight_checksum
-from vlrl.train.batch import teacher_logprobs
 from vlrl.train.distributed import check_scalable
 
 from .dist_helpers import (
@@ -84,7 +84,7 @@ def test_reference_on_the_sharded_model_is_the_base_model(two_ranks_lora, tiny_v
     base = load_policy(str(tiny_vlm_dir))
     half = len(trajectories) // 2
     for rank, rows in enumerate((trajectories[:half], trajectories[half:])):  # each rank's share, padded alike
-        expected = teacher_logprobs(base.model, base, rows, 1.0)
+        expected = score(base.model, base, rows, 1.0)
         torch.testing.assert_close(saved["reference"][rank], expected, rtol=0, atol=1e-6)
         assert (saved["adapted"][rank] - expected).abs().max() > 1e-3
 

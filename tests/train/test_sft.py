@@ -3,7 +3,7 @@ import torch
 
 from vlrl.config import SFTStage
 from vlrl.data import generate
-from vlrl.models.packed import sequence_logprobs
+from vlrl.models.forward import teacher_forced
 from vlrl.report import MetricsLogger
 from vlrl.train.sft import encode_sft, train_sft
 
@@ -12,9 +12,9 @@ def sft_nll(policy, samples) -> torch.Tensor:
     """Mean assistant-token NLL of ``samples`` under the policy (no gradient)."""
     examples = [encode_sft(policy, s) for s in samples]
     with torch.no_grad():
-        logp, _, _ = sequence_logprobs(policy.model, policy.adapter, [e.prompt_ids for e in examples],
-                                       [e.target_ids for e in examples], [e.vision for e in examples],
-                                       pad_token_id=policy.pad_token_id)
+        logp = teacher_forced(policy.model, policy.adapter, [e.prompt_ids for e in examples],
+                              [e.target_ids for e in examples], [e.vision for e in examples],
+                              pad_token_id=policy.pad_token_id).logp
     return -logp.sum() / sum(len(e.target_ids) for e in examples)
 
 

@@ -20,13 +20,15 @@ from rollout.test_agent_training import ImageOnTurnThree
 from rollout.test_decode import FAMILY_PRESETS, _policy, _samples
 from vlrl.algos import get_policy_loss, normaliser_for
 from vlrl.config import RLStage
+from vlrl.models import kv_cache, shared_prefix
+from vlrl.models.forward import PassLayout, score
+from vlrl.models.shared_prefix import SHARED_METRIC, prompt_groups
+from vlrl.models.traits import shared_prefix_refusal
 from vlrl.rewards import score_trajectories
-from vlrl.rollout import HFEngine, SamplingParams, decode
+from vlrl.rollout import HFEngine, SamplingParams
 from vlrl.rollout.agent import AgentSettings, multi_turn
-from vlrl.train import shared_prefix
-from vlrl.train.batch import build_algorithm, prepare_batch, teacher_logprobs
+from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.modules import gradient_checkpointing
-from vlrl.train.shared_prefix import SHARED_METRIC, prompt_groups, shared_prefix_refusal
 from vlrl.train.update import UpdateSettings, accumulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,8 +56,8 @@ def fresh_log(monkeypatch):
 
 def _plain_and_shared(policy, trajectories, temperature=0.9):
     sums: dict[str, list[float]] = {}
-    plain = teacher_logprobs(policy.model, policy, trajectories, temperature)
-    shared = teacher_logprobs(policy.model, policy, trajectories, temperature, shared_prefix=True, sums=sums)
+    plain = score(policy.model, policy, trajectories, temperature)
+    shared = score(policy.model, policy, trajectories, temperature, layout=PassLayout(shared_prefix=True), sums=sums)
     return plain, shared, sums[SHARED_METRIC]
 
 
@@ -180,7 +182,7 @@ def test_a_cache_that_cannot_expand_falls_back_to_the_plain_pass(monkeypatch, pr
     policy = _policy("tiny-qwen2-vl")
     trajectories = _rollout(policy, 3, max_new_tokens=4)
     monkeypatch.setattr(DynamicCache, "reorder_cache", broken)
-    monkeypatch.setattr(decode, "_NOT_EXPANDABLE", set())
+    monkeypatch.setattr(kv_cache, "_NOT_EXPANDABLE", set())
     prefills.clear()
     plain, shared, (shared_rows, rows) = _plain_and_shared(policy, trajectories)
     assert prefills == [2] and (shared_rows, rows) == (0, 6)  # tried once, then the plain pass

@@ -10,9 +10,10 @@ from vlrl.algos import AGGREGATIONS, get_policy_loss, normaliser_for
 from vlrl.config import RLStage
 from vlrl.data import generate
 from vlrl.models import load_policy
+from vlrl.models.forward import score
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import HFEngine, SamplingParams
-from vlrl.train.batch import build_algorithm, prepare_batch, teacher_logprobs
+from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.common import make_optimizer
 from vlrl.train.microbatch import by_count
 from vlrl.train.update import UpdateSettings, minibatch_cov_selection, minibatch_gradient, ppo_update
@@ -228,7 +229,7 @@ def test_new_losses_accumulate_and_shard_to_the_one_big_batch_gradient(rollout, 
     policy, trajectories = rollout
     settings, batch = _loss_batch(policy, trajectories, name, loss_agg="seq_mean_token_mean")
     # π_old ≠ π_θ (as at a later minibatch): ratios ≠ 1, so clips, KL-Cov's |Δ| and the weights all act
-    old = teacher_logprobs(policy.model, policy, trajectories, 1.0)  # (6, R)
+    old = score(policy.model, policy, trajectories, 1.0)  # (6, R)
     batch.old_logp = old + 0.3 * torch.sin(torch.arange(old.numel(), dtype=old.dtype)).view_as(old)
     selection = minibatch_cov_selection(batch, list(range(6)), settings, generator=torch.Generator().manual_seed(0))
     if name in ("clip_cov", "kl_cov"):
@@ -287,7 +288,7 @@ def test_tis_weights_multiply_the_loss_and_mis_leaves_the_normaliser(rollout):
     import math
 
     policy, trajectories = rollout
-    old = teacher_logprobs(policy.model, policy, trajectories, 1.0)  # (6, R) π_old, the trainer's recomputation
+    old = score(policy.model, policy, trajectories, 1.0)  # (6, R) π_old, the trainer's recomputation
     deltas = torch.tensor([-1.0, 0.0, 0.5, 1.5])
     shifted = []
     for i, t in enumerate(trajectories):

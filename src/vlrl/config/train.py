@@ -276,7 +276,7 @@ class RLTrainConfig(Section):
         "micro-batch once, vision tower included, and score its group's n responses against it: the update in one "
         "forward with the responses beside their prompt (also under DDP/FSDP2 and gradient checkpointing), π_old / "
         "π_ref against its keys/values copied to their rows (same log-probs, loss and gradients; "
-        "vlrl.train.shared_prefix; logged as perf/shared_prefix_frac). Wherever that is exact; elsewhere the plain "
+        "vlrl.models.shared_prefix; logged as perf/shared_prefix_frac). Wherever that is exact; elsewhere the plain "
         "pass, said once in the log (a response holding images, a cache that cannot be expanded; for the update "
         "recurrent layers, token-type attention masks (Gemma 3), dropout). false: always the plain pass.",
     )

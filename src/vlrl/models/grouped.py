@@ -1,7 +1,7 @@
 """Prefix-grouped teacher forcing: a group's prompt and all its responses in one forward, the prompt once.
 
-A GRPO group's n rows share one prompt. The plain pass (`vlrl.models.packed.sequence_logprobs`) runs the prompt
-once per row; the KV-cache pass (`vlrl.train.shared_prefix`) runs it once, then the responses against its
+A GRPO group's n rows share one prompt. The plain pass (`vlrl.models.forward`, padded or packed) runs the prompt
+once per row; the KV-cache pass (`vlrl.models.shared_prefix`) runs it once, then the responses against its
 copied keys/values — two forwards, which a DDP / FSDP2 module (its hooks expect one forward per backward) and
 transformers' gradient checkpointing (no cache then) do not allow. Here one forward does both, as verl's
 PrefixGrouper does (``actor.use_prefix_grouper``, verl PR #4368): each group is one row,
@@ -30,7 +30,7 @@ forward, the layers' checkpoint function is wrapped so that the recomputation ru
 attention (`_replayed`). Gemma 3's image tokens attend to each other within an image (its ``token_type_ids``
 mask): the prompt block does too (`image_blocks`). What this layout cannot express — recurrent layers (a slot
 would continue the previous slot's state), other token-type masks (PaliGemma's prefix-LM), attention-logit soft
-caps, attention sinks, dropout — is refused by the caller (`vlrl.train.shared_prefix.shared_prefix_refusal`).
+caps, attention sinks, dropout — is refused by the caller (`vlrl.models.traits.shared_prefix_refusal`).
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def group_sequences(model: torch.nn.Module, adapter: TextAdapter, prompts: Seque
                     responses: Sequence[Sequence[int] | torch.Tensor], visions: Sequence[VisionInputs | None],
                     index: Sequence[int], *, pad_token_id: int) -> GroupedBatch:
     """Lay out B (prompt, response) pairs by prompt: ``index`` gives each row's group (0 .. G − 1, e.g.
-    `vlrl.train.shared_prefix.prompt_groups`); a group's rows share one prompt (its first row's ``prompts`` and
+    `vlrl.models.shared_prefix.prompt_groups`); a group's rows share one prompt (its first row's ``prompts`` and
     ``visions`` are used)."""
     prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
     responses = [torch.as_tensor(r, dtype=torch.long) for r in responses]

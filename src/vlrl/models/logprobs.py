@@ -6,7 +6,7 @@ so the response is scored by the ``R + 1`` last logit columns minus the final on
 only those (`logits_to_keep`), never for the prompt's.
 
 Every teacher-forced pass (this padded one, the packed one in `vlrl.models.packed`, the shared-prefix passes in
-`vlrl.train.shared_prefix`) scores its tokens through `head_scores`: inside the model's forward, the LM head
+`vlrl.models.shared_prefix`) scores its tokens through `head_scores`: inside the model's forward, the LM head
 (its output embedding) is replaced by `score_tokens`, which turns the final hidden states it is handed into
 per-token log-probs and entropies. Above a size (`chunk_tokens`, ``train.logprob_chunk``) it does so chunk by
 chunk — the head, the fp32 log-softmax and the entropy of ``c`` tokens at a time, each chunk recomputed in the
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from vlrl.models.adapters import TextAdapter, VisionInputs
+from vlrl.models.traits import model_traits
 
 LogprobChunk = int | Literal["auto"]  # train.logprob_chunk: tokens per chunk, 0 = never chunk, auto = above a size
 AUTO_CHUNK_ELEMENTS = 1 << 26  # auto: chunk when a pass's fp32 logits would exceed 2^26 values (256 MiB), in
@@ -185,18 +186,6 @@ def _vocab(head: torch.nn.Module) -> int:
     return int(size) if size is not None else int(head.weight.shape[0])
 
 
-# Configuration attributes by which a transformers model rescales its logits after the head (Gemma 2's soft cap,
-# Cohere's logit scale, Granite's divisor): the head's output is then not the logits, and `head_scores` asks
-# the model for its logits instead (whole: no chunks).
-_POST_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-def _rescales_logits(model: torch.nn.Module) -> bool:
-    config = getattr(getattr(model, "module", model), "config", None)
-    configs = [config, config.get_text_config() if hasattr(config, "get_text_config") else None]
-    return any(getattr(c, name, None) not in (None, 1, 1.0) for c in configs if c is not None for name in _POST_HEAD)
-
-
 @contextmanager
 def _head_replaced(head: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     had_own = "forward" in vars(head)  # an instance-level forward (e.g. a hook library's): put it back after
@@ -221,8 +210,8 @@ def head_scores(model: torch.nn.Module, run: Callable[[], object], select: Calla
     the output's ``.logits`` — so DDP / FSDP2 see them as the forward's output. ``select`` maps the hidden states
     the head receives to the (K, H) rows that predict ``targets``, in order (an index may repeat: a shared prompt's
     last position predicts the first token of each of its responses). ``chunk``: `chunk_tokens`. A model that
-    rescales its logits after the head (`_POST_HEAD`) is scored from its own logits, whole."""
-    if _rescales_logits(model):
+    rescales its logits after the head (`vlrl.models.traits.POST_HEAD`) is scored from its own logits, whole."""
+    if model_traits(model).rescales_logits:
         logits = run().logits
         return token_logprobs(select(logits), targets, temperature=temperature, with_entropy=with_entropy)
     head = output_head(model)

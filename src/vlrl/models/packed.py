@@ -183,38 +183,3 @@ def packed_response_logprobs(
     if entropy_k is not None:
         entropy = torch.zeros(B * R, device=device, dtype=entropy_k.dtype).index_put((index,), entropy_k).view(B, R)
     return logp, entropy
-
-
-def sequence_logprobs(
-    model: torch.nn.Module,
-    adapter: TextAdapter,
-    prompts: Sequence[Sequence[int] | torch.Tensor],
-    responses: Sequence[Sequence[int] | torch.Tensor],
-    visions: Sequence[VisionInputs | None],
-    *,
-    pad_token_id: int,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    padding_free: bool = False,
-    groups: Sequence[Sequence[int]] | None = None,
-    logprob_chunk: LogprobChunk = "auto",
-) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """(B, R) response log-probs (and entropy) of a micro-batch, padded (`collate` + `response_logprobs`) or
-    padding-free; also the number of token positions the forward pass processed. Padding-free rows: ``groups``
-    (e.g. the bins of a packing plan) or the sequences first-fit into rows as long as the longest one; with
-    flash-attention, one flat row. ``logprob_chunk``: `vlrl.models.logprobs.chunk_tokens`."""
-    from vlrl.models.logprobs import collate, response_logprobs
-
-    if not padding_free:
-        tokens = collate(prompts, responses, visions, pad_token_id=pad_token_id)
-        logp, entropy = response_logprobs(model, adapter, tokens, temperature=temperature, with_entropy=with_entropy,
-                                            logprob_chunk=logprob_chunk)
-        return logp, entropy, tokens.input_ids.numel()
-    if groups is None:
-        lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-        groups = first_fit_rows(lengths, max(lengths))
-    batch = pack_sequences(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
-                           rows=default_rows(model, groups, len(prompts)))
-    logp, entropy = packed_response_logprobs(model, adapter, batch, temperature=temperature, with_entropy=with_entropy,
-                                             logprob_chunk=logprob_chunk)
-    return logp, entropy, batch.num_tokens

@@ -43,11 +43,11 @@ from vlrl.algos.shaping import (
 )
 from vlrl.config import RLStage, RolloutCorrectionConfig, ShapingSpec
 from vlrl.models import Policy
+from vlrl.models.forward import score
 from vlrl.rollout import Status, Trajectory
 from vlrl.train import step_credit  # noqa: F401  (registers the training room's shaper, step_credit)
 from vlrl.train.common import frozen_copy
 from vlrl.train.critic import Critic
-from vlrl.train.shared_prefix import teacher_logprobs
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
@@ -211,10 +211,9 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
                 or settings.cov_selection is not None or correction.enabled)
     passes = ScoringPasses(algorithm, policy, trajectories)  # whole, or in micro-batches of the token budget
     token_sums = passes.token_sums  # per-token metrics (and perf/shared_prefix_frac's rows), over ranks
-    layout = {"padding_free": settings.padding_free, "shared_prefix": settings.shared_prefix,
-              "logprob_chunk": settings.logprob_chunk}
-    old_logp = passes.run(lambda part, sums: teacher_logprobs(policy.model, policy, part, settings.temperature,
-                                                              **layout, sums=sums)) if need_old else None
+    layout = settings.layout
+    old_logp = passes.run(lambda part, sums: score(policy.model, policy, part, settings.temperature, layout=layout,
+                                                   sums=sums)) if need_old else None
     rollout_weights, corrected = None, {}
     if correction.enabled:  # TIS weights on the loss, MIS-rejected tokens out of the loss and its normaliser
         corr = rollout_correction(old_logp, tensors["behaviour_logp"], loss_mask, tis_cap=correction.tis_cap,
@@ -223,8 +222,8 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         loss_mask = corr.loss_mask
         rollout_weights = corr.weights if correction.tis_cap is not None else None
         corrected = {f"policy/{name}": value for name, value in corr.metrics.items()}
-    ref_logp = (passes.run(lambda part, sums: teacher_logprobs(algorithm.reference, policy, part, settings.temperature,
-                                                               **layout, sums=sums))
+    ref_logp = (passes.run(lambda part, sums: score(algorithm.reference, policy, part, settings.temperature,
+                                                    layout=layout, sums=sums))
                 if algorithm.reference is not None else None)
     values = passes.run(lambda part, _: algorithm.critic.values(part)) if algorithm.critic is not None else None  # (B, R)
     context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step,

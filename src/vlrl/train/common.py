@@ -7,8 +7,6 @@ import copy
 import json
 import math
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -141,15 +139,3 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     for p in reference.parameters():
         p.requires_grad_(False)
     return reference
-
-
-@contextmanager
-def evaluating(model: torch.nn.Module) -> Iterator[None]:
-    """No gradient and eval mode (no dropout) for a teacher-forced pass; the model's mode is restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)

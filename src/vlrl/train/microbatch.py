@@ -12,7 +12,7 @@ its rows into micro-batches whose *cost* stays within the budget instead of into
     cost(micro) = Σ cost(row)                packed (``train.padding_free``): tokens are summed, no padding
                 = b · (max P + max R) + w_v Σ N_p   padded: every row is as long as the longest prompt + response
     with ``train.shared_prefix`` a prompt shared by rows of the micro-batch (a GRPO group) counts once, its rows'
-    responses beside it: the grouped forward of `vlrl.train.shared_prefix` (where vlrl falls back to the plain pass,
+    responses beside it: the grouped forward of `vlrl.models.shared_prefix` (where vlrl falls back to the plain pass,
     said once in the log, the micro-batch costs more than this)
 
 - **forming** (`form`): first-fit decreasing over units — a prompt's rows together under ``train.shared_prefix``,

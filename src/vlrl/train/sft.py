@@ -33,7 +33,7 @@ from vlrl.data.packing import PackingPlan
 from vlrl.data.sample import load_image
 from vlrl.models import Policy
 from vlrl.models.adapters import VisionInputs
-from vlrl.models.packed import sequence_logprobs
+from vlrl.models.forward import PassLayout, teacher_forced
 from vlrl.report import MetricsLogger
 from vlrl.train.budget import PhaseMeter, compute_dtype
 from vlrl.train.common import make_optimizer, step_or_skip
@@ -238,10 +238,10 @@ def _micro_logprobs(policy: Policy, model: torch.nn.Module, units: list[list[SFT
         for unit in units:
             groups.append(list(range(offset, offset + len(unit))))
             offset += len(unit)
-    logp, _, processed = sequence_logprobs(
-        model, policy.adapter, [e.prompt_ids for e in flat], [e.target_ids for e in flat],
-        [e.vision for e in flat], pad_token_id=policy.pad_token_id, padding_free=packed, groups=groups)
-    return logp, processed
+    scores = teacher_forced(model, policy.adapter, [e.prompt_ids for e in flat], [e.target_ids for e in flat],
+                            [e.vision for e in flat], pad_token_id=policy.pad_token_id,
+                            layout=PassLayout(padding_free=packed), groups=groups)
+    return scores.logp, scores.positions
 
 
 def _check_bins(units: list[list[int]], examples: dict[int, SFTExample], plan: PackingPlan) -> None:

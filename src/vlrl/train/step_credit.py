@@ -42,11 +42,11 @@ from vlrl.algos.step_credit import (
 )
 from vlrl.data.tasks.embodied import REFERENCE_TEMPLATE, with_reference
 from vlrl.models import Policy
+from vlrl.models.forward import score
 from vlrl.models.spans import token_char_offsets
 from vlrl.registry import RegistryError
 from vlrl.rewards.plan import locate_plan, plan_steps
 from vlrl.train.common import frozen_copy
-from vlrl.train.shared_prefix import teacher_logprobs
 
 Source = Literal["action_id", "action_name", "semantic"]
 
@@ -315,8 +315,8 @@ def shape_step_credit(advantages: torch.Tensor, loss_mask: torch.Tensor, traject
             raise ValueError("step_credit: signal=forward_proxy scores single-turn responses (the teacher context is "
                              "the prompt plus the reference plan); use signal=rule for multi-turn episodes")
         prompts, visions = teacher_prompts(policy, trajectories, options.teacher_template)
-        teacher = teacher_logprobs(teacher_model, policy, trajectories, temperature, prompts=prompts, visions=visions)
-        student = teacher_logprobs(teacher_model, policy, trajectories, temperature)
+        teacher = score(teacher_model, policy, trajectories, temperature, prompts=prompts, visions=visions)
+        student = score(teacher_model, policy, trajectories, temperature)
         delta = (teacher[:, :T].float().cpu() - student[:, :T].float().cpu()) * loss_mask
         proxy_kwargs = dict(tau=options.tau, norm=options.norm, robust=options.robust)
         if options.proxy == "residual_contrast":

@@ -35,11 +35,12 @@ from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, normaliser_for
 from vlrl.algos.losses import behaviour_weight
 from vlrl.algos.staleness import logp_drift, logp_drift_max
 from vlrl.models import Policy
+from vlrl.models.forward import PassLayout, teacher_forced
+from vlrl.models.shared_prefix import rows_by_prompt
 from vlrl.train.common import step_or_skip
 from vlrl.train.distributed import DistContext
 from vlrl.train.microbatch import CostModel, MicroBatch, StepLayout, by_count, gather_rows
 from vlrl.train.runtime import Runtime
-from vlrl.train.shared_prefix import rows_by_prompt, teacher_forced
 from vlrl.train.update_stats import UpdateStats
 
 
@@ -85,11 +86,17 @@ class UpdateSettings:
     loss_agg_max_length: int | None = None  # the constant L of seq_mean_token_sum_norm
     cov_selection: Callable | None = None  # Clip-Cov / KL-Cov: select(old_logp, Â, mask, *, generator) over a minibatch
     padding_free: bool = False  # pack each micro-batch into rows, no padding between sequences (vlrl.models.packed)
-    shared_prefix: bool = False  # each distinct prompt run once for its rows (vlrl.train.shared_prefix)
+    shared_prefix: bool = False  # each distinct prompt run once for its rows (vlrl.models.shared_prefix)
     logprob_chunk: int | str = "auto"  # tokens per chunk of the LM head + log-softmax (vlrl.models.logprobs.chunk_tokens)
     skip_zero_advantage: bool = False  # leave rows with Â = 0 everywhere out of the forward/backward (loss 0 there)
     on_nonfinite: str = "stop"  # train.on_nonfinite: a NaN/Inf loss or grad norm stops the run, or its update is skipped
     max_tokens_per_micro_batch: int | None = None  # micro-batches by cost, rows rebalanced over ranks (vlrl.train.microbatch)
+
+    @property
+    def layout(self) -> PassLayout:
+        """How every teacher-forced pass of the step lays out its micro-batches (`vlrl.models.forward`)."""
+        return PassLayout(padding_free=self.padding_free, shared_prefix=self.shared_prefix,
+                          logprob_chunk=self.logprob_chunk)
 
 
 def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, optimizer, scheduler, *, seed: int,
@@ -254,12 +261,11 @@ def _micro_loss(policy: Policy, rt: Runtime, batch: UpdateBatch, micro: list[int
     statistics added to ``stats`` (None: a no-op micro-batch, nothing counted)."""
     trajectories = [batch.trajectories[i] for i in micro]
     with rt.autocast():
-        logp, entropy = teacher_forced(
+        scores = teacher_forced(
             rt.module, policy.adapter, [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
             [t.vision for t in trajectories], pad_token_id=policy.pad_token_id, temperature=settings.temperature,
-            with_entropy=True, padding_free=settings.padding_free, shared_prefix=settings.shared_prefix,
-            sums=stats.token_sums if stats is not None else None,
-            logprob_chunk=settings.logprob_chunk)  # (b, R) each, 0 at padding
+            with_entropy=True, layout=settings.layout, sums=stats.token_sums if stats is not None else None)
+    logp, entropy = scores.logp, scores.entropy  # (b, R) each, 0 at padding
     R = logp.shape[1]
 
     def rows_of(tensor: torch.Tensor) -> torch.Tensor:  # the batch lives on the host: these rows, moved

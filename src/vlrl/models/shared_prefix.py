@@ -1,6 +1,6 @@
 """The shared-prefix teacher-forced passes: a group's n responses scored against one run of their prompt.
 
-The plain pass (`vlrl.models.packed.sequence_logprobs`) runs prompt + response for every row, so a GRPO group's
+The plain pass (`vlrl.models.forward`, padded or packed) runs prompt + response for every row, so a GRPO group's
 n rows repeat the same P prompt tokens n times (the vision tower already runs once per group:
 `VisionInputs.concat_shared`). Here the language model runs over G·P + B·(R − 1) positions instead of B·(P + R),
 in one of two ways:
@@ -11,7 +11,7 @@ in one of two ways:
   hooks see one forward) and under gradient checkpointing (the recomputed layers attend as the forward did).
   Autograd sums each prompt's gradient over its rows — the gradient of the plain pass, whose n prompt copies
   each receive their row's share.
-- **without gradients (π_old, π_ref): the KV cache**, as the engine's group prefill (`vlrl.rollout.decode`):
+- **without gradients (π_old, π_ref): the KV cache** (`vlrl.models.kv_cache`), as the engine's group prefill:
 
       prefill     the distinct prompts (vision tower included), once each        (G, P) → KV cache, last logits
       expand      the cache's rows to the rows of the micro-batch                 (G, ...) → (B, ...)  index_select
@@ -28,9 +28,9 @@ They apply when they can be exact and save work, else they return None and the c
 - no two rows share a prompt (equal token ids and equal vision inputs): nothing to share (silent);
 - a response holds vision tokens (a multi-turn observation with an image: its features would have to be fed
   to the response part): logged once;
-- without gradients: the family's cache cannot be expanded (`vlrl.rollout.decode.expand_cache`, logged once per
+- without gradients: the family's cache cannot be expanded (`vlrl.models.kv_cache.expand_cache`, logged once per
   family);
-- with gradients (`shared_prefix_refusal`): recurrent layers (a response would continue the previous one's state
+- with gradients (`vlrl.models.traits.shared_prefix_refusal`): recurrent layers (a response would continue the previous one's state
   in the grouped row), token-type attention masks other than Gemma 3's image blocks (which the grouped attention
   builds), attention-logit soft caps or active dropout (the n rows would share one dropout mask over the prompt):
   logged once.
@@ -40,19 +40,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from vlrl.compat import cache_argument
+from vlrl.models import kv_cache
 from vlrl.models.adapters import TextAdapter, VisionInputs
 from vlrl.models.grouped import group_sequences, grouped_response_logprobs
 from vlrl.models.logprobs import LogprobChunk, head_scores
-from vlrl.models.policy import Policy
-from vlrl.rollout import decode
-from vlrl.rollout.types import Request, Trajectory
-from vlrl.train.common import evaluating
+from vlrl.models.traits import model_traits
 
 log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()  # fallback reasons already logged
@@ -68,8 +64,7 @@ def prompt_groups(prompts: Sequence[Sequence[int] | torch.Tensor], visions: Sequ
                   ) -> tuple[list[int], list[int]]:
     """The rows holding each distinct prompt's first occurrence, and per row the index of its prompt among them.
     Two rows share a prompt when their token ids and vision inputs are equal (the same object, or equal tensors)."""
-    requests = [Request(sample=None, prompt_ids=_ids(p), vision=v) for p, v in zip(prompts, visions, strict=True)]
-    unique, index = decode.distinct_prompts(requests)
+    unique, index = kv_cache.distinct_prompts([kv_cache.Prompt(_ids(p), v) for p, v in zip(prompts, visions, strict=True)])
     return [index.index(g) for g in range(len(unique))], index
 
 
@@ -85,29 +80,6 @@ def rows_by_prompt(trajectories: Sequence, rows: Sequence[int]) -> list[int]:
 
 def _ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
     return prompt.tolist() if isinstance(prompt, torch.Tensor) else [int(t) for t in prompt]
-
-
-def shared_prefix_refusal(model: torch.nn.Module) -> str | None:
-    """Why a pass with gradients through ``model`` cannot share its prompts' work exactly in one grouped forward
-    (`vlrl.models.grouped`); None: it can (under DDP / FSDP2 and gradient checkpointing too)."""
-    from vlrl.models.introspect import ATTENTION_LAYERS as _ATTENTION_LAYERS
-    from vlrl.models.introspect import method_parameters as _parameters
-
-    base = getattr(model, "module", model)
-    config = getattr(base, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    recurrent = set(getattr(text, "layer_types", None) or []) - _ATTENTION_LAYERS
-    if recurrent:
-        return f"layers {sorted(recurrent)} carry a recurrent state from one response into the next"
-    if "token_type_ids" in _parameters(type(base), "forward") and (
-            getattr(config, "model_type", None) != "gemma3" or getattr(text, "use_bidirectional_attention", False)):
-        return "its attention mask depends on token types in a way the grouped attention does not build"
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        return "its attention logits are soft-capped"
-    dropout = [name for name, m in base.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    if dropout or float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
-        return "dropout is active (the n rows would share one dropout mask over the prompt)"
-    return None
 
 
 def shared_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter,
@@ -126,12 +98,12 @@ def shared_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter,
     responses = [torch.as_tensor(r, dtype=torch.long) for r in responses]
     token_types = getattr(adapter, "token_types", None)  # a vision adapter's: text 0, image 1, video 2
     if token_types is not None:
-        if any(len(r) and bool(token_types(r.unsqueeze(0)).any()) for r in responses):
+        if bool(token_types(torch.cat(responses).unsqueeze(0)).any()):  # every response's tokens at once
             _log_once(f"{family}/vision", "%s: a response holds vision tokens (a multi-turn observation with an "
                       "image); the teacher-forced pass runs every row's prompt (no shared prefix)", family)
             return None
     if torch.is_grad_enabled():
-        refusal = shared_prefix_refusal(model)
+        refusal = model_traits(model).grouped_refusal
         if refusal is not None:
             _log_once(f"{family}/grad/{refusal}", "%s: the update's forward does not share a group's prompt (%s); "
                       "it runs every row's prompt", family, refusal)
@@ -152,13 +124,13 @@ def _cached_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter, prompt
     against it (None: the cache cannot be expanded)."""
     family = adapter.family
     device = next(model.parameters()).device
-    if decode.known_not_expandable(family):  # found (and logged) before: not one more prefill to find it again
+    if kv_cache.known_not_expandable(family):  # found (and logged) before: not one more prefill to find it again
         return None
     B = len(prompts)
-    groups = [Request(sample=None, prompt_ids=_ids(prompts[k]), vision=visions[k]) for k in first]
-    logits, cache, prompt_mask, last_position, type_keys = decode.prefill(model, adapter, groups, pad_token_id)
+    groups = [kv_cache.Prompt(_ids(prompts[k]), visions[k]) for k in first]
+    logits, cache, prompt_mask, last_position, type_keys = kv_cache.prefill(model, adapter, groups, pad_token_id)
     rows = torch.tensor(index, dtype=torch.long, device=device)  # (B,) row → prompt
-    if not decode.expand_cache(cache, rows, family):
+    if not kv_cache.expand_cache(cache, rows, family):
         return None
     R = max(1, max(len(r) for r in responses))
     response_ids = torch.full((B, R), pad_token_id, dtype=torch.long)
@@ -177,7 +149,7 @@ def _cached_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter, prompt
                   "attention_mask": torch.cat([prompt_mask[rows], response_mask[:, : R - 1]], dim=-1),  # (B, P + R − 1)
                   "position_ids": last_position[..., rows, :] + 1 + torch.arange(R - 1, device=device)}
         kwargs.update({k: torch.zeros_like(inputs, dtype=torch.int32) for k in type_keys})  # response tokens: text
-        key = cache_argument(model)
+        key = model_traits(model).cache_key
         rest_logp, rest_entropy = head_scores(
             model, lambda: model(**kwargs, use_cache=True, **{key: cache}),
             lambda hidden: hidden.reshape(-1, hidden.shape[-1]), response_ids[:, 1:].reshape(-1),
@@ -199,46 +171,3 @@ def tally(sums: dict[str, list[float]] | None, *, shared: bool, rows: int) -> No
         total = sums.setdefault(SHARED_METRIC, [0.0, 0.0])
         total[0] += rows if shared else 0
         total[1] += rows
-
-
-def teacher_forced(model: torch.nn.Module, adapter: TextAdapter, prompts: Sequence[Sequence[int] | torch.Tensor],
-                   responses: Sequence[Sequence[int] | torch.Tensor], visions: Sequence[VisionInputs | None], *,
-                   pad_token_id: int, temperature: float = 1.0, with_entropy: bool = False, padding_free: bool = False,
-                   shared_prefix: bool = True, sums: dict[str, list[float]] | None = None,
-                   logprob_chunk: LogprobChunk = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, R) response log-probs (and entropy) of a micro-batch: the shared-prefix pass when ``shared_prefix``
-    and it applies, else the plain one (`vlrl.models.packed.sequence_logprobs`, padded or ``padding_free``).
-    ``sums``: where to count the rows under ``perf/shared_prefix_frac`` (`tally`); ``logprob_chunk``: tokens per
-    chunk of the LM head and log-softmax (`vlrl.models.logprobs.chunk_tokens`)."""
-    from vlrl.models.packed import sequence_logprobs
-
-    if shared_prefix:
-        out = shared_prefix_logprobs(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
-                                     temperature=temperature, with_entropy=with_entropy, logprob_chunk=logprob_chunk)
-        if out is not None:
-            tally(sums, shared=True, rows=len(prompts))
-            return out
-    tally(sums, shared=False, rows=len(prompts))
-    logp, entropy, _ = sequence_logprobs(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
-                                         temperature=temperature, with_entropy=with_entropy, padding_free=padding_free,
-                                         logprob_chunk=logprob_chunk)
-    return logp, entropy
-
-
-def teacher_logprobs(model: torch.nn.Module, policy: Policy, trajectories: Sequence[Trajectory], temperature: float, *,
-                     padding_free: bool = False, shared_prefix: bool = False, prompts: Sequence[Any] | None = None,
-                     visions: Sequence[Any] | None = None, sums: dict[str, list[float]] | None = None,
-                     logprob_chunk: int | str = "auto") -> torch.Tensor:
-    """(B, R) log-probs of the trajectories' responses under ``model`` (no gradient, eval mode), after their own
-    prompts or the given ``prompts`` / ``visions`` (a teacher's context): the one teacher-forced function,
-    `vlrl.models.packed.sequence_logprobs`, padded or packed (the same values) — or, with ``shared_prefix``, each
-    distinct prompt prefilled once and its keys/values expanded to its rows (`vlrl.train.shared_prefix`; the same
-    values, the plain pass where that does not apply; ``sums``: where its rows are counted, `tally`);
-    ``logprob_chunk``: `vlrl.models.logprobs.chunk_tokens`."""
-    prompts = [t.prompt_ids for t in trajectories] if prompts is None else prompts
-    visions = [t.vision for t in trajectories] if visions is None else visions
-    with evaluating(model):
-        logp, _ = teacher_forced(model, policy.adapter, prompts, [t.response_ids for t in trajectories], visions,
-                                 pad_token_id=policy.pad_token_id, temperature=temperature, padding_free=padding_free,
-                                 shared_prefix=shared_prefix, sums=sums, logprob_chunk=logprob_chunk)
-    return logp.cpu()  # a step's batch lives on the host (`UpdateBatch`); the update moves its micro-batches
