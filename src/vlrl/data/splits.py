@@ -55,10 +55,11 @@ def schema_for(cfg: DataConfig, split: str = "train"):
     ``prompt_template`` naming a file is read here. `ValueError` names the field."""
     from vlrl.data.schemas import Schema
 
-    template = cfg.prompt_template
+    template, file = cfg.prompt_template, None
     if template is not None and "{" not in template and Path(template).expanduser().is_file():
-        template = Path(template).expanduser().read_text(encoding="utf-8")
-    return Schema(format=cfg.format, columns=dict(cfg.columns), prompt_template=template,
+        file = str(Path(template).expanduser())
+        template = Path(file).read_text(encoding="utf-8")
+    return Schema(format=cfg.format, columns=dict(cfg.columns), prompt_template=template, template_file=file,
                   system_prompt=cfg.system_prompt, reward=cfg.reward, reward_by_source=dict(cfg.reward_by_source),
                   split=cfg.split if split == "train" else cfg.test_split, subset=cfg.subset, revision=cfg.revision)
 
