@@ -35,7 +35,7 @@ def test_vlrl_check_refuses_a_template_file_that_reaches_for_code(tmp_path):
     assert not marker.exists(), "the template ran code"
     assert result.exit_code == 1, result.output
     problems = [line for line in result.output.splitlines() if line.startswith("  ✗")]
-    assert problems and all(line.startswith(f"  ✗ data.") and f"data.prompt_template ({template}): refused by the "
+    assert problems and all(line.startswith("  ✗ data.") and f"data.prompt_template ({template}): refused by the "
                             "template sandbox: access to attribute '__init__' of 'type' object is unsafe" in line
                             for line in problems), result.output
 
