@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from PIL import Image
 
 from vlrl.data.sample import Sample, SampleError, image_size, load_image
@@ -237,11 +238,40 @@ def build_request(policy: Policy, text: str | None, input_ids: list[int] | None,
     vocab = policy.model.get_input_embeddings().num_embeddings
     if min(ids) < 0 or max(ids) >= vocab:
         raise BadRequest(f"field 'input_ids': token ids must lie in [0, {vocab})")
+    check_vision_tokens(policy, ids, vision, "text" if text is not None else "input_ids")
     if bounds.context is not None and len(ids) + bounds.max_new_tokens > bounds.context:
         raise BadRequest(f"field 'sampling_params.max_new_tokens': {len(ids)} prompt tokens + max_new_tokens "
                          f"{bounds.max_new_tokens} exceed the model context of {bounds.context} tokens")
     sample = Sample(id=rid, task="serve", messages=[{"role": "user", "content": ""}])
     return Request(sample=sample, prompt_ids=ids, vision=vision, images=images)
+
+
+def check_vision_tokens(policy: Policy, ids: list[int], vision: Any, field: str) -> None:
+    """A prompt whose vision tokens do not match its images is refused here, at admission (`BadRequest` naming
+    ``field``), instead of failing the decode batch it would join: the tokens image features are scattered into
+    must be exactly those of its images' markup, no video token may appear (the server takes no videos), and the
+    family's own positions must build for it (Qwen's M-RoPE finds each image by its ``<|vision_start|>``)."""
+    adapter = policy.adapter
+    scattered = getattr(adapter, "image_token_id", None)
+    scattered = scattered if scattered is not None else getattr(adapter, "image_placeholder_id", None)
+    video = getattr(adapter, "video_token_id", None)
+    if video is not None and video in ids:
+        raise BadRequest(f"field '{field}': the prompt holds {ids.count(video)} video token(s) "
+                         f"({policy.tokenizer.convert_ids_to_tokens(video)}); this server takes images only")
+    if scattered is None:
+        return
+    want = sum(adapter.encode_text(r).count(scattered) for r in vision.replacements) if vision is not None else 0
+    if ids.count(scattered) != want:
+        raise BadRequest(f"field '{field}': the prompt holds {ids.count(scattered)} image token(s) "
+                         f"({policy.tokenizer.convert_ids_to_tokens(scattered)}) but its "
+                         f"{0 if vision is None else vision.num_images} image(s) take {want}")
+    if vision is not None:
+        try:
+            adapter.segment_position_ids(policy.model, torch.tensor(ids), vision)
+        except Exception as err:  # noqa: BLE001  (whatever the family's code raises on a malformed layout)
+            raise BadRequest(f"field '{field}': the prompt's image markup does not fit its images (each image's "
+                             f"placeholder must stand in the family's markup): {type(err).__name__}: "
+                             f"{str(err)[:200]}") from None
 
 
 def _expand_ids(policy: Policy, ids: list[int], vision) -> list[int]:
