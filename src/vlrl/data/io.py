@@ -95,18 +95,20 @@ def read_samples(
             (`vlrl.data.sources.ArrowImage`) are checked from their header only: nothing is decoded.
         media: how videos become frames and the per-sample image budgets (`vlrl.data.video.prepare_media`);
             a sample over a budget is a bad record. None: samples are returned as read (videos kept). Its
-            ``max_record_bytes`` (the default one when None) bounds each record while it is read.
+            ``max_record_bytes`` and ``max_source_bytes`` (the default ones when None) bound each record and the
+            whole source, once decoded, while it is read (`vlrl.data.sources.open_tables`).
     """
     schema = schema or Schema()
     try:
+        limits = media or MediaLimits()
         tables = open_tables(path, split=schema.split, subset=schema.subset, revision=schema.revision,
-                             max_record_bytes=(media or MediaLimits()).max_record_bytes)
+                             max_record_bytes=limits.max_record_bytes, max_source_bytes=limits.max_source_bytes)
     except SourceError as err:
         raise DataError(str(err)) from err
     report = ReadReport(samples=[])
     try:
         _read_tables(tables, schema, report, on_error, check, verify_images, media)
-    except TemplateRefused as err:  # the template's fault, not a record's: whatever on_error says
+    except (TemplateRefused, SourceError) as err:  # the template's or the whole source's: whatever on_error says
         raise DataError(str(err)) from None
     if report.skipped:
         log.warning("%s: skipped %d bad record(s); first: %s: %s", path, len(report.skipped), *report.skipped[0])

@@ -47,7 +47,7 @@ def media_limits(cfg: DataConfig) -> MediaLimits:
     """Video frame sampling and per-sample image budgets of ``cfg`` (`vlrl.data.video`)."""
     return MediaLimits(video_fps=cfg.video_fps, max_frames=cfg.max_frames, max_images=cfg.max_images,
                        max_image_pixels=cfg.max_image_pixels, max_sample_pixels=cfg.max_sample_pixels,
-                       max_record_bytes=cfg.max_record_bytes)
+                       max_record_bytes=cfg.max_record_bytes, max_source_bytes=cfg.max_source_bytes)
 
 
 def schema_for(cfg: DataConfig, split: str = "train"):

@@ -39,6 +39,7 @@ class MediaLimits:
     max_image_pixels: int | None = None
     max_sample_pixels: int | None = None
     max_record_bytes: int = 64 << 20  # one jsonl line / parquet row, checked by the reader while it reads
+    max_source_bytes: int = 1 << 30  # the text of one source once decoded, checked before (or while) it is read
 
 
 def prepare_media(sample: Sample, limits: MediaLimits) -> Sample:
