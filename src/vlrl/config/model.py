@@ -179,13 +179,15 @@ class DataConfig(Section):
         "tokens, this bounds a sample's vision tokens. None: no limit.",
     )
     max_image_pixels: int | None = Field(
-        None, ge=1, description="Most pixels of one image or frame as stored (width×height from its header, before "
-        "any decoding or resizing); a bigger one makes its sample a bad record. None: no limit (Pillow's own "
-        "decompression-bomb check still applies).",
+        16 << 20, ge=1, description="Most pixels of one image or frame as stored (width×height from its header, "
+        "before any decoding or resizing); a bigger one makes its sample a bad record. The default is vlrl serve's "
+        "--max-image-pixels (16,777,216: a decoded RGB image of 48 MB). None: no limit (Pillow's own "
+        "decompression-bomb check still applies — a 1-bit 12000² PNG of 17.6 KB is under it).",
     )
     max_sample_pixels: int | None = Field(
-        None, ge=1, description="Most pixels of all a sample's images and frames together, as stored; a sample "
-        "over it is a bad record. None: no limit.",
+        128 << 20, ge=1, description="Most pixels of all a sample's images and frames together, as stored; a sample "
+        "over it is a bad record. The default is vlrl serve's --max-request-pixels (134,217,728: ~400 MB "
+        "decoded). None: no limit.",
     )
     max_record_bytes: int = Field(
         64 << 20, ge=1, description="Most bytes of one record of a data file (a jsonl line, a parquet row; images "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 
 @runtime_checkable
@@ -201,9 +201,10 @@ def open_image(source: ImageSource) -> Image.Image:
 
 
 def load_image(source: ImageSource, *, max_pixels: int | None = None, mode: str = "RGB") -> Image.Image:
-    """Decode an image source into a PIL image of ``mode`` (RGB by default); raise `SampleError` saying what is
-    wrong. Only `IMAGE_FORMATS` are decoded (see `open_image`); with ``max_pixels``, an image with more pixels
-    is refused from its header, before its pixels are decoded."""
+    """Decode an image source into a PIL image of ``mode`` (RGB by default), turned upright by its EXIF orientation
+    (as a viewer shows it) and, if 16-bit, scaled to 8 bits; raise `SampleError` saying what is wrong. Only
+    `IMAGE_FORMATS` are decoded (see `open_image`); with ``max_pixels``, an image with more pixels is refused from
+    its header, before its pixels are decoded."""
     if isinstance(source, Image.Image):
         return source if source.mode == mode else source.convert(mode)
     if isinstance(source, DeferredImage):
@@ -215,7 +216,7 @@ def load_image(source: ImageSource, *, max_pixels: int | None = None, mode: str 
         if max_pixels is not None and width * height > max_pixels:
             raise SampleError(f"image {where}: {width}x{height} has more than {max_pixels} pixels")
         image.load()
-        return image.convert(mode)
+        return _as_mode(ImageOps.exif_transpose(image), mode)
     except SampleError:
         raise
     except Exception as err:  # PIL raises many types for corrupt data
@@ -225,12 +226,32 @@ def load_image(source: ImageSource, *, max_pixels: int | None = None, mode: str 
 
 
 def image_size(source: ImageSource) -> tuple[int, int]:
-    """(width, height) of an image source from its header alone (no pixel decoding); `SampleError` if unreadable
-    or not one of `IMAGE_FORMATS`."""
+    """(width, height) of an image source as `load_image` gives it — from its header alone (no pixel decoding),
+    turned by its EXIF orientation; `SampleError` if unreadable or not one of `IMAGE_FORMATS`."""
     if isinstance(source, Image.Image):
         return source.size
     with open_image(source) as image:
-        return image.size
+        width, height = image.size
+        try:
+            turned = image.getexif().get(_EXIF_ORIENTATION) in (5, 6, 7, 8)  # a quarter turn (or a transpose)
+        except Exception:  # noqa: BLE001  (a broken EXIF block: load_image ignores it too)
+            turned = False
+        return (height, width) if turned else (width, height)
+
+
+_EXIF_ORIENTATION = 0x0112
+_WIDE_MODES = {"I;16": 8, "I;16L": 8, "I;16B": 8, "I;16N": 8, "I": 8}  # bits to shift down to 8
+
+
+def _as_mode(image: Image.Image, mode: str) -> Image.Image:
+    """``image`` in ``mode``. A 16-bit grayscale image (PNG's 16-bit depth: Pillow's ``I;16``, or ``I``) is scaled
+    to 8 bits first — Pillow's own conversion clips every value over 255 to white."""
+    if image.mode in _WIDE_MODES and mode != image.mode:
+        import numpy as np
+
+        values = np.asarray(image).astype(np.uint32) >> _WIDE_MODES[image.mode]  # 0..65535 → 0..255
+        image = Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), mode="L")
+    return image if image.mode == mode else image.convert(mode)
 
 
 def image_to_png_bytes(image: Image.Image) -> bytes:
