@@ -6,12 +6,16 @@ one server-wide budget, a declared body length reserves nothing, and a text requ
 from __future__ import annotations
 
 import concurrent.futures
+import socket
+import threading
+import time
 
 import pytest
 from PIL import Image
-from tests.rollout.test_server_hardening import data_url, png, serving
+from tests.rollout.test_server_hardening import KEY, _send_raw, _wait, data_url, png, serving
 
 from vlrl.rollout.batcher import ContinuousBatcher, private_copy
+from vlrl.rollout.server import ServeLimits
 from vlrl.rollout.server.prompts import build_request
 from vlrl.rollout.types import Request, SamplingParams
 
@@ -58,3 +62,91 @@ def test_a_batch_that_fails_is_decoded_again_job_by_job(policy):
         assert batcher.retried_batches == 1 and batcher.batches == 1
     finally:
         batcher.close()
+
+
+# ----------------------------------------------------------------------------------------------- item 6: queued pixels
+def _model_info(client):
+    return client.get("/get_model_info").json()
+
+
+def test_the_decoded_pixels_of_queued_requests_have_one_server_wide_budget(policy):
+    """Before: every request under the per-request bounds was admitted and kept its decoded images while queued
+    (8 × 4096² grew the server 1.0 → 4.4 GB). Now a request's pixels (from the headers) are reserved before they
+    are decoded, against --max-queued-pixels: past it, 503; a client that goes away releases them."""
+    image = data_url(png(256, 256))
+    body = {"text": "<|vision_start|><|image_pad|><|vision_end|> hi", "image_data": image,
+            "sampling_params": {"max_new_tokens": 2}}
+    limits = ServeLimits(max_queued_pixels=3 * 256 * 256)
+    with serving(policy, limits) as (client, batcher, server):
+        batcher.pause("in_place")  # nothing decodes: admitted requests stay queued
+        waiting = [_send_raw(server.url, body) for _ in range(3)]
+        _wait(lambda: _model_info(client)["queued_pixels"] == 3 * 256 * 256, timeout=30)
+        refused = client.post("/generate", json=body)
+        assert refused.status_code == 503 and "(vlrl serve --max-queued-pixels)" in refused.json()["error"]
+        assert "Retry-After" in refused.headers
+        for sock in waiting:
+            sock.close()
+        _wait(lambda: _model_info(client)["queued_pixels"] == 0, timeout=30)
+        batcher.resume()
+        assert client.post("/generate", json=body).status_code == 200
+        assert _model_info(client)["queued_pixels"] == 0
+
+
+# ----------------------------------------------------------------------------------------------- item 7: declared lengths
+def test_a_declared_length_reserves_nothing_and_a_silent_body_is_dropped_at_its_first_byte_deadline(policy):
+    """Before: eight idle connections, each declaring Content-Length: 33554432 and sending nothing, reserved the whole
+    256 MB in-flight cap on the declaration: every other client got 503 for 60 s, renewable. Now bytes are reserved
+    as they arrive (here a 1 MB cap, eight declarations of 1 MB): a normal client is served at once, and the idle
+    connections get 408 at the first-byte deadline (1 s), not the body deadline (20 s)."""
+    limits = ServeLimits(max_body_bytes=1 << 20, max_inflight_body_bytes=1 << 20, body_timeout=20.0,
+                         first_byte_timeout=1.0)
+    with serving(policy, limits) as (client, batcher, server):
+        host, port = server.url.removeprefix("http://").split(":")
+        head = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {KEY}\r\nContent-Length: {1 << 20}\r\n\r\n".encode())
+        idle = []
+        for _ in range(8):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(head)
+            idle.append(sock)
+        time.sleep(0.2)  # the declarations have been read
+        started = time.monotonic()
+        answer = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert answer.status_code == 200, answer.text
+        lines = [sock.recv(4096).split(b"\r\n") for sock in idle]
+        waited = time.monotonic() - started
+        for sock in idle:
+            sock.close()
+        assert server.app.state.body_bytes.peak < 1 << 20  # (the normal body only)
+    assert [line[0].split()[1] for line in lines] == [b"408"] * 8
+    assert all(b"the first byte of the request body did not arrive within 1 s" in line[-1] for line in lines)
+    assert waited < 10, waited  # the first-byte deadline, not the 20 s body deadline
+
+
+# ----------------------------------------------------------------------------------------------- text-only requests
+def test_a_text_request_never_waits_on_the_image_thread(policy, monkeypatch):
+    """Before: every request went through the one image thread, so text requests waited behind image decoding (p99
+    5-9 s in the probe). Here the image thread is held inside an image decode; a text request is answered
+    meanwhile."""
+    from vlrl.rollout.server import prompts
+
+    entered, release = threading.Event(), threading.Event()
+    decode = prompts.load_image
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(prompts, "load_image", held)
+    image = {"text": "<|vision_start|><|image_pad|><|vision_end|> hi", "image_data": data_url(png(56, 56)),
+             "sampling_params": {"max_new_tokens": 2}}
+    with serving(policy) as (client, batcher, server):
+        pending = concurrent.futures.ThreadPoolExecutor(1).submit(client.post, "/generate", json=image)
+        assert entered.wait(30)
+        try:
+            answer = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=10)
+        finally:
+            release.set()
+        assert answer.status_code == 200, answer.text
+        assert pending.result(timeout=30).status_code == 200

@@ -25,19 +25,28 @@ from vlrl.models.policy import DTYPES
 from vlrl.rollout.batcher import ContinuousBatcher, QueueFullError, TooLargeError
 from vlrl.rollout.server.prompts import (
     build_requests,
+    encode_request_images,
+    has_images,
     is_batched,
-    load_request_images,
     longest_token_chars,
     model_context,
     prompt_count,
     sglang_output,
 )
-from vlrl.rollout.server.schema import BadRequest, GenerateBody, PromptBounds, ServeLimits, explain
+from vlrl.rollout.server.schema import (
+    BadRequest,
+    GenerateBody,
+    PromptBounds,
+    ServeLimits,
+    ServerBusy,
+    explain,
+)
 from vlrl.rollout.server.weight_routes import ShuttingDown, WeightRoutes
 from vlrl.rollout.types import Trajectory
 from vlrl.serving import (
     BodyError,
     BodyParser,
+    Budget,
     bind_socket,
     encode_json,
     on_close,
@@ -70,7 +79,7 @@ def create_app(batcher: ContinuousBatcher, *, api_key: str | None, model_path: s
     on_close(app, route.close)
     protect(app, api_key=api_key, max_body_bytes=limits.max_body_bytes, setting="vlrl serve --max-body-mb",
             admin_api_key=admin_api_key, admin_paths=ADMIN_PATHS, max_inflight_bytes=limits.max_inflight_body_bytes,
-            body_timeout=limits.body_timeout)
+            body_timeout=limits.body_timeout, first_byte_timeout=limits.first_byte_timeout)
     app.state.on_drain = route.on_drain
     app.state.weights = route.weights
     on_close(app, route.weights.close)
@@ -94,6 +103,10 @@ def _error_handlers(app: Any, answer: type) -> None:
     @app.exception_handler(BadRequest)
     async def _bad(request: HTTPRequest, err: BadRequest):
         return answer({"error": str(err)}, 400)
+
+    @app.exception_handler(ServerBusy)
+    async def _busy(request: HTTPRequest, err: ServerBusy):
+        return answer({"error": f"server busy: {err}"}, 503, headers={"Retry-After": "1"})
 
     @app.exception_handler(ShuttingDown)
     async def _stopping(request: HTTPRequest, err: ShuttingDown):
@@ -120,7 +133,8 @@ def _info_routes(app: Any, route: GenerateRoute, model_path: str) -> None:
                 "max_batch_size": batcher.max_batch_size, "max_queued_requests": batcher.max_queued_requests,
                 "max_tokens_in_flight": batcher.max_tokens_in_flight, "max_new_tokens": limits.max_new_tokens,
                 "max_body_bytes": limits.max_body_bytes, "max_image_pixels": limits.max_image_pixels,
-                "max_request_pixels": limits.max_request_pixels,
+                "max_request_pixels": limits.max_request_pixels, "max_queued_pixels": limits.max_queued_pixels,
+                "queued_pixels": route.pixels.held,
                 "queued_requests": batcher.queued(), "tokens_in_flight": batcher.tokens_in_flight,
                 "batches": batcher.batches, "rows": batcher.rows, "decode_steps": batcher.decode_steps,
                 "early_stops": len(batcher.early_stops), "cancelled": batcher.cancelled, "paused": batcher.paused,
@@ -156,6 +170,7 @@ class GenerateRoute:
                                  max_string_chars=self.max_text_chars or 1 << 24)
         self.prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlrl-prep")  # one tokenizer user
         self.images = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlrl-images")
+        self.pixels = Budget(limits.max_queued_pixels)  # decoded pixels of the requests admitted, not yet answered
         self.draining = False
         self.weights = WeightRoutes(batcher, limits, self.read, answer)
 
@@ -207,6 +222,27 @@ class GenerateRoute:
             raise BadRequest(f"field 'sampling_params.n': {prompts} prompt(s) × n = {n} is {prompts * n} samples; the "
                              f"server queues at most {batcher.max_queued_requests} (vlrl serve --max-queued-requests)")
 
+    async def _admit(self, body: GenerateBody, sampling: Any, bounds: PromptBounds,
+                     hold: PixelHold) -> tuple[concurrent.futures.Future, float]:
+        """Prepare ``body``'s requests and queue them as one job: (its future, its deadline). The images are read,
+        reserved against the server's budget of queued pixels (``hold``), decoded and processed on the image
+        thread; a text-only request never goes there (it does not wait behind an image). 400 / 503 by raising."""
+        batcher = self.batcher
+        rids = (f"req-{i}" for i in self.counter)
+        visions = None
+        if has_images(body):
+            visions = await self.in_pool(self.images, encode_request_images, body, bounds, batcher.policy.adapter,
+                                         hold.take)
+        requests = await self.in_pool(self.prep, build_requests, batcher.policy, body, rids, bounds, visions)
+        tokens = sum(sampling.n * (len(r.prompt_ids) + sampling.max_new_tokens) for r in requests)
+        deadline = time.monotonic() + self.limits.request_timeout
+        try:  # one job: a batch's prompts decode together
+            return batcher.submit(requests, sampling, tokens=tokens, deadline=deadline), deadline
+        except TooLargeError as err:
+            raise BadRequest(f"field 'sampling_params': {err}") from None
+        except QueueFullError as err:
+            raise ServerBusy(str(err)) from None
+
     async def generate(self, request: Any):
         if self.draining:
             return self.answer({"error": "server busy: shutting down"}, 503, headers={"Retry-After": "1"})
@@ -216,17 +252,13 @@ class GenerateRoute:
         new_tokens = sampling.max_new_tokens
         self._check(prompt_count(body), new_tokens, sampling.n)
         bounds = PromptBounds(self.context, self.max_text_chars, new_tokens, self.limits)
-        rids = (f"req-{i}" for i in self.counter)
-        decoded = await self.in_pool(self.images, load_request_images, body, bounds, batcher.policy.adapter)
-        requests = await self.in_pool(self.prep, build_requests, batcher.policy, body, rids, bounds, decoded)
-        tokens = sum(sampling.n * (len(r.prompt_ids) + new_tokens) for r in requests)
-        deadline = time.monotonic() + self.limits.request_timeout
-        try:  # one job: a batch's prompts decode together
-            future = batcher.submit(requests, sampling, tokens=tokens, deadline=deadline)
-        except TooLargeError as err:
-            raise BadRequest(f"field 'sampling_params': {err}") from None
-        except QueueFullError as err:
-            return answer({"error": f"server busy: {err}"}, 503, headers={"Retry-After": "1"})
+        hold = PixelHold(self.pixels)  # what this request holds of the budget of queued pixels
+        try:
+            future, deadline = await self._admit(body, sampling, bounds, hold)
+        except BaseException:
+            hold.release()
+            raise
+        future.add_done_callback(hold.release)
         trajectories = await _answer_or_abandon(request.receive, future)
         if trajectories is None:  # the client is gone (counted in batcher.cancelled): nobody reads an answer
             return answer({"error": "client disconnected"}, 499)
@@ -240,6 +272,32 @@ class GenerateRoute:
 
         out = await self.in_pool(self.prep, answers)
         return answer(out if is_batched(body) or sampling.n > 1 else out[0])  # a batch: prompt-major, n per prompt
+
+
+class PixelHold:
+    """The pixels one request holds of the server's budget of queued pixels: taken on the image thread before its
+    images are decoded, released once — when its job is answered or cancelled, or its admission failed (a take
+    after that is refused, so an abandoned request leaves nothing held)."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget, self.amount, self.done = budget, 0, False
+        self._lock = threading.Lock()
+
+    def take(self, pixels: int) -> None:
+        with self._lock:
+            if self.done:
+                raise ServerBusy("the request was abandoned before its images were read")
+            if not self.budget.reserve(pixels):
+                raise ServerBusy(f"the images of the requests queued hold {self.budget.held} pixels; with this "
+                                 f"request's {pixels} that would pass the server's limit of {self.budget.limit} "
+                                 "(vlrl serve --max-queued-pixels)")
+            self.amount += pixels
+
+    def release(self, *_: Any) -> None:
+        with self._lock:
+            if not self.done:
+                self.done = True
+                self.budget.release(self.amount)
 
 
 async def _until_disconnected(receive: collections.abc.Callable) -> None:
