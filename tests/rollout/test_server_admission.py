@@ -93,6 +93,17 @@ def test_the_decoded_pixels_of_queued_requests_have_one_server_wide_budget(polic
 
 
 # ----------------------------------------------------------------------------------------------- item 7: declared lengths
+def _answer(sock: socket.socket) -> bytes:
+    """An HTTP answer read whole from a raw socket (its head and its JSON body may arrive apart)."""
+    data = b""
+    while not data.endswith(b"}"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def test_a_declared_length_reserves_nothing_and_a_silent_body_is_dropped_at_its_first_byte_deadline(policy):
     """Before: eight idle connections, each declaring Content-Length: 33554432 and sending nothing, reserved the whole
     256 MB in-flight cap on the declaration: every other client got 503 for 60 s, renewable. Now bytes are reserved
@@ -113,7 +124,7 @@ def test_a_declared_length_reserves_nothing_and_a_silent_body_is_dropped_at_its_
         started = time.monotonic()
         answer = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
         assert answer.status_code == 200, answer.text
-        lines = [sock.recv(4096).split(b"\r\n") for sock in idle]
+        lines = [_answer(sock).split(b"\r\n") for sock in idle]
         waited = time.monotonic() - started
         for sock in idle:
             sock.close()
@@ -150,3 +161,44 @@ def test_a_text_request_never_waits_on_the_image_thread(policy, monkeypatch):
             release.set()
         assert answer.status_code == 200, answer.text
         assert pending.result(timeout=30).status_code == 200
+
+
+def test_the_image_thread_takes_the_smallest_request_first_and_skips_abandoned_ones(policy, monkeypatch):
+    """While the image thread is held: a 1024² request whose client then goes away, a 512² and a 56² one wait. Once
+    released: the 56² request is decoded before the 512², and the abandoned one is never decoded (its pixels are
+    released at once)."""
+    from vlrl.rollout.server import prompts
+
+    entered, release, decoded = threading.Event(), threading.Event(), []
+    decode = prompts.load_image
+
+    def held(source, **kwargs):
+        image = decode(source, **kwargs)
+        decoded.append(image.size[0])
+        if len(decoded) == 1:
+            entered.set()
+            release.wait(30)
+        return image
+
+    monkeypatch.setattr(prompts, "load_image", held)
+
+    def body(side):
+        return {"text": "<|vision_start|><|image_pad|><|vision_end|> hi", "image_data": data_url(png(side, side)),
+                "sampling_params": {"max_new_tokens": 2}}
+
+    with serving(policy) as (client, batcher, server):
+        first = _send_raw(server.url, body(64))  # holds the image thread
+        assert entered.wait(30)
+        abandoned = _send_raw(server.url, body(1024))
+        _wait(lambda: _model_info(client)["queued_pixels"] == 64 * 64 + 1024 * 1024, timeout=30)
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        larger = pool.submit(client.post, "/generate", json=body(512))
+        _wait(lambda: _model_info(client)["queued_pixels"] == 64 * 64 + 1024 * 1024 + 512 * 512, timeout=30)
+        smaller = pool.submit(client.post, "/generate", json=body(56))
+        _wait(lambda: _model_info(client)["queued_pixels"] == 64 * 64 + 1024 * 1024 + 512 * 512 + 56 * 56, timeout=30)
+        abandoned.close()
+        _wait(lambda: _model_info(client)["queued_pixels"] == 64 * 64 + 512 * 512 + 56 * 56, timeout=30)
+        release.set()
+        assert smaller.result(timeout=60).status_code == 200 and larger.result(timeout=60).status_code == 200
+        first.close()
+    assert decoded == [64, 56, 512]

@@ -28,7 +28,7 @@ def serve(
     max_image_pixels: int = typer.Option(16 << 20, "--max-image-pixels", help="Largest image (pixels, from its header)."),
     max_request_pixels: int = typer.Option(128 << 20, "--max-request-pixels",
                                            help="Pixels of all the images of one request together (from their headers)."),
-    max_queued_pixels: int = typer.Option(256 << 20, "--max-queued-pixels",
+    max_queued_pixels: int = typer.Option(128 << 20, "--max-queued-pixels",
                                           help="Pixels (from their headers) of the images of every request admitted "
                                           "and not yet answered (503 beyond)."),
     max_inflight_body_mb: float = typer.Option(256.0, "--max-inflight-body-mb",

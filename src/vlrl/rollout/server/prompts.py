@@ -107,13 +107,16 @@ def prompt_image_items(body: GenerateBody) -> list[list[ImageItem]]:
 def load_request_images(body: GenerateBody, bounds: PromptBounds, adapter: Any,
                         reserve: Callable[[int], None] | None = None) -> list[list[Image.Image]]:
     """Every prompt's decoded images. Before any pixel is decoded, each image's format and size are read from its
-    header and checked — each against ``max_image_pixels``, all of them together against ``max_request_pixels``,
-    each prompt's vision tokens (from the sizes) against the context — and ``reserve(pixels)`` is called with the
-    request's pixels (the server-wide budget of queued pixels: it raises to refuse). Runs on the server's image
-    thread, off the thread that tokenizes (a request of large images never holds up the others' text)."""
-    sources, total = _image_sources(body, bounds, adapter)
+    header and checked (`read_image_headers`), and ``reserve(pixels)`` is called with the request's pixels (the
+    server-wide budget of queued pixels: it raises to refuse)."""
+    sources, total = read_image_headers(body, bounds, adapter)
     if reserve is not None and total:
         reserve(total)
+    return decode_images(body, sources, bounds)
+
+
+def decode_images(body: GenerateBody, sources: list[list[tuple]], bounds: PromptBounds) -> list[list[Image.Image]]:
+    """The images `read_image_headers` found, decoded (each within ``max_image_pixels``)."""
     out = []
     for i, found in enumerate(sources):
         prefix = f"prompt {i} of the batch: " if is_batched(body) else ""
@@ -127,8 +130,10 @@ def load_request_images(body: GenerateBody, bounds: PromptBounds, adapter: Any,
     return out
 
 
-def _image_sources(body: GenerateBody, bounds: PromptBounds, adapter: Any) -> tuple[list[list[tuple]], int]:
-    """(each prompt's (source, is a server file) pairs, the pixels of all), every image checked from its header."""
+def read_image_headers(body: GenerateBody, bounds: PromptBounds, adapter: Any) -> tuple[list[list[tuple]], int]:
+    """(each prompt's (source, is a server file) pairs, the pixels of all), every image's format and size read from
+    its header (nothing decoded) and checked — each against ``max_image_pixels``, all of them together against
+    ``max_request_pixels``, each prompt's vision tokens (from the sizes) against the context."""
     limits, batched = bounds.limits, is_batched(body)
     per_prompt = prompt_image_items(body)
     sources, total = [], 0
@@ -173,13 +178,17 @@ def has_images(body: GenerateBody) -> bool:
 
 def encode_request_images(body: GenerateBody, bounds: PromptBounds, adapter: Any,
                           reserve: Callable[[int], None] | None = None) -> list[Any]:
-    """Every prompt's processor outputs (`VisionInputs` or None), on the image thread: decoded
-    (`load_request_images`), processed, and the decoded images dropped — only the processor's tensors wait in the
-    queue."""
+    """Every prompt's processor outputs (`VisionInputs` or None): decoded (`load_request_images`), processed, and
+    the decoded images dropped — only the processor's tensors wait in the queue."""
+    return process_images(body, load_request_images(body, bounds, adapter, reserve), adapter)
+
+
+def process_images(body: GenerateBody, images: list[list[Image.Image]], adapter: Any) -> list[Any]:
+    """Each prompt's decoded images through the family's processor (`VisionInputs`, or None for no image)."""
     out = []
-    for i, images in enumerate(load_request_images(body, bounds, adapter, reserve)):
+    for i, prompt_images in enumerate(images):
         try:
-            out.append(adapter.encode_images(images))
+            out.append(adapter.encode_images(prompt_images))
         except ValueError as err:
             prefix = f"prompt {i} of the batch: " if is_batched(body) else ""
             raise BadRequest(f"{prefix}field 'image_data': {err}") from None
