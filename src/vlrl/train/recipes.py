@@ -82,8 +82,11 @@ def _reporting(cfg: RunConfig, run_dir: Path, logger: MetricsLogger, ctx: DistCo
             else:
                 os.environ[name] = value
         logger.close()
-        if cfg.report.html and (ctx is None or ctx.is_main) and (run_dir / "metrics.jsonl").exists():
-            _write_report(run_dir, logger)
+        try:
+            if cfg.report.html and (ctx is None or ctx.is_main) and (run_dir / "metrics.jsonl").exists():
+                _write_report(run_dir, logger)
+        finally:
+            logger.release()  # the run directory's lock, once everything of the run is written
         if ctx is not None:
             shutdown_distributed(ctx)
 
