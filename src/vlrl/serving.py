@@ -30,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import collections
 import ipaddress
 import json
 import logging
 import multiprocessing
+import os
 import re
 import secrets
 import signal
@@ -83,6 +85,77 @@ def resolve_api_key(api_key: str | None, *, no_auth: bool, host: str, command: s
         api_key = secrets.token_urlsafe(24)
         print(f"{command}: no --api-key and no ${API_KEY_ENV}; generated key: {api_key}", flush=True)
     return api_key
+
+
+# ----------------------------------------------------------------------------------------------- who is calling
+_PEERS: collections.OrderedDict[tuple, int | None] = collections.OrderedDict()  # (client, server) → PID, latest last
+_PEERS_LOCK = threading.Lock()
+
+
+def loopback_peer_pid(client: tuple[str, int], server: tuple[str, int]) -> int | None:
+    """The PID of the process at the other end of a loopback TCP connection (``client`` its address and port,
+    ``server`` ours), or None where it cannot be seen (not loopback, not Linux, another user's process without
+    root): its socket's inode from ``/proc/net/tcp{,6}``, then the process holding that inode among those of the
+    socket's user. Cached per connection (a few ms for ~100 processes, once)."""
+    if not is_loopback(client[0]):
+        return None
+    key = (tuple(client), tuple(server))
+    with _PEERS_LOCK:
+        if key in _PEERS:
+            _PEERS.move_to_end(key)
+            return _PEERS[key]
+    found = _socket_owner(*_socket_inode(client, server))
+    with _PEERS_LOCK:
+        _PEERS[key] = found
+        while len(_PEERS) > 4096:
+            _PEERS.popitem(last=False)
+    return found
+
+
+def _proc_address(host: str, port: int) -> str:
+    """``host:port`` as ``/proc/net/tcp{,6}`` writes it (each 32-bit word in host byte order, hex)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    raw = socket.inet_pton(family, host)
+    words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
+    return "".join(w[::-1].hex().upper() if sys.byteorder == "little" else w.hex().upper() for w in words) + \
+        f":{port:04X}"
+
+
+def _socket_inode(client: tuple[str, int], server: tuple[str, int]) -> tuple[int | None, int | None]:
+    """(inode, uid) of the client's end of the connection ``client`` → ``server``, from ``/proc/net/tcp{,6}``."""
+    try:
+        local, remote = _proc_address(*client), _proc_address(*server)
+    except (OSError, ValueError):
+        return None, None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[1] == local and fields[2] == remote:
+                        return int(fields[9]), int(fields[7])
+        except (OSError, ValueError):
+            continue
+    return None, None
+
+
+def _socket_owner(inode: int | None, uid: int | None) -> int | None:
+    """The PID whose descriptors hold socket ``inode`` (only the processes of ``uid`` are looked at)."""
+    if not inode:
+        return None
+    target = f"socket:[{inode}]"
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if uid is not None and os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            for fd in os.listdir(f"/proc/{name}/fd"):
+                if os.readlink(f"/proc/{name}/fd/{fd}") == target:
+                    return int(name)
+        except OSError:  # gone, or not ours to read
+            continue
+    return None
 
 
 # ----------------------------------------------------------------------------------------------- ASGI layers

@@ -281,3 +281,29 @@ def _until(condition, timeout=10.0):
             return True
         time.sleep(0.02)
     return False
+
+
+def test_two_local_processes_sharing_one_key_are_two_clients(tmp_path):
+    """Issue 47: the server told clients apart by token and host, so with one key every loopback client was one
+    client (20/20 of a second process's jobs got 429 behind a flood). On loopback it now sees the peer process
+    (its PID, read from /proc): a second process still gets its own share while this one holds its whole share."""
+    import json
+    import subprocess
+    import sys
+
+    fakes.GATE.clear()
+    with synth_server(backend=f"{fakes.__name__}:make_gated", workers=1, max_queued_jobs=8) as (url, service):
+        with httpx.Client(base_url=url, headers=AUTH) as flood:
+            flood.post("/jobs", json=_body())
+            assert _until(lambda: service.health()["running"] == 1)
+            answers = [flood.post("/jobs", json=_body()) for _ in range(6)]
+            assert [a.status_code for a in answers] == [202] * 2 + [429] * 4
+            (tmp_path / "body.json").write_text(json.dumps(_body()))
+            other = subprocess.run(
+                [sys.executable, "-c", "import httpx, json, sys; body = json.load(open(sys.argv[1])); "
+                 "print([httpx.post(sys.argv[2] + '/jobs', json=body, headers={'Authorization': sys.argv[3]})"
+                 ".status_code for _ in range(3)])", str(tmp_path / "body.json"), url, AUTH["Authorization"]],
+                capture_output=True, text=True, timeout=60)
+            assert other.stdout.strip() == "[202, 202, 429]", other.stderr
+            assert service.health()["clients_queued"] == 2
+            fakes.GATE.set()

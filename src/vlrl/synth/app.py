@@ -8,7 +8,15 @@ from __future__ import annotations
 import base64
 from typing import TYPE_CHECKING, Any
 
-from vlrl.serving import BodyError, BodyParser, encode_json, explain_validation_error, on_close, protect
+from vlrl.serving import (
+    BodyError,
+    BodyParser,
+    encode_json,
+    explain_validation_error,
+    loopback_peer_pid,
+    on_close,
+    protect,
+)
 from vlrl.synth.schema import BadRequest, JobBody, QueueFull, parse_job
 
 if TYPE_CHECKING:
@@ -16,14 +24,20 @@ if TYPE_CHECKING:
 
 
 def client_identity(request: Any) -> str:
-    """Who a request comes from, for the queue's fair shares: ``sha256(bearer token)[:8]@peer host``. The token is
-    the only credential a client cannot forge; the address tells apart the holders of one shared token (a peer
-    address, not a header: ``X-Forwarded-For`` is the client's to write)."""
+    """Who a request comes from, for the queue's fair shares: ``sha256(bearer token)[:8]@peer host``, and on a
+    loopback connection ``#pid`` of the peer process (`vlrl.serving.loopback_peer_pid`: what the server can see of
+    a local client — one shared key no longer makes every local process one client). The token is the only
+    credential a client cannot forge; the address (a peer address, not a header: ``X-Forwarded-For`` is the
+    client's to write) and the local process tell apart the holders of one shared token."""
     import hashlib
 
     token = request.headers.get("authorization", "")
-    host = request.client.host if request.client is not None else "unknown"
-    return f"{hashlib.sha256(token.encode()).hexdigest()[:8]}@{host}"
+    who = f"{hashlib.sha256(token.encode()).hexdigest()[:8]}@"
+    client, server = request.client, request.scope.get("server")
+    if client is None:
+        return who + "unknown"
+    pid = loopback_peer_pid((client.host, client.port), tuple(server)) if server else None
+    return who + client.host + (f"#{pid}" if pid is not None else "")
 
 
 def create_app(service: SynthService, *, api_key: str | None) -> Any:
