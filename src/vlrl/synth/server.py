@@ -88,7 +88,7 @@ class SynthSettings:
         results_dir: where result PNGs go (None: a temporary directory removed at shutdown).
         max_results_bytes: size cap of the results; the oldest are deleted beyond it.
         max_jobs: finished jobs remembered (older ones are forgotten: 404).
-        max_image_side / min_image_side / max_image_pixels / max_boxes / max_description_chars /
+        max_image_side / min_image_side / max_image_pixels / max_boxes / max_masks / max_description_chars /
         max_body_bytes: input limits (400 / 413 beyond them; the body limit counts the bytes received, so it holds
         for chunked bodies too).
         drain_seconds: on SIGTERM, HTTP requests in flight get this long before they are cancelled; queued jobs
@@ -111,6 +111,7 @@ class SynthSettings:
     min_image_side: int = 8
     max_image_pixels: int = 16 << 20
     max_boxes: int = 256
+    max_masks: int = 16
     max_description_chars: int = 2000
     max_body_bytes: int = 64 << 20
     drain_seconds: float = 10.0
