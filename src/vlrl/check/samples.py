@@ -96,8 +96,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # torch.s
 
 def looks_like_hub_id(path: str) -> bool:
     """``name`` or ``org/name`` (what the hub accepts); a path with more parts, or starting with ``.``, ``/`` or
-    ``~``, is a local path."""
-    return re.fullmatch(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?", path) is not None
+    ``~``, or whose first part is a directory here (``mymodels/qwen`` beside ``mymodels/``), is a local path."""
+    return re.fullmatch(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?", path) is not None and not (
+        "/" in path and Path(path.split("/", 1)[0]).is_dir())
 
 
 def _context_length(config: Any) -> int | None:

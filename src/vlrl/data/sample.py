@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from PIL import Image, ImageOps
+from PIL import Image
 
 
 @runtime_checkable
@@ -215,8 +215,9 @@ def load_image(source: ImageSource, *, max_pixels: int | None = None, mode: str 
         width, height = image.size
         if max_pixels is not None and width * height > max_pixels:
             raise SampleError(f"image {where}: {width}x{height} has more than {max_pixels} pixels")
+        turn = _ORIENTATIONS.get(header_orientation(image))
         image.load()
-        return _as_mode(ImageOps.exif_transpose(image), mode)
+        return _as_mode(image.transpose(turn) if turn is not None else image, mode)
     except SampleError:
         raise
     except Exception as err:  # PIL raises many types for corrupt data
@@ -232,14 +233,29 @@ def image_size(source: ImageSource) -> tuple[int, int]:
         return source.size
     with open_image(source) as image:
         width, height = image.size
-        try:
-            turned = image.getexif().get(_EXIF_ORIENTATION) in (5, 6, 7, 8)  # a quarter turn (or a transpose)
-        except Exception:  # noqa: BLE001  (a broken EXIF block: load_image ignores it too)
-            turned = False
+        turned = header_orientation(image) in (5, 6, 7, 8)  # a quarter turn (or a transpose)
         return (height, width) if turned else (width, height)
 
 
+def header_orientation(image: Image.Image) -> int:
+    """The EXIF orientation (1-8) an opened image's header holds, 1 if none — read without decoding a pixel (a
+    PNG's ``eXIf`` chunk after its pixels is not looked for: `load_image` and `image_size` agree either way)."""
+    raw = image.info.get("exif")
+    if not raw:
+        return 1
+    try:
+        exif = Image.Exif()
+        exif.load(raw)
+        value = exif.get(_EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001  (a broken EXIF block is ignored, as viewers do)
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
 _EXIF_ORIENTATION = 0x0112
+_ORIENTATIONS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+                 5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+                 8: Image.Transpose.ROTATE_90}  # as ImageOps.exif_transpose turns them
 _WIDE_MODES = {"I;16": 8, "I;16L": 8, "I;16B": 8, "I;16N": 8, "I": 8}  # bits to shift down to 8
 
 

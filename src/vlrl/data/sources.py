@@ -71,7 +71,18 @@ def split_suffix(path: str) -> tuple[str, str | None]:
 
 
 def looks_like_hub_id(path: str) -> bool:
-    return _HUB_ID.fullmatch(path) is not None and not path.endswith(FILE_SUFFIXES)
+    """``name`` or ``org/name`` that is not a local path: no file suffix, and its first part (``org``) is not a
+    directory here — ``mydata/train`` beside a ``mydata/`` folder is a mistyped local path, not a hub dataset."""
+    return (_HUB_ID.fullmatch(path) is not None and not path.endswith(FILE_SUFFIXES)
+            and not ("/" in path and Path(path.split("/", 1)[0]).expanduser().is_dir()))
+
+
+def missing_local(path: str) -> str:
+    """The error for a local path that names nothing, with the files of its folder it may have meant."""
+    local = Path(path).expanduser()
+    near = sorted(f.name for f in local.parent.glob(f"{local.name}*") if f.suffix in FILE_SUFFIXES or f.is_dir()) \
+        if local.parent.is_dir() else []
+    return f"{path}: no such file or directory" + (f" (in {local.parent}: {', '.join(near[:5])})" if near else "")
 
 
 DEFAULT_MAX_RECORD_BYTES = 64 << 20  # data.max_record_bytes
@@ -119,7 +130,7 @@ def open_tables(path: str | Path, *, split: str = "train", subset: str | None = 
         return [_file_table(f, bounds) for f in files]
     if looks_like_hub_id(text) and not text.startswith((".", "/", "~")):
         return [_hub_table(text, split=split, subset=subset, revision=revision, bounds=bounds)]
-    raise SourceError(f"{text}: no such file or directory")
+    raise SourceError(missing_local(text))
 
 
 # ----------------------------------------------------------------------------------------------- files
