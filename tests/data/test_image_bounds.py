@@ -66,3 +66,7 @@ def test_exif_orientation_turns_the_image_and_its_header_size(tmp_path):
     assert image.size == (10, 20) == image_size(raw)
     top, bottom = np.asarray(image)[2, 5], np.asarray(image)[17, 5]
     assert top[0] > 200 and top[1] < 60 and bottom[0] < 60  # turned clockwise: the red half is on top
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")  # no EXIF, already RGB: a usable image all the same
+    plain = load_image(buffer.getvalue())
+    assert plain.size == (20, 10) and np.array_equal(np.asarray(plain), pixels)

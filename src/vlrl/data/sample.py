@@ -267,7 +267,7 @@ def _as_mode(image: Image.Image, mode: str) -> Image.Image:
 
         values = np.asarray(image).astype(np.uint32) >> _WIDE_MODES[image.mode]  # 0..65535 → 0..255
         image = Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), mode="L")
-    return image if image.mode == mode else image.convert(mode)
+    return image.convert(mode)  # (a new image even in the same mode: `load_image` closes the one it opened)
 
 
 def image_to_png_bytes(image: Image.Image) -> bytes:
