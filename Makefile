@@ -7,8 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 RUN ?= runs/demo
 # The demo's own environment: packages pinned by constraints/demo.txt (the versions its README numbers come
-# from) and a fixed torch thread count (results are deterministic per count, not across counts; the README's
-# table is at one thread).
+# from), with the report extra (matplotlib: report.html's charts), and a fixed torch thread count (results are
+# deterministic per count, not across counts; the README's table is at one thread).
 DEMO_VENV := .venv-demo
 DEMO_BIN := $(DEMO_VENV)/bin
 DEMO_PINS := constraints/demo.txt
@@ -31,7 +31,7 @@ $(DEMO_BIN)/.vlrl-installed: pyproject.toml $(DEMO_PINS)
 	$(PYTHON) -m venv $(DEMO_VENV)
 	$(DEMO_BIN)/python -m pip install -q --upgrade pip
 	$(DEMO_BIN)/python -m pip install -q -c $(DEMO_PINS) $(TORCH)
-	$(DEMO_BIN)/python -m pip install -q -c $(DEMO_PINS) -e .
+	$(DEMO_BIN)/python -m pip install -q -c $(DEMO_PINS) -e '.[report]'
 	touch $@
 
 demo: $(DEMO_BIN)/.vlrl-installed

@@ -93,10 +93,13 @@ def main() -> None:
         excluded[0] += meter.flops.total - before
         row = {"kind": args.kind, "tag": args.tag, "step": step, "sampled": result["accuracy"]["mean"],
                "greedy": result["greedy"]["mean"], f"pass@{result['k']}": result["pass@k"]["mean"],
+               "strict": result["strict"]["mean"], "strict_greedy": result["strict_greedy"]["mean"],
+               "well_formed": result["well_formed"]["mean"], "well_formed_greedy": result["well_formed_greedy"]["mean"],
                "train_seconds": round(time.time() - start, 1), "eval_seconds": round(time.time() - t0, 1),
                "flops": meter.flops.total - excluded[0], "threads": args.threads, "init": args.init, "set": args.set,
                **{k: round(float(v), 4) for k, v in metrics.items()
-                  if k in ("sft/loss", "reward/mean", "policy/entropy", "policy/zero_adv_groups_frac",
+                  if k in ("sft/loss", "reward/mean", "response/well_formed_frac", "response/truncated_frac",
+                           "policy/entropy", "policy/zero_adv_groups_frac",
                            "policy/skipped_rows_frac", "perf/step_seconds", "perf/gen_seconds")}}
         with open(out, "a") as handle:
             handle.write(json.dumps(row) + "\n")

@@ -41,6 +41,8 @@ tiny shape, one update step per arm, in about a minute.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import platform
 import statistics
@@ -67,13 +69,36 @@ class Shape:
 
 
 REAL = Shape(prompts=8, n=8, new_tokens=512, side=448, micro_batch=8)
-SMOKE = Shape(prompts=2, n=2, new_tokens=4, side=112, micro_batch=4)
-# The update arms: (name, LoRA rank or None, gradient checkpointing), in the order they run — the configurations a
-# user would pick first (checkpointing on) before the compiled decode step (its compile is the longest and least
-# predictable measurement), the others after it. A LoRA arm's adapters are removed again when it ends.
-ARMS = [("full, checkpointing", None, True), ("LoRA r=16, checkpointing", 16, True), ("full", None, False),
-        ("LoRA r=16", 16, False)]
-COMPILE_AFTER = 2  # the rollout.engine.compile measurement runs after this many arms
+SMOKE = Shape(prompts=4, n=2, new_tokens=48, side=112, micro_batch=4)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One update measurement: full fine-tuning or LoRA (rank), gradient checkpointing, and the rows it trains on —
+    every response ``new_tokens`` long, or a long tail (the first quarter of the prompts' groups keep all their tokens,
+    every other response is cut to 1/8: a micro-batch of 8 rows then holds 8 long ones or 8 short ones) — cut into micro-batches of
+    ``micro_batch`` rows or by ``train.max_tokens_per_micro_batch`` (``budget``: the count-based split's mean
+    micro-batch cost, ×1.05). ``profile``: one more update under torch.profiler (its time by kernel category)."""
+
+    name: str
+    lora: int | None
+    checkpointing: bool
+    long_tail: bool = False
+    budget: bool = False
+    profile: bool = False
+
+
+# In the order they run: what round one measured (for comparison, now with per-phase peaks and a profile), the token
+# budget against the count-based split on a long tail, then the arms round one did not reach. A LoRA arm's adapters
+# are removed again when it ends. An arm `vlrl plan` says does not fit the GPU is skipped, with the plan's figure.
+ARMS = [Arm("full, checkpointing", None, True, profile=True),
+        Arm("full, checkpointing, long tail", None, True, long_tail=True),
+        Arm("full, checkpointing, long tail, token budget", None, True, long_tail=True, budget=True),
+        Arm("full", None, False),
+        Arm("LoRA r=16, checkpointing", 16, True),
+        Arm("LoRA r=16", 16, False)]
+ARMS_7B = [Arm("LoRA r=16, checkpointing", 16, True), Arm("LoRA r=16", 16, False), Arm("full, checkpointing", None, True)]
+COMPILE_AFTER = 2  # the rollout.engine.compile measurement (with --generate) runs after this many arms
 
 
 # ----------------------------------------------------------------------------------------------- ceilings
@@ -207,6 +232,33 @@ def trajectories(prompts, decoded, shape: Shape):
     return out
 
 
+def synthetic(policy, prompts, shape: Shape):
+    """Rows without a rollout (``--no-generate``): each response ``new_tokens`` random non-special token ids, behaviour
+    log-probs −1 (the update's ratios come from its own π_old; only the drift metric reads them)."""
+    generator = torch.Generator().manual_seed(0)
+    special = set(policy.adapter.special_token_ids())
+    vocab = [t for t in range(min(policy.model.config.get_text_config().vocab_size, 50_000)) if t not in special]
+    pool = torch.tensor(vocab)
+    rows = []
+    for _ in range(len(prompts) * shape.n):
+        tokens = pool[torch.randint(len(pool), (shape.new_tokens,), generator=generator)].tolist()
+        rows.append((tokens, torch.full((shape.new_tokens,), -1.0)))
+    return rows
+
+
+def long_tail(rows, shape: Shape):
+    """The rows with the first quarter of the prompts' responses kept whole and every other one cut to 1/8."""
+    import dataclasses
+
+    keep = max(1, shape.prompts // 4) * shape.n
+    out = []
+    for k, t in enumerate(rows):
+        n = len(t.response_ids) if k < keep else max(1, len(t.response_ids) // 8)
+        out.append(dataclasses.replace(t, response_ids=t.response_ids[:n], loss_mask=t.loss_mask[:n],
+                                       behaviour_logp=t.behaviour_logp[:n]))
+    return out
+
+
 def drift(policy, rows, micro_batch: int) -> dict[str, float]:
     """|teacher-forced − behaviour| log-prob over every generated token (the sampler ≡ trainer check, bf16), the
     teacher-forced pass in micro-batches (its fp32 logits: rows × R × V × 4 bytes)."""
@@ -224,7 +276,7 @@ def drift(policy, rows, micro_batch: int) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------- updates
-def stage_for(shape: Shape, lora: int | None, checkpointing: bool, extra: list[str]):
+def stage_for(shape: Shape, lora: int | None, checkpointing: bool, extra: list[str], budget: int | None = None):
     from vlrl.config import RLStage, RLTrainConfig, apply_overrides
 
     raw: dict[str, Any] = {"rollout": {"n": shape.n, "max_new_tokens": shape.new_tokens},
@@ -233,40 +285,112 @@ def stage_for(shape: Shape, lora: int | None, checkpointing: bool, extra: list[s
                            "optim": {"lr": 1e-6}}
     if "logprob_chunk" in RLTrainConfig.model_fields:  # the chunked LM head (issue 36 item 1), where it exists
         raw["train"]["logprob_chunk"] = "auto"
+    if budget is not None:
+        raw["train"]["max_tokens_per_micro_batch"] = budget
     apply_overrides(raw, extra, cls=RLStage)
     return RLStage.model_validate(raw)
 
 
-def update(policy, rows, shape: Shape, lora: int | None, checkpointing: bool, steps: int, extra: list[str],
-           ceiling: dict) -> dict[str, Any]:
-    """``steps`` update phases of one arm (the first one warms up and is left out of the timings)."""
+def mean_micro_cost(policy, rows, stage) -> int:
+    """×1.05 the mean cost of the count-based split's micro-batches (`vlrl.train.microbatch.CostModel`): the budget of
+    as many micro-batches, each near the mean instead of up to the costliest."""
+    from vlrl.train.microbatch import CostModel, by_count
+
+    train = stage.train
+    cost = CostModel.of(policy.model, padding_free=train.padding_free, shared_prefix=train.shared_prefix)
+    sizes = [cost.size(t.prompt_ids, t.response_ids, t.vision, prompt_key=str(t.group_index)) for t in rows]
+    micro = by_count(range(len(rows)), train.micro_batch_size)
+    return int(1.05 * sum(cost.micro([sizes[r] for r in m.rows]) for m in micro) / len(micro)) + 1
+
+
+class PhasePeaks:
+    """``torch.cuda.max_memory_allocated`` per phase of an update, read and reset at its boundaries: while ``active``,
+    hooks on the model's forward and the optimizer's step split each micro-batch into ``forward`` (the model call) and
+    ``head + backward`` (the LM head's chunks, the loss, the backward, up to the next forward or the step), then the
+    ``optimizer step``; `measure` reads one call (the no-grad scoring pass). The maximum over micro-batches, GiB. On a
+    CPU nothing is read (no allocator statistics)."""
+
+    def __init__(self, model, optimizer, device: torch.device) -> None:
+        self.device, self.peaks, self.open, self.active = device, {}, None, False
+        self.handles = [model.register_forward_pre_hook(lambda *_: self._hook("forward")),
+                        model.register_forward_hook(lambda *_: self._hook("head + backward")),
+                        optimizer.register_step_pre_hook(lambda *_: self._hook("optimizer step")),
+                        optimizer.register_step_post_hook(lambda *_: self._hook(None))]
+
+    def start(self, phase: str | None) -> None:
+        self.open = phase
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def record(self) -> None:
+        if self.open is not None and self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) / GiB
+            self.peaks[self.open] = max(self.peaks.get(self.open, 0.0), peak)
+
+    def _hook(self, then: str | None) -> None:
+        if self.active:
+            self.record()
+            self.start(then)
+
+    def measure(self, phase: str, fn) -> None:
+        self.start(phase)
+        fn()
+        self.record()
+        self.start(None)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def update(policy, rows, shape: Shape, arm: Arm, steps: int, extra: list[str], ceiling: dict,
+           out_dir: Path | None = None, budget: int | None = None) -> dict[str, Any]:
+    """``steps`` update phases of one arm (the first one warms up and is left out of the timings), the last with its
+    memory read per phase (`PhasePeaks`; a no-grad scoring pass of one micro-batch first, as π_old / π_ref run), and
+    with ``arm.profile`` one more under torch.profiler (`profiled`)."""
     from vlrl.config import LoraConfig
     from vlrl.models.lora import apply_lora
-    from vlrl.train.batch import build_algorithm, prepare_batch
+    from vlrl.train.batch import build_algorithm, prepare_batch, teacher_logprobs
     from vlrl.train.budget import PhaseMeter
     from vlrl.train.common import make_optimizer
     from vlrl.train.modules import stage_modules
     from vlrl.train.update import ppo_update
 
     device = next(policy.model.parameters()).device
-    if lora is not None and policy.lora is None:
-        apply_lora(policy, LoraConfig(r=lora, alpha=2 * lora))
-    stage = stage_for(shape, lora, checkpointing, extra)
+    if arm.lora is not None and policy.lora is None:
+        apply_lora(policy, LoraConfig(r=arm.lora, alpha=2 * arm.lora))
+    rows = long_tail(rows, shape) if arm.long_tail else rows
+    stage = stage_for(shape, arm.lora, arm.checkpointing, extra, budget)
     _reset_memory(device)
     algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)
-    measured = []
+    measured, out = [], {"budget": budget, "rows_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in rows)}
     with stage_modules(policy, stage.train) as modules:
         optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups)
-        for step in range(steps):
-            with PhaseMeter(policy.model, device, next(policy.model.parameters()).dtype) as perf:
+        peaks = PhasePeaks(policy.model, optimizer, device)
+        for step in range(steps + int(arm.profile)):
+            last, profiling = step == steps - 1, step == steps
+            if last:  # the phases of the last timed step, a no-grad pass over one micro-batch first
+                with torch.no_grad():
+                    peaks.measure("old/ref log-probs", lambda: teacher_logprobs(
+                        policy.model, policy, rows[: shape.micro_batch], 1.0))
+            with PhaseMeter(policy.model, device, next(policy.model.parameters()).dtype) as perf, \
+                    profiled(device, out if profiling else None, out_dir, arm):
                 perf.begin()
                 batch = prepare_batch(algorithm, policy, rows, step=step, max_new_tokens=shape.new_tokens)
-                ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=0, step=step)
+                peaks.active = last
+                stats = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=0, step=step)
+                peaks.active = False
                 _sync(device)
                 perf.phase("")
                 flops, seconds = perf._phases[""]
+            if not profiling:
                 measured.append({**perf.metrics(), "seconds": seconds, "tflop": flops / 1e12})
-        out = {"trainable_params": modules.trainable_params, "gradient_checkpointing": modules.gradient_checkpointing}
+            if last:
+                split = stats.metrics()
+                out.update(phase_peaks_gib=dict(peaks.peaks), micro_batches=split.get("perf/micro_batches"),
+                           micro_batch_cost_max=split.get("perf/micro_batch_cost_max"))
+        peaks.remove()
+        out.update(trainable_params=modules.trainable_params, gradient_checkpointing=modules.gradient_checkpointing)
     timed = measured[1:] or measured
     seconds = statistics.median(m["seconds"] for m in timed)
     out.update(update_s=seconds, tflop=timed[0]["tflop"], tflops=timed[0]["tflop"] / seconds,
@@ -279,10 +403,57 @@ def update(policy, rows, shape: Shape, lora: int | None, checkpointing: bool, st
     return out
 
 
-def planned(model: str, shape: Shape, lora: int | None, checkpointing: bool, memory_gib: float | None = None
-            ) -> dict[str, float]:
-    """`vlrl plan`'s estimate for this step on one device: the train phase (state + activations + logits) and the
-    generate phase (parameters + KV cache), GiB — what ``torch.cuda.max_memory_allocated`` is compared with."""
+CATEGORIES = [("attention", r"flash|fmha|attention|sdpa"),
+              ("matmul", r"gemm|cutlass|xmma|nvjet|matmul|addmm|\bmm\b|bmm|linear|sm\d\d_"),
+              ("optimizer (AdamW, clipping)", r"adam|multi_tensor|foreach|lerp|addcdiv|addcmul|norm_kernel"),
+              ("copies, casts, host ↔ device", r"memcpy|memset|copy|to_copy|cast|\bcat\b|index"),
+              ("normalisation, activations, elementwise",
+               r"elementwise|vectorized|reduce|norm|silu|gelu|mul|add|pow|softmax|exp")]
+
+
+@contextlib.contextmanager
+def profiled(device: torch.device, out: dict | None, out_dir: Path | None, arm: Arm):
+    """With ``out``: the block under torch.profiler — time by kernel category (GPU kernels' own time; on a CPU the
+    operators' own time), the top 15, and the device's busy share of the wall time, into ``out["profile"]``; the
+    full table into ``out_dir/profile_<arm>.txt``."""
+    if out is None:
+        yield
+        return
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        yield
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = [e for e in events if "cuda" in str(getattr(e, "device_type", "")).lower()]
+    own = (lambda e: getattr(e, "self_device_time_total", 0.0)) if kernels else (lambda e: e.self_cpu_time_total)
+    chosen = kernels or [e for e in events if e.key.startswith("aten::")]
+    by_category: dict[str, float] = {}
+    for e in chosen:
+        name = e.key.lower()
+        category = next((c for c, pattern in CATEGORIES if re.search(pattern, name)), "other")
+        by_category[category] = by_category.get(category, 0.0) + own(e) / 1e3  # ms
+    busy = sum(by_category.values()) / 1e3
+    top = sorted(chosen, key=own, reverse=True)[:15]
+    out["profile"] = {"wall_s": wall, "device_busy_share": busy / wall if kernels else None,
+                      "ms_by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+                      "top": [[e.key[:90], round(own(e) / 1e3, 2), e.count] for e in top]}
+    if out_dir is not None:
+        sort = "self_device_time_total" if kernels else "self_cpu_time_total"
+        name = re.sub(r"[^a-z0-9]+", "_", arm.name.lower()).strip("_")
+        (out_dir / f"profile_{name}.txt").write_text(events.table(sort_by=sort, row_limit=60))
+
+
+def planned(model: str, shape: Shape, lora: int | None, checkpointing: bool, memory_gib: float | None = None,
+            max_tokens: int | None = None) -> dict[str, Any]:
+    """`vlrl plan`'s estimate for this step on one device, per phase (`vlrl.launch.memory.phase_memory`; GiB):
+    generation, the no-grad scoring pass, forward + backward, the optimizer step (AdamW's foreach temporaries) —
+    what ``torch.cuda.max_memory_allocated`` per phase is compared with; ``plan_train_gib`` is the training phases'
+    peak (as before: without generation), ``plan_peak_gib`` / ``plan_peak_phase`` the step's."""
     from vlrl.config import RLConfig, load_config
     from vlrl.launch import planner
 
@@ -293,15 +464,30 @@ def planned(model: str, shape: Shape, lora: int | None, checkpointing: bool, mem
                  f"data.suite_options={{image_size: {shape.side}}}", "algo.kl_coef=0"]
     if lora is not None:
         overrides += [f"model.lora.r={lora}", f"model.lora.alpha={2 * lora}"]
+    if max_tokens is not None:
+        overrides.append(f"train.max_tokens_per_micro_batch={max_tokens}")
     cfg = load_config(RLConfig, None, overrides)
-    meta, adapter = planner.meta_model(cfg.model.path)
-    shape_ = planner.model_shape(meta)
+    meta, adapter, shape_ = _meta(cfg.model.path)
     work = planner.workload(cfg, adapter, model=meta)
-    state = sum(t.value for t in planner.trained_state(shape_, work, 1, "actor"))
-    train = sum(t.value for t in planner.activations(shape_, work))
-    gen = sum(t.value for t in planner.generation(shape_, work, work.sequences))
-    return {"plan_train_gib": (state + train) / GiB, "plan_generate_gib": (state + gen) / GiB,
+    memory = planner.phase_memory(shape_, work, 1, ranks=1, generate_rows=work.sequences)
+    phases = {name: memory.total(name) / GiB for name in memory.phases}
+    if "old/ref log-probs" not in phases:  # a scoring pass runs whenever π_old or π_ref is needed
+        phases["old/ref log-probs"] = (sum(t.value for t in memory.resident)
+                                       + sum(t.value for t in planner.memory_scoring(shape_, work))) / GiB
+    train = {k: v for k, v in phases.items() if k != "generate"}
+    return {"plan_train_gib": max(train.values()), "plan_generate_gib": phases["generate"],
+            "plan_peak_gib": max(phases.values()), "plan_peak_phase": max(phases, key=phases.get),
+            "plan_phases_gib": phases, "plan_micro_rows": planner.micro_rows(work),
             "plan_prompt_tokens": work.prompt_tokens}
+
+
+@functools.cache
+def _meta(path: str):
+    """(meta model, adapter, `ModelShape`) of a fixture config, built once per process."""
+    from vlrl.launch import planner
+
+    meta, adapter = planner.meta_model(path)
+    return meta, adapter, planner.model_shape(meta)
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -339,9 +525,9 @@ def attempt(results: dict, key: str, fn, budget: Budget, needs: float) -> Any:
 
 
 def check_model(model: str, shape: Shape, device: torch.device, ceiling: dict, budget: Budget, args,
-                arms: list = ARMS) -> dict:
+                arms: list[Arm] = ARMS) -> dict:
     results: dict[str, Any] = {}
-    seconds = {"build": 60, "generate": 90, "compiled": 150, "update": 60}
+    seconds = {"build": 60, "generate": 90, "compiled": 150, "update": 45}
     if args.smoke:
         seconds = dict.fromkeys(seconds, 0)
     policy = attempt(results, "build", lambda: _built(model, device, args.smoke), budget, seconds["build"])
@@ -349,32 +535,36 @@ def check_model(model: str, shape: Shape, device: torch.device, ceiling: dict, b
         return results
     policy = policy[1]  # (figures, policy)
     prompts = requests(policy, shape)
-    got = attempt(results, "generate (eager)", lambda: generation(policy, prompts, shape, ceiling, compiled=False),
-                  budget, seconds["generate"])
-    if got is None:
-        return results
-    rows = trajectories(prompts, got[1], shape)
-    attempt(results, "sampler ≡ trainer (bf16)" if not args.smoke else "sampler ≡ trainer", lambda: drift(policy, rows, shape.micro_batch),
-            budget, 10)
+    if args.no_generate:  # random responses: the update arms need no rollout
+        rows = trajectories(prompts, synthetic(policy, prompts, shape), shape)
+    else:
+        got = attempt(results, "generate (eager)", lambda: generation(policy, prompts, shape, ceiling, compiled=False),
+                      budget, seconds["generate"])
+        if got is None:
+            return results
+        rows = trajectories(prompts, got[1], shape)
+        attempt(results, "sampler ≡ trainer (bf16)" if not args.smoke else "sampler ≡ trainer",
+                lambda: drift(policy, rows, shape.micro_batch), budget, 10)
     memory = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else None
-    for k, arm_spec in enumerate([*arms, None]):
-        if k == min(COMPILE_AFTER, len(arms)) and not args.no_compile:  # no adapters in the model at this point
+    for k, arm in enumerate([*arms, None]):
+        if k == min(COMPILE_AFTER, len(arms)) and not (args.no_compile or args.no_generate):  # no adapters in the model
             attempt(results, "generate (rollout.engine.compile)", lambda: generation(
                 policy, prompts, shape, ceiling, compiled=True, backend=args.compile_backend), budget,
                 seconds["compiled"])
-        if arm_spec is None:
+        if arm is None:
             break
-        name, lora, checkpointing = arm_spec
-        plan = planned(model, shape, lora, checkpointing, memory) if not args.smoke else {}
-        if memory is not None and plan["plan_train_gib"] > 0.97 * memory:  # vlrl plan says it does not fit
-            results[f"update: {name}"] = {"skipped": f"vlrl plan: {plan['plan_train_gib']:.0f} GiB > {memory:.0f}",
-                                          **plan}
+        tokens = mean_micro_cost(policy, long_tail(rows, shape) if arm.long_tail else rows,
+                                 stage_for(shape, arm.lora, arm.checkpointing, args.set)) if arm.budget else None
+        plan = planned(model, shape, arm.lora, arm.checkpointing, memory, tokens) if not args.smoke else {}
+        if memory is not None and plan["plan_peak_gib"] > 0.97 * memory:  # vlrl plan says it does not fit
+            results[f"update: {arm.name}"] = {"skipped": f"vlrl plan: {plan['plan_peak_gib']:.1f} GiB "
+                                              f"({plan['plan_peak_phase']}) > 0.97 × {memory:.1f}", **plan}
             continue
 
-        def arm(lora=lora, checkpointing=checkpointing, plan=plan):
-            return {**update(policy, rows, shape, lora, checkpointing, 1 if args.smoke else 2, args.set, ceiling),
-                    **plan}
-        attempt(results, f"update: {name}", arm, budget, seconds["update"])
+        def run(arm=arm, plan=plan, tokens=tokens):
+            return {**update(policy, rows, shape, arm, 1 if args.smoke else 2, args.set, ceiling, args.out_dir,
+                             tokens), **plan}
+        attempt(results, f"update: {arm.name}", run, budget, seconds["update"])
     policy.model.to("meta")  # frees the weights before the next model (the policy is not used again)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -411,10 +601,13 @@ def main(argv: list[str] | None = None) -> dict:
                         help="seconds for everything; what would not fit is skipped")
     parser.add_argument("--models", nargs="*", default=["qwen2_5_vl_3b", "qwen2_5_vl_7b"])
     parser.add_argument("--no-compile", action="store_true", help="leave out the rollout.engine.compile arm")
+    parser.add_argument("--no-generate", action="store_true",
+                        help="no rollout: the update arms train on random responses (round two: the update only)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of that arm")
     parser.add_argument("--set", nargs="*", default=[], help="RL stage overrides for the update arms")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
+    args.out_dir = out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         torch.set_num_threads(1)  # a tiny model gains nothing from a second thread on a shared machine
@@ -433,7 +626,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"device {report['device']}, versions {report['versions']}, ceilings {report['ceilings']}", flush=True)
     models = ["tiny-qwen2-vl"] if args.smoke else args.models
     for k, model in enumerate(models):
-        arms = ARMS  # (an arm `vlrl plan` says does not fit the GPU is skipped, with the plan's figure)
+        arms = ARMS_7B if "7b" in model else ARMS  # (an arm `vlrl plan` says does not fit is skipped, with its figure)
         if k and not args.smoke:  # a bigger model only with the time for it
             if budget.left() < 200:
                 report["models"][model] = {"skipped": f"time budget: {budget.left():.0f} s left, ~200 s needed"}
@@ -446,6 +639,46 @@ def main(argv: list[str] | None = None) -> dict:
     (out_dir / "gpu_check.md").write_text(table)
     print("\n" + table, flush=True)
     return report
+
+
+def update_figures(r: dict) -> str:
+    """One update arm's cell: time, MFU, the split, the peak and each phase's peak against the plan's."""
+    out = (f"{r['update_s']:.2f} s/update, {r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.1%} of datasheet "
+           f"({r['mfu_of_measured']:.1%} of measured matmul); {r.get('micro_batches') or 0:.0f} micro-batches"
+           + (f" (budget {r['budget']} tokens)" if r.get("budget") else "")
+           + f", costliest {r.get('micro_batch_cost_max') or 0:.0f}; peak {_fmt(r['peak_memory_gib'], '.1f')} GiB")
+    if "plan_peak_gib" in r:
+        out += f" (plan: {r['plan_train_gib']:.1f} GiB, {r['plan_peak_phase']})"
+    measured, plan = r.get("phase_peaks_gib") or {}, r.get("plan_phases_gib") or {}
+    if measured:
+        fb = max(measured.get("forward", 0.0), measured.get("head + backward", 0.0))
+        pairs = [("old/ref log-probs", measured.get("old/ref log-probs"), plan.get("old/ref log-probs")),
+                 ("forward + backward", fb, plan.get("forward + backward")),
+                 ("optimizer step", measured.get("optimizer step"), plan.get("optimizer step"))]
+        out += "; by phase, measured / plan GiB: " + ", ".join(
+            f"{name} {_fmt(got, '.1f')} / {_fmt(want, '.1f')}" for name, got, want in pairs)
+    profile = r.get("profile")
+    if profile:
+        share = profile.get("device_busy_share")
+        top = ", ".join(f"{k} {v / 1e3:.2f} s" for k, v in list(profile["ms_by_category"].items())[:4])
+        out += f"; profile ({profile['wall_s']:.1f} s" + (f", GPU busy {share:.0%}" if share else "") + f"): {top}"
+    return out
+
+
+def plan_markdown(models: tuple[str, ...] = ("qwen2_5_vl_3b", "qwen2_5_vl_7b")) -> str:
+    """`vlrl plan`'s per-phase estimate of the check's update arms at the real shape on one device (`planned`), as the
+    docs show it (docs/gpu.md renders this at build time: the figures are the current planner's)."""
+    lines = ["| model | arm | generate | old/ref log-probs | forward + backward | optimizer step | peak |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for model in models:
+        arms = [a for a in (ARMS_7B if "7b" in model else ARMS) if not a.long_tail]
+        for arm in arms:
+            plan = planned(model, REAL, arm.lora, arm.checkpointing)
+            phases = plan["plan_phases_gib"]
+            cells = " | ".join(f"{phases[p]:.1f}" for p in ("generate", "old/ref log-probs", "forward + backward",
+                                                             "optimizer step"))
+            lines.append(f"| {model} | {arm.name} | {cells} | {plan['plan_peak_gib']:.1f} GiB ({plan['plan_peak_phase']}) |")
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -484,11 +717,7 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {model} | {key} | max {r['logp_drift_max']:.3f}, p99 {r['logp_drift_p99']:.3f}, "
                              f"mean {r['logp_drift_mean']:.4f} nats |")
             elif key.startswith("update"):
-                plan = (f" (plan: {r['plan_train_gib']:.1f} GiB train, {r['plan_generate_gib']:.1f} generate)"
-                        if "plan_train_gib" in r else "")
-                lines.append(f"| {model} | {key} | {r['update_s']:.2f} s/update, {r['tflops']:.3g} TFLOP/s, MFU "
-                             f"{r['mfu']:.1%} of datasheet ({r['mfu_of_measured']:.1%} of measured matmul); peak "
-                             f"{_fmt(r['peak_memory_gib'], '.1f')} GiB{plan} |")
+                lines.append(f"| {model} | {key} | {update_figures(r)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -20,8 +20,19 @@ What it checks, each step printing one JSON line (``check``, ``ok``, numbers, th
    update. Gloo moves the CUDA tensors through host copies.
 3. ``nccl_two_gpus`` — only when ``torch.cuda.device_count() >= 2``: the same with `vlrl serve --device cuda:1`,
    the trainer on ``cuda:0`` and the default backend (NCCL).
+4. ``nccl_unanswered_broadcast`` (issue 46) — only with two GPUs: what gloo cannot show. A group is formed with
+   `vlrl serve --device cuda:1` over NCCL, then the trainer broadcasts a bucket the server was never told of (as if it
+   had refused it): NCCL creates the communicator inside that first collective and waits there for the server.
+   Reported: whether the call blocked the thread that made it (``call_blocked``), that `dist_sync.broadcast` still
+   gave up at its timeout (``abandoned_after_s``), whether tearing the group down released the blocked thread
+   (``released_by_teardown``), and that the next update then goes over a new group with the trainer's checksum.
+
+Checks 2–4 run `vlrl serve` in the session SGLang requires (``/begin_weight_update`` … ``/end_weight_update``) with the
+cache flushed first; every update must go by the group (``fallbacks`` empty). `vlrl serve` needs fastapi, starlette
+and uvicorn, which the device image lacks: `benchmarks/gpu_wheels.sh` gathers them with the other wheels.
 
     PYTHONPATH=src python benchmarks/gpu_weight_sync.py [--model tiny-qwen2-vl] [--timeout 300]
+    PYTHONPATH=src python benchmarks/gpu_weight_sync.py --dry-run   # no GPU: checks 2 and 4 on the CPU over gloo
 
 Exit status 0 only if every check that ran passed. Nothing here downloads anything (the presets build offline).
 """
@@ -141,6 +152,7 @@ def _sync_to_server(model: str, trainer_device: str, server_device: str, backend
                     assert info["weight_version"] == str(version) and info["paused"] is None, info
                     assert info["weight_checksum"] == weight_checksum(policy.model), "checksum mismatch"
                 assert not (Path(tmp) / "weights").exists(), "an update went through the disk"
+                assert engine.weights.fallbacks == [], engine.weights.fallbacks
                 return {"buckets": engine.last_sync.buckets, "bytes": engine.last_sync.bytes,
                         "update_seconds": round(engine.last_sync.seconds, 3), "backend": engine.weights.group.backend}
             finally:
@@ -150,14 +162,65 @@ def _sync_to_server(model: str, trainer_device: str, server_device: str, backend
             process.wait(60)
 
 
-def run_all(model: str = "tiny-qwen2-vl", timeout: float = 300.0) -> list[dict]:
-    """Every check this machine can run; one dict per check (also printed as JSON lines)."""
+def unanswered_broadcast(model: str, trainer_device: str, server_device: str, backend: str | None,
+                         timeout: float) -> dict:
+    """Check 4: a bucket broadcast no server receives, on a freshly formed group (see the module docstring)."""
+    import threading
+
+    from vlrl.models import load_policy
+    from vlrl.rollout import dist_sync
+    from vlrl.rollout.http_engine import HTTPEngine
+    from vlrl.rollout.http_settings import ClientSettings, SyncSettings
+
+    with tempfile.TemporaryDirectory() as tmp:
+        process, url = _serve(model, server_device, Path(tmp) / "serve.log", timeout)
+        try:
+            policy = load_policy(model, device=trainer_device)
+            engine = HTTPEngine(policy, [url], SyncSettings(
+                weights_dir=Path(tmp) / "weights", method="distributed", backend=backend, timeout=30, deadline=120,
+                bucket_mb=1.0), ClientSettings(api_key=KEY))
+            try:
+                group = engine.weights.group
+                group.form(engine.live_servers())
+                flat = torch.zeros(1 << 20, dtype=torch.uint8, device=group.device)
+                callers = set(threading.enumerate())
+                started = time.monotonic()
+                try:
+                    dist_sync.broadcast(group.group, flat, settled=threading.Event(), timeout=10)
+                    abandoned = None
+                except dist_sync.Abandoned:
+                    abandoned = round(time.monotonic() - started, 2)
+                stuck = [t for t in threading.enumerate() if t not in callers and t.name == "vlrl-broadcast"]
+                blocked = any(t.is_alive() for t in stuck)
+                group.destroy(timeout=30)
+                time.sleep(5)
+                released = not any(t.is_alive() for t in stuck)
+                engine.update_weights(version=1)  # the next update: a new group, the trainer's checksum
+                assert engine.last_sync.method == "distributed" and engine.weights.fallbacks == []
+                return {"call_blocked": blocked, "abandoned_after_s": abandoned, "released_by_teardown": released,
+                        "backend": group.backend, "next_update_seconds": round(engine.last_sync.seconds, 3)}
+            finally:
+                engine.close()
+        finally:
+            process.terminate()
+            process.wait(60)
+
+
+def run_all(model: str = "tiny-qwen2-vl", timeout: float = 300.0, *, dry_run: bool = False) -> list[dict]:
+    """Every check this machine can run; one dict per check (also printed as JSON lines). ``dry_run``: no GPU —
+    checks 2 and 4 on the CPU over gloo (what they assert on the protocol, not what they measure on a GPU)."""
+    if dry_run:
+        return [_report("gloo_cuda_sync (CPU dry run)", _sync_to_server, model, "cpu", "cpu", "gloo", timeout),
+                _report("nccl_unanswered_broadcast (CPU dry run, gloo)", unanswered_broadcast, model, "cpu", "cpu",
+                        "gloo", timeout)]
     if not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device: this script checks the GPU path")
+        raise RuntimeError("no CUDA device: this script checks the GPU path (--dry-run: its CPU rehearsal)")
     results = [_report("nccl_bucket_path", nccl_bucket_path, model),
                _report("gloo_cuda_sync", _sync_to_server, model, "cuda", "cuda", "gloo", timeout)]
     if torch.cuda.device_count() >= 2:
         results.append(_report("nccl_two_gpus", _sync_to_server, model, "cuda:0", "cuda:1", None, timeout))
+        results.append(_report("nccl_unanswered_broadcast", unanswered_broadcast, model, "cuda:0", "cuda:1", None,
+                               timeout))
     return results
 
 
@@ -165,8 +228,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-qwen2-vl")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: checks 2 and 4 on the CPU over gloo")
     args = parser.parse_args()
-    results = run_all(args.model, args.timeout)
+    results = run_all(args.model, args.timeout, dry_run=args.dry_run)
     sys.exit(0 if all(r["ok"] for r in results) else 1)
 
 

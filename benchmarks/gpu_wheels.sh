@@ -7,7 +7,9 @@
 # boolean `logits_to_keep` mask, which every update's packed/grouped forward passes (the first device run, 2026-11-28:
 # "IndexError: too many indices for tensor of dimension 3" in the head) — so the pinned release travels too (pure
 # Python; the image's huggingface_hub 1.33 and tokenizers 0.23.2 satisfy it). Versions: this project's venv's.
-# Python 3.12 there (cp312 wheels).
+# Python 3.12 there (cp312 wheels). fastapi, starlette, uvicorn (and fastapi's annotated-doc and opentelemetry-api):
+# `vlrl serve`, which benchmarks/gpu_weight_sync.py starts on the GPU (the image has none of them; it has their other
+# dependencies — anyio, h11, click — through httpx and typer).
 #
 #     bash benchmarks/gpu_wheels.sh        # then carry ".whl" in the `run` call (docs/gpu.md has the command)
 set -euo pipefail
@@ -21,6 +23,11 @@ WHEELS=(
   rapidfuzz==3.14.6
   pebble==5.2.3
   transformers==5.24.0
+  fastapi==0.165.0
+  starlette==1.10.0
+  uvicorn==0.54.0
+  annotated-doc==0.0.7
+  opentelemetry-api==1.45.2
 )
 mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

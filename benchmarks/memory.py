@@ -45,8 +45,8 @@ def _step_tracker():
 
 
 def arm_update(preset: str, trajectories, *, lora: bool, checkpointing: bool, micro: int, repeats: int):
+    from vlrl.compat import _NoHook
     from vlrl.config import LoraConfig, RLStage
-    from vlrl.launch.planner import _NoHook
     from vlrl.models import load_policy
     from vlrl.models.lora import apply_lora
     from vlrl.train.batch import build_algorithm, prepare_batch

@@ -11,7 +11,8 @@
 - ``metrics``: every metric name written literally in vlrl's source (``"policy/entropy"``, ``f"reward/{task}"``),
   by group, with the modules that write it;
 - ``rollout_moves``: the flat ``rollout.*`` keys that moved into the rollout sub-sections, old → new
-  (`vlrl.config.MOVED_KEYS`, the table the config's own error messages come from).
+  (`vlrl.config.MOVED_KEYS`, the table the config's own error messages come from);
+- ``gpu_plan``: `vlrl plan`'s per-phase memory of the GPU check's update arms (`benchmarks/gpu_check.py`).
 
 Run as a script to print one of them: ``python docs/hooks.py config`` (with vlrl importable).
 """
@@ -337,9 +338,22 @@ def metrics_reference() -> str:
     return "\n".join(lines)
 
 
+def gpu_plan() -> str:
+    """`vlrl plan`'s per-phase figures for the GPU check's update arms (`benchmarks/gpu_check.py`'s `plan_markdown`,
+    the estimate the check compares its measurements with)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.plan_markdown()
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "config": config_reference, "cli": cli_reference, "registries": registries_reference,
     "presets": presets_reference, "metrics": metrics_reference, "rollout_moves": rollout_moves,
+    "gpu_plan": gpu_plan,
 }
 _CACHE: dict[str, str] = {}
 

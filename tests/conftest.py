@@ -12,6 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _HF_TMP = tempfile.mkdtemp(prefix="vlrl-tests-hf-")
 os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(_HF_TMP, "datasets"))
 os.environ.setdefault("HF_MODULES_CACHE", os.path.join(_HF_TMP, "modules"))
+os.environ.setdefault("VLRL_CACHE_DIR", os.path.join(_HF_TMP, "vlrl"))  # the CPU's best matmul rate (perf/mfu's peak)
 # Under pytest-xdist (`make test` runs one worker per core) each worker keeps to one thread: two workers with two
 # threads each would oversubscribe the cores.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

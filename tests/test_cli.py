@@ -58,6 +58,11 @@ def test_sft_on_a_user_file_then_eval(tmp_path):
     evaluated = json.loads((tmp_path / "eval.json").read_text())
     assert evaluated["n_prompts"] == 2 and evaluated["settings"]["samples"] == 2  # the run's eval.samples
     assert set(evaluated["accuracy"]) == set(summary["sft"]["accuracy"])
+    for table in ("strict", "strict_greedy", "well_formed", "well_formed_greedy"):  # issue 52: strict beside them
+        assert set(evaluated[table]) == set(summary["sft"][table]) == set(summary["sft"]["accuracy"])
+    for task in evaluated["accuracy"]:  # right and well-formed: never above either
+        assert evaluated["strict"][task] <= min(evaluated["accuracy"][task], evaluated["well_formed"][task])
+        assert evaluated["strict_greedy"][task] <= min(evaluated["greedy"][task], evaluated["well_formed_greedy"][task])
     assert "the run's held-out split of" in result.output
     result = runner.invoke(app, ["eval", "--model", str(tmp_path / "run" / "checkpoints" / "final"),
                                  "--data", str(tmp_path / "data" / "train.jsonl"), "--samples", "2", "--max-new-tokens", "4"])

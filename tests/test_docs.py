@@ -81,7 +81,7 @@ def _args(annotation):
     return out
 
 
-@pytest.mark.parametrize("name", ["config", "cli", "registries", "metrics", "presets", "rollout_moves"])
+@pytest.mark.parametrize("name", ["config", "cli", "registries", "metrics", "presets", "rollout_moves", "gpu_plan"])
 def test_every_generator_is_used_by_a_page(name):
     pages = "".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
     assert f"<!-- generated: {name} -->" in pages

@@ -239,6 +239,9 @@ def demo(run: Run) -> None:
     assert [r["step"] for r in rl] == [1, 2]
     assert all("policy/skipped_rows_frac" in r for r in rl)  # train.skip_zero_advantage
     assert {"base", "sft", "rl", "sft_control"} <= set(run.summary)
+    for stage in ("base", "sft", "rl", "sft_control"):  # issue 52: scored strictly beside the verifier's accuracy
+        assert {"strict", "strict_greedy", "well_formed", "well_formed_greedy"} <= set(run.summary[stage])
+    assert all("response/well_formed_frac" in r for r in rl) and run.config["rl"]["algo"]["strict_reward"] is True
     environment = run.summary["environment"]  # numerics: auto — portable on an Intel CPU with AVX2, native elsewhere
     assert environment["numerics_requested"] == "auto"
     if portable_obstacle() is None:
@@ -280,6 +283,27 @@ def video(run: Run) -> None:
     plain_rl(run, "grpo", warm=False)
     data = {k: v for r in run.stage("data") for k, v in r.items()}
     assert data["data/train_videos"] == 8 and data["data/train_frames_per_video"] == 4  # n_train=8, 4-frame clips
+
+
+def keeps_form(run: Run, name: str, *, warm: bool) -> None:
+    """Issue 52: every RL config scores strictly (a truncated or ill-formed answer earns no accuracy reward), logs the
+    well-formed fraction at every step, and — from an SFT warm start — its held-out answers stay well-formed: the
+    final evaluation's ``well_formed/mean`` is at most 25 points under the initial one (8 prompts × 2 samples)."""
+    def settings(node):
+        if isinstance(node, dict):
+            yield from ([node["strict_reward"]] if "strict_reward" in node else [])
+            for value in node.values():
+                yield from settings(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from settings(value)
+
+    assert list(settings(run.config)) and all(settings(run.config)), f"{name}: algo.strict_reward is off"
+    steps = [r for r in run.records if "policy/loss" in r]
+    assert steps and all("response/well_formed_frac" in r for r in steps), name
+    if warm:
+        initial, final = (run.stage(f"eval/{stage}")[-1]["well_formed/mean"] for stage in ("initial", "final"))
+        assert final >= initial - 0.25, f"{name}: held-out answers well-formed {initial:.2f} before RL, {final:.2f} after"
 
 
 def asynchronous(run: Run) -> list[dict]:
@@ -418,6 +442,7 @@ def test_shipped_config_runs_with_its_feature_on(name, models, request, tmp_path
     out = tmp_path / "run"
     config = shrunk(name, tmp_path) if case.staged else CONFIGS / name
     model = _start(case, models, request)
+    warm = case.start in ("shapes_sft", "tools_sft")  # an SFT checkpoint that writes the answer form
     if case.recipe == "demo":
         args = ["demo", "--config", str(config), "--out", str(out), f"model.path={model}", "data.n_train=16",
                 "data.n_test=2", "sft.train.steps=2", "sft.train.batch_size=4", "sft.train.micro_batch_size=4",
@@ -426,10 +451,14 @@ def test_shipped_config_runs_with_its_feature_on(name, models, request, tmp_path
     else:
         tiny = () if case.staged else (RL_TINY if case.recipe == "rl" else SFT_TINY)
         overrides = [o.format(lm=models["lm"]) for o in case.overrides]
+        if case.recipe == "rl" and warm:  # enough held-out answers to see their form fall (keeps_form)
+            overrides += ["data.n_test=8", "eval.samples=2"]
         args = [case.recipe, "--config", str(config), f"model.path={model}", *tiny, *overrides, f"out={out}"]
     cli(*args)
     run = Run.read(out)
     case.check(run)
+    if case.recipe == "rl":
+        keeps_form(run, name, warm=warm and not case.staged)
     if case.recipe == "rl" and run.config["rollout"]["mode"] == "async":
         asynchronous(run)
 

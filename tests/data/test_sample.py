@@ -86,3 +86,23 @@ def test_validate_rejects_bad_role():
     sample = Sample(id="a", task="t", messages=[{"role": "robot", "content": "x"}], reward="number")
     with pytest.raises(SampleError, match=r"messages\[0\]"):
         sample.validate()
+
+
+def test_a_sample_declares_its_answer_form_or_its_prompt_does(tmp_path):
+    """Issue 52: the form strict scoring requires — a jsonl row's ``format``, else the one the prompt asks for."""
+    from vlrl.data.sample import SampleError, sample_from_json, sample_to_json
+
+    def declared(prompt, **record):
+        return sample_from_json({"id": "a", "task": "t", "prompt": prompt, "answer": "3", "reward": "number",
+                                 **record}, tmp_path).declared_format()
+
+    assert declared("How many? Put ONLY your final answer within <answer></answer>.") == "answer"
+    assert declared("Think within <think></think>. Put ONLY your final answer within <answer></answer>.") == "think"
+    assert declared("How many shapes?") == "none"
+    assert declared("Write <description></description> then <answer></answer>.") == "none"  # another template's
+    assert declared("How many shapes?", format="answer") == "answer"
+    with pytest.raises(SampleError, match="field 'format': 'json' is not an answer format"):
+        declared("How many?", format="json")
+    sample = sample_from_json({"id": "a", "task": "t", "prompt": "q", "answer": "3", "reward": "number",
+                               "format": "think"}, tmp_path)
+    assert sample_to_json(sample, [])["format"] == "think"

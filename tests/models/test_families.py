@@ -35,7 +35,7 @@ TOL = 1e-4
 # FAMILY_PRESETS; it adds a line below only where it differs from the other families.
 # Padding-free rows that hold one sequence each: recurrent layers (Qwen3.5), token-type attention masks (Gemma 3).
 ONE_SEQUENCE_PER_ROW = {"tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-gemma3"}
-# The planner's stated approximation (vlrl/launch/planner.py, "Families"): estimated / measured total memory of one
+# The planner's stated approximation (vlrl/launch/memory.py, "Families"): estimated / measured total memory of one
 # training step, (0.8, 1.2) unless given. Qwen3.5's Gated DeltaNet layers are counted as attention layers
 # (activations ~0.5×).
 PLAN_TOTAL = {"tiny-qwen3.5": (0.65, 0.95), "tiny-qwen3.5-moe": (0.65, 0.95)}

@@ -32,7 +32,30 @@ def test_the_cpu_peak_is_measured_once_per_process_and_thread_count():
     # 10 TFLOP/s is a plausible CPU, a unit error (FLOP/s vs GFLOP/s) is not
     assert 1e9 < first < 1e13
     peak = device_peak("cpu")
-    assert peak.flops > 0 and peak.source.startswith("CPU fp32 matmul measured")
+    assert peak.flops >= measured_cpu_peak(torch.float32) and peak.source.startswith("CPU fp32 matmul, best measured")
+
+
+def test_the_cpu_peak_is_the_best_this_machine_has_shown_not_the_start_ups(tmp_path, monkeypatch):
+    """A run that starts under load measures a low rate; it divides by the machine's cached best instead (so
+    perf/mfu does not swing with the load at start-up); a better measurement replaces the cached one."""
+    import json
+
+    from vlrl.report.perf import _machine_key, cpu_peak
+
+    monkeypatch.setenv("VLRL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("VLRL_CPU_PEAK_TFLOPS", raising=False)
+    measured = measured_cpu_peak(torch.float32, 1)
+    key = _machine_key(torch.float32, 1)
+    (tmp_path / "cpu_peak.json").write_text(json.dumps({key: 10 * measured}))  # an idle machine's rate, earlier
+    assert cpu_peak(torch.float32, 1).flops == 10 * measured  # not this process's (lower) measurement
+    (tmp_path / "cpu_peak.json").write_text(json.dumps({key: measured / 10, "another machine": 1.0}))
+    assert cpu_peak(torch.float32, 1).flops == measured
+    assert json.loads((tmp_path / "cpu_peak.json").read_text()) == {key: measured, "another machine": 1.0}
+    (tmp_path / "cpu_peak.json").write_text("not json")  # a broken cache is measured over, not an error
+    assert cpu_peak(torch.float32, 1).flops == measured
+    monkeypatch.setenv("VLRL_CPU_PEAK_TFLOPS", "0.5")  # a nominal peak, named
+    peak = cpu_peak(torch.float32, 1)
+    assert peak.flops == 0.5e12 and "VLRL_CPU_PEAK_TFLOPS" in peak.source
 
 
 def test_phase_metrics_arithmetic():

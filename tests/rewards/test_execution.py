@@ -122,9 +122,11 @@ def test_mixed_batch_meets_every_deadline(executor):
     assert [o.overall for o in outputs[:3]] == [1.0, 1.0, 0.0] and outputs[95].overall == 1.0
 
 
-def _trajectory(response, reward="number", answer="3", task="t", length=5):
-    sample = SimpleNamespace(id=f"s-{response}", task=task, answer=answer, reward=reward, metadata={"tolerance": 0})
-    return SimpleNamespace(sample=sample, response_text=response, response_length=length, reward=None, reward_parts={})
+def _trajectory(response, reward="number", answer="3", task="t", length=5, status="completed", form="answer"):
+    sample = SimpleNamespace(id=f"s-{response}", task=task, answer=answer, reward=reward, metadata={"tolerance": 0},
+                             declared_format=lambda: form)
+    return SimpleNamespace(sample=sample, response_text=response, response_length=length, reward=None, reward_parts={},
+                           status=status)
 
 
 def test_score_trajectories_fills_rewards_and_summaries():
@@ -133,8 +135,36 @@ def test_score_trajectories_fills_rewards_and_summaries():
     trajectories[2].sample.metadata = {"max_length": 100, "cache_length": 10}
     report = score_trajectories(trajectories)
     assert [t.reward for t in trajectories] == [1.0, 0.0, -0.5]  # overlong: (90 − 95) / 10 with the token length
-    assert trajectories[0].reward_parts == {"accuracy": 1.0} and not report.failures
-    assert summarize(trajectories) == {"reward/t": 0.5, "reward/t/accuracy": 0.5, "reward/u": -0.5}
+    assert trajectories[0].reward_parts == {"accuracy": 1.0, "well_formed": 1.0} and not report.failures
+    assert summarize(trajectories) == {"reward/t": 0.5, "reward/t/accuracy": 0.5, "reward/t/well_formed": 1.0,
+                                       "reward/u": -0.5, "reward/u/well_formed": 0.0}  # "x" is not an <answer> block
+
+
+def test_strict_scoring_refuses_what_a_parser_refuses():
+    """Issue 52: the demo's RL policy at seed 0 answered ``<answer>1</answer>1</answer>1…`` to the token budget; the
+    number verifier reads the first block and called it right. Strict scoring gives a response that is not in its
+    answer form, or did not end, its correctness verifiers' minimum; accuracy keeps the verifier's word."""
+    hack, truncated, good = "<answer>3</answer>3</answer>3", "<answer>3</answer>", "<answer>3</answer>"
+    batch = [_trajectory(hack), _trajectory(truncated, status="truncated"), _trajectory(good)]
+    score_trajectories(batch, strict=True)
+    assert [t.reward for t in batch] == [0.0, 0.0, 1.0]
+    assert [t.accuracy for t in batch] == [1.0, 1.0, 1.0]  # the verifier itself is unchanged
+    assert [t.well_formed for t in batch] == [False, False, True]
+    lenient = [_trajectory(hack), _trajectory(truncated, status="truncated")]
+    score_trajectories(lenient)  # strict=False: the verifier alone decides (the old behaviour)
+    assert [t.reward for t in lenient] == [1.0, 1.0] and [t.well_formed for t in lenient] == [False, False]
+
+
+def test_strict_scoring_leaves_shape_verifiers_their_score():
+    """A format or length verifier (no ``accuracy`` part) scores the response's shape: strict scoring does not set it
+    to its minimum. Here 0.5 · number (refused: truncated → 0) + 1 · overlong ((90 − 95) / 10 = −0.5) = −0.5; the
+    free form (``none``) of an ended response is well-formed whatever its text."""
+    t = _trajectory("<answer>3</answer>", reward={"number": 0.5, "overlong": 1.0}, length=95, status="truncated")
+    t.sample.metadata = {"max_length": 100, "cache_length": 10}
+    free = _trajectory("3 apples", form="none")
+    score_trajectories([t, free], strict=True)
+    assert t.reward == -0.5 and t.reward_parts["number"] == 0.0 and t.reward_parts["overlong"] == -0.5
+    assert free.well_formed and free.reward == 1.0
 
 
 def _namespaces() -> bool:

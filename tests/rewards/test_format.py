@@ -53,3 +53,22 @@ def test_overlong_needs_a_length():
         overlong("x", None, max_length=100, cache_length=20)
     with pytest.raises(ValueError, match="cache_length"):
         overlong("x", None, max_length=10, cache_length=20, response_length=1)
+
+
+def test_answer_forms_accept_one_block_and_nothing_after_it():
+    """`has_answer_form` — what strict scoring requires (issue 52): one non-empty answer block and nothing else
+    (answer); the same after at most one leading think block (think); anything (none)."""
+    from vlrl.rewards.format import has_answer_form
+
+    assert has_answer_form("<answer>3</answer><|im_end|>", "answer")
+    for broken in ("<answer>3</answer>3</answer>3", "<answer>1</answer>1</answer>1</answer>1", "<answer>3",
+                   "3", "<answer> </answer>", "<answer>3</answer><answer>3</answer>", "so <answer>3</answer>"):
+        assert not has_answer_form(broken, "answer"), broken
+    assert has_answer_form("<think>two and one</think>\n<answer>3</answer>", "think")
+    assert has_answer_form("<answer>3</answer>", "think")  # the think block is the `format` reward's to require
+    for broken in ("<answer>3</answer><think>x</think>", "<think>x</think><think>y</think><answer>3</answer>",
+                   "x<think>y</think><answer>3</answer>", "<think>x<answer>3</answer>"):
+        assert not has_answer_form(broken, "think"), broken
+    assert has_answer_form("anything at all", "none")
+    with pytest.raises(ValueError, match="unknown answer format 'json'"):
+        has_answer_form("{}", "json")

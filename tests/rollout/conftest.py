@@ -57,9 +57,10 @@ def http_engine_factory(tmp_path):
 
 @contextlib.contextmanager
 def vlrl_serve(model: str, log_dir, n: int = 1, *, api_key: str = API_KEY, timeout: float = 120,
-               keep_processes: bool = False, env: list[dict] | None = None):
+               keep_processes: bool = False, env: list[dict] | None = None, args: tuple[str, ...] = ()):
     """``n`` `vlrl serve` processes of ``model`` on free loopback ports; yields their URLs (with
-    ``keep_processes``: (URLs, processes)), stops them after. ``env[i]``: extra environment of server i."""
+    ``keep_processes``: (URLs, processes)), stops them after. ``env[i]``: extra environment of server i; ``args``: more
+    options of every server."""
     import os
     import subprocess
     import sys
@@ -70,7 +71,7 @@ def vlrl_serve(model: str, log_dir, n: int = 1, *, api_key: str = API_KEY, timeo
         for i in range(n):
             log = open(f"{log_dir}/serve{i}.log", "w+")
             process = subprocess.Popen(
-                [sys.executable, "-m", "vlrl.cli", "serve", "--model", model, "--port", "0", "--threads", "1"],
+                [sys.executable, "-m", "vlrl.cli", "serve", "--model", model, "--port", "0", "--threads", "1", *args],
                 stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "VLRL_API_KEY": api_key, "OMP_NUM_THREADS": "1", **(env[i] if env else {})})
             started.append((process, log))

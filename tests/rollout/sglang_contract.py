@@ -33,11 +33,29 @@ def cache_dir() -> Path:
     return base / "vlrl" / f"sglang-{SGLANG_VERSION}"
 
 
+class WheelUnavailable(RuntimeError):
+    """The pinned wheel is not cached and cannot be downloaded (offline): the tests that read it are skipped."""
+
+
 def wheel_path() -> Path:
-    """The pinned SGLang wheel: ``$VLRL_SGLANG_WHEEL``, else the cached download, else downloaded now."""
+    """The pinned SGLang wheel: ``$VLRL_SGLANG_WHEEL``, else the cached download, else downloaded now
+    (`WheelUnavailable` when that fails)."""
     given = os.environ.get(WHEEL_ENV)
     if given:
         return Path(given)
+    if _UNAVAILABLE:  # (tried in this process already: offline stays offline, one attempt is enough)
+        raise _UNAVAILABLE[0]
+    try:
+        return _download()
+    except WheelUnavailable as err:
+        _UNAVAILABLE.append(err)
+        raise
+
+
+_UNAVAILABLE: list[WheelUnavailable] = []
+
+
+def _download() -> Path:
     folder = cache_dir()
     found = sorted(folder.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
     if found:
@@ -48,11 +66,16 @@ def wheel_path() -> Path:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
                "--platform", "manylinux_2_34_x86_64", "--implementation", "cp", "-d", str(partial),
                f"sglang=={SGLANG_VERSION}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as err:
+        raise WheelUnavailable(f"downloading sglang=={SGLANG_VERSION} took over 900 s (set ${WHEEL_ENV} to a local copy "
+                               "of the wheel)") from err
     wheels = sorted(partial.glob("*.whl"))
     if done.returncode != 0 or not wheels:
-        raise RuntimeError(f"could not download sglang=={SGLANG_VERSION} for the conformance test (set ${WHEEL_ENV} to "
-                           f"a local copy of the wheel): {done.stderr[-2000:]}")
+        shutil.rmtree(partial, ignore_errors=True)
+        raise WheelUnavailable(f"sglang=={SGLANG_VERSION}'s wheel is not cached under {folder} and could not be "
+                               f"downloaded (set ${WHEEL_ENV} to a local copy of the wheel): {done.stderr[-500:]}")
     target = folder / wheels[0].name
     os.replace(wheels[0], target)  # atomic: a concurrent run sees the whole wheel or none
     shutil.rmtree(partial, ignore_errors=True)

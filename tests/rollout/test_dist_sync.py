@@ -58,8 +58,31 @@ def test_every_server_ends_with_the_trainers_checksum_after_a_distributed_update
             engine.close()
 
 
+def test_vlrl_serve_keeps_sglangs_weight_update_session(tiny_vlm):
+    """SGLang 0.5.23's session (its scheduler's weight updater): a bucket outside it is refused with SGLang's message
+    before anything is received; one session at a time; an end without a session is refused; /flush_cache answers
+    as SGLang's does (plain text)."""
+    bucket = {"names": ["x"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "nope"}
+    with running_server(tiny_vlm) as served, httpx.Client(base_url=served.url, headers=AUTH, timeout=30) as client:
+        answer = client.post("/update_weights_from_distributed", json=bucket)
+        assert answer.status_code == 400 and answer.json()["message"] == (
+            "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
+        assert client.post("/end_weight_update", json={}).json()["message"].startswith("no weight-update session")
+        assert client.post("/begin_weight_update", json={}).json() == {"success": True, "message": "Success"}
+        again = client.post("/begin_weight_update", json={"selector": "all"})
+        assert again.status_code == 400 and "already open" in again.json()["message"]
+        answer = client.post("/update_weights_from_distributed", json=bucket)  # in a session: the group is checked
+        assert answer.status_code == 400 and "group_name" in answer.json()["message"]
+        assert client.post("/end_weight_update", json={}).status_code == 200
+        assert client.post("/begin_weight_update", json={"selector": "nope"}).status_code == 400
+        flushed = client.post("/flush_cache")
+        assert flushed.status_code == 200 and flushed.text == "Cache flushed.\n"
+        assert served.batcher.version[0] == 0
+
+
 def test_the_server_refuses_malformed_distributed_requests_naming_the_field(tiny_vlm):
     with running_server(tiny_vlm) as served, httpx.Client(base_url=served.url, headers=AUTH, timeout=30) as client:
+        assert client.post("/begin_weight_update", json={}).status_code == 200
         answer = client.post("/update_weights_from_distributed",
                              json={"names": ["x"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "nope"})
         assert answer.status_code == 400 and "group_name" in answer.json()["message"]
@@ -199,10 +222,11 @@ def test_a_server_dying_mid_broadcast_sends_that_update_by_disk_and_the_next_ove
             engine.close()
 
 
-def test_a_server_that_cannot_join_the_group_fails_its_formation_at_once(tiny_vlm_dir, tmp_path, caplog):
-    """A server that died before the group is formed: its /init_weights_update_group call fails, so the rendezvous
-    can never complete — the trainer gives up at once (the warning names that server's failed call, not a
-    rendezvous timeout), loads the version by disk on the survivor, and the next update forms a group with it."""
+def test_a_server_dead_before_the_first_update_fails_it_at_once(tiny_vlm_dir, tmp_path, caplog):
+    """A server that died before the group is formed: its first call of the update (/begin_weight_update, before any
+    group is formed) fails, so no rendezvous is even tried — the trainer gives up at once (the warning names that
+    server's failed call, not a rendezvous timeout), loads the version by disk on the survivor, and the next update
+    forms a group with it."""
     import logging
     import signal
 
@@ -216,7 +240,7 @@ def test_a_server_that_cannot_join_the_group_fails_its_formation_at_once(tiny_vl
             processes[1].wait(30)
             with caplog.at_level(logging.WARNING, logger="vlrl.rollout.http_engine"):
                 engine.update_weights(version=1)
-            assert f"{urls[1]} could not join the weight-update group: ConnectError" in caplog.text
+            assert f"SessionRefused: {urls[1]}/begin_weight_update: ConnectError" in caplog.text
             assert engine.last_sync.method == "disk" and [s.url for s in engine.live_servers()] == [urls[0]]
             _nudge(policy.model, 0.01)
             engine.update_weights(version=2)

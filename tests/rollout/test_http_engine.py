@@ -280,38 +280,98 @@ def test_requests_decoding_through_a_paused_update_are_tagged_with_the_weights_t
         assert torch.allclose(logp[i, : len(t.response_ids)], t.behaviour_logp, atol=1e-4)
 
 
-@pytest.mark.parametrize("check", ["error", "warn", "off"])
-def test_a_server_that_sampled_from_another_prompt_is_caught(tiny_vlm, http_engine_factory, monkeypatch, caplog, check):
-    """SGLang re-processes a prompt's images with its own pixel bounds and reports the prompt it really used in
-    meta_info.prompt_tokens. Here the server reports 4 tokens more than the trainer's prompt: an error naming the
-    sample and both counts (rollout.servers.prompt_check=error), a counted warning (warn), or nothing (off)."""
-    import logging
-
-    from vlrl.rollout.http_engine import PromptMismatchError
-    from vlrl.rollout.server import app as server_module
-
+def _answers_from(server_module, monkeypatch, change):
+    """vlrl serve answering each trajectory through ``change(answer)`` (what another server would report)."""
     real_output = server_module.sglang_output
 
-    def reprocessed(policy, t, sampling, **kwargs):
+    def changed(policy, t, sampling, **kwargs):
         answer = real_output(policy, t, sampling, **kwargs)
-        answer["meta_info"]["prompt_tokens"] += 4
+        change(answer)
         return answer
+
+    monkeypatch.setattr(server_module, "sglang_output", changed)
+
+
+@pytest.mark.parametrize("check", ["error", "warn", "off"])
+def test_a_server_that_sampled_from_other_prompt_ids_of_the_same_length_is_caught(tiny_vlm, http_engine_factory,
+                                                                                  monkeypatch, caplog, check):
+    """The client asks for the ids a server sampled from (SGLang's return_prompt_token_ids) and compares them with the
+    trainer's: here the server's prompt has the same length and one other id (a context re-split on decode → encode;
+    a count cannot see it): an error naming the sample and where the ids differ (prompt_check=error), a counted
+    warning (warn), or nothing (off — and the ids are not asked for)."""
+    import logging
+
+    from vlrl.rollout.prompt_check import PromptMismatchError
+    from vlrl.rollout.server import app as server_module
 
     engine, _ = http_engine_factory(tiny_vlm, prompt_check=check)
     requests = _requests(engine, 2)
-    expected = len(requests[0].prompt_ids)
-    assert engine.generate(requests, SamplingParams(max_new_tokens=2))  # the true counts: no complaint
-    monkeypatch.setattr(server_module, "sglang_output", reprocessed)
+    assert engine.generate(requests, SamplingParams(max_new_tokens=2))  # the true ids: no complaint
+    asked = []
+
+    def resplit(answer):
+        asked.append("prompt_token_ids" in answer)
+        if "prompt_token_ids" in answer:
+            answer["prompt_token_ids"][2] += 1
+
+    _answers_from(server_module, monkeypatch, resplit)
     if check == "error":
-        with pytest.raises(PromptMismatchError, match=rf"sample '{requests[0].sample.id}' from a prompt of "
-                                                      rf"{expected + 4} tokens; the trainer scores {expected}"):
+        with pytest.raises(PromptMismatchError, match=rf"sample '{requests[0].sample.id}' from other prompt ids "
+                                                      rf"\({len(requests[0].prompt_ids)} against the trainer's "
+                                                      rf"{len(requests[0].prompt_ids)}, the first difference at "
+                                                      r"position 2\)"):
             engine.generate(requests, SamplingParams(max_new_tokens=2))
         return
     with caplog.at_level(logging.WARNING, logger="vlrl.rollout.http_engine"):
         out = engine.generate(requests, SamplingParams(n=2, max_new_tokens=2))
-    assert len(out) == 4
+    assert len(out) == 4 and all(asked) == (check != "off")
     assert engine.prompt_mismatches == (4 if check == "warn" else 0)
-    assert ("the trainer scores" in caplog.text) == (check == "warn")
+    assert ("from other prompt ids" in caplog.text) == (check == "warn")
+
+
+def test_a_server_that_returns_no_prompt_ids_is_compared_by_count(tiny_vlm, http_engine_factory, monkeypatch):
+    """A server without return_prompt_token_ids (an older SGLang) is checked on meta_info.prompt_tokens."""
+    from vlrl.rollout.prompt_check import PromptMismatchError
+    from vlrl.rollout.server import app as server_module
+
+    engine, _ = http_engine_factory(tiny_vlm)
+    requests = _requests(engine, 2)
+    expected = len(requests[0].prompt_ids)
+
+    def longer(answer):
+        answer.pop("prompt_token_ids", None)
+        answer["meta_info"]["prompt_tokens"] += 4
+
+    _answers_from(server_module, monkeypatch, longer)
+    with pytest.raises(PromptMismatchError, match=rf"sample '{requests[0].sample.id}' from a prompt of "
+                                                  rf"{expected + 4} tokens; the trainer scores {expected}"):
+        engine.generate(requests, SamplingParams(max_new_tokens=2))
+
+
+def test_a_server_whose_image_settings_differ_is_named_with_both_flags(tiny_vlm, http_engine_factory, caplog):
+    """SGLang's /server_info carries its launch arguments: an image-processor backend other than PIL, or pixel bounds
+    other than the trainer's, is named (with the flag that sets it) at start and in a mismatch's message."""
+    import json
+    import logging
+
+    from vlrl.rollout.prompt_check import PromptCheck, trainer_pixel_bounds
+    from vlrl.rollout.server_pool import ServerState
+
+    engine, _ = http_engine_factory(tiny_vlm)
+    low, high = trainer_pixel_bounds(tiny_vlm)
+    server = ServerState("http://sglang")
+    bounds = json.dumps({"image": {"min_pixels": low, "max_pixels": high * 2}})  # (as launched: a JSON string)
+    engine.pool.read_facts(server, {"image_processor_backend": "auto", "mm_process_config": bounds})
+    assert server.image_processor_backend == "auto" and server.pixel_bounds == (low, high * 2)
+    engine.pool.servers.append(server)
+    with caplog.at_level(logging.WARNING, logger="vlrl.rollout.http_engine"):
+        PromptCheck(tiny_vlm, engine.pool)
+    assert "http://sglang: its --image-processor-backend is 'auto'" in caplog.text
+    assert f"image.max_pixels is {high * 2}, model.max_pixels is {high}" in caplog.text
+    assert "min_pixels is" not in caplog.text  # (the same as the trainer's: not named)
+    pil = ServerState("http://pil")
+    engine.pool.read_facts(pil, {"disable_fast_image_processor": True, "image_processor_backend": "auto"})
+    assert pil.image_processor_backend == "pil"  # (SGLang's deprecated flag wins, as its resolver reads it)
 
 
 def test_answer_versions_tolerate_labels_and_take_the_oldest_span():
@@ -373,3 +433,34 @@ def test_an_admin_key_guards_the_weight_routes_and_the_client_sends_it(tiny_vlm,
     finally:
         server.stop()
         batcher.close()
+
+
+def test_a_server_that_never_answers_at_start_is_given_up_on_at_the_startup_timeout(tiny_vlm, tmp_path):
+    """A server that accepts the connection and never answers /server_info: the start-up probe waits startup_timeout,
+    not request_timeout (before the fix: the whole request_timeout, here 120 s)."""
+    import socket
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # (the kernel accepts the connection; nobody ever answers)
+        started = time.monotonic()
+        with pytest.raises(RolloutRequestError, match="not ready after 2s"):
+            HTTPEngine(tiny_vlm, [f"http://127.0.0.1:{silent.getsockname()[1]}"], SyncSettings(tmp_path),
+                       ClientSettings(startup_timeout=2.0, request_timeout=120.0))
+        assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("reports, verify, computed", [(True, True, 1), (True, False, 0), (False, True, 0)])
+def test_the_trainer_computes_a_checksum_only_for_servers_that_report_one(tiny_vlm, http_engine_factory, monkeypatch,
+                                                                          reports, verify, computed):
+    """vlrl serve reports a weight checksum, SGLang none: the trainer's own (every weight read once more — on a GPU
+    copied to the host) is computed only for servers that report one at start, and only with verify_checksum."""
+    from vlrl.rollout import publish
+
+    engine, servers = http_engine_factory(tiny_vlm, sync_options={"verify_checksum": verify})
+    engine.servers[0].reports_checksum = reports  # (an SGLang server: its /server_info has no weight_checksum)
+    real, calls = publish.weight_checksum, []
+    monkeypatch.setattr(publish, "weight_checksum", lambda *a, **k: calls.append(1) or real(*a, **k))
+    engine.update_weights(version=1)
+    assert len(calls) == computed and servers[0].batcher.version[0] == 1 and engine.weight_version == 1

@@ -20,6 +20,9 @@ Writes into OUT_DIR (rank 0 writes files):
                                        OUT_DIR/trajectories.pt (first gradients, adapters after 2 steps), and
                                        whether the two ranks' adapters are equal
     lora_rl/                           a 2-rank `vlrl rl` run (DDP) with model.lora and a KL term
+    budget_{ddp,fsdp}.pt               train.max_tokens_per_micro_batch: gradients, splits and losses by budget and the
+                                       count-based ones of the same long-tail batch (`budget_gradients`)
+    budget_rl/, budget_sft/            2-rank `vlrl rl|sft` runs (FSDP2) with train.max_tokens_per_micro_batch
 """
 
 import sys
@@ -104,6 +107,44 @@ def loss_gradients(model_dir: str, out: Path, strategy: str) -> None:
                        out / f"grads_loss_{strategy}_{loss}.pt")
 
 
+BUDGETS = (1, 100)  # every row alone; the long row alone on one rank, micro-batches of ~1 short row on the other
+
+
+def budget_gradients(model_dir: str, out: Path, strategy: str) -> None:
+    """train.max_tokens_per_micro_batch on 2 ranks (`minibatches`: rows rebalanced over the ranks and sent where they
+    run, micro-batches by cost, as many on each rank — no-op ones where a rank has fewer rows): the first minibatch's
+    gradient and split per (aggregation, padding_free, budget), and the count-based gradient of the same batch —
+    rank 0's responses with row 0's made 200 tokens long (a long tail)."""
+    import dataclasses
+
+    from vlrl.train.update import minibatches
+
+    policy, rt = runtime(model_dir, strategy)
+    trajectories = rt.ctx.shard(torch.load(out / "trajectories.pt", weights_only=False), what="trajectories")
+    if rt.ctx.rank == 0:
+        t = trajectories[0]
+        t.response_ids = t.response_ids.repeat(100)[:200]
+        t.loss_mask, t.behaviour_logp = torch.ones(200, dtype=torch.long), torch.full((200,), -1.0)
+    batch = rl_update_batch(policy, trajectories, rt)
+    results = {}
+    for mode in ("token_mean", "seq_mean_token_mean"):
+        for padding_free in (False, True):
+            for budget in (None, *BUDGETS):
+                settings = dataclasses.replace(rl_settings(mode), padding_free=padding_free,
+                                               max_tokens_per_micro_batch=budget)
+                rt.module.zero_grad(set_to_none=True)
+                mb = next(minibatches(policy, batch, settings, rt, seed=0, step=0))
+                stats = accumulate(policy, mb.batch, [], settings, normaliser=mb.normaliser, runtime=rt,
+                                   micro_batches=mb.micro_batches)
+                grads = grads_of(rt.module)
+                split = rt.ctx.gather_objects([list(m.rows) if not m.noop else None for m in mb.micro_batches])
+                loss = rt.ctx.all_reduce_sum(stats.values["policy/loss"])[0] / 2  # the minibatch's loss
+                results[(mode, padding_free, budget)] = {"grads": grads, "split": split, "metrics": mb.metrics,
+                                                         "loss": loss}
+    if rt.ctx.is_main:
+        torch.save(results, out / f"budget_{strategy}.pt")
+
+
 def checkpointed_gradients(model_dir: str, out: Path) -> None:
     """`sft_gradients` and `rl_gradients` (token_mean) under FSDP2 with train.gradient_checkpointing on."""
     policy, rt = runtime(model_dir, "fsdp")
@@ -163,6 +204,7 @@ def main(model_dir: str, out: str) -> None:
         sft_gradients(model_dir, out_dir, strategy)
         rl_gradients(model_dir, out_dir, strategy)
         loss_gradients(model_dir, out_dir, strategy)
+        budget_gradients(model_dir, out_dir, strategy)
         checkpoints(model_dir, out_dir, strategy)
     checkpointed_gradients(model_dir, out_dir)
     lora_ddp(model_dir, out_dir)
@@ -173,6 +215,12 @@ def main(model_dir: str, out: str) -> None:
     run_rl(load_config(RLConfig, None, [*run_args("rl", model_dir, data, nproc=2), f"out={out_dir / 'reference_rl'}"]))
     run_rl(load_config(RLConfig, None, [*run_args("rl", model_dir, data, nproc=2), "model.lora.r=4",
                                         "train.steps=2", f"out={out_dir / 'lora_rl'}"]))
+    # the token budget through the recipes, FSDP2 (lockstep), the same data and seed as reference_{rl,sft}
+    run_rl(load_config(RLConfig, None, [*run_args("rl", model_dir, data, nproc=2), "dist.strategy=fsdp",
+                                        "train.max_tokens_per_micro_batch=200", "train.steps=2", "checkpoint.every=0",
+                                        f"out={out_dir / 'budget_rl'}"]))
+    run_sft(load_config(SFTConfig, None, [*run_args("sft", model_dir, None, nproc=2), "train.max_tokens_per_micro_batch=150",
+                                          "train.steps=2", "checkpoint.every=0", f"out={out_dir / 'budget_sft'}"]))
     shutdown_distributed(ctx)
 
 

@@ -25,7 +25,8 @@ def fake_trajectories(rewards, groups, lengths, *, statuses=None, accuracy=None,
 
 class ScriptedEngine:
     """An `Engine` without a model: the responses to a sample are ``sample.metadata["responses"]`` (cycled),
-    and its greedy response (temperature 0) is ``sample.metadata["greedy"]``. Counts generated prompts."""
+    and its greedy response (temperature 0) is ``sample.metadata["greedy"]``; a text listed in
+    ``sample.metadata["truncated"]`` comes back TRUNCATED (cut at the token budget). Counts generated prompts."""
 
     def __init__(self):
         self.weight_version = 0
@@ -44,9 +45,11 @@ class ScriptedEngine:
                 [meta["responses"][j % len(meta["responses"])] for j in range(sampling.n)]
             for text in texts:
                 n = max(1, len(text))
+                status = Status.TRUNCATED if text in meta.get("truncated", ()) else Status.COMPLETED
                 out.append(Trajectory(sample=request.sample, prompt_ids=torch.tensor(request.prompt_ids),
                                       response_ids=torch.arange(4, 4 + n), loss_mask=torch.ones(n, dtype=torch.long),
-                                      behaviour_logp=-torch.ones(n), response_text=text, group_index=i))
+                                      behaviour_logp=-torch.ones(n), response_text=text, group_index=i,
+                                      status=status))
         self.prompts_generated += len(requests)
         return out
 

@@ -14,6 +14,7 @@ from vlrl.rewards import score_trajectories
 from vlrl.rollout import HFEngine, SamplingParams
 from vlrl.train.batch import build_algorithm, prepare_batch, teacher_logprobs
 from vlrl.train.common import make_optimizer
+from vlrl.train.microbatch import by_count
 from vlrl.train.update import UpdateSettings, minibatch_cov_selection, minibatch_gradient, ppo_update
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -129,7 +130,7 @@ def test_the_critic_regresses_on_the_returns_and_leaves_the_policy_alone(rollout
     policy_before = [p.detach().clone() for p in policy.model.parameters()]
     critic, losses = algorithm.critic, []
     for _ in range(8):
-        stats = critic.accumulate(batch, range(6), micro_batch_size=6, loss_agg="token_mean",
+        stats = critic.accumulate(batch, by_count(range(6), 6), loss_agg="token_mean",
                                   normaliser=float(batch.loss_mask.sum()))
         losses.append(stats.values["critic/value_loss"][0])
         critic.step()

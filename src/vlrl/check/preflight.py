@@ -134,13 +134,13 @@ def _stages(cfg: RunConfig) -> tuple[list[tuple[str, SFTStage]], list[tuple[str,
 def _check_sizes(report: CheckReport, sft, rl) -> None:
     for p, stage in sft:
         batch, micro = stage.train.batch_size, stage.train.micro_batch_size
-        if micro < batch and batch % micro:
+        if micro < batch and batch % micro and stage.train.max_tokens_per_micro_batch is None:  # else: cut by cost
             report.problem(f"{p}train.micro_batch_size", f"{micro} does not divide {p}train.batch_size = {batch}")
     for p, stage in rl:
         per_step = stage.train.prompts_per_step * stage.rollout.n
         minibatch = per_step // stage.train.minibatches  # the config already requires an exact split
         micro = stage.train.micro_batch_size
-        if micro < minibatch and minibatch % micro:
+        if micro < minibatch and minibatch % micro and stage.train.max_tokens_per_micro_batch is None:
             report.problem(f"{p}train.micro_batch_size",
                            f"{micro} does not divide the minibatch of {minibatch} responses ({p}train.prompts_per_step "
                            f"{stage.train.prompts_per_step} × {p}rollout.n {stage.rollout.n} / {p}train.minibatches "

@@ -132,6 +132,13 @@ class DataConfig(Section):
         "several: {math: 0.9, format: 0.1}). A row's own `reward` wins; unset: data.reward_by_source, then the "
         "layout's default (easyr1 and trl: math; verl: by data_source).",
     )
+    answer_format: Literal["auto", "answer", "think", "none"] = Field(
+        "auto", description="The form a response must give its answer in, for rows that declare none (a jsonl row's "
+        "`format`): answer (exactly one non-empty <answer>…</answer> and nothing else), think (the same after at "
+        "most one leading <think>…</think>), none (any text). auto: the form the prompt asks for — answer when it "
+        "asks for <answer></answer>, think when also for <think></think>, else none. Strict scoring requires it "
+        "(evaluation's strict and well_formed; algo.strict_reward in RL).",
+    )
     reward_by_source: dict[str, str | dict[str, float]] = Field(
         default_factory=dict, description="Verifier by the row's task — verl's data_source — (verl's "
         "default_compute_score dispatch), before `reward`, e.g. {hiyouga/geometry3k: math, my/ocr-set: ocr}.",

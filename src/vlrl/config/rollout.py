@@ -144,6 +144,22 @@ class WeightSyncConfig(Section):
         "for a bucket's broadcast and for its answers; past it (or as soon as a server's call fails) the group is "
         "closed, that update goes by disk to the servers left and the next one forms a new group."
     )
+    deadline: float = Field(
+        900.0, gt=0, description="method=distributed: seconds one whole update may take (opening SGLang's weight-update "
+        "session, forming the group, every bucket's broadcast and answers); past it the update is abandoned — the "
+        "group torn down, that update by disk — even where a collective would block (NCCL creates its communicator at "
+        "the first broadcast, and waits there for every rank)."
+    )
+    on_failure: Literal["disk", "stop"] = Field(
+        "disk", description="method=distributed: when an update could not go over the group (a server refused it, "
+        "died, or the deadline passed), it goes by disk (a warning names why) and then 'disk': the run goes on, the "
+        "next update forms a new group; 'stop': the run stops with an error naming the failure."
+    )
+    verify_checksum: bool = Field(
+        True, description="Compare the weight checksum each server reports after an update with the trainer's (a "
+        "mismatch stops the run). The trainer computes it only for servers that report one (vlrl serve does; SGLang "
+        "does not: on a GPU that spares copying every weight to the host each update); false: never."
+    )
 
 
 # The flat ``rollout.*`` keys of before the sections (issue 37) → where each lives now, under ``rollout.``; a config

@@ -55,6 +55,20 @@ def _trainable_field():
     )
 
 
+def _max_tokens_field(passes: str):
+    """`train.max_tokens_per_micro_batch`, the same field in the SFT and the RL train sections."""
+    return Field(
+        None, ge=1, description=f"Cut {passes} into micro-batches by cost instead of by micro_batch_size rows: a "
+        "micro-batch holds at most this many tokens — prompt (vision tokens included) + response, + the vision tower's "
+        "patches weighted by what one keeps for backward relative to a decoder token; padded micro-batches count every "
+        "row at the longest row's length, train.shared_prefix a group's prompt once (vlrl.train.microbatch). A row "
+        "over the budget runs alone (warned once). Under torchrun the rows are also rebalanced so that every rank's "
+        "cost is near-equal (Karmarkar-Karp; perf/rank_imbalance) and every rank runs the same number of "
+        "micro-batches. Loss and gradients are those of the count-based split. verl's ppo_max_token_len_per_gpu "
+        "with use_dynamic_bsz. Unset: micro_batch_size rows.",
+    )
+
+
 class SFTTrainConfig(Section):
     steps: int = Field(500, ge=0, description="Optimizer steps (the run may stop earlier at `max_seconds`).")
     batch_size: int = Field(32, ge=1, description="Samples per optimizer step.")
@@ -67,6 +81,7 @@ class SFTTrainConfig(Section):
         "'stop' ends the run there with an error naming the step and which value; 'skip' drops that step's update "
         "(weights and optimizer untouched) and counts it in train/nonfinite_skipped.",
     )
+    max_tokens_per_micro_batch: int | None = _max_tokens_field("each rank's units (samples or planned bins)")
     padding_free: bool = Field(
         False, description="Without a packing plan: pack each micro-batch's samples into rows at run time (no padding "
         "between samples, per-sample position ids). With data.packing_plan this is always on.",
@@ -149,6 +164,15 @@ class AlgoConfig(Section):
         "loss", description="Where the KL to the reference goes when kl_coef > 0: 'loss' adds β · KL to the loss "
         "(GRPO eq. 5); 'reward' subtracts β · KL(π_old ‖ π_ref) from each token's reward before the estimator "
         "(InstructGPT / REINFORCE++; verl use_kl_in_reward).",
+    )
+    strict_reward: bool = Field(
+        True, description="Strict scoring (R1 / EasyR1-style): a response that did not end (truncated at "
+        "rollout.max_new_tokens) or is not in its sample's answer form (data.answer_format; e.g. "
+        "<answer>1</answer>1</answer>1…) scores the minimum of every verifier that reports an accuracy (number, math, "
+        "multiple_choice, bbox_iou, …); format and length verifiers (format, answer_format, overlong, …) and your "
+        "own verifiers that report no accuracy still score it. false: the verifier alone decides, and most read the "
+        "first answer block and ignore what follows, so a policy can win reward with answers no parser accepts "
+        "(issue 52: the demo at seed 0).",
     )
     mask_truncated: bool = Field(
         False, description="DAPO overlong filtering: truncated responses get no loss (they still count in their "
@@ -233,6 +257,8 @@ class RLTrainConfig(Section):
     minibatches: int = Field(1, ge=1, description="Optimizer steps per RL step per epoch (the rollout batch is split in this many).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     micro_batch_size: int = Field(128, ge=1, description="Sequences per forward/backward; gradients accumulate to a minibatch.")
+    max_tokens_per_micro_batch: int | None = _max_tokens_field(
+        "the update's rows (and the π_old / π_ref / critic passes')")
     max_samples: int | None = Field(None, ge=1, description="Draw prompts from only the first N training samples.")
     max_seconds: float | None = Field(None, gt=0, description="Wall-clock budget of the stage; stops after the step that crosses it.")
     log_every: int = Field(1, ge=1, description="Log metrics every N steps.")

@@ -22,13 +22,15 @@ def template_text(template: str) -> str:
 
 
 def with_template(samples: Sequence[Sample], template: str) -> list[Sample]:
-    """Copies of ``samples`` whose last user turn ends with the template's instruction (and no other known one)."""
+    """Copies of ``samples`` whose last user turn ends with the template's instruction (and no other known one); their
+    answer form is then the one the instruction asks for."""
     instruction = template_text(template)
     known = sorted((t for t in TEMPLATES.values() if t), key=len, reverse=True)
     out = []
     for sample in samples:
         sample = copy.copy(sample)
         sample.messages = copy.deepcopy(sample.messages)
+        sample.answer_format = None  # the form the new instruction asks for (`Sample.declared_format`)
         users = [m for m in sample.messages if m.get("role") == "user"]
         if not users:
             raise ValueError(f"sample {sample.id} ({sample.source or 'generated'}): no user turn to put the "

@@ -38,6 +38,8 @@ ImageSource = str | bytes | Image.Image | DeferredImage
 # A video source: a video file's path (decoded with PyAV), or its frames as a list of image sources.
 VideoSource = str | list[ImageSource]
 
+_TAG_PAIR = re.compile(r"<([A-Za-z_]{1,32})></\1>")  # an empty tag pair a prompt asks the answer in: <answer></answer>
+
 IMAGE_MARKER = "<image>"
 VIDEO_MARKER = "<video>"
 _DATA_URL = re.compile(r"^data:image/[a-zA-Z0-9.+-]+;base64,")
@@ -62,6 +64,9 @@ class Sample:
         reward: a verifier name (``"number"``) or weights of several (``{"bbox_iou": 0.8, "format": 0.2}``).
         response: a reference response for SFT (the assistant text), or None.
         metadata: anything else; passed to the verifier as keyword arguments under ``meta``.
+        answer_format: the form a response must give its answer in (`vlrl.rewards.format.ANSWER_FORMATS`:
+            ``answer``, ``think``, ``none``; a jsonl record's ``format``), which strict scoring requires; None: the form the prompt asks
+            for (`declared_format`).
         source: ``file:line`` the sample was read from (not serialised), for error messages.
     """
 
@@ -74,6 +79,7 @@ class Sample:
     reward: str | dict[str, float] = ""
     response: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    answer_format: str | None = None
     source: str = field(default="", compare=False, repr=False)
 
     def num_image_parts(self) -> int:
@@ -119,6 +125,23 @@ class Sample:
                 raise SampleError("field 'reward': a dict must map verifier names to numeric weights")
         elif not isinstance(self.reward, str) or not self.reward:
             raise SampleError("field 'reward': must name a verifier (e.g. 'number') or map names to weights")
+        if self.answer_format is not None:
+            from vlrl.rewards.format import ANSWER_FORMATS  # the forms the scorer checks
+
+            if self.answer_format not in ANSWER_FORMATS:
+                raise SampleError(f"field 'format': {self.answer_format!r} is not an answer format "
+                                  f"({', '.join(ANSWER_FORMATS)})")
+
+    def declared_format(self) -> str:
+        """The answer form strict scoring requires: ``answer_format`` when set, else the one the prompt asks for —
+        ``answer`` when it asks for ``<answer></answer>``, ``think`` when it also asks for ``<think></think>``,
+        ``none`` when it asks for neither or for other tags too (Syn-GRPO's template: its own verifier reads it)."""
+        if self.answer_format is not None:
+            return self.answer_format
+        tags = set(_TAG_PAIR.findall(self.prompt_text()))
+        if "answer" not in tags or tags - {"answer", "think"}:
+            return "none"
+        return "think" if "think" in tags else "answer"
 
     def reward_names(self) -> list[str]:
         return list(self.reward) if isinstance(self.reward, dict) else [self.reward]
@@ -280,7 +303,8 @@ def sample_from_json(record: Any, base_dir: Path) -> Sample:
     """Build a Sample from one decoded jsonl object; relative image paths resolve against ``base_dir``."""
     if not isinstance(record, dict):
         raise SampleError(f"expected a JSON object, got {type(record).__name__}")
-    known = {"id", "task", "messages", "prompt", "images", "videos", "answer", "reward", "response", "metadata"}
+    known = {"id", "task", "messages", "prompt", "images", "videos", "answer", "reward", "response", "metadata",
+             "format"}
     unknown = sorted(set(record) - known)
     if unknown:
         raise SampleError(f"unknown field(s) {unknown}; known fields: {sorted(known)}")
@@ -327,6 +351,7 @@ def sample_from_json(record: Any, base_dir: Path) -> Sample:
         reward=record.get("reward", ""),
         response=response,
         metadata=record.get("metadata") or {},
+        answer_format=record.get("format"),
     )
     sample.validate()
     return sample
@@ -362,4 +387,6 @@ def sample_to_json(sample: Sample, image_paths: list[str], video_paths: list[Any
         record["response"] = sample.response
     if sample.metadata:
         record["metadata"] = sample.metadata
+    if sample.answer_format is not None:
+        record["format"] = sample.answer_format
     return record

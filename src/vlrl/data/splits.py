@@ -82,11 +82,12 @@ def load_split(cfg: DataConfig, split: str, logger: RunLog | None = None) -> lis
     split of a training file is `load_splits`'.)"""
     path = cfg.train if split == "train" else cfg.test
     if path is None:
-        samples = generate_split(cfg, split, cfg.n_train if split == "train" else cfg.n_test)
+        samples = _declare_format(generate_split(cfg, split, cfg.n_train if split == "train" else cfg.n_test), cfg)
         _log_videos(samples, cfg, split, logger)
         return samples
     report = read_samples(path, on_error=cfg.on_error, check=sample_check, media=media_limits(cfg),
                           schema=schema_for(cfg, split))
+    _declare_format(report.samples, cfg)
     _log_videos(report.samples, cfg, split, logger)
     if logger is not None:
         from rich.markup import escape  # names such as DIR[train] are not console markup
@@ -99,6 +100,15 @@ def load_split(cfg: DataConfig, split: str, logger: RunLog | None = None) -> lis
     if not report.samples:
         raise DataError(f"{path}: no usable samples ({len(report.skipped)} skipped)")
     return report.samples
+
+
+def _declare_format(samples: list[Sample], cfg: DataConfig) -> list[Sample]:
+    """``data.answer_format`` (unless auto) as the answer form of the samples that declare none."""
+    if cfg.answer_format != "auto":
+        for sample in samples:
+            if sample.answer_format is None:
+                sample.answer_format = cfg.answer_format
+    return samples
 
 
 def _log_videos(samples: list[Sample], cfg: DataConfig, split: str, logger: RunLog | None) -> None:

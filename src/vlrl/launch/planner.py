@@ -15,50 +15,8 @@ the launcher's own pre-start checks (`vlrl.launch.launcher.prepare`): one that f
 refuse is listed with the launch's reason instead of a rank, so the planner recommends only what the runtime
 starts; ``vlrl plan --apply OUT.yaml`` writes #1's (``--pick N``: #N's) settings into a config (`applied_config`).
 
-**Memory** (bytes per device; Ψ parameters, b_w bytes of ``model.dtype``, b_c bytes of the compute dtype —
-2 under ``dist.mixed_precision``, else b_w; d the FSDP size, 1 under DDP):
-
-    parameters Ψ·b_w/d · gradients Ψ·b_w/d · AdamW moments 2·Ψ·b_w/d (ZeRO; Rajbhandari et al. 2020)
-    FSDP2 gather buffers 2·U·b_c (U the largest unit: the current one and the prefetched one)
-    activations of one micro-batch of m sequences of L tokens (prompt + vision tokens + response):
-        text   n_layers · m·L · (8h + 2k + 4I) · b_c   — what a Llama/Qwen2 layer saves for backward with SDPA
-               (per token: RMSNorm input, normalised and output ×2 norms = 6h, rotated q + k and v = h + 2k,
-               attention output h, SwiGLU gate, up, act, product = 4I; no L² term: SDPA keeps only a log-sum-exp)
-               + inputs 2·m·L·h·b_c (token embeddings, and their copy with the image features scattered in)
-        vision depth · m·N_p · (12h_v + 3I_v) · b_c + m·N_p·C · b_c   (N_p patches per sequence, C = patch values;
-               per patch: 2 LayerNorms' input and output 4h_v, q, k, v around the rotary embedding and SDPA's
-               contiguous copies ≈ 6h_v, attention output and its concatenation over images 2h_v, quick-GELU
-               MLP 3I_v; the pixel patches themselves C)
-        logits 3 · min(m·(R + 1), c)·V · 4        (fp32 logits of the response, log-softmax, its gradient; c the
-               tokens of one chunk under ``train.logprob_chunk``, `vlrl.models.logprobs.chunk_tokens`)
-    KV cache (generation) 2 · n_layers · k · (P + R) · B · b_c; B = sequences generated at once (the engine keeps
-        one log-prob per sampled token, not the step logits)
-
-(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", counted for this
-layer type; `vlrl plan --measure` and tests/launch/test_planner.py compare it with a measured CPU step.)
-
-**Families.** The same formulas serve every family, with its sizes read from its config: the vision tower's
-depth (``depth`` or ``num_hidden_layers``), width and patch values; N_p = the patches the tower encodes
-(`vision_patches`: Qwen-style patch rows, or tiles × (H/p)(W/p) of InternVL / Gemma 3 / LLaVA-OV / SmolVLM
-pixels); I = the MLP width a token passes through (a mixture of experts: the chosen experts' plus the shared
-one's; Ψ still counts every expert). Stated approximations, measured against a CPU step of each tiny preset
-(tests/models/test_families.py): parameters, gradients and AdamW moments exact; activations 0.76–1.14× of
-measured for attention-only families (MoE routing buffers are not counted); Qwen3.5's Gated DeltaNet layers
-are counted as attention layers, which gives ~0.5× of their activations (chunked delta-rule intermediates,
-convolution states) — budget Qwen3.5 activations at 2× the printed value.
-
-**Memory options.** ``train.gradient_checkpointing``: each block keeps only its input, n_layers·m·L·h·b_c
-(vision: depth·m·N_p·h_v·b_c), plus one block's full activations while it is recomputed in backward.
-``model.lora``: the base is frozen (no gradients, no moments); the Ψ_lora = Σ r·(in + out) adapter parameters
-of the targeted projections are fp32 with fp32 gradients and moments — under FSDP2 all of them sharded d ways
-(the base and the adapters of a layer are shards of its unit), under DDP whole on every device. ``train.trainable``: only the Ψ_t
-parameters of the chosen groups get gradients and moments; a vision tower that trains nothing keeps no
-activations.
-
-``dist.cpu_offload`` (FSDP2 on ≥ 2 ranks): the parameters, gradients and moments above (and a reference copy) are
-a per-rank host figure instead of device memory; the time adds their copies, steps·(2·micro·Ψ + Ψ_t)·b_w/n over
-PCIe (P_cie), a host AdamW step (7 reads and writes of b_w per trained parameter of the shard, host bandwidth H), and
-for colocated generation one copy of the rank's shards per decode step (`offload_seconds`).
+**Memory**: `vlrl.launch.memory` — per device and per phase of a step (generation, the π_old / π_ref / critic
+scoring passes, forward + backward, the optimizer step), each term with its formula; the peak is the costliest phase.
 
 **A config alone.** ``model.path`` may be a ``config.json`` (or a directory with one and no tokenizer): the model is
 built on the meta device from it, with the family's stand-in tokenizer and image processor
@@ -95,6 +53,23 @@ from pathlib import Path
 from typing import Any
 
 from vlrl.launch.measure import measure_train_step  # noqa: F401  (`vlrl plan --measure` asks planner.…)
+from vlrl.launch.memory import (  # noqa: F401  (the memory terms, by phase; tests and the GPU check read planner.…)
+    PhaseMemory,
+    Term,
+    activations,
+    count_text,
+    estimate_phases,
+    estimate_train_step,
+    generation,
+    human_bytes,
+    human_seconds,
+    micro_rows,
+    model_state,
+    phase_memory,
+    rows_text,
+    trained_state,
+)
+from vlrl.launch.memory import scoring as memory_scoring  # noqa: F401
 from vlrl.launch.shapes import (  # noqa: F401  (`vlrl plan` reads the model and workload through planner.…)
     GB,
     Device,
@@ -103,34 +78,8 @@ from vlrl.launch.shapes import (  # noqa: F401  (`vlrl plan` reads the model and
     is_config_only,
     meta_model,
     model_shape,
-    vision_patches,
     workload,
 )
-
-
-@dataclass
-class Term:
-    """One estimated number with its formula and the values substituted."""
-
-    name: str
-    value: float  # bytes or seconds
-    formula: str
-    values: str
-
-    def line(self, unit: str) -> str:
-        shown = human_bytes(self.value) if unit == "bytes" else human_seconds(self.value)
-        return f"    {self.name:<22s}{shown:>11s}   = {self.formula}   = {self.values}"
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", GB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def human_seconds(t: float) -> str:
-    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} µs"
 
 
 @dataclass(frozen=True)
@@ -167,96 +116,14 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     placement: Placement | None = None
     host: dict[str, list[Term]] = field(default_factory=dict)  # dist.cpu_offload: per-rank host memory, by group
+    phases: dict[str, PhaseMemory] = field(default_factory=dict)  # device group → its memory per phase (the peak's
+    # terms are ``memory``'s)
 
     def peak(self, group: str) -> float:
         return sum(t.value for t in self.memory[group])
 
     def feasible(self, device: Device) -> bool:
         return all(self.peak(g) <= device.memory_gb * GB for g in self.memory)
-
-
-# ----------------------------------------------------------------------------------------------- memory terms
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.3g}M" if n >= 1e5 else f"{n:.0f}"
-
-
-def trained_state(s: ModelShape, w: Workload, d: int, role: str) -> list[Term]:
-    """Parameters, gradients and AdamW moments of a trained model, sharded d ways: gradients and moments only for
-    the trained Ψ_t (``train.trainable``); LoRA adds Ψ_lora fp32 adapters (4 bytes) with their own."""
-    p, b = s.params, w.weight_bytes
-    t = p if w.trained_params is None or role != "actor" else w.trained_params
-    a = w.adapter_params if role == "actor" else 0
-    if not a and t == p:
-        return [
-            Term(f"{role} parameters", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}"),
-            Term(f"{role} gradients", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}"),
-            Term(f"{role} AdamW moments", 2 * p * b / d, "2·Ψ·b_w/d", f"2·{_mb(p)}·{b}/{d}"),
-        ]
-    return [
-        Term(f"{role} parameters", (p * b + a * 4) / d, "(Ψ·b_w + Ψ_lora·4)/d", f"({_mb(p)}·{b} + {_mb(a)}·4)/{d}"),
-        Term(f"{role} gradients", (t * b + a * 4) / d, "(Ψ_t·b_w + Ψ_lora·4)/d", f"({_mb(t)}·{b} + {_mb(a)}·4)/{d}"),
-        Term(f"{role} AdamW moments", 2 * (t * b + a * 4) / d, "2·(Ψ_t·b_w + Ψ_lora·4)/d",
-             f"2·({_mb(t)}·{b} + {_mb(a)}·4)/{d}"),
-    ]
-
-
-def gather_buffers(s: ModelShape, w: Workload, d: int) -> list[Term]:
-    if d == 1:
-        return []
-    return [Term("FSDP gather buffers", 2 * s.largest_unit * w.compute_bytes, "2·U·b_c",
-                 f"2·{_mb(s.largest_unit)}·{w.compute_bytes}")]
-
-
-def activations(s: ModelShape, w: Workload, role: str = "actor", *, ranks: int = 1) -> list[Term]:
-    """What one training micro-batch keeps for backward, on one of ``ranks`` data-parallel ranks: m is
-    ``train.micro_batch_size`` or the rank's share of the batch, whichever is smaller."""
-    m, L, b = min(w.micro_batch, math.ceil(w.sequences / ranks)), w.length, w.compute_bytes
-    per_token = 8 * s.hidden + 2 * s.kv_dim + 4 * s.intermediate
-    if w.checkpointing:  # block inputs kept, one block's activations alive while it is recomputed
-        terms = [Term(f"{role} activations", (s.layers * s.hidden + per_token) * m * L * b,
-                      "(n_layers·h + 8h+2k+4I)·m·L·b_c  [checkpointed]",
-                      f"({s.layers}·{s.hidden} + 8·{s.hidden}+2·{s.kv_dim}+4·{s.intermediate})·{m}·{L}·{b}")]
-    else:
-        terms = [Term(f"{role} activations", s.layers * m * L * per_token * b, "n_layers·m·L·(8h+2k+4I)·b_c",
-                      f"{s.layers}·{m}·{L}·(8·{s.hidden}+2·{s.kv_dim}+4·{s.intermediate})·{b}")]
-    terms.append(Term("input embeddings", 2 * m * L * s.hidden * b, "2·m·L·h·b_c", f"2·{m}·{L}·{s.hidden}·{b}"))
-    if s.vision_depth and w.patches and w.trained_vision != 0:  # a tower that trains nothing keeps no activations
-        per_patch = 12 * s.vision_hidden + 3 * s.vision_intermediate
-        if w.checkpointing:
-            terms.append(Term("vision activations", (s.vision_depth * s.vision_hidden + per_patch + s.patch_values)
-                              * m * w.patches * b, "(depth·h_v + 12h_v+3I_v + C)·m·N_p·b_c  [checkpointed]",
-                              f"({s.vision_depth}·{s.vision_hidden} + 12·{s.vision_hidden}+3·{s.vision_intermediate} + "
-                              f"{s.patch_values})·{m}·{w.patches}·{b}"))
-        else:
-            terms.append(Term("vision activations", (s.vision_depth * per_patch + s.patch_values) * m * w.patches * b,
-                              "(depth·(12h_v+3I_v) + C)·m·N_p·b_c",
-                              f"({s.vision_depth}·(12·{s.vision_hidden}+3·{s.vision_intermediate}) + {s.patch_values})"
-                              f"·{m}·{w.patches}·{b}"))
-    from vlrl.models.logprobs import chunk_tokens
-
-    R = w.response_tokens
-    chunk = chunk_tokens(w.logprob_chunk, m * (R + 1), s.vocab)  # None: the whole logits
-    if chunk is None:
-        terms.append(Term("logits (fp32)", 3 * m * (R + 1) * s.vocab * 4, "3·m·(R+1)·V·4", f"3·{m}·{R + 1}·{s.vocab}·4"))
-    else:
-        terms.append(Term("logits (fp32)", 3 * chunk * s.vocab * 4, "3·c·V·4  [chunked]", f"3·{chunk}·{s.vocab}·4"))
-    return terms
-
-
-def generation(s: ModelShape, w: Workload, rows: int) -> list[Term]:
-    """KV cache of one generate call of ``rows`` sequences (a group's prompt is prefilled once, then its cache
-    expanded to the n rows: the expanded cache is this size)."""
-    B = min(rows, w.gen_batch)
-    L, b = w.length, w.compute_bytes
-    return [
-        Term("KV cache", 2 * s.layers * s.kv_dim * L * B * b, "2·n_layers·k·(P+R)·B·b_c",
-             f"2·{s.layers}·{s.kv_dim}·{L}·{B}·{b}"),
-    ]
-
-
-def frozen(s: ModelShape, w: Workload, d: int, role: str) -> list[Term]:
-    p, b = s.params, w.weight_bytes
-    return [Term(f"{role} parameters", p * b / d, "Ψ·b_w/d", f"{_mb(p)}·{b}/{d}")]
 
 
 # ----------------------------------------------------------------------------------------------- placements
@@ -271,13 +138,13 @@ def train_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]
     flops = (c * s.params_text * T_train + c_v * s.params_vision * Tv
              + 12 * s.layers * s.hidden * w.length * T_train) * w.epochs
     terms = [Term("train", flops / rate, "(c·Ψ_t·T + c_v·Ψ_v·T_v + 12·n_layers·h·L·T)·epochs/(n·F·η)",
-                  f"({c:g}·{_mb(s.params_text)}·{T_train} + {c_v:g}·{_mb(s.params_vision)}·{Tv} + 12·{s.layers}·"
+                  f"({c:g}·{count_text(s.params_text)}·{T_train} + {c_v:g}·{count_text(s.params_vision)}·{Tv} + 12·{s.layers}·"
                   f"{s.hidden}·{w.length}·{T_train})·{w.epochs}/({n}·{dev.tflops:g}T·{dev.mfu:g})")]
     shared_passes, critic = int(w.old_pass) + int(w.reference), int(w.critic)
     tokens = shared_passes * T_shared + critic * T
     if tokens:
         terms.append(Term("scoring passes", 2 * s.params * tokens / rate, "2Ψ·(passes·T + critic·rows·L)/(n·F·η)",
-                          f"2·{_mb(s.params)}·({shared_passes}·{T_shared} + {critic}·{T})/({n}·{dev.tflops:g}T·"
+                          f"2·{count_text(s.params)}·({shared_passes}·{T_shared} + {critic}·{T})/({n}·{dev.tflops:g}T·"
                           f"{dev.mfu:g})"))
     return terms
 
@@ -304,24 +171,24 @@ def sync_seconds(s: ModelShape, w: Workload, dev: Device, n: int, strategy: str)
         return []
     steps = w.epochs * w.minibatches  # optimizer steps per step
     rows = math.ceil(w.sequences / (n * w.minibatches))  # a rank's rows per minibatch
-    micro = math.ceil(rows / max(1, min(w.micro_batch, rows)))
+    micro = math.ceil(rows / max(1.0, min(micro_rows(w, n), rows)))  # micro-batches per minibatch (or the budget's)
     frac = (n - 1) / n
     link = f"{n - 1}/{n}/{dev.link_gbs:g}G"
     a = w.adapter_params
     if strategy == "ddp":
         if a:
             return [Term("gradient all-reduce", steps * 2 * a * 4 * frac / (dev.link_gbs * 1e9),
-                         "steps·2Ψ_lora·4·(n−1)/n/Λ", f"{steps}·2·{_mb(a)}·4·{link}")]
+                         "steps·2Ψ_lora·4·(n−1)/n/Λ", f"{steps}·2·{count_text(a)}·4·{link}")]
         volume = steps * 2 * s.params * w.weight_bytes * frac
         return [Term("gradient all-reduce", volume / (dev.link_gbs * 1e9), "steps·2Ψ·b_w·(n−1)/n/Λ",
-                     f"{steps}·2·{_mb(s.params)}·{w.weight_bytes}·{link}")]
+                     f"{steps}·2·{count_text(s.params)}·{w.weight_bytes}·{link}")]
     if a:
         volume = steps * (2 * micro * s.params * w.compute_bytes + a * 4) * frac
         return [Term("FSDP gathers + reduce", volume / (dev.link_gbs * 1e9), "steps·(2·micro·Ψ·b_c + Ψ_lora·4)·(n−1)/n/Λ",
-                     f"{steps}·(2·{micro}·{_mb(s.params)}·{w.compute_bytes} + {_mb(a)}·4)·{link}")]
+                     f"{steps}·(2·{micro}·{count_text(s.params)}·{w.compute_bytes} + {count_text(a)}·4)·{link}")]
     volume = steps * (2 * micro + 1) * s.params * w.compute_bytes * frac
     return [Term("FSDP gathers + reduce", volume / (dev.link_gbs * 1e9), "steps·(2·micro+1)·Ψ·b_c·(n−1)/n/Λ",
-                 f"{steps}·(2·{micro}+1)·{_mb(s.params)}·{w.compute_bytes}·{link}")]
+                 f"{steps}·(2·{micro}+1)·{count_text(s.params)}·{w.compute_bytes}·{link}")]
 
 
 def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, shard: int = 1,
@@ -337,31 +204,19 @@ def generate_seconds(s: ModelShape, w: Workload, dev: Device, replicas: int, *, 
     decode = R * calls * (s.params * b + kv) / (dev.bandwidth_gbs * 1e9)  # every decode step reads all weights
     terms = [
         Term("prefill", prefill, "2Ψ·P·prompts/(n_gen·F·η)",
-             f"2·{_mb(s.params)}·{w.prompt_tokens}·{prompts}/({replicas}·{dev.tflops:g}T·{dev.mfu:g})"),
-        Term("decode", decode, "R·calls·(Ψ·b_c + KV/2)/W", f"{R}·{calls}·({_mb(s.params)}·{b} + {_mb(kv)})"
+             f"2·{count_text(s.params)}·{w.prompt_tokens}·{prompts}/({replicas}·{dev.tflops:g}T·{dev.mfu:g})"),
+        Term("decode", decode, "R·calls·(Ψ·b_c + KV/2)/W", f"{R}·{calls}·({count_text(s.params)}·{b} + {count_text(kv)})"
              f"/{dev.bandwidth_gbs:g}G"),
     ]
     if shard > 1:
         gathered = s.params * b * (shard - 1) / shard
         terms.append(Term("decode all-gathers", R * calls * gathered / (dev.link_gbs * 1e9), "R·calls·Ψ·b_c·(d−1)/d/Λ",
-                          f"{R}·{calls}·{_mb(s.params)}·{b}·{shard - 1}/{shard}/{dev.link_gbs:g}G"))
+                          f"{R}·{calls}·{count_text(s.params)}·{b}·{shard - 1}/{shard}/{dev.link_gbs:g}G"))
     if offload:  # every decode step copies the rank's offloaded shards to the device before gathering them
         copied = s.params * w.weight_bytes / shard
         terms.append(Term("decode offload copies", R * calls * copied / (dev.pcie_gbs * 1e9), "R·calls·Ψ·b_w/d/P_cie",
-                          f"{R}·{calls}·{_mb(s.params)}·{w.weight_bytes}/{shard}/{dev.pcie_gbs:g}G"))
+                          f"{R}·{calls}·{count_text(s.params)}·{w.weight_bytes}/{shard}/{dev.pcie_gbs:g}G"))
     return terms
-
-
-def model_state(s: ModelShape, w: Workload, d: int) -> list[Term]:
-    """Per device: the actor's parameters, gradients and AdamW moments, the critic's, and a frozen reference copy
-    (not under LoRA: its reference is the base with the adapters off), each sharded d ways — what FSDP2's
-    ``dist.cpu_offload`` keeps in host memory instead."""
-    state = trained_state(s, w, d, "actor")
-    if w.critic:
-        state += trained_state(s, w, d, "critic")
-    if w.reference and not w.adapter_params:
-        state += frozen(s, w, d, "reference")
-    return state
 
 
 def offload_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]:
@@ -371,59 +226,58 @@ def offload_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Ter
     three, 28 bytes per fp32 parameter of the shard (host bandwidth H per rank)."""
     steps = w.epochs * w.minibatches
     rows = math.ceil(w.sequences / (n * w.minibatches))
-    micro = math.ceil(rows / max(1, min(w.micro_batch, rows)))
+    micro = math.ceil(rows / max(1.0, min(micro_rows(w, n), rows)))
     trained = (s.params if w.trained_params is None else w.trained_params) + w.adapter_params
     copies = steps * (2 * micro * s.params * w.weight_bytes + trained * w.weight_bytes) / n
     adam = steps * trained * 7 * w.weight_bytes / n
     return [Term("offload copies", copies / (dev.pcie_gbs * 1e9), "steps·(2·micro·Ψ + Ψ_t)·b_w/n/P_cie",
-                 f"{steps}·(2·{micro}·{_mb(s.params)} + {_mb(trained)})·{w.weight_bytes}/{n}/{dev.pcie_gbs:g}G"),
+                 f"{steps}·(2·{micro}·{count_text(s.params)} + {count_text(trained)})·{w.weight_bytes}/{n}/{dev.pcie_gbs:g}G"),
             Term("host AdamW step", adam / (dev.host_gbs * 1e9), "steps·7·Ψ_t·b_w/n/H",
-                 f"{steps}·7·{_mb(trained)}·{w.weight_bytes}/{n}/{dev.host_gbs:g}G")]
+                 f"{steps}·7·{count_text(trained)}·{w.weight_bytes}/{n}/{dev.host_gbs:g}G")]
 
 
 def plan_placements(s: ModelShape, w: Workload, dev: Device) -> list[Plan]:
-    """Every placement of the run's roles on ``dev.count`` devices, with memory and time terms."""
+    """Every placement of the run's roles on ``dev.count`` devices, with memory (per phase, `vlrl.launch.memory`)
+    and time terms."""
     N = dev.count
     plans = []
     for strategy in ("fsdp", "ddp"):
         d = N if strategy == "fsdp" else 1
         offload = w.cpu_offload and strategy == "fsdp" and N > 1  # one process wraps nothing: no FSDP, no offload
-        state = model_state(s, w, d)
-        memory = ([] if offload else state) + gather_buffers(s, w, d)
-        rows_per_rank = math.ceil(w.sequences / N)
-        train_peak = activations(s, w, ranks=N)
-        phases = {"train": train_peak}
+        memory = phase_memory(s, w, d, ranks=N, offload=offload,
+                              generate_rows=math.ceil(w.sequences / N) if w.recipe == "rl" else None)
         time = train_seconds(s, w, dev, N) + sync_seconds(s, w, dev, N, strategy)
         if offload:
             time += offload_seconds(s, w, dev, N)
         if w.recipe == "rl":
-            phases["generate"] = generation(s, w, rows_per_rank)
             time = generate_seconds(s, w, dev, N, shard=d, offload=offload) + time
-        phase, terms = max(phases.items(), key=lambda kv: sum(t.value for t in kv[1]))
-        notes = [f"peak phase: {phase} (the other phases reuse the same memory)"] if len(phases) > 1 else []
-        plans.append(Plan(f"colocated {strategy}×{N}", {"all devices": memory + terms}, time,
-                          sum(t.value for t in time), notes, Placement(strategy, N, asynchronous=w.asynchronous),
-                          host={"all devices": state} if offload else {}))
+        plans.append(Plan(f"colocated {strategy}×{N}", {"all devices": memory.peak_terms()}, time,
+                          sum(t.value for t in time), [f"peak phase: {memory.peak_phase}"],
+                          Placement(strategy, N, asynchronous=w.asynchronous),
+                          host={"all devices": model_state(s, w, d)} if offload else {},
+                          phases={"all devices": memory}))
     if w.recipe == "rl" and N > 1:
         for g in range(1, N):
             d = N - g
             offload = w.cpu_offload and d > 1
-            state = model_state(s, w, d)
-            trainer = ([] if offload else state) + gather_buffers(s, w, d) + activations(s, w, ranks=d)
-            server = [Term("rollout parameters", s.params * w.compute_bytes, "Ψ·b_c",
-                           f"{_mb(s.params)}·{w.compute_bytes}")] + generation(s, w, math.ceil(w.sequences / g))
+            trainer = phase_memory(s, w, d, ranks=d, offload=offload)
+            server = PhaseMemory([Term("rollout parameters", s.params * w.compute_bytes, "Ψ·b_c",
+                                       f"{count_text(s.params)}·{w.compute_bytes}")],
+                                 {"generate": generation(s, w, math.ceil(w.sequences / g))})
             gen, train = generate_seconds(s, w, dev, g), train_seconds(s, w, dev, d) + sync_seconds(s, w, dev, d, "fsdp")
             if offload:
                 train += offload_seconds(s, w, dev, d)
             sync = Term("weight sync", s.params * w.compute_bytes / (dev.link_gbs * 1e9), "Ψ·b_c/Λ",
-                        f"{_mb(s.params)}·{w.compute_bytes}/{dev.link_gbs:g}G")
+                        f"{count_text(s.params)}·{w.compute_bytes}/{dev.link_gbs:g}G")
             g_sec, t_sec = sum(t.value for t in gen), sum(t.value for t in train)
             step = (max(g_sec, t_sec) if w.asynchronous else g_sec + t_sec) + sync.value
-            notes = ["rollout.mode=async: generation overlaps training"] if w.asynchronous else []
+            notes = [f"trainer peak phase: {trainer.peak_phase}"]
+            notes += ["rollout.mode=async: generation overlaps training"] if w.asynchronous else []
+            groups = {f"trainer ({d})": trainer, f"rollout ({g})": server}
             plans.append(Plan(f"separate: trainer fsdp×{d} + {g} rollout server(s)",
-                              {f"trainer ({d})": trainer, f"rollout ({g})": server}, gen + train + [sync], step, notes,
+                              {name: m.peak_terms() for name, m in groups.items()}, gen + train + [sync], step, notes,
                               Placement("fsdp", d, g, asynchronous=w.asynchronous),
-                              host={f"trainer ({d})": state} if offload else {}))
+                              host={f"trainer ({d})": model_state(s, w, d)} if offload else {}, phases=groups))
     return plans
 
 
@@ -443,14 +297,18 @@ def format_plans(plans: list[Plan], dev: Device, w: Workload, s: ModelShape,
     refused = [p for p in ranked(plans, dev) if p not in feasible]
     infeasible = [p for p in plans if not p.feasible(dev)]
     lines = [
-        f"model: Ψ = {_mb(s.params)} parameters (vision Ψ_v = {_mb(s.params_vision)}), {s.layers} layers, h = {s.hidden}, "
-        f"I = {s.intermediate}, k = {s.kv_dim}, V = {s.vocab}, largest FSDP unit U = {_mb(s.largest_unit)}",
+        f"model: Ψ = {count_text(s.params)} parameters (vision Ψ_v = {count_text(s.params_vision)}), {s.layers} layers, h = {s.hidden}, "
+        f"I = {s.intermediate}, k = {s.kv_dim}, V = {s.vocab}, largest FSDP unit U = {count_text(s.largest_unit)}",
         f"step ({w.recipe}): {w.sequences} sequences of L = P + R = {w.prompt_tokens} + {w.response_tokens} tokens "
-        f"({w.patches} vision patches each), train.micro_batch_size {w.micro_batch} (m = the smaller of it and a rank's "
-        f"share), b_w = {w.weight_bytes}, b_c = {w.compute_bytes}"
+        f"({w.patches} vision patches each), "
+        + (f"train.max_tokens_per_micro_batch {w.max_tokens} (m = B / (L + w_v·N_p) = {w.max_tokens} / ({w.length} + "
+           f"{w.patch_weight:.3g}·{w.patches}) = {rows_text(micro_rows(w))} rows, ≥ 1, at most a rank's share)"
+           if w.max_tokens is not None else
+           f"train.micro_batch_size {w.micro_batch} (m = the smaller of it and a rank's share)")
+        + f", b_w = {w.weight_bytes}, b_c = {w.compute_bytes}"
         + (", gradient checkpointing" if w.checkpointing else "")
-        + (f", LoRA Ψ_lora = {_mb(w.adapter_params)} (base frozen)" if w.adapter_params else "")
-        + (f", trained Ψ_t = {_mb(w.trained_params)}" if w.trained_params and not w.adapter_params else ""),
+        + (f", LoRA Ψ_lora = {count_text(w.adapter_params)} (base frozen)" if w.adapter_params else "")
+        + (f", trained Ψ_t = {count_text(w.trained_params)}" if w.trained_params and not w.adapter_params else ""),
         f"devices: {dev.count} × {dev.memory_gb:g} GiB, F = {dev.tflops:g} TFLOP/s, η = {dev.mfu:g}, "
         f"W = {dev.bandwidth_gbs:g} GB/s, Λ = {dev.link_gbs:g} GB/s"
         + ("; each launch line starts its placement (--ray ADDRESS instead of local on a cluster)" if launches else ""),
@@ -476,10 +334,20 @@ def format_plans(plans: list[Plan], dev: Device, w: Workload, s: ModelShape,
 
 
 def _plan_lines(plan: Plan, dev: Device) -> list[str]:
+    """A plan's memory per device group — what is held throughout, then each phase's own terms and total (the peak
+    marked) — its host memory under dist.cpu_offload, and its time terms."""
     lines = []
     for group, terms in plan.memory.items():
         lines.append(f"  memory per device, {group}: {human_bytes(plan.peak(group))} of {dev.memory_gb:g} GiB")
-        lines += [t.line("bytes") for t in terms]
+        phases = plan.phases.get(group)
+        if phases is None:
+            lines += [t.line("bytes") for t in terms]
+            continue
+        lines += [t.line("bytes") for t in phases.resident]
+        for name, own in phases.phases.items():
+            mark = "  ← peak" if name == phases.peak_phase else ""
+            lines.append(f"   phase {name}: {human_bytes(phases.total(name))}{mark}")
+            lines += ["  " + t.line("bytes") for t in own]
     for group, terms in plan.host.items():
         lines.append(f"  host memory per rank, {group} (dist.cpu_offload, not on the device): "
                      f"{human_bytes(sum(t.value for t in terms))}")
@@ -536,13 +404,6 @@ def applied_config(cfg_cls, config: Path | None, overrides: list[str], header: s
     apply_overrides(raw, list(overrides), cls=cfg_cls, base=Path.cwd())
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     return comment + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
-
-
-def estimate_train_step(s: ModelShape, w: Workload) -> dict[str, float]:
-    """The single-device estimate `measure_train_step` is compared with, by category."""
-    state = {t.name.split()[-1]: t.value for t in trained_state(s, w, 1, "actor")}
-    return {"param": state["parameters"], "grad": state["gradients"], "opt": state["moments"],
-            "act": sum(t.value for t in activations(s, w))}
 
 
 def format_measurement(measured: dict[str, float], s: ModelShape, w: Workload) -> str:

@@ -32,6 +32,7 @@ class ModelShape:
     vision_hidden: int = 0  # h_v
     vision_intermediate: int = 0  # I_v
     patch_values: int = 0  # C = channels · temporal patch · patch²
+    largest_param: int = 0  # the largest parameter tensor's size (a CPU AdamW step's temporaries)
 
     @property
     def params_text(self) -> int:
@@ -65,6 +66,8 @@ class Workload:
     shared_prefix: bool = False  # train.shared_prefix: teacher-forced passes run a group's prompt once
     cpu_offload: bool = False  # dist.cpu_offload: FSDP2 keeps the trained state (and a reference) in host memory
     logprob_chunk: int | str = "auto"  # train.logprob_chunk: tokens per chunk of the LM head and log-softmax
+    max_tokens: int | None = None  # train.max_tokens_per_micro_batch: a micro-batch by cost (None: micro_batch rows)
+    patch_weight: float = 0.0  # w_v: a vision patch's cost in decoder tokens (vlrl.train.microbatch.patch_weight)
 
     @property
     def length(self) -> int:  # L
@@ -104,7 +107,8 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     sizes.append(params - top_level)  # the root unit: embeddings, final norm, lm_head
     shape: dict[str, Any] = dict(
         params=params, params_vision=_count(tower) if tower is not None else 0,
-        largest_unit=max(sizes), layers=text.num_hidden_layers, hidden=text.hidden_size,
+        largest_unit=max(sizes), largest_param=max(p.numel() for p in model.parameters()),
+        layers=text.num_hidden_layers, hidden=text.hidden_size,
         intermediate=_active_intermediate(text), kv_dim=getattr(text, "num_key_value_heads", heads) * head_dim,
         vocab=text.vocab_size,
     )
@@ -128,19 +132,6 @@ def _active_intermediate(text: Any) -> int:
     if experts and getattr(text, "moe_intermediate_size", None):
         return experts * text.moe_intermediate_size + (getattr(text, "shared_expert_intermediate_size", 0) or 0)
     return text.intermediate_size
-
-
-def vision_patches(vision: Any, patch_size: int) -> int:
-    """N_p: patches the vision tower encodes for one sequence's processor outputs — rows of Qwen-style
-    ``(patches, values)`` pixels, or tiles × (H / p) × (W / p) of ``(tiles, C, H, W)`` images (InternVL, Gemma 3),
-    of ``(images, crops, C, H, W)`` (LLaVA-OneVision) and of ``(1, tiles, C, H, W)`` (SmolVLM), padding included."""
-    pixels = vision.pixel_values
-    if pixels is None:
-        return 0
-    if pixels.dim() == 2:
-        return int(pixels.shape[0])
-    tiles = int(torch.tensor(pixels.shape[:-3]).prod())
-    return tiles * (pixels.shape[-2] // patch_size) * (pixels.shape[-1] // patch_size)
 
 
 def _patch_size(adapter: Any) -> int:
@@ -229,6 +220,7 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
     from vlrl.config import RLConfig
     from vlrl.data import load_image, read_samples
     from vlrl.data.splits import generate_split, media_limits
+    from vlrl.train.microbatch import patch_weight
 
     data = cfg.data
     if data.train is not None:
@@ -240,11 +232,14 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
         encoded = adapter.encode_prompt(sample.messages, [load_image(src) for src in sample.images])
         prompt = max(prompt, len(encoded.input_ids))
         if encoded.vision is not None:
-            patches = max(patches, vision_patches(encoded.vision, _patch_size(adapter)))
+            patches = max(patches, encoded.vision.patches(_patch_size(adapter)))
         if sample.response is not None:
             response = max(response, len(adapter.encode_text(sample.response)) + 1)
     weight = DTYPE_BYTES[cfg.model.dtype]
     compute = 2 if cfg.dist.mixed_precision != "none" else weight
+    config = getattr(adapter, "config", None)
+    budget = {"max_tokens": cfg.train.max_tokens_per_micro_batch,
+              "patch_weight": patch_weight(config) if config is not None else 0.0}
     if isinstance(cfg, RLConfig):
         rows = cfg.train.prompts_per_step * cfg.rollout.n
         return Workload(
@@ -254,7 +249,7 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
             reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.engine.max_batch_size,
             asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute,
             shared_prefix=cfg.train.shared_prefix, cpu_offload=cfg.dist.cpu_offload,
-            logprob_chunk=cfg.train.logprob_chunk)
+            logprob_chunk=cfg.train.logprob_chunk, **budget)
     return Workload("sft", prompt, response, patches, cfg.train.batch_size,
                     min(cfg.train.micro_batch_size, cfg.train.batch_size), weight_bytes=weight, compute_bytes=compute,
-                    cpu_offload=cfg.dist.cpu_offload)
+                    cpu_offload=cfg.dist.cpu_offload, **budget)

@@ -87,6 +87,18 @@ class VisionInputs:
             return self
         return VisionInputs.concat([self.parts[k] for k in self.part_index])
 
+    def patches(self, patch_size: int) -> int:
+        """The patches the vision tower encodes for these inputs: rows of Qwen-style ``(patches, values)`` pixels,
+        or tiles × (H / p) × (W / p) of ``(tiles, C, H, W)`` images (InternVL, Gemma 3), of ``(images, crops, C, H,
+        W)`` (LLaVA-OneVision) and of ``(1, tiles, C, H, W)`` (SmolVLM), padding included; ``patch_size`` p."""
+        pixels = self.expanded().pixel_values if self.parts is not None else self.pixel_values
+        if pixels is None:
+            return 0
+        if pixels.dim() == 2:
+            return int(pixels.shape[0])
+        tiles = int(torch.tensor(pixels.shape[:-3]).prod())
+        return tiles * (pixels.shape[-2] // patch_size) * (pixels.shape[-1] // patch_size)
+
     def occurrence(self, key: str) -> torch.Tensor | None:
         """``tensors[key]`` with one copy per row (cheap for small tensors such as ``image_grid_thw``)."""
         if self.parts is None:

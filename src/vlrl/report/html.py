@@ -326,12 +326,13 @@ def eval_tables(runs: list[Run]) -> list[EvalTable]:
 
 
 def eval_chart(tables: list[EvalTable]) -> str | None:
-    """Bars of the mean sampled and greedy accuracy of every evaluation."""
-    wanted = [t for t in tables if t.kind in ("accuracy", "greedy") and "mean" in t.columns]
+    """Bars of the mean sampled and greedy accuracy of every evaluation, the verifier's and strict."""
+    names = {"accuracy": "sampled (pass@1)", "greedy": "greedy", "strict": "strict sampled",
+             "strict_greedy": "strict greedy"}
+    wanted = [t for t in tables if t.kind in names and "mean" in t.columns]
     if not wanted or not can_draw():  # without matplotlib the eval tables say it
         return None
     rows = _unique(row for t in wanted for row, _ in t.rows)
-    names = {"accuracy": "sampled (pass@1)", "greedy": "greedy"}
     series = {}
     for table in wanted:
         values = dict(table.rows)

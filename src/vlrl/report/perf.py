@@ -14,20 +14,27 @@ the logged value is the mean over the ranks.
   matched on ``torch.cuda.get_device_name``), bf16/fp16 for ``dist.mixed_precision`` or a bf16/fp16
   ``model.dtype``, TF32 for float32 when torch allows TF32 matmuls, else plain FP32; an unknown GPU has no peak
   (no MFU logged, a warning once);
-- the CPU: *measured* — the best rate of a few timed ``n × n`` matmuls in the compute dtype at the run's torch
-  thread count (`measured_cpu_peak`), once per process and thread count (~0.1 s). It is this machine's attainable
-  matmul rate at that moment, not a datasheet number: on a loaded machine it is lower, and so is what the
-  training step can reach, so the ratio stays meaningful.
+- the CPU: the best rate of ``n × n`` fp32 (the compute dtype's) matmuls this machine has shown at the run's torch
+  thread count (`cpu_peak`): each process measures once (`measured_cpu_peak`, ~0.1 s) and keeps the best measurement
+  ever made on the machine in a small cache file (``$VLRL_CACHE_DIR`` or ``~/.cache/vlrl``, ``cpu_peak.json``, keyed
+  by CPU model, cores, threads, dtype and torch version), so a run started under load divides by the same peak as
+  one started on an idle machine (before, each run divided by its own start-up measurement and ``perf/mfu`` swung ~3×
+  with the machine's load); ``VLRL_CPU_PEAK_TFLOPS`` names a nominal peak instead. The peak only rises, toward the
+  machine's idle matmul rate: ``perf/mfu`` then falls when other jobs take the cores, as the achieved rate does.
 
 `phase_metrics` turns (FLOPs, seconds) of a phase into ``perf/<prefix>mfu`` and ``perf/<prefix>tflops``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import platform
 import time
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -110,6 +117,52 @@ def measured_cpu_peak(dtype: torch.dtype = torch.float32, threads: int | None = 
     return 2 * n**3 / best
 
 
+def cache_dir() -> Path:
+    """Where vlrl keeps per-machine measurements: ``$VLRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/vlrl``, else
+    ``~/.cache/vlrl``."""
+    if os.environ.get("VLRL_CACHE_DIR"):
+        return Path(os.environ["VLRL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlrl"
+
+
+def _machine_key(dtype: torch.dtype, threads: int) -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} | {os.cpu_count()} cores | {threads} threads | {dtype} | torch {torch.__version__}"
+
+
+def cpu_peak(dtype: torch.dtype = torch.float32, threads: int | None = None) -> Peak:
+    """The CPU's peak for ``dtype`` at ``threads`` (module docstring): ``VLRL_CPU_PEAK_TFLOPS`` if set, else the best of
+    this process's measurement and every earlier one on this machine (the cache file, updated when this one is
+    better; a cache that cannot be read or written is skipped)."""
+    threads = threads or torch.get_num_threads()
+    short = str(dtype).removeprefix("torch.").replace("float", "fp").replace("bfp16", "bf16")
+    where = f"{threads} thread{'s' if threads > 1 else ''}"
+    if os.environ.get("VLRL_CPU_PEAK_TFLOPS"):
+        return Peak(float(os.environ["VLRL_CPU_PEAK_TFLOPS"]) * 1e12, f"CPU nominal peak (VLRL_CPU_PEAK_TFLOPS), {where}")
+    measured, key, path = measured_cpu_peak(dtype, threads), _machine_key(dtype, threads), cache_dir() / "cpu_peak.json"
+    try:
+        cached = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        cached = {}
+    best = max(measured, float(cached.get(key, 0.0)))
+    if best > float(cached.get(key, 0.0)):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**cached, key: best}, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return Peak(best, f"CPU {short} matmul, best measured on this machine ({path}), {where}")
+
+
 def device_peak(device: torch.device | str, dtype: torch.dtype = torch.float32) -> Peak:
     """The peak of one ``device`` for compute in ``dtype`` (module docstring)."""
     device = torch.device(device)
@@ -123,9 +176,7 @@ def device_peak(device: torch.device | str, dtype: torch.dtype = torch.float32) 
             log.warning("%s: no datasheet peak in vlrl.report.perf.GPU_PEAKS, so no perf/mfu is logged", name)
         return Peak(flops, f"{name}, {'tf32' if tf32 else short} dense datasheet peak")
     if device.type == "cpu":
-        threads = torch.get_num_threads()
-        return Peak(measured_cpu_peak(dtype, threads),
-                    f"CPU {short} matmul measured, {threads} thread{'s' if threads > 1 else ''}")
+        return cpu_peak(dtype)
     return Peak(0.0, f"{device.type}: no peak known")
 
 

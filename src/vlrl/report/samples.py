@@ -5,7 +5,7 @@ One line per response::
     {"stage": "eval/rl", "step": 0, "sampling": "t=1.0", "task": "shapes/count", "sample_id": "...",
      "group": 3, "prompt": "<image>How many shapes ...", "images": ["samples/shapes-count-3_0.png"],
      "answer": "2", "response": "<answer>2</answer>", "reward": 1.0, "reward_parts": {"accuracy": 1.0},
-     "status": "completed", "length": 5, "weight_version": 150}
+     "well_formed": true, "status": "completed", "length": 5, "weight_version": 150}
 
 Images are written once per sample under ``RUN_DIR/samples/`` (PNG), paths relative to the run directory.
 """
@@ -62,7 +62,7 @@ class SampleLog:
             "stage": stage, "step": step, "sampling": label, "task": t.sample.task, "sample_id": t.sample.id,
             "group": t.group_index, "prompt": t.sample.prompt_text(), "images": self._images(t),
             "answer": t.sample.answer, "response": t.response_text,
-            "reward": t.reward, "reward_parts": dict(t.reward_parts),
+            "reward": t.reward, "reward_parts": dict(t.reward_parts), "well_formed": t.well_formed,
             "status": getattr(t.status, "value", str(t.status)), "length": int(len(t.response_ids)),
             "weight_version": t.weight_version,
         }

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from vlrl.rewards.base import RewardOutput, as_output, combine, get_reward, reward_weights, spec_of
+from vlrl.rewards.format import has_answer_form
 from vlrl.rewards.sandbox import ENV as SANDBOX_ENV
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class RewardItem:
     meta: Mapping[str, Any] = field(default_factory=dict)
     id: str = ""
     task: str = ""
+    gated: bool = False  # strict scoring refused the response (truncated, or not in its declared answer form):
+    # every verifier that reports an ``accuracy`` scores its minimum, the others (format, length) as usual
 
 
 @dataclass
@@ -193,7 +196,7 @@ class RewardExecutor:
             if failed[i]:
                 results.append(RewardOutput(overall=fallback, parts={"reward_failed": 1.0}))
             else:
-                out = combine(weights[i], outputs[i])
+                out = combine(weights[i], _gate(outputs[i]) if item.gated else outputs[i])
                 if len(item.response) > self.max_chars:
                     out.parts.update({"too_long": 1.0, "accuracy": 0.0})
                 results.append(out)
@@ -328,6 +331,14 @@ class RewardExecutor:
             return self._pool
 
 
+def _gate(outputs: Mapping[str, RewardOutput]) -> dict[str, RewardOutput]:
+    """Strict scoring of a refused response: the ``overall`` of each verifier that reports an ``accuracy`` (a
+    correctness verifier) set to its minimum, its parts kept as it reported them; a verifier of the response's
+    shape (format, length: no ``accuracy``) left as it is."""
+    return {name: out if out.accuracy is None else RewardOutput(spec_of(name).low, dict(out.parts))
+            for name, out in outputs.items()}
+
+
 def _check_finite(out: RewardOutput) -> None:
     if not math.isfinite(out.overall):
         raise ValueError(f"non-finite reward {out.overall!r}")
@@ -367,29 +378,44 @@ def default_executor() -> RewardExecutor:
         return _default
 
 
-def score_trajectories(trajectories: list, *, fallback: float = 0.0, failures_path: str | Path | None = None,
-                       executor: RewardExecutor | None = None) -> ScoreReport:
-    """Fill ``reward``, ``accuracy`` (`RewardOutput.accuracy`) and ``reward_parts`` of each trajectory; returns
-    the `ScoreReport`.
+def score_trajectories(trajectories: list, *, strict: bool = False, fallback: float = 0.0,
+                       failures_path: str | Path | None = None, executor: RewardExecutor | None = None) -> ScoreReport:
+    """Fill ``reward``, ``accuracy`` (`RewardOutput.accuracy`), ``well_formed`` and ``reward_parts`` of each
+    trajectory; returns the `ScoreReport`.
+
+    ``well_formed``: the response ended (not truncated, failed or aborted) and has its sample's declared answer
+    form (`vlrl.data.Sample.declared_format`, `has_answer_form`); it is also the part ``well_formed``. With
+    ``strict`` (the RL recipes' ``algo.strict_reward``) a response that is not well-formed scores the minimum of
+    every verifier that reports an accuracy — a truncated ``<answer>1</answer>1</answer>1…`` earns no accuracy
+    reward — while ``accuracy`` keeps what the verifier said (evaluation's ``strict`` is accuracy × well-formed).
 
     The verifier metadata is the sample's ``metadata`` plus ``response_length`` (the trajectory's number
     of model tokens, for ``overlong``) and, for judge verifiers, ``question`` (the prompt's text). A unit
     that fails gives its item ``fallback`` and is recorded in the report (and in ``failures_path``, e.g.
     ``<run dir>/reward_failures.jsonl``).
     """
-    items = []
+    items, forms = [], []
     for t in trajectories:
         meta = dict(t.sample.metadata)
         meta.setdefault("response_length", t.response_length)
         if any(spec_of(name).mode == "judge" for name in reward_weights(t.sample.reward)):
             meta.setdefault("question", t.sample.prompt_text())
-        items.append(RewardItem(t.response_text, t.sample.answer, t.sample.reward, meta, t.sample.id, t.sample.task))
+        formed = _ended(t) and has_answer_form(t.response_text, t.sample.declared_format())
+        forms.append(formed)
+        items.append(RewardItem(t.response_text, t.sample.answer, t.sample.reward, meta, t.sample.id, t.sample.task,
+                                gated=strict and not formed))
     outputs, report = (executor or default_executor()).score(items, fallback=fallback, failures_path=failures_path)
-    for t, out in zip(trajectories, outputs, strict=True):
+    for t, out, formed in zip(trajectories, outputs, forms, strict=True):
         t.reward = out.overall
         t.accuracy = out.accuracy
-        t.reward_parts = out.parts
+        t.well_formed = formed
+        t.reward_parts = {**out.parts, "well_formed": float(formed)}
     return report
+
+
+def _ended(trajectory: Any) -> bool:
+    """The response ended on its own (status ``completed``): not cut at the token budget, failed or aborted."""
+    return trajectory.status == "completed"  # `vlrl.rollout.Status` is a str enum
 
 
 def summarize(trajectories: list) -> dict[str, float]:

@@ -1,8 +1,10 @@
-"""Format and length rewards: they score the shape of a response, not its correctness.
+"""Format and length rewards: they score the shape of a response, not its correctness — and the answer forms
+a sample may declare (`ANSWER_FORMATS`, `has_answer_form`), which strict scoring requires of every response.
 
 A format reward alone is the classic hack target (a well-formed wrong answer), so use it as a small
 weight next to an accuracy verifier (``{"math": 0.8, "cot_format": 0.2}``); none of these reports an
-``accuracy`` part. All are linear-time string checks and run inline.
+``accuracy`` part, so strict scoring leaves their scores as they are. All are linear-time string checks and run
+inline.
 """
 
 from __future__ import annotations
@@ -89,3 +91,28 @@ def overlong(response: str, answer: Any = None, *, max_length: int, cache_length
     if length <= max_length:
         return ((max_length - cache_length) - length) / cache_length
     return -1.0
+
+
+# The forms a sample may declare its answer in (`vlrl.data.Sample.answer_format`; the names of the procedural
+# suites' prompt templates, `vlrl.data.tasks.TEMPLATES`):
+#   answer  exactly one non-empty <answer>…</answer> and nothing else (LLaVA-OV-1.5's stage-1 template);
+#   think   the same, after at most one leading <think>…</think> (stage 2's; the `format` reward is the one that
+#           requires the <think> block — add it to the reward to pay for thinking);
+#   none    any text: only whether the response ended counts.
+ANSWER_FORMATS = ("answer", "think", "none")
+
+
+def has_answer_form(response: str, answer_format: str) -> bool:
+    """Whether ``response`` (trailing special tokens aside) has the declared ``answer_format`` (`ANSWER_FORMATS`).
+    ``<answer>3</answer>3</answer>`` has no form: a second close tag, text after the block."""
+    if answer_format == "none":
+        return True
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"unknown answer format {answer_format!r}; choose from {', '.join(ANSWER_FORMATS)}")
+    text = strip_special(response)
+    if answer_format == "think" and ("<think>" in text or "</think>" in text):
+        think = _one_block(text, "think")
+        if think is None or think[0] != 0:
+            return False
+        text = text[think[1] :].lstrip()
+    return _one_block(text, "answer", filled=True) == (0, len(text))

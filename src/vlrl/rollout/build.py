@@ -55,7 +55,8 @@ def http_settings(cfg: Any, run_dir: str | Path | None) -> tuple[SyncSettings, C
     sync = SyncSettings(weights_dir=weights.dir or Path(run_dir) / "rollout_weights", method=weights.method,
                         on_weight_update=servers.on_weight_update, update_timeout=weights.update_timeout,
                         address=weights.address, port=weights.port, bucket_mb=weights.bucket_mb,
-                        timeout=weights.timeout)
+                        timeout=weights.timeout, deadline=weights.deadline, on_failure=weights.on_failure,
+                        verify_checksum=weights.verify_checksum)
     client = ClientSettings(api_key=os.environ.get(servers.api_key_env),
                             admin_api_key=os.environ.get(servers.admin_api_key_env) or None,
                             request_timeout=servers.request_timeout, max_retries=servers.max_retries,

@@ -46,6 +46,7 @@ import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -207,13 +208,29 @@ def broadcast(group: dist.ProcessGroup, flat: torch.Tensor, *, settled: threadin
     """Rank 0's broadcast of one bucket's bytes, waited for until it completes — or until ``settled`` is set by the
     caller (a server answered that bucket with an error, or its connection dropped: it will never receive it) or
     ``timeout`` seconds pass, which raise `Abandoned`. The caller then closes the group: the broadcast ends on every
-    side (the survivors' receives fail as the connection drops), so no one waits for a peer that is gone."""
-    work = dist.broadcast(flat, src=0, group=group, async_op=True)
-    done = work.get_future()
-    done.add_done_callback(lambda _: settled.set())
+    side (the survivors' receives fail as the connection drops), so no one waits for a peer that is gone.
+
+    The collective is entered on a daemon thread of its own, not the caller's: NCCL creates a group's communicator
+    inside its first collective and blocks there until every rank arrives, so even the call that only enqueues the
+    broadcast can wait for a server that will never come — the caller's wait is bounded all the same."""
+    entered: dict[str, Any] = {}
+
+    def enter() -> None:
+        try:
+            work = dist.broadcast(flat, src=0, group=group, async_op=True)
+            entered["work"] = work
+            work.get_future().add_done_callback(lambda _: settled.set())
+        except BaseException as err:  # noqa: BLE001 — handed to the waiting caller
+            entered["error"] = err
+            settled.set()
+
+    threading.Thread(target=enter, name="vlrl-broadcast", daemon=True).start()
     if not settled.wait(timeout):
         raise Abandoned(f"the broadcast did not complete within {timeout:.0f} s (rollout.weight_sync.timeout)")
-    if not done.done():
+    if "error" in entered:
+        raise entered["error"]
+    work = entered.get("work")
+    if work is None or not work.get_future().done():
         raise Abandoned("a server failed while the bucket was broadcast")
     work.wait()  # raises the broadcast's own error (a peer's connection dropped)
 

@@ -6,8 +6,9 @@ Prompts are encoded locally (tokenizer + image processor, exactly as `HFEngine` 
 and other special tokens banned by ``logit_bias``); the answer's ``output_token_logprobs`` become the behaviour
 log-probs and its weight version the trajectory's (`answer_version`: the oldest of SGLang's ``weight_versions``
 spans; a server that reports none, or a label that is no integer, is tagged with the version current when the
-request started — the oldest weights it can have used, so staleness is never under-estimated). Each answer's
-``meta_info.prompt_tokens`` is compared with the prompt the trainer scores (``prompt_check``).
+request started — the oldest weights it can have used, so staleness is never under-estimated). Each answer's prompt
+(SGLang's ``prompt_token_ids``, asked for with ``return_prompt_token_ids``; its ``meta_info.prompt_tokens`` where a
+server returns no ids) is compared with the prompt the trainer scores (``prompt_check``, `vlrl.rollout.prompt_check`).
 
 Reliability (`vlrl.rollout.server_pool`): each request goes to the live server with the fewest prompts in flight. A
 transport error, timeout or 5xx answer counts as a failure of that server and the request is retried on another one
@@ -15,7 +16,8 @@ transport error, timeout or 5xx answer counts as a failure of that server and th
 with a warning. A 503/429 (queue full) is waited out, not counted. A 4xx is a bug in the request and raises.
 
 Weights (`vlrl.rollout.publish`, `vlrl.rollout.weight_group`): by disk or over a process group, each update bracketed
-by pausing the servers; `publish` returns before the servers confirmed (`WeightPublisher`).
+by pausing the servers (their caches flushed first) and, over a group, by SGLang's weight-update session; `publish`
+returns before the servers confirmed (`WeightPublisher`).
 
 Batching: the prompts of one `generate` call (or of the `agenerate` calls made together) are sent as one
 batched ``/generate`` per server (SGLang's list form of ``input_ids``), split evenly over the live servers.
@@ -46,6 +48,7 @@ from vlrl.models.policy import Policy
 from vlrl.rollout.batcher import sampling_key, settle
 from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.http_settings import ClientSettings, SyncSettings
+from vlrl.rollout.prompt_check import PromptCheck
 from vlrl.rollout.publish import ServerWeights, SyncStats
 from vlrl.rollout.server_pool import RolloutRequestError, ServerPool, ServerState
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
@@ -89,10 +92,6 @@ def _chunks(prompts: list, size: int, max_pixels: int | None) -> list[list]:
     return [chunk for chunk in out if chunk]
 
 
-class PromptMismatchError(RolloutRequestError):
-    """A server sampled from another prompt than the one the trainer scores (``meta_info.prompt_tokens``)."""
-
-
 def encode_image(image: Image.Image) -> str:
     """A PNG data URL, the form the HTTP engine sends images in."""
     buffer = io.BytesIO()
@@ -110,7 +109,6 @@ class HTTPEngine:
     def __init__(self, policy: Policy, servers: Sequence[str], sync: SyncSettings,
                  client: ClientSettings = ClientSettings()) -> None:
         self.policy = policy
-        self.prompt_mismatches = 0  # answers whose prompt_tokens differed from the trainer's prompt (prompt_check=warn)
         self._encoder = HFEngine(policy)
         self._tokenizer_lock = threading.Lock()
         self._images: collections.OrderedDict[int, tuple[Request, list[str]]] = collections.OrderedDict()
@@ -118,6 +116,12 @@ class HTTPEngine:
         self._tasks: set[asyncio.Task] = set()
         self.pool = ServerPool(servers, client, distributed=sync.method == "distributed")
         self.weights = ServerWeights(self.pool, policy, sync)
+        self.prompt_check = PromptCheck(policy, self.pool)
+
+    @property
+    def prompt_mismatches(self) -> int:
+        """Answers sampled from another prompt than the trainer's (counted under ``prompt_check=warn``)."""
+        return self.prompt_check.mismatches
 
     # -------------------------------------------------------------------------------------------- the pool
     @property
@@ -285,6 +289,8 @@ class HTTPEngine:
         if bias:
             params["logit_bias"] = bias
         body.update(sampling_params=params, return_logprob=True)
+        if self.prompt_check.wants_ids:
+            body["return_prompt_token_ids"] = True  # (SGLang: the ids it sampled from, after its own processing)
         return body
 
     def _encoded_images(self, request: Request) -> list[str]:
@@ -331,7 +337,7 @@ class HTTPEngine:
                     continue
                 if response.status_code < 400:
                     server.failures, server.served = 0, server.served + len(requests)
-                    return self._parse(response.json(), requests, sampling, version_at_start, server.url)
+                    return self._parse(response.json(), requests, sampling, version_at_start, server)
                 if response.status_code < 500:
                     raise RolloutRequestError(f"{server.url}/generate rejected the request: "
                                               f"{response.status_code} {response.text[:500]}")
@@ -345,7 +351,8 @@ class HTTPEngine:
                 raise RolloutRequestError(f"request failed {attempts} times; last on {server.url}: {failure}")
 
     def _parse(self, body: Any, requests: Sequence[Request], sampling: SamplingParams, version_at_start: int,
-               url: str) -> list[Trajectory]:
+               server: ServerState) -> list[Trajectory]:
+        url = server.url
         items = body if isinstance(body, list) else [body]
         if len(items) != len(requests) * sampling.n:
             raise RolloutRequestError(f"{url}: asked for {len(requests)} prompt(s) × n = {sampling.n} samples, "
@@ -363,7 +370,7 @@ class HTTPEngine:
             if finish not in _FINISH:
                 raise RolloutRequestError(f"{url}: unknown finish_reason type {finish!r}")
             if finish != "abort":  # (an aborted answer is never trained on)
-                self._check_prompt(url, request, meta.get("prompt_tokens"))
+                self.prompt_check(server, request, item)
             with self._tokenizer_lock:
                 text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
             out.append(Trajectory(
@@ -375,26 +382,3 @@ class HTTPEngine:
                 status=_FINISH[finish], response_text=text, group_index=k // sampling.n,
             ))
         return out
-
-    def _check_prompt(self, url: str, request: Request, reported: Any) -> None:
-        """``rollout.servers.prompt_check``: the server's ``meta_info.prompt_tokens`` against the prompt the trainer scores.
-        SGLang re-runs the served model's processor on a prompt's images with its own pixel bounds and replaces the
-        ids; a mismatch means the response was sampled from another prompt (biased ratios, no other sign)."""
-        if self.pool.settings.prompt_check == "off":
-            return
-        if not isinstance(reported, int):
-            self.pool.warn_once(url, "prompt_tokens", "%s reports no meta_info.prompt_tokens: rollout.servers.prompt_check cannot "
-                            "compare its prompts with the trainer's", url)
-            return
-        if reported == len(request.prompt_ids):
-            return
-        message = (f"{url} sampled sample {request.sample.id!r} from a prompt of {reported} tokens; the trainer scores "
-                   f"{len(request.prompt_ids)}. With images, the server re-processed them with its own pixel bounds: "
-                   "start SGLang with --mm-process-config holding model.min_pixels / model.max_pixels (README "
-                   "\"Rollout servers\"), or set rollout.servers.prompt_check=warn / off")
-        if self.pool.settings.prompt_check == "error":
-            raise PromptMismatchError(message)
-        self.prompt_mismatches += 1
-        if self.prompt_mismatches <= 5:
-            log.warning("%s%s", message, " (further mismatches are counted, not logged)" if self.prompt_mismatches == 5
-                        else "")

@@ -65,9 +65,20 @@ class SyncSettings:
     """``rollout.weight_sync.timeout``: seconds to form a group or to see a bucket through (distributed)."""
     backend: str | None = None
     """The weight-update group's backend; None: NCCL for a CUDA policy, else gloo."""
+    deadline: float = 900.0
+    """``rollout.weight_sync.deadline``: seconds one whole distributed update may take (the session, the group's
+    formation, every bucket and its answers); past it the update is abandoned and goes by disk (distributed)."""
+    on_failure: str = "disk"
+    """``rollout.weight_sync.on_failure``: after a distributed update failed and went by disk, ``disk`` (go on; the next
+    update forms a new group) or ``stop`` (raise `WeightSyncError` naming the failure)."""
+    verify_checksum: bool = True
+    """``rollout.weight_sync.verify_checksum``: compare each server's reported weight checksum with the trainer's —
+    computed only for servers that report one (vlrl serve does; SGLang does not)."""
 
     def __post_init__(self) -> None:
         if self.method not in ("disk", "distributed"):
             raise ValueError(f"rollout.weight_sync.method: 'disk' or 'distributed', got {self.method!r}")
+        if self.on_failure not in ("disk", "stop"):
+            raise ValueError(f"rollout.weight_sync.on_failure: 'disk' or 'stop', got {self.on_failure!r}")
         if self.on_weight_update not in PAUSE_MODES:
             raise ValueError(f"rollout.servers.on_weight_update: one of {sorted(PAUSE_MODES)}, got {self.on_weight_update!r}")

@@ -13,10 +13,17 @@ raises `WeightSyncError` (the run stops). A server that reports no checksum (e.g
 when every server confirmed (the asynchronous recipe trains its next step meanwhile). Put ``weights_dir`` on a RAM
 disk (``/dev/shm``) when servers share the host.
 
-Distributed (``weight_sync="distributed"``): if the group breaks — a server died mid-broadcast or could not join, or
-nothing came back within ``sync_timeout`` (``rollout.weight_sync.timeout``) — the trainer closes the group (ending the
-survivors' broadcast too) and has the servers destroy it, that update falls back to disk and the next one forms a new
-group with the servers left.
+Before the weights change, every live server's cache is flushed (SGLang's ``/flush_cache``, retried while it answers
+that requests are still running or queued — an abort settling, a disk update in ``finish`` mode waiting for the
+requests in flight) and the update's own calls then ask for no flush: SGLang fails a whole update whose flush it
+refuses. Not with ``in_place`` (requests hold their cache; SGLang cannot flush).
+
+Distributed (``weight_sync="distributed"``): each update is one SGLang weight-update session per server
+(`WeightGroup.open_session`; a server that refuses it gets no bucket). If the update fails — a server refused it, died
+mid-broadcast or could not join, nothing came back within ``rollout.weight_sync.timeout``, or the whole update passed
+its ``deadline`` — the trainer closes the group (ending the survivors' broadcast too), closes the sessions and has the
+servers destroy the group; that update goes by disk, loudly (a warning naming the failure), and then the run goes on —
+the next update forms a new group with the servers left — or stops (``on_failure="stop"``).
 
 Under torchrun every trainer rank holds an engine on the same servers (`ServerWeights.join_trainer_ranks`): an update
 is then a collective call of every rank (`ServerWeights.update_over_ranks`).
@@ -40,7 +47,7 @@ from vlrl.models.policy import DTYPES, Policy
 from vlrl.rollout import dist_sync
 from vlrl.rollout.http_settings import PAUSE_MODES, SyncSettings
 from vlrl.rollout.server_pool import NoServersLeft, RolloutRequestError, ServerPool
-from vlrl.rollout.weight_group import BucketPlan, WeightGroup, sent_state
+from vlrl.rollout.weight_group import BucketPlan, SessionRefused, WeightGroup, sent_state
 from vlrl.rollout.weights import ChecksumCheck, WeightSyncError, quiet_transformers, weight_checksum
 
 log = logging.getLogger(__name__)
@@ -77,6 +84,8 @@ class ServerWeights:
         self.group = WeightGroup(pool, policy, settings, self.checksums)
         self._pause_depth = 0  # nested weight updates (a distributed one falling back to disk) pause once
         self._paused_servers = False
+        self.flushed = False  # every live server's cache was flushed before this update's weights changed
+        self.fallbacks: list[str] = []  # why each distributed update that went by disk could not go over the group
         self._saved: list[Path] = []
         self._publishing: concurrent.futures.Future | None = None
 
@@ -98,14 +107,53 @@ class ServerWeights:
         if self._pause_depth > 1:
             return
         self.pool.gate.clear()
+        self.flushed = False
         if self.on_weight_update == "finish":
             if method == "disk":
+                self.flushed = await self.flush_caches()
                 return
             deadline = time.monotonic() + self.pool.settings.request_timeout
             while any(s.in_flight for s in self.pool.servers) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         self._paused_servers = True
         await self._weight_call("/pause_generation", {"mode": PAUSE_MODES[self.on_weight_update]})
+        if self.on_weight_update != "in_place":  # (requests held in place keep their cache: SGLang cannot flush)
+            self.flushed = await self.flush_caches()
+
+    async def flush_caches(self) -> bool:
+        """SGLang's ``/flush_cache`` on every live server before the weights change, retried (backing off to 1 s) while
+        a server answers 400 — requests still running or queued — for up to ``update_timeout``. True when every server
+        flushed: the update's own calls then ask for no flush (SGLang fails a whole update, after loading it, when the
+        flush it asks for is refused). A server without the route (404) or that never flushed: False (warned), and the
+        update asks for the flush itself, as before."""
+        pending, flushed, wait = self.pool.live(), True, 0.05
+        deadline = time.monotonic() + self.settings.update_timeout
+        while pending:
+            answers = await self.pool.post_each(pending, "/flush_cache", [{}] * len(pending),
+                                                timeout=self.settings.update_timeout)
+            busy = []
+            for server, answer in zip(pending, answers, strict=True):
+                if isinstance(answer, BaseException):  # (gone: the update itself finds out)
+                    log.warning("%s/flush_cache failed: %s: %s", server.url, type(answer).__name__, answer)
+                    flushed = False
+                elif answer.get("status_code") == 400:  # SGLang: requests still running or queued
+                    busy.append(server)
+                elif answer.get("status_code") == 404:
+                    self.pool.warn_once(server.url, "/flush_cache", "%s has no /flush_cache: its cache is flushed by "
+                                        "the update itself", server.url)
+                    flushed = False
+                elif answer.get("status_code") is not None:  # (401: the update's own call will say so)
+                    log.warning("%s/flush_cache: %s", server.url, answer.get("message"))
+                    flushed = False
+            if busy and time.monotonic() + wait > deadline:
+                log.warning("%s never flushed their cache within %.0f s (rollout.weight_sync.update_timeout): the "
+                            "update asks for the flush itself", ", ".join(s.url for s in busy), self.settings.update_timeout)
+                return False
+            if busy:
+                await asyncio.sleep(wait)
+                wait = min(1.0, wait * 2)
+            pending = busy
+        return flushed
 
     async def resume(self) -> None:
         """After a weight update (whatever its outcome): ``/continue_generation`` on every live server (if they were
@@ -173,8 +221,9 @@ class ServerWeights:
                     self.sync_distributed(version, state, plan=plan, fallback=False)
                     outcome = "done"
                 except GroupBroken as err:
-                    log.warning("distributed weight update %d failed (%s); loading it from disk instead, the next "
-                                "update forms a new group", version, err)
+                    log.warning("distributed weight update %d failed (%s); loading it from disk instead — %s", version,
+                                err, "then stopping (rollout.weight_sync.on_failure=stop)"
+                                if self.settings.on_failure == "stop" else "the next update forms a new group")
                 except Exception as err:  # noqa: BLE001 — every rank raises it below
                     outcome = f"{type(err).__name__}: {err}"
             else:
@@ -185,8 +234,11 @@ class ServerWeights:
             full = self._full_state(state)
             if main:
                 try:
-                    self.publish(version=version, state_dict=full).result() if self.method == "disk" else \
+                    if self.method == "disk":
+                        self.publish(version=version, state_dict=full).result()
+                    else:
                         self._disk_fallback(version, full)
+                        self.stop_after_fallback(version, self.fallbacks[-1])
                     outcome = "done"
                 except Exception as err:  # noqa: BLE001 — every rank raises it below
                     outcome = f"{type(err).__name__}: {err}"
@@ -247,8 +299,8 @@ class ServerWeights:
             model.save_pretrained(path, state_dict=None if state_dict is None else dict(state_dict))
         weights = state_dict if state_dict is not None else model
         checksums: dict[str | None, str] = {}
-        for server in self.pool.live():  # predicted checksum per server dtype
-            if server.dtype not in checksums:
+        for server in self.pool.live():  # predicted checksum per server dtype, for the servers that report one
+            if server.dtype not in checksums and server.reports_checksum and self.settings.verify_checksum:
                 dtype = DTYPES.get(server.dtype or "")
                 checksums[server.dtype] = weight_checksum(weights, dtype=dtype)
         self._publishing = asyncio.run_coroutine_threadsafe(self._publish(path, version, checksums, started),
@@ -270,9 +322,10 @@ class ServerWeights:
         return version
 
     def disk_body(self, path: str, version: int) -> dict[str, Any]:
-        """The ``/update_weights_from_disk`` body."""
+        """The ``/update_weights_from_disk`` body (no flush asked for when the caches were flushed before it, or with
+        requests held in place — SGLang cannot flush them)."""
         return {"model_path": path, "weight_version": str(version), "abort_all_requests": self.abort_on_update,
-                "flush_cache": self.on_weight_update != "in_place"}  # (SGLang cannot flush with requests held in place)
+                "flush_cache": self.on_weight_update != "in_place" and not self.flushed}
 
     async def _load_everywhere(self, path: str, version: int, checksums: dict[str | None, str]) -> None:
         pool = self.pool
@@ -292,7 +345,8 @@ class ServerWeights:
             if result.status_code >= 400 or not answer.get("success", False):
                 raise WeightSyncError(f"{server.url} could not load {path}: {result.status_code} "
                                       f"{answer.get('message', result.text[:300])}")
-            self.checksums(server.url, answer.get("weight_checksum"), version, checksums[server.dtype])
+            self.checksums(server.url, answer.get("weight_checksum"), version,
+                           checksums.get(server.dtype) if server.reports_checksum else None)
         if not pool.live():
             raise pool.no_servers_left()
 
@@ -312,6 +366,7 @@ class ServerWeights:
     def _sync_paused(self, version: int, state_dict: dict[str, torch.Tensor] | None, *, plan: BucketPlan | None,
                      fallback: bool) -> int:
         started = time.monotonic()
+        deadline = started + self.settings.deadline
         state = sent_state(self.policy, state_dict)
         live = self.pool.live()
         plan = plan or self.group.bucket_plan(live)
@@ -320,32 +375,57 @@ class ServerWeights:
                 for bucket in plan[1]:
                     dist_sync.full_tensors(state, bucket)
             raise self.pool.no_servers_left()
-        failure = None
+        failure, session = None, []
         try:
-            if not self.group.current(live):
-                try:
+            try:  # every server accepts the update (its session opened) before any collective is entered
+                session = self.group.open_session(live, timeout=self.settings.timeout)
+                if not self.group.current(live):
                     self.group.form(live)
-                except BaseException:
-                    if not fallback:
-                        for bucket in plan[1]:
-                            dist_sync.full_tensors(state, bucket)
-                    raise
-            sent, count = self.group.broadcast(version, state, live, plan, on_weight_update=self.on_weight_update)
+            except BaseException:
+                if not fallback:
+                    for bucket in plan[1]:
+                        dist_sync.full_tensors(state, bucket)
+                raise
+            sent, count = self.group.broadcast(version, state, live, plan, on_weight_update=self.on_weight_update,
+                                               flushed=self.flushed, deadline=deadline)
+            closed, session = self.group.close_session(session, timeout=self.settings.timeout), []
+            if closed:
+                raise SessionRefused("; ".join(closed))
         except (WeightSyncError, NoServersLeft):
+            self.group.close_session(session, timeout=self.settings.timeout)
             raise
-        except Exception as err:  # the group broke (a server died, a timeout): this update goes by disk
+        except Exception as err:  # the update could not go over the group: it goes by disk
             if self.pool.closing:
                 raise RolloutRequestError("the HTTP engine was closed during a weight update") from err
             failure = f"{type(err).__name__}: {err}"
         if failure is not None:  # (out of the except block: its traceback no longer holds the group's sockets open)
-            self.group.destroy()  # the servers still waiting in its broadcast see the connection close
+            # best effort, within what is left of the deadline (at least 5 s): a server still inside a receive answers
+            # neither before that receive ends — on gloo when this side closes, on NCCL at the server's own timeout
+            cleanup = max(5.0, min(self.settings.timeout, deadline - time.monotonic()))
+            self.group.destroy(timeout=cleanup)  # first: the servers still waiting in its broadcast see it close …
+            self.group.close_session(session, timeout=cleanup)  # … then their sessions can end
             gc.collect()
+            self.fallbacks.append(failure)
             if not fallback:
                 raise GroupBroken(failure)
-            log.warning("distributed weight update %d failed (%s); loading it from disk instead, the next update "
-                        "forms a new group", version, failure)
-            self._disk_fallback(version, state_dict)
+            self._fall_back(version, state_dict, failure)
             return version
         self.version = version
         self.last_sync = SyncStats("distributed", time.monotonic() - started, sent, count, len(live))
         return version
+
+    def _fall_back(self, version: int, state_dict: dict[str, torch.Tensor] | None, failure: str) -> None:
+        """A distributed update that failed goes by disk, loudly; then the run goes on (the next update forms a new
+        group) or, with ``on_failure="stop"``, stops with `WeightSyncError` — the servers holding the trainer's
+        weights either way."""
+        log.warning("distributed weight update %d failed (%s); loading it from disk instead — %s", version, failure,
+                    "then stopping (rollout.weight_sync.on_failure=stop)" if self.settings.on_failure == "stop" else
+                    "the next update forms a new group")
+        self._disk_fallback(version, state_dict)
+        self.stop_after_fallback(version, failure)
+
+    def stop_after_fallback(self, version: int, failure: str) -> None:
+        """``on_failure="stop"``: `WeightSyncError` naming why update ``version`` could not go over the group."""
+        if self.settings.on_failure == "stop":
+            raise WeightSyncError(f"distributed weight update {version} failed ({failure}); it was loaded from disk "
+                                  "and rollout.weight_sync.on_failure=stop stops the run")

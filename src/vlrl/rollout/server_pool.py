@@ -45,6 +45,9 @@ class ServerState:
     max_batch_size: int | None = None  # sequences it decodes at once, if it says (vlrl's server does)
     ranks: int = 1  # ranks it holds in a weight-update group (SGLang: its tp_size)
     max_request_pixels: int | None = None  # image pixels one request may carry, if it says (vlrl's server does)
+    reports_checksum: bool = False  # it reports a weight_checksum (vlrl serve does, SGLang does not)
+    image_processor_backend: str | None = None  # SGLang's --image-processor-backend, if it says
+    pixel_bounds: tuple[int | None, int | None] | None = None  # SGLang's --mm-process-config image min/max_pixels
 
 
 class ServerPool:
@@ -105,24 +108,27 @@ class ServerPool:
     # -------------------------------------------------------------------------------------------- facts
     async def wait_ready(self, timeout: float) -> None:
         """Wait until every server answers ``/server_info`` (SGLang ≥ 0.5: launch facts, parallel sizes) — or, where
-        that route is missing, the older ``/get_model_info`` (servers may still be loading) — and read its facts."""
+        that route is missing, the older ``/get_model_info`` (servers may still be loading) — and read its facts.
+        ``timeout`` bounds the whole wait, each probe included (a server that accepts the connection and never
+        answers is given up on at the deadline, not after ``request_timeout``)."""
         deadline = time.monotonic() + timeout
         for server in self.servers:
             while True:
                 try:
-                    info = await self._server_info(server)
+                    info = await self._server_info(server, max(0.1, deadline - time.monotonic()))
                     break
                 except RolloutRequestError:
                     raise
                 except Exception as err:
                     if time.monotonic() > deadline:
-                        raise RolloutRequestError(f"rollout server {server.url} not ready after {timeout:.0f}s: {err}") from err
+                        raise RolloutRequestError(f"rollout server {server.url} not ready after {timeout:.0f}s "
+                                                  f"(the start-up timeout): {type(err).__name__}: {err}") from err
                     await asyncio.sleep(0.25)
             self.read_facts(server, info)
 
-    async def _server_info(self, server: ServerState) -> dict[str, Any]:
+    async def _server_info(self, server: ServerState, timeout: float) -> dict[str, Any]:
         for path in ("/server_info", "/get_model_info"):
-            response = await self.client.get(f"{server.url}{path}", headers=self.headers)
+            response = await self.client.get(f"{server.url}{path}", headers=self.headers, timeout=timeout)
             if response.status_code == 401:
                 raise RolloutRequestError(f"{server.url}: 401 unauthorised: set ${API_KEY_ENV} to the server's --api-key")
             if response.status_code == 404 and path == "/server_info":
@@ -142,6 +148,11 @@ class ServerPool:
         pixels = info.get("max_request_pixels")
         server.max_request_pixels = int(pixels) if isinstance(pixels, int) and pixels > 0 else None
         server.ranks = int(info.get("tp_size") or 1)
+        server.reports_checksum = "weight_checksum" in info
+        backend = info.get("image_processor_backend")
+        server.image_processor_backend = "pil" if info.get("disable_fast_image_processor") else \
+            (str(backend) if backend is not None else None)
+        server.pixel_bounds = _pixel_bounds(info.get("mm_process_config"))
         replicas, stages = int(info.get("dp_size") or 1), int(info.get("pp_size") or 1)
         if self.distributed and (replicas > 1 or stages > 1):
             raise RolloutRequestError(
@@ -199,3 +210,20 @@ class ServerPool:
 
         return list(await asyncio.gather(*(post(s, b) for s, b in zip(servers, bodies, strict=True)),
                                          return_exceptions=True))
+
+
+def _pixel_bounds(config: Any) -> tuple[int | None, int | None] | None:
+    """(min_pixels, max_pixels) of SGLang's ``mm_process_config`` (``{"image": {"min_pixels": …, "max_pixels": …}}``;
+    a JSON string as launched, or the parsed dict), or None where it sets neither."""
+    import json
+
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            return None
+    image = config.get("image") if isinstance(config, dict) else None
+    if not isinstance(image, dict):
+        return None
+    bounds = tuple(image.get(k) if isinstance(image.get(k), int) else None for k in ("min_pixels", "max_pixels"))
+    return bounds if any(b is not None for b in bounds) else None

@@ -100,6 +100,8 @@ class Trajectory:
         accuracy: whether the response is correct (1 / 0, or a fraction for a weighted sum of verifiers) — the
             reward's `RewardOutput.accuracy`; None when no verifier of the sample reports one (filled with
             ``reward``).
+        well_formed: the response ended (status completed) and has its sample's declared answer form
+            (`vlrl.rewards.score_trajectories`); None until scored.
         reward_parts: named sub-scores of the reward (``overall``, ``accuracy``, ``format``, ...), for logging.
         turns: multi-turn only: one `Turn` per model turn (boundaries, per-step rewards, retries); empty
             for a single-turn response.
@@ -123,6 +125,7 @@ class Trajectory:
     group_index: int = 0
     reward: float | None = None
     accuracy: float | None = None
+    well_formed: bool | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)
     turns: list[Turn] = field(default_factory=list)
     stop_reason: str = ""

@@ -9,6 +9,17 @@ size (SGLang refuses a tensor at a misaligned offset); server i holds ``tp_size`
 buckets into its spare weights and swaps them in at once; a real SGLang server loads each bucket as it arrives —
 paused meanwhile (`vlrl.rollout.publish`), so no request runs on a half-updated model. What happens when the group
 breaks is `vlrl.rollout.publish`'s: the update falls back to disk and the next one forms a new group.
+
+SGLang's weight-update session (0.5.23: ``srt/managers/scheduler_components/weight_updater.py``, which refuses
+``update_weights_from_distributed`` outside it): every update's buckets are bracketed by ``/begin_weight_update`` and
+``/end_weight_update`` (`open_session` / `close_session`; the end also after a failure), as SGLang's own clients do
+(``srt/entrypoints/engine.py``, ``http_server_engine.py``); `vlrl serve` keeps the same session.
+
+No collective can hang the trainer (NCCL creates a group's communicator at its first collective, and blocks there
+until every rank arrives — a server that refused its bucket never does): a bucket is broadcast only once every server
+accepted the update (its session opened; the bucket before answered success); the broadcast call itself runs off the
+trainer's thread (`dist_sync.broadcast`), and every wait is bounded by ``rollout.weight_sync.timeout`` and by the
+update's ``deadline``.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import torch
@@ -33,6 +45,13 @@ from vlrl.rollout.weights import ChecksumCheck, WeightSyncError, checkpoint_name
 log = logging.getLogger(__name__)
 
 BucketPlan = tuple[torch.dtype, list[list[dist_sync.Entry]]]  # (the dtype the servers receive, the buckets)
+
+
+SESSION_PATHS = ("/begin_weight_update", "/end_weight_update")  # SGLang's weight-update session (and vlrl serve's)
+
+
+class SessionRefused(RuntimeError):
+    """A server refused to open a weight-update session: its buckets would be refused, so none is broadcast."""
 
 
 class Failures:
@@ -103,6 +122,48 @@ class WeightGroup:
                 if isinstance(answer, BaseException) or not answer.get("success", False):
                     log.info("%s did not leave weight-update group %s: %s", server.url, name,
                              answer if isinstance(answer, BaseException) else answer.get("message"))
+
+    def open_session(self, live: list[ServerState], *, timeout: float) -> list[ServerState]:
+        """SGLang's ``/begin_weight_update`` on every live server, before any bucket: the servers with an open session.
+        A session left open (a trainer that died mid-update) is closed and opened again; a server without the route
+        (404: an SGLang before sessions, which needs none) is warned about once and goes on without. Any other refusal
+        closes the sessions opened and raises `SessionRefused`: no bucket is broadcast."""
+        begin, end = SESSION_PATHS
+        answers = self.pool.call(self.pool.post_each(live, begin, [{}] * len(live), timeout=timeout))
+        stale = [s for s, a in zip(live, answers, strict=True)
+                 if isinstance(a, dict) and "already open" in str(a.get("message", ""))]
+        if stale:  # left open by an update that never ended: end it, begin again
+            self.close_session(stale, timeout=timeout)
+            again = self.pool.call(self.pool.post_each(stale, begin, [{}] * len(stale), timeout=timeout))
+            answers = [again[stale.index(s)] if s in stale else a for s, a in zip(live, answers, strict=True)]
+        opened, refused = [], []
+        for server, answer in zip(live, answers, strict=True):
+            if isinstance(answer, BaseException):
+                refused.append(f"{server.url}{begin}: {type(answer).__name__}: {answer}")
+            elif answer.get("status_code") == 404:
+                self.pool.warn_once(server.url, begin, "%s has no %s (an SGLang before weight-update sessions): its "
+                                    "buckets are sent without one", server.url, begin)
+            elif not answer.get("success", False):
+                refused.append(f"{server.url}{begin}: {answer.get('message', answer)}")
+            else:
+                opened.append(server)
+        if refused:
+            self.close_session(opened, timeout=timeout)
+            raise SessionRefused("; ".join(refused))
+        return opened
+
+    def close_session(self, servers: list[ServerState], *, timeout: float) -> list[str]:
+        """SGLang's ``/end_weight_update`` on ``servers`` (whatever the update's outcome); the failures, as messages."""
+        if not servers:
+            return []
+        end = SESSION_PATHS[1]
+        answers = self.pool.call(self.pool.post_each(servers, end, [{}] * len(servers), timeout=timeout))
+        failed = [f"{s.url}{end}: {type(a).__name__}: {a}" if isinstance(a, BaseException) else
+                  f"{s.url}{end}: {a.get('message', a)}" for s, a in zip(servers, answers, strict=True)
+                  if isinstance(a, BaseException) or not a.get("success", False)]
+        for message in failed:
+            log.warning("%s", message)
+        return failed
 
     def form(self, live: list[ServerState]) -> None:
         """Every live server joins a new group hosted here as rank 0 (their HTTP calls return once all joined), the
@@ -175,12 +236,13 @@ class WeightGroup:
                  "world_size": world_size, "group_name": name, "backend": backend} for offset in offsets]
 
     def bucket_body(self, version: int, bucket: list[dist_sync.Entry], dtypes: list[torch.dtype], *, last: bool,
-                    on_weight_update: str) -> dict[str, Any]:
+                    on_weight_update: str, flushed: bool = False) -> dict[str, Any]:
         """The ``/update_weights_from_distributed`` body announcing one flattened bucket (the last one carries the
-        new ``weight_version`` and flushes the cache — unless requests are held in place)."""
+        new ``weight_version`` and flushes the cache — unless it was ``flushed`` before the buckets, or requests are
+        held in place)."""
         return {"names": [e.send_name for e in bucket], "dtypes": [dist_sync.dtype_name(d) for d in dtypes],
                 "shapes": [list(e.shape) for e in bucket], "group_name": self.name,
-                "flush_cache": last and on_weight_update != "in_place",  # (SGLang: no flush with requests held)
+                "flush_cache": last and not flushed and on_weight_update != "in_place",  # (SGLang: none with requests held)
                 "abort_all_requests": on_weight_update == "abort", "load_format": dist_sync.FLATTENED,
                 "weight_version": str(version) if last else None}
 
@@ -197,12 +259,13 @@ class WeightGroup:
         return send_dtype, dist_sync.buckets(self._entries, send_dtype=send_dtype, bucket_bytes=self.bucket_bytes)
 
     def broadcast(self, version: int, state: dict[str, torch.Tensor], live: list[ServerState], plan: BucketPlan, *,
-                  on_weight_update: str) -> tuple[int, int]:
-        """Send every bucket of ``plan``; check the last answers' checksums. Returns (bytes of one copy sent,
-        buckets). Every bucket is gathered even after a failure (other trainer ranks gather it with this one);
-        the first failure is raised once all were."""
-        dtypes = {s.dtype for s in live}
-        checksum = dist_sync.StreamingChecksum([DTYPES.get(d or "") for d in dtypes])
+                  on_weight_update: str, flushed: bool = False, deadline: float | None = None) -> tuple[int, int]:
+        """Send every bucket of ``plan``; check the last answers' checksums (of the servers that report one, when
+        ``verify_checksum``). Returns (bytes of one copy sent, buckets). ``deadline`` (``time.monotonic()``) bounds
+        every wait. Every bucket is gathered even after a failure (other trainer ranks gather it with this one); the
+        first failure is raised once all were."""
+        checked = {s.dtype for s in live if s.reports_checksum} if self.settings.verify_checksum else set()
+        checksum = dist_sync.StreamingChecksum([DTYPES.get(d or "") for d in checked]) if checked else None
         send_dtype, planned = plan
         sent, failure = 0, None
         for k, bucket in enumerate(planned):
@@ -212,26 +275,38 @@ class WeightGroup:
                 continue
             try:
                 body = self.bucket_body(version, bucket, self._dtypes(gathered, send_dtype), last=last,
-                                        on_weight_update=on_weight_update)
-                sent += self._send_bucket(body, version, live, bucket, gathered, send_dtype, checksum, last=last)
+                                        on_weight_update=on_weight_update, flushed=flushed)
+                sent += self._send_bucket(body, version, live, bucket, gathered, send_dtype, checksum, last=last,
+                                          deadline=deadline)
             except BaseException as err:  # noqa: BLE001 — raised after the remaining buckets' gathers
                 failure = err
         if failure is not None:
             raise failure
         return sent, len(planned)
 
+    def _wait_for(self, deadline: float | None) -> float:
+        """Seconds the next wait may take: ``rollout.weight_sync.timeout``, less where the update's deadline is nearer
+        (`dist_sync.Abandoned` once it passed)."""
+        if deadline is None:
+            return self.settings.timeout
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise dist_sync.Abandoned(f"the update took longer than its deadline of {self.settings.deadline:.0f} s "
+                                      "(rollout.weight_sync.deadline)")
+        return min(self.settings.timeout, left)
+
     @staticmethod
     def _dtypes(gathered: list[torch.Tensor], send_dtype: torch.dtype) -> list[torch.dtype]:
         return [send_dtype if t.is_floating_point() else t.dtype for t in gathered]
 
     def _send_bucket(self, body: dict[str, Any], version: int, live: list[ServerState], bucket: list[dist_sync.Entry],
-                     gathered: list[torch.Tensor], send_dtype: torch.dtype, checksum: dist_sync.StreamingChecksum,
-                     *, last: bool) -> int:
+                     gathered: list[torch.Tensor], send_dtype: torch.dtype,
+                     checksum: dist_sync.StreamingChecksum | None, *, last: bool, deadline: float | None) -> int:
         """Announce one bucket (``body``) to every server, pack its tensors (cast to ``send_dtype``) into the send
         buffer and broadcast it, checksum the bytes sent while the servers load them, read the answers; returns the
         bytes sent. A server whose answer fails ends the wait for the broadcast at once (`dist_sync.broadcast`);
-        every wait is bounded by ``sync_timeout``."""
-        timeout = self.settings.timeout
+        every wait is bounded by ``rollout.weight_sync.timeout`` and the update's ``deadline``."""
+        timeout = self._wait_for(deadline)
         dtypes = self._dtypes(gathered, send_dtype)
         failed = Failures()
         answers = asyncio.run_coroutine_threadsafe(
@@ -247,12 +322,18 @@ class WeightGroup:
             answers.cancel()
             raise
         for entry, tensor, raw, dtype in zip(bucket, gathered, sent, dtypes, strict=True):
-            checksum.add(entry, tensor, sent=raw, sent_dtype=dtype)  # per server dtype, as the disk path predicts
+            if checksum is not None:  # per server dtype, as the disk path predicts
+                checksum.add(entry, tensor, sent=raw, sent_dtype=dtype)
         try:
+            timeout = self._wait_for(deadline)
             results = answers.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             answers.cancel()
-            raise dist_sync.Abandoned(f"no answer within {timeout:.0f} s (rollout.weight_sync.timeout)") from None
+            raise dist_sync.Abandoned(f"no answer within {timeout:.0f} s (rollout.weight_sync.timeout / "
+                                      "deadline)") from None
+        except BaseException:
+            answers.cancel()
+            raise
         for server, answer in zip(live, results, strict=True):
             if isinstance(answer, BaseException):
                 raise RuntimeError(f"{server.url}: {type(answer).__name__}: {answer}")
@@ -260,8 +341,9 @@ class WeightGroup:
                 raise WeightSyncError(f"{server.url} could not load version {version} from the trainer's broadcast: "
                                       f"{answer.get('message', answer)}")
             if last:
-                self.checksums(server.url, answer.get("weight_checksum"), version,
-                               checksum.digest(DTYPES.get(server.dtype or "")))
+                expected = checksum.digest(DTYPES.get(server.dtype or "")) if checksum is not None and \
+                    server.reports_checksum else None
+                self.checksums(server.url, answer.get("weight_checksum"), version, expected)
         return flat.numel()
 
 

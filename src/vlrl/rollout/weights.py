@@ -44,16 +44,19 @@ class WeightSyncError(RuntimeError):
 class ChecksumCheck:
     """The trainer's side of the checksum comparison: a server's reported checksum of the weights it loaded against
     the one the trainer predicted. A mismatch raises `WeightSyncError` (the run stops); a server that reports none
-    (e.g. SGLang) is warned about once."""
+    (e.g. SGLang) is warned about once. ``expected`` None: the trainer computed none for that server
+    (``rollout.weight_sync.verify_checksum`` off, or the server reported no checksum at start)."""
 
     def __init__(self) -> None:
         self.unverified: set[str] = set()  # servers warned about
 
-    def __call__(self, url: str, loaded: str | None, version: int, expected: str) -> None:
+    def __call__(self, url: str, loaded: str | None, version: int, expected: str | None) -> None:
         if loaded is None:
             if url not in self.unverified:
                 self.unverified.add(url)
                 log.warning("%s reports no weight checksum (not a vlrl server): its weights are not verified", url)
+        elif expected is None:
+            return
         elif loaded != expected:
             raise WeightSyncError(f"{url} loaded weights with checksum {loaded[:12]} for version {version}, "
                                   f"the trainer's are {expected[:12]}: stopping")

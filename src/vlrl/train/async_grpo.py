@@ -53,6 +53,7 @@ from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.async_rollout import AsyncRollout, GroupBuffer, hand_out
 from vlrl.train.batch import prepare_batch
 from vlrl.train.distributed import DistContext
+from vlrl.train.format_watch import FormatWatch
 from vlrl.train.informative import informative_filter, starved_warning
 from vlrl.train.loop import (
     StageParts,
@@ -112,6 +113,7 @@ def train_async_grpo(
     run_dir = analysis_dir(logger, rt)  # shapers' analysis files
     start, last = time.time(), {}
     syncing: concurrent.futures.Future | None = None  # the last weight update, until every server confirmed it
+    form = FormatWatch(logger, stage_name)  # one warning when the answers stop being well-formed
 
     def check() -> None:  # while waiting for data: a failed rollout or weight update stops the run
         _check(rollout, syncing)
@@ -137,6 +139,8 @@ def train_async_grpo(
                 last.update(synthesis.after_step(trajectories, step, shaping=algorithm.reward_shaping))
                 rollout.forget(synthesis.retired())
             last.update(perf_metrics(parts, batch, t0, {"perf/wait_seconds": t_wait, "perf/sync_seconds": t_sync}))
+            if ctx.is_main:
+                form.update(step, last)
             log_step(logger, stage, stage_name, step, last, SHOWN)
             if rt.checkpoint_due(step):
                 _save_checkpoint(rt, step, stage_name, parts, cursor, rollout, algorithm, ledger, synthesis)
@@ -201,7 +205,7 @@ def _driver(engine: Engine, cursor: PromptCursor, stage: RLStage, algorithm,
     buffer = GroupBuffer(capacity=(eta + 1) * P + max_concurrent)
     rollout = AsyncRollout(capability(engine, AsyncEngine), cursor, sampling_params(stage.rollout), buffer,
                            prompts_per_step=P, eta=eta, max_concurrent=max_concurrent,
-                           greedy_baseline="baseline_rewards" in algorithm.needs)
+                           greedy_baseline="baseline_rewards" in algorithm.needs, strict=stage.algo.strict_reward)
     return buffer, rollout
 
 

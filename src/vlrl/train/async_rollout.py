@@ -188,8 +188,10 @@ class AsyncRollout:
     """
 
     def __init__(self, engine: AsyncEngine, cursor: PromptCursor, sampling: SamplingParams, buffer: GroupBuffer, *,
-                 prompts_per_step: int, eta: int, max_concurrent: int, greedy_baseline: bool = False) -> None:
+                 prompts_per_step: int, eta: int, max_concurrent: int, greedy_baseline: bool = False,
+                 strict: bool = True) -> None:
         self.engine, self.cursor, self.sampling, self.buffer = engine, cursor, sampling, buffer
+        self.strict = strict  # `score_groups`' (algo.strict_reward)
         self.encode = PromptEncoder(engine)
         self.greedy_baseline = greedy_baseline  # ReMax: also generate one greedy response per prompt
         self.prompts_per_step, self.eta, self.max_concurrent = prompts_per_step, eta, max_concurrent
@@ -379,7 +381,7 @@ class AsyncRollout:
             self._give_back(draw)  # generate it again
         else:
             # scoring runs on this thread; the buffer never blocks: admission bounds what is outstanding
-            self.buffer.put(score_groups([draw], group, self.sampling.n, baseline)[0])
+            self.buffer.put(score_groups([draw], group, self.sampling.n, baseline, strict=self.strict)[0])
             with self._lock:
                 self._in_flight.pop(draw.ticket, None)
         self._notify()

@@ -98,6 +98,7 @@ class Algorithm:
     kl_estimator: str
     mask_truncated: bool  # DAPO overlong filtering
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
+    ctx: Any = None  # the ranks (`DistContext`): budgeted scoring passes run as many micro-batches on each
 
 
 def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_weight: bool,
@@ -133,6 +134,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         logprob_chunk=train.logprob_chunk,
         skip_zero_advantage=train.skip_zero_advantage,
         on_nonfinite=train.on_nonfinite,
+        max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
         loss_agg_max_length=loss_agg_max_length(stage),
         cov_selection=minibatch_selection(loss_fn),
     )
@@ -151,6 +153,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         kl_estimator=algo.kl_estimator,
         mask_truncated=algo.mask_truncated,
         rollout_correction=algo.rollout_correction,
+        ctx=ctx,
     )
 
 
@@ -190,10 +193,12 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
     correction = algorithm.rollout_correction
     need_old = (n_updates > 1 or (algorithm.kl_in_reward > 0 and algorithm.reference is not None)
                 or settings.cov_selection is not None or correction.enabled)
-    token_sums: dict[str, list[float]] = {}  # per-token metrics (and perf/shared_prefix_frac's rows), over ranks
-    layout = {"padding_free": settings.padding_free, "shared_prefix": settings.shared_prefix, "sums": token_sums,
+    passes = ScoringPasses(algorithm, policy, trajectories)  # whole, or in micro-batches of the token budget
+    token_sums = passes.token_sums  # per-token metrics (and perf/shared_prefix_frac's rows), over ranks
+    layout = {"padding_free": settings.padding_free, "shared_prefix": settings.shared_prefix,
               "logprob_chunk": settings.logprob_chunk}
-    old_logp = teacher_logprobs(policy.model, policy, trajectories, settings.temperature, **layout) if need_old else None
+    old_logp = passes.run(lambda part, sums: teacher_logprobs(policy.model, policy, part, settings.temperature,
+                                                              **layout, sums=sums)) if need_old else None
     rollout_weights, corrected = None, {}
     if correction.enabled:  # TIS weights on the loss, MIS-rejected tokens out of the loss and its normaliser
         corr = rollout_correction(old_logp, tensors["behaviour_logp"], loss_mask, tis_cap=correction.tis_cap,
@@ -202,9 +207,10 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         loss_mask = corr.loss_mask
         rollout_weights = corr.weights if correction.tis_cap is not None else None
         corrected = {f"policy/{name}": value for name, value in corr.metrics.items()}
-    ref_logp = (teacher_logprobs(algorithm.reference, policy, trajectories, settings.temperature, **layout)
+    ref_logp = (passes.run(lambda part, sums: teacher_logprobs(algorithm.reference, policy, part, settings.temperature,
+                                                               **layout, sums=sums))
                 if algorithm.reference is not None else None)
-    values = algorithm.critic.values(trajectories) if algorithm.critic is not None else None  # (B, R)
+    values = passes.run(lambda part, _: algorithm.critic.values(part)) if algorithm.critic is not None else None  # (B, R)
     context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step,
                           run_dir=run_dir)
     # reward shaping (per response, per group), then the reward sits on the last model token
@@ -240,6 +246,39 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         old_values=values, returns=estimate.returns if values is not None else None, rollout_weights=rollout_weights,
         token_sums=token_sums,
     )
+
+
+class ScoringPasses:
+    """The no-grad passes of `prepare_batch` (π_old, π_ref, the critic's values) over a step's trajectories: one call
+    over all of them, or — with ``train.max_tokens_per_micro_batch`` — micro-batches of this rank's rows within the
+    budget, as many on every rank (`vlrl.train.microbatch.local_plan`: FSDP2 gathers in each forward), stitched back
+    into one (B, R) host tensor. ``token_sums`` collects the passes' ``perf/shared_prefix_frac`` rows."""
+
+    def __init__(self, algorithm: Algorithm, policy: Policy, trajectories: Sequence[Trajectory]) -> None:
+        from vlrl.train.microbatch import CostModel, local_plan
+
+        self.trajectories, self.token_sums = list(trajectories), {}
+        settings, budget = algorithm.settings, algorithm.settings.max_tokens_per_micro_batch
+        self.plan = None
+        if budget is not None and policy is not None:
+            cost = CostModel.of(policy.model, padding_free=settings.padding_free, shared_prefix=settings.shared_prefix)
+            sizes = [cost.size(t.prompt_ids, t.response_ids, t.vision, str(t.sample.id), str(t.group_index))
+                     for t in trajectories]
+            self.plan = local_plan(range(len(sizes)), sizes.__getitem__, cost, budget, ctx=algorithm.ctx)
+
+    def run(self, fn: Callable[[list[Trajectory], dict | None], torch.Tensor]) -> torch.Tensor:
+        """``fn(trajectories, sums)`` → (b, R_b) host values, over the whole batch or its micro-batches."""
+        if self.plan is None:
+            return fn(self.trajectories, self.token_sums)
+        width = max(1, max(len(t.response_ids) for t in self.trajectories))
+        out = None
+        for micro in self.plan:
+            part = fn([self.trajectories[i] for i in micro.rows], None if micro.noop else self.token_sums)
+            if micro.noop:
+                continue
+            out = part.new_zeros(len(self.trajectories), width) if out is None else out
+            out[list(micro.rows), : part.shape[1]] = part
+        return out
 
 
 def batch_tensors(trajectories: Sequence[Trajectory]) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from vlrl.config import CriticConfig, OptimConfig
 from vlrl.models import Policy, collate
 from vlrl.train.common import make_optimizer, step_or_skip
 from vlrl.train.distributed import gradient_sync, unwrap
+from vlrl.train.microbatch import MicroBatch
 from vlrl.train.update_stats import UpdateStats
 
 
@@ -80,26 +81,28 @@ class Critic:
         self.model.train(was_training)
         return values
 
-    def accumulate(self, batch: Any, rows: Sequence[int], *, micro_batch_size: int, loss_agg: str,
+    def accumulate(self, batch: Any, micro_batches: Sequence[MicroBatch], *, loss_agg: str,
                    normaliser: float) -> UpdateStats:
-        """Clipped value loss over ``rows`` in micro-batches, gradients accumulated (no step; under DDP/FSDP2
-        reduced over the ranks in the last micro-batch's backward). ``normaliser``: the actor's (all-reduced ÷ W).
-        Returns ``critic/value_loss`` once (the sum over the micro-batches: the rows' share of the minibatch
-        loss) and the per-token ``critic/value_clip_frac`` and ``critic/values_mean`` pooled over the rows' tokens."""
+        """Clipped value loss over ``micro_batches`` (rows of ``batch``; `vlrl.train.microbatch`), gradients
+        accumulated (no step; under DDP/FSDP2 reduced over the ranks in the last micro-batch's backward; a no-op
+        micro-batch's loss × 0). ``normaliser``: the actor's (all-reduced ÷ W). Returns ``critic/value_loss`` once
+        (the sum over the micro-batches: the rows' share of the minibatch loss) and the per-token
+        ``critic/value_clip_frac`` and ``critic/values_mean`` pooled over the rows' tokens."""
 
         self.model.train()
         stats, total = UpdateStats(), 0.0
-        starts = range(0, len(rows), micro_batch_size)
-        for start in starts:
-            micro = list(rows[start : start + micro_batch_size])
-            with gradient_sync(self.model, start == starts[-1]):
+        for k, part in enumerate(micro_batches):
+            micro = list(part.rows)
+            with gradient_sync(self.model, k == len(micro_batches) - 1):
                 values = self.model([batch.trajectories[i] for i in micro])  # (b, R)
                 R = values.shape[1]
                 mask = batch.loss_mask[micro, :R].to(values.device)
                 out = value_loss(values, batch.old_values[micro, :R].to(values.device),
                                  batch.returns[micro, :R].to(values.device), clip=self.cfg.value_clip)
                 loss = aggregate(out.per_token_loss, mask, loss_agg, normaliser=normaliser)
-                loss.backward()
+                (loss * 0.0 if part.noop else loss).backward()
+            if part.noop:
+                continue
             total += float(loss.detach())
             stats.add_tokens("critic/value_clip_frac", out.metrics["value_clip"], mask)
             stats.add_tokens("critic/values_mean", values, mask)

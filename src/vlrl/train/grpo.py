@@ -33,6 +33,7 @@ from vlrl.report import MetricsLogger
 from vlrl.rollout import Engine
 from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.batch import prepare_batch
+from vlrl.train.format_watch import FormatWatch
 from vlrl.train.informative import starved_warning
 from vlrl.train.loop import (
     StageParts,
@@ -84,7 +85,8 @@ def train_grpo(
         sampler = GroupSampler(engine, cursor, sampling_params(rollout), prompts_per_step=train.prompts_per_step,
                                dynamic=stage.algo.dynamic_sampling, greedy_baseline="baseline_rewards" in algorithm.needs,
                                shard=lambda draws: rt.ctx.shard(draws, what="train.prompts_per_step"),
-                               gather=rt.ctx.gather_objects, world_size=rt.ctx.world_size)
+                               gather=rt.ctx.gather_objects, world_size=rt.ctx.world_size,
+                               strict=stage.algo.strict_reward)
         parts = enter_stage(stack, policy, stage, rt)  # train.trainable, gradient checkpointing, perf/mfu, optimizer
         step = _restore(rt, stage_name, parts, cursor, sampler, algorithm, synthesis)
         if step:
@@ -92,6 +94,7 @@ def train_grpo(
         run_dir = analysis_dir(logger, rt)  # shapers' analysis files
         start, last = time.time(), {}
         zero_advantage = ZeroAdvantageWatch(logger, stage_name)  # one warning when most groups carry no signal
+        form = FormatWatch(logger, stage_name)  # one warning when the answers stop being well-formed
         while step < train.steps and not rt.out_of_time(time.time() - start, budget):
             t0 = time.time()
             parts.perf.begin()
@@ -120,6 +123,7 @@ def train_grpo(
             last.update(perf_metrics(parts, batch, t0, {"perf/gen_seconds": t_gen}))
             if rt.ctx.is_main:
                 zero_advantage.update(step, last)
+                form.update(step, last)
             log_step(logger, stage, stage_name, step, last, SHOWN)
             if rt.checkpoint_due(step):
                 _save_checkpoint(rt, step, stage_name, parts, cursor, sampler, algorithm, synthesis)

@@ -2,7 +2,7 @@
 
     reward/…        mean, std, per task, verifier failures, and ReMax's greedy baseline (the scored responses)
     accuracy/…      per task (`Trajectory.accuracy`), macro mean
-    response/…      length mean / max, truncated fraction
+    response/…      length mean / max, truncated fraction, well-formed fraction (ended, in the answer form)
     rollout/…       gen_prob (mean probability of the sampled tokens), diversity (Syn-GRPO eq. 4)
     policy/…        zero-advantage groups, and the update's statistics (`UpdateStats.metrics`)
     shaping/…       what the shapers reported
@@ -95,6 +95,7 @@ def response_metrics(trajectories: Sequence[Trajectory], group_index: torch.Tens
     metrics["response/length_mean"] = float(lengths.mean())
     metrics["response/length_max"] = float(lengths.max())
     metrics["response/truncated_frac"] = sum(t.status is Status.TRUNCATED for t in trajectories) / len(trajectories)
+    metrics["response/well_formed_frac"] = sum(bool(t.well_formed) for t in trajectories) / len(trajectories)
     metrics["rollout/gen_prob"] = generation_prob(trajectories)
     metrics["rollout/diversity"] = diversity(trajectories, group_index)
     return metrics

@@ -209,7 +209,8 @@ def _eval(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, st
     with logger.progress.task(f"eval/{stage}"), engine.capture() as batches:
         result: EvalResult = evaluate(engine, test, cfg.eval)
     engine.samples.write(f"eval/{stage}", 0, batches)
-    logger.log(f"eval/{stage}", 0, result.metrics(), show=("accuracy/mean", "greedy/mean", f"pass@{result.k}/mean"))
+    logger.log(f"eval/{stage}", 0, result.metrics(),
+               show=("accuracy/mean", "greedy/mean", f"pass@{result.k}/mean", "strict/mean", "well_formed/mean"))
     if validation is not None:
         validation.log(step, result)
     return result.to_dict()
@@ -485,11 +486,13 @@ def _print_summary(logger: MetricsLogger, summary: dict) -> None:
     from vlrl.report.verdict import demo_verdict
 
     rows = [("base", "untrained"), ("sft", "SFT checkpoint"), ("rl", "after RL"), ("sft_control", "SFT control")]
-    logger.info("held-out accuracy (sampled pass@1 / greedy):")
+    logger.info("held-out accuracy (sampled pass@1 / greedy; strict: right, well-formed and ended):")
     for key, label in rows:
         if key in summary:
             s = summary[key]
-            logger.info(f"  {label:26s} {s['accuracy']['mean']:.3f} / {s['greedy']['mean']:.3f}   "
+            logger.info(f"  {label:16s} {s['accuracy']['mean']:.3f} / {s['greedy']['mean']:.3f}   strict "
+                        f"{s['strict']['mean']:.3f} / {s['strict_greedy']['mean']:.3f}   well-formed "
+                        f"{s['well_formed']['mean']:.2f} / {s['well_formed_greedy']['mean']:.2f}   "
                         + "  ".join(f"{t}={v:.2f}/{s['greedy'][t]:.2f}" for t, v in s["accuracy"].items() if t != "mean"))
     budget = summary.get("budget")
     if budget:

@@ -91,10 +91,12 @@ def greedy(sampling: SamplingParams) -> SamplingParams:
 
 
 def score_groups(draws: Sequence[Draw], trajectories: Sequence[Trajectory], n: int,
-                 baselines: Sequence[Trajectory] | None = None) -> list[Group]:
+                 baselines: Sequence[Trajectory] | None = None, *, strict: bool = True) -> list[Group]:
     """Score ``trajectories`` (n per draw, in draw order) and the greedy ``baselines`` (one per draw) with the
-    samples' verifiers, and cut them into groups. A verifier failure belongs to the first group of its sample."""
-    report = score_trajectories([*trajectories, *(baselines or [])])
+    samples' verifiers — ``strict`` (``algo.strict_reward``): a response that did not end or is not in its answer
+    form earns no correctness reward — and cut them into groups. A verifier failure belongs to the first group of
+    its sample."""
+    report = score_trajectories([*trajectories, *(baselines or [])], strict=strict)
     groups = [Group(list(trajectories[k * n : (k + 1) * n]), draw,
                     baseline_reward=float(baselines[k].reward) if baselines is not None else None)
               for k, draw in enumerate(draws)]
@@ -131,11 +133,12 @@ class GroupSampler:
     def __init__(self, engine: Engine, cursor: PromptCursor, sampling: SamplingParams, *, prompts_per_step: int,
                  dynamic: DynamicSamplingConfig, greedy_baseline: bool = False,
                  shard: Callable[[list[Any]], list[Any]] | None = None,
-                 gather: Callable[[list[Group]], list[list[Group]]] | None = None, world_size: int = 1) -> None:
+                 gather: Callable[[list[Group]], list[list[Group]]] | None = None, world_size: int = 1,
+                 strict: bool = True) -> None:
         """``shard``: under torchrun, keeps this rank's share of the prompts every rank drew (same cursor).
         ``gather`` / ``world_size``: every rank's groups, in rank order (dynamic sampling under several ranks
-        filters the whole round: `gathered_round`)."""
-        self.engine, self.cursor, self.sampling = engine, cursor, sampling
+        filters the whole round: `gathered_round`). ``strict``: `score_groups`'."""
+        self.engine, self.cursor, self.sampling, self.strict = engine, cursor, sampling, strict
         self.shard = shard or (lambda draws: draws)
         self.gather, self.world_size = gather, world_size
         self.prompts_per_step, self.greedy_baseline = prompts_per_step, greedy_baseline
@@ -175,7 +178,7 @@ class GroupSampler:
         requests = [self.encode(d.sample) for d in draws]
         trajectories = self.engine.generate(requests, self.sampling)
         baselines = self.engine.generate(requests, greedy(self.sampling)) if self.greedy_baseline else None
-        return score_groups(draws, trajectories, self.sampling.n, baselines)
+        return score_groups(draws, trajectories, self.sampling.n, baselines, strict=self.strict)
 
 
 def gathered_round(draws: list[Draw], world_size: int, *, shard: Callable[[list[Draw]], list[Draw]],

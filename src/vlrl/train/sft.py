@@ -37,6 +37,7 @@ from vlrl.models.packed import sequence_logprobs
 from vlrl.report import MetricsLogger
 from vlrl.train.budget import PhaseMeter, compute_dtype
 from vlrl.train.common import make_optimizer, step_or_skip
+from vlrl.train.microbatch import CostModel, MicroBatch, RowSize, by_count, plan_ranks, rank_imbalance
 from vlrl.train.modules import stage_modules
 from vlrl.train.runtime import Runtime
 
@@ -46,6 +47,7 @@ class SFTExample:
     prompt_ids: list[int]
     target_ids: list[int]
     vision: VisionInputs | None
+    name: str = ""  # the sample's id (named in warnings)
 
     @property
     def length(self) -> int:
@@ -71,7 +73,7 @@ def encode_sft(policy: Policy, sample: Sample, *, max_tokens: int | None = None)
             raise ValueError(f"sample {sample.id} ({sample.source or 'generated'}): its prompt of "
                              f"{len(encoded.input_ids)} tokens leaves no room for a target within {max_tokens} tokens")
         target = target[:room]
-    return SFTExample(encoded.input_ids, target, encoded.vision)
+    return SFTExample(encoded.input_ids, target, encoded.vision, str(sample.id))
 
 
 def train_sft(
@@ -101,6 +103,7 @@ def train_sft(
     cursor = PromptCursor(list(range(len(units))), seed)  # type: ignore[arg-type]  (any list works)
     model = rt.module
     perf = PhaseMeter(policy.model, rt.ctx.device, compute_dtype(policy.model, rt.cfg.mixed_precision), rt.ctx)
+    cost = CostModel.of(policy.model, padding_free=packed)  # a unit's cost (train.max_tokens_per_micro_batch)
     with stage_modules(policy, train) as modules, perf:  # train.trainable (model.lora: the adapters), gradient checkpointing
         model.train()
         optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups,  # names unwrapped
@@ -111,10 +114,11 @@ def train_sft(
             while step < train.steps and not rt.out_of_time(time.time() - start, budget):
                 step_start = time.time()
                 perf.begin()
-                batch = [[examples[i] for i in units[u]]
-                         for u in rt.ctx.shard(cursor.next(train.batch_size), what="train.batch_size")]
+                drawn = cursor.next(train.batch_size)
+                batch, micro_batches, layout = sft_micro_batches([[examples[i] for i in units[u]] for u in drawn],
+                                                                 rt.ctx, train, cost)
                 total_loss, processed, real = sft_backward(policy, rt, batch, train.micro_batch_size, packed=packed,
-                                                           planned=plan is not None)
+                                                           planned=plan is not None, micro_batches=micro_batches)
                 grad_norm = step_or_skip(model, optimizer, scheduler, stage.optim.grad_clip, loss=total_loss,
                                          ctx=rt.ctx, on_nonfinite=train.on_nonfinite,
                                          where=f"{stage_name} step {step + 1}")
@@ -124,7 +128,8 @@ def train_sft(
                 last = {"sft/loss": total_loss, "perf/step_seconds": seconds,
                         "perf/tokens_per_s": real / max(seconds, 1e-9), "perf/padding_frac": 1 - real / max(processed, 1),
                         "sft/lr": scheduler.get_last_lr()[0], "sft/trainable_params": modules.trainable_params,
-                        "perf/gradient_checkpointing": float(modules.gradient_checkpointing), **perf.metrics()}
+                        "perf/gradient_checkpointing": float(modules.gradient_checkpointing), **layout,
+                        **perf.metrics()}
                 if grad_norm is not None:
                     last["sft/grad_norm"] = grad_norm
                 if train.on_nonfinite == "skip":
@@ -141,24 +146,59 @@ def train_sft(
     return {**last, "steps": step, "seconds": time.time() - start, "epochs": cursor.epoch}
 
 
+def sft_micro_batches(units: list[list[SFTExample]], ctx, train, cost: CostModel
+                      ) -> tuple[list[list[SFTExample]], list[MicroBatch], dict[str, float]]:
+    """A global batch's ``units`` (one sample, or a planned bin) as this rank runs them: (the units its micro-batches
+    index, the micro-batches, their metrics). Count-based: its contiguous share in micro-batches of
+    ``train.micro_batch_size``. With ``train.max_tokens_per_micro_batch``: every rank's share rebalanced by cost and
+    cut within the budget, the same number of micro-batches on every rank (`vlrl.train.microbatch.plan_ranks`;
+    each rank holds every unit, so nothing moves). Metrics: this rank's ``perf/micro_batches``, its costliest
+    micro-batch, and over the ranks ``perf/rank_imbalance``."""
+    size = len(ctx.shard(units, what="train.batch_size"))  # the count-based share (checks the batch splits evenly)
+    held = [list(range(r * size, (r + 1) * size)) for r in range(ctx.world_size)]
+    sizes = [RowSize(sum(len(e.prompt_ids) for e in unit), sum(len(e.target_ids) for e in unit),
+                     sum(e.vision.patches(cost.patch_size) for e in unit if e.vision is not None),
+                     ",".join(e.name for e in unit)) for unit in units]
+    budget = train.max_tokens_per_micro_batch
+    if budget is None:
+        batch, parts = [units[i] for i in held[ctx.rank]], held
+        micro_batches = by_count(range(len(batch)), train.micro_batch_size)
+        mine = [tuple(held[ctx.rank][i] for i in m.rows) for m in micro_batches]
+    else:
+        plan = plan_ranks(held, sizes.__getitem__, cost, budget)
+        batch, parts, micro_batches = units, plan.rows, plan.micro_batches[ctx.rank]
+        mine = [m.rows for m in micro_batches if not m.noop]
+    metrics = {"perf/micro_batches": float(len(micro_batches)),
+               "perf/micro_batch_cost_max": max((cost.micro([sizes[i] for i in rows]) for rows in mine), default=0.0)}
+    if ctx.enabled:
+        metrics["perf/rank_imbalance"] = rank_imbalance(parts, lambda i: cost.row(sizes[i]))
+        metrics["perf/micro_batch_cost_max"] = max(ctx.gather_objects(metrics["perf/micro_batch_cost_max"]))
+    return batch, micro_batches, metrics
+
+
 def sft_backward(policy: Policy, rt: Runtime, batch: list[list[SFTExample]], micro_batch_size: int, *,
-                 packed: bool = False, planned: bool = False) -> tuple[float, int, int]:
+                 packed: bool = False, planned: bool = False,
+                 micro_batches: list[MicroBatch] | None = None) -> tuple[float, int, int]:
     """Accumulate the gradient of this rank's share ``batch`` (units: one sample, or a planned bin) of a global
-    batch; return (global loss, global token positions processed, global real tokens). The normaliser is all
-    ranks' target tokens, so the ranks' summed gradients are the gradient of the whole batch; gradients are
-    reduced across ranks only in the last micro-batch's backward."""
+    batch — in micro-batches of ``micro_batch_size`` units, or the given ``micro_batches`` of ``batch``'s units
+    (`sft_micro_batches`) —; return (global loss, global token positions processed, global real tokens). The
+    normaliser is all ranks' target tokens, so the ranks' summed gradients are the gradient of the whole batch;
+    gradients are reduced across ranks only in the last micro-batch's backward (a no-op one's loss × 0)."""
+    if micro_batches is None:
+        micro_batches = by_count(range(len(batch)), micro_batch_size)
     # the optimizer batch's normaliser, over all ranks (÷ world size: DDP/FSDP2 average gradients)
-    n_tokens = rt.ctx.all_reduce_sum([sum(len(e.target_ids) for unit in batch for e in unit)])[0]
-    normaliser = rt.ctx.local_normaliser(n_tokens)
+    local = sum(len(e.target_ids) for m in micro_batches if not m.noop for i in m.rows for e in batch[i])
+    normaliser = rt.ctx.local_normaliser(rt.ctx.all_reduce_sum([local])[0])
     total_loss, processed, real = 0.0, 0, 0
-    starts = range(0, len(batch), micro_batch_size)
-    for k in starts:
-        micro = batch[k : k + micro_batch_size]
-        with rt.gradient_sync(last=k == starts[-1]):
+    for k, part in enumerate(micro_batches):
+        micro = [batch[i] for i in part.rows]
+        with rt.gradient_sync(last=k == len(micro_batches) - 1):
             with rt.autocast():
                 logp, n_processed = _micro_logprobs(policy, rt.module, micro, packed=packed, planned=planned)
             loss = -logp.sum() / normaliser
-            loss.backward()
+            (loss * 0.0 if part.noop else loss).backward()
+        if part.noop:
+            continue
         total_loss += float(loss.detach())
         processed += n_processed
         real += sum(e.length for unit in micro for e in unit)

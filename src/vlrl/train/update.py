@@ -4,7 +4,10 @@
         for minibatch in shuffle(batch).chunk(minibatches):
             N = normaliser of the whole minibatch (tokens or sequences)         ← same gradient for any split
             I = Clip-Cov / KL-Cov tokens, chosen once over the minibatch        (those losses only; seeded)
-            for micro in minibatch.split(micro_batch_size):                    ← `accumulate`
+            for micro in minibatch.split(micro_batch_size):                    ← `accumulate` (or by cost:
+                                                                                 train.max_tokens_per_micro_batch,
+                                                                                 rows rebalanced over the ranks —
+                                                                                 `minibatches`, vlrl.train.microbatch)
                 logp, entropy = πθ(response)                                   teacher-forced, with grad (each
                                                                                  prompt once: train.shared_prefix)
                 L_t = policy_loss(logp, π_old, Â, π_behave, entropy, I)         per token (B, T)
@@ -22,7 +25,7 @@ an all-reduced normaliser, give the gradient of one big batch (tests/train/test_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +37,7 @@ from vlrl.algos.staleness import logp_drift
 from vlrl.models import Policy
 from vlrl.train.common import step_or_skip
 from vlrl.train.distributed import DistContext
+from vlrl.train.microbatch import CostModel, MicroBatch, StepLayout, by_count, gather_rows
 from vlrl.train.runtime import Runtime
 from vlrl.train.shared_prefix import rows_by_prompt, teacher_forced
 from vlrl.train.update_stats import UpdateStats
@@ -85,6 +89,7 @@ class UpdateSettings:
     logprob_chunk: int | str = "auto"  # tokens per chunk of the LM head + log-softmax (vlrl.models.logprobs.chunk_tokens)
     skip_zero_advantage: bool = False  # leave rows with Â = 0 everywhere out of the forward/backward (loss 0 there)
     on_nonfinite: str = "stop"  # train.on_nonfinite: a NaN/Inf loss or grad norm stops the run, or its update is skipped
+    max_tokens_per_micro_batch: int | None = None  # micro-batches by cost, rows rebalanced over ranks (vlrl.train.microbatch)
 
 
 def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, optimizer, scheduler, *, seed: int,
@@ -95,44 +100,89 @@ def ppo_update(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, opt
     Under torchrun (``runtime``, `vlrl.train.runtime`) ``batch`` is this rank's shard: every rank splits its
     rows into the same number of minibatches, the normaliser is all-reduced, and gradients are reduced once per
     minibatch, so N ranks take the optimizer steps of one big batch — the critic's too (wrapped like the actor,
-    `vlrl.train.critic`, with the same normaliser)."""
+    `vlrl.train.critic`, with the same normaliser). With ``settings.max_tokens_per_micro_batch`` each minibatch's
+    rows are cut by cost and rebalanced over the ranks (`minibatches`, `vlrl.train.microbatch`)."""
     rt = runtime or Runtime.single(policy.model)
     model = rt.module
     model.train()
     stats = UpdateStats(behaviour_weight_cap=settings.behaviour_weight_cap,
                         skipped=0 if settings.on_nonfinite == "skip" else None)
-    B = len(batch.trajectories)
-    generator = torch.Generator().manual_seed(seed * 7919 + step)
-    selection_generator = torch.Generator().manual_seed(seed * 104729 + step)  # the same on every rank
-    skippable = zero_advantage_rows(batch, settings, world_size=rt.ctx.world_size)  # (B,) bool
-    for _ in range(settings.ppo_epochs):
-        order = torch.randperm(B, generator=generator) if settings.minibatches > 1 else torch.arange(B)
-        for minibatch in order.chunk(settings.minibatches):
-            rows = minibatch.tolist()
-            normaliser = rt.global_normaliser(normaliser_for(settings.loss_agg, batch.loss_mask[rows],
-                                                             max_length=settings.loss_agg_max_length))  # all rows
-            selection = minibatch_cov_selection(batch, rows, settings, generator=selection_generator, runtime=rt)
-            trained = [r for r in rows if not skippable[r]] or rows[:1]  # ≥ 1 row: AdamW steps on a real gradient
-            if settings.shared_prefix and settings.micro_batch_size < len(trained):  # a group's rows side by side:
-                trained = rows_by_prompt(batch.trajectories, trained)  # its micro-batches then share their prompt
-            stats.add("policy/skipped_rows_frac", 1 - len(trained) / max(len(rows), 1))
-            part = accumulate(policy, batch, trained, settings, normaliser=normaliser, runtime=rt,
-                              cov_selection=selection)
-            stats.extend(part)
-            grad_norm = step_or_skip(model, optimizer, scheduler, settings.grad_clip, loss=part.values["policy/loss"][0],
-                                     ctx=rt.ctx, on_nonfinite=settings.on_nonfinite, where=f"rl step {step + 1}")
-            if grad_norm is not None:
-                stats.add("policy/grad_norm", grad_norm)
-            if settings.on_nonfinite == "skip":
-                stats.skipped += grad_norm is None
-            if critic is not None:
-                stats.extend(critic.accumulate(batch, rows, micro_batch_size=settings.micro_batch_size,
-                                               loss_agg=settings.loss_agg, normaliser=normaliser))
-                critic_norm = critic.step(on_nonfinite=settings.on_nonfinite, where=f"rl step {step + 1} (critic)")
-                if critic_norm is not None:
-                    stats.add("critic/grad_norm", critic_norm)
+    for mb in minibatches(policy, batch, settings, rt, seed=seed, step=step):
+        for name, value in mb.metrics.items():
+            stats.add(name, value)
+        stats.peak("perf/micro_batch_cost_max", mb.largest)
+        part = accumulate(policy, mb.batch, [], settings, normaliser=mb.normaliser, runtime=rt,
+                          cov_selection=mb.selection, micro_batches=mb.micro_batches)
+        stats.extend(part)
+        grad_norm = step_or_skip(model, optimizer, scheduler, settings.grad_clip, loss=part.values["policy/loss"][0],
+                                 ctx=rt.ctx, on_nonfinite=settings.on_nonfinite, where=f"rl step {step + 1}")
+        if grad_norm is not None:
+            stats.add("policy/grad_norm", grad_norm)
+        if settings.on_nonfinite == "skip":
+            stats.skipped += grad_norm is None
+        if critic is not None:
+            stats.extend(critic.accumulate(mb.batch, mb.critic_micro_batches, loss_agg=settings.loss_agg,
+                                           normaliser=mb.normaliser))
+            critic_norm = critic.step(on_nonfinite=settings.on_nonfinite, where=f"rl step {step + 1} (critic)")
+            if critic_norm is not None:
+                stats.add("critic/grad_norm", critic_norm)
     model.eval()
     return stats
+
+
+@dataclass
+class Minibatch:
+    """One optimizer step's rows as this rank runs them (`minibatches`)."""
+
+    batch: UpdateBatch  # this rank's batch, or (a budget over ranks) the step's rows of every rank side by side
+    micro_batches: list[MicroBatch]  # the actor's, rows of ``batch``
+    critic_micro_batches: list[MicroBatch]  # every row of the minibatch this rank runs (no zero-advantage skipping)
+    normaliser: float  # the minibatch's, over every rank, ÷ world size
+    selection: torch.Tensor | None  # Clip-Cov / KL-Cov tokens, (B, R) of ``batch``
+    metrics: dict[str, float]  # policy/skipped_rows_frac, perf/micro_batches, perf/rank_imbalance, …
+    largest: float  # the cost of this rank's costliest micro-batch (`vlrl.train.microbatch.CostModel`)
+
+
+def minibatches(policy: Policy, batch: UpdateBatch, settings: UpdateSettings, rt: Runtime, *, seed: int,
+                step: int) -> Iterator[Minibatch]:
+    """The step's ``ppo_epochs`` × ``minibatches`` minibatches (rows shuffled per epoch with a seeded generator, the
+    same on every rank): each rank's own rows in micro-batches of ``micro_batch_size`` — or, with
+    ``max_tokens_per_micro_batch``, the same minibatches of every rank's rows rebalanced over the ranks and cut by
+    cost (`vlrl.train.microbatch.plan_ranks`; the rows a rank runs are sent to it once for the whole step)."""
+    B, ctx = len(batch.trajectories), rt.ctx
+    generator = torch.Generator().manual_seed(seed * 7919 + step)
+    selection_generator = torch.Generator().manual_seed(seed * 104729 + step)  # the same on every rank
+    chunks = [[c.tolist() for c in (torch.randperm(B, generator=generator) if settings.minibatches > 1
+                                    else torch.arange(B)).chunk(settings.minibatches)] for _ in range(settings.ppo_epochs)]
+    cost = CostModel.of(policy.model, padding_free=settings.padding_free, shared_prefix=settings.shared_prefix)
+    layout = StepLayout.of(batch, chunks, cost, ctx)
+    skippable = zero_advantage_rows(batch, settings, world_size=ctx.world_size)  # (B,) bool, one process only
+    if settings.max_tokens_per_micro_batch is None:
+        for e, epoch in enumerate(chunks):
+            for m, rows in enumerate(epoch):
+                normaliser = rt.global_normaliser(normaliser_for(settings.loss_agg, batch.loss_mask[rows],
+                                                                 max_length=settings.loss_agg_max_length))  # all rows
+                selection = minibatch_cov_selection(batch, rows, settings, generator=selection_generator, runtime=rt)
+                trained = [r for r in rows if not skippable[r]] or rows[:1]  # ≥ 1 row: AdamW steps on a real gradient
+                if settings.shared_prefix and settings.micro_batch_size < len(trained):  # a group's rows side by side:
+                    trained = rows_by_prompt(batch.trajectories, trained)  # its micro-batches then share their prompt
+                micro = by_count(trained, settings.micro_batch_size)
+                yield Minibatch(batch, micro, by_count(rows, settings.micro_batch_size), normaliser, selection,
+                                layout.metrics(e, m, micro, trained, rows), layout.largest(micro, layout.offsets[ctx.rank]))
+        return
+    plans = [[layout.plan(e, m, settings.max_tokens_per_micro_batch, skippable) for m in range(len(epoch))]
+             for e, epoch in enumerate(chunks)]
+    every = layout.rows_of(plans)
+    step_batch = batch if not ctx.enabled else gather_rows(batch, ctx, layout.offsets, every)
+    for e, epoch in enumerate(plans):
+        for m, (actor, critic_plan, trained) in enumerate(epoch):
+            rows = layout.global_rows(e, m)  # every rank's rows of the minibatch, in rank order
+            normaliser = ctx.local_normaliser(normaliser_for(settings.loss_agg, step_batch.loss_mask[rows],
+                                                             max_length=settings.loss_agg_max_length))
+            selection = minibatch_cov_selection(step_batch, rows, settings, generator=selection_generator)
+            micro = actor.micro_batches[ctx.rank]
+            yield Minibatch(step_batch, micro, critic_plan.micro_batches[ctx.rank], normaliser, selection,
+                            layout.metrics(e, m, micro, trained, rows, parts=actor.rows), layout.largest(micro, 0))
 
 
 def zero_advantage_rows(batch: UpdateBatch, settings: UpdateSettings, *, world_size: int = 1) -> torch.Tensor:
@@ -173,69 +223,82 @@ def minibatch_cov_selection(batch: UpdateBatch, rows: Sequence[int], settings: U
 
 
 def accumulate(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,
-               normaliser: float, runtime: Runtime | None = None,
-               cov_selection: torch.Tensor | None = None) -> UpdateStats:
-    """Forward + backward over ``rows`` of ``batch`` in micro-batches of ``settings.micro_batch_size``,
-    adding to the parameters' ``.grad`` (no optimizer step). ``normaliser`` is the `aggregate` denominator of
-    the whole minibatch (all micro-batches, all ranks; ÷ world size under a ``runtime``, whose DDP/FSDP2 module
-    trains and reduces gradients in the last micro-batch's backward); ``cov_selection`` (B, R), the minibatch's
-    Clip-Cov / KL-Cov tokens (`minibatch_cov_selection`); unset for those losses, each micro-batch selects
-    within itself. Returns the statistics of ``rows``: ``policy/loss`` once, the sum of the micro-batches'
-    losses (this rank's share of the minibatch loss), per-token statistics pooled over the rows' tokens."""
+               normaliser: float, runtime: Runtime | None = None, cov_selection: torch.Tensor | None = None,
+               micro_batches: Sequence[MicroBatch] | None = None) -> UpdateStats:
+    """Forward + backward over ``rows`` of ``batch`` in micro-batches of ``settings.micro_batch_size`` (or the
+    given ``micro_batches``, `vlrl.train.microbatch`: then ``rows`` is unused), adding to the parameters' ``.grad``
+    (no optimizer step). ``normaliser`` is the `aggregate` denominator of the whole minibatch (all micro-batches, all
+    ranks; ÷ world size under a ``runtime``, whose DDP/FSDP2 module trains and reduces gradients in the last
+    micro-batch's backward); ``cov_selection`` (B, R), the minibatch's Clip-Cov / KL-Cov tokens
+    (`minibatch_cov_selection`); unset for those losses, each micro-batch selects within itself. Returns the
+    statistics of the rows: ``policy/loss`` once, the sum of the micro-batches' losses (this rank's share of the
+    minibatch loss), per-token statistics pooled over the rows' tokens (a no-op micro-batch counts nothing)."""
     rt = runtime or Runtime.single(policy.model)
-    model = rt.module
     stats = UpdateStats(behaviour_weight_cap=settings.behaviour_weight_cap)
-    starts = range(0, len(rows), settings.micro_batch_size)
+    micro_batches = by_count(list(rows), settings.micro_batch_size) if micro_batches is None else micro_batches
     total_loss = 0.0
-    for start in starts:
-        micro = list(rows[start : start + settings.micro_batch_size])
-        trajectories = [batch.trajectories[i] for i in micro]
-        with rt.gradient_sync(last=start == starts[-1]):  # DDP/FSDP2 reduce gradients in the last backward only
-            with rt.autocast():
-                logp, entropy = teacher_forced(
-                    model, policy.adapter, [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
-                    [t.vision for t in trajectories], pad_token_id=policy.pad_token_id, temperature=settings.temperature,
-                    with_entropy=True, padding_free=settings.padding_free,
-                    shared_prefix=settings.shared_prefix, sums=stats.token_sums,
-                    logprob_chunk=settings.logprob_chunk)  # (b, R) each, 0 at padding
-            R = logp.shape[1]
-
-            def rows_of(tensor: torch.Tensor) -> torch.Tensor:  # the batch lives on the host: these rows, moved
-                return tensor[micro, :R].to(logp.device)  # to the model's device (a no-op on the CPU)
-
-            mask = rows_of(batch.loss_mask)
-            behaviour = rows_of(batch.behaviour_logp)
-            old = rows_of(batch.old_logp) if batch.old_logp is not None else logp.detach()
-            out = settings.loss_fn(PolicyLossInputs(
-                logp=logp, old_logp=old, advantages=rows_of(batch.advantages), loss_mask=mask,
-                behaviour_logp=behaviour, entropy=entropy,
-                cov_selection=rows_of(cov_selection) if cov_selection is not None else None))
-            per_token = out.per_token_loss
-            w, capped = behaviour_weight(old, behaviour, cap=settings.behaviour_weight_cap,
-                                         mode=settings.behaviour_weight_mode)  # (b, R) each
-            w = w * mask
-            if settings.apply_behaviour_weight:
-                per_token = per_token * w
-            if batch.rollout_weights is not None:  # TIS: min(π_old / π_sampler, C), 1 without it (MIS only)
-                per_token = per_token * rows_of(batch.rollout_weights)
-            loss = aggregate(per_token, mask, settings.loss_agg, normaliser=normaliser)
-            if batch.ref_logp is not None and settings.kl_coef > 0:
-                kl = kl_estimate(logp, rows_of(batch.ref_logp), settings.kl_estimator)
-                loss = loss + settings.kl_coef * aggregate(kl, mask, settings.loss_agg, normaliser=normaliser)
-                stats.add_tokens("policy/kl_ref", kl, mask)
-            loss.backward()
-        total_loss += float(loss.detach())
-        stats.add_tokens("policy/entropy", entropy, mask)
-        stats.add_tokens("policy/approx_kl_old", 0.5 * (logp.detach() - old) ** 2, mask)
-        for name, values in out.metrics.items():
-            stats.add_tokens(f"policy/{name}", values, mask)
-        stats.behaviour_weights.append(w[mask.bool()].detach())
-        stats.behaviour_capped += int((capped & mask.bool()).sum())
-        drift, n = logp_drift(behaviour, old, mask, batch.same_version[micro].to(logp.device))
-        stats.drift_sum += float(drift) * int(n)
-        stats.drift_tokens += int(n)
+    for k, part in enumerate(micro_batches):
+        with rt.gradient_sync(last=k == len(micro_batches) - 1):  # DDP/FSDP2 reduce gradients in the last backward
+            loss = _micro_loss(policy, rt, batch, list(part.rows), settings, normaliser=normaliser,
+                               cov_selection=cov_selection, stats=None if part.noop else stats)
+            (loss * 0.0 if part.noop else loss).backward()  # a no-op pass: lockstep only, nothing learnt
+        if not part.noop:
+            total_loss += float(loss.detach())
     stats.add("policy/loss", total_loss)
     return stats
+
+
+def _micro_loss(policy: Policy, rt: Runtime, batch: UpdateBatch, micro: list[int], settings: UpdateSettings, *,
+                normaliser: float, cov_selection: torch.Tensor | None, stats: UpdateStats | None) -> torch.Tensor:
+    """The loss of one micro-batch ``micro`` (rows of ``batch``) over the minibatch's ``normaliser``, its
+    statistics added to ``stats`` (None: a no-op micro-batch, nothing counted)."""
+    trajectories = [batch.trajectories[i] for i in micro]
+    with rt.autocast():
+        logp, entropy = teacher_forced(
+            rt.module, policy.adapter, [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+            [t.vision for t in trajectories], pad_token_id=policy.pad_token_id, temperature=settings.temperature,
+            with_entropy=True, padding_free=settings.padding_free, shared_prefix=settings.shared_prefix,
+            sums=stats.token_sums if stats is not None else None,
+            logprob_chunk=settings.logprob_chunk)  # (b, R) each, 0 at padding
+    R = logp.shape[1]
+
+    def rows_of(tensor: torch.Tensor) -> torch.Tensor:  # the batch lives on the host: these rows, moved
+        return tensor[micro, :R].to(logp.device)  # to the model's device (a no-op on the CPU)
+
+    mask = rows_of(batch.loss_mask)
+    behaviour = rows_of(batch.behaviour_logp)
+    old = rows_of(batch.old_logp) if batch.old_logp is not None else logp.detach()
+    out = settings.loss_fn(PolicyLossInputs(
+        logp=logp, old_logp=old, advantages=rows_of(batch.advantages), loss_mask=mask,
+        behaviour_logp=behaviour, entropy=entropy,
+        cov_selection=rows_of(cov_selection) if cov_selection is not None else None))
+    per_token = out.per_token_loss
+    w, capped = behaviour_weight(old, behaviour, cap=settings.behaviour_weight_cap,
+                                 mode=settings.behaviour_weight_mode)  # (b, R) each
+    w = w * mask
+    if settings.apply_behaviour_weight:
+        per_token = per_token * w
+    if batch.rollout_weights is not None:  # TIS: min(π_old / π_sampler, C), 1 without it (MIS only)
+        per_token = per_token * rows_of(batch.rollout_weights)
+    loss = aggregate(per_token, mask, settings.loss_agg, normaliser=normaliser)
+    kl = None
+    if batch.ref_logp is not None and settings.kl_coef > 0:
+        kl = kl_estimate(logp, rows_of(batch.ref_logp), settings.kl_estimator)
+        loss = loss + settings.kl_coef * aggregate(kl, mask, settings.loss_agg, normaliser=normaliser)
+    if stats is None:
+        return loss
+    if kl is not None:
+        stats.add_tokens("policy/kl_ref", kl, mask)
+    stats.add_tokens("policy/entropy", entropy, mask)
+    stats.add_tokens("policy/approx_kl_old", 0.5 * (logp.detach() - old) ** 2, mask)
+    for name, values in out.metrics.items():
+        stats.add_tokens(f"policy/{name}", values, mask)
+    stats.behaviour_weights.append(w[mask.bool()].detach())
+    stats.behaviour_capped += int((capped & mask.bool()).sum())
+    drift, n = logp_drift(behaviour, old, mask, batch.same_version[micro].to(logp.device))
+    stats.drift_sum += float(drift) * int(n)
+    stats.drift_tokens += int(n)
+    return loss
 
 
 def minibatch_gradient(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,

@@ -22,7 +22,8 @@ class UpdateStats:
       divided by the all-reduced normaliser ÷ W, so the mean over the W ranks is the minibatch's loss);
     - ``token_sums``: per-token statistics (entropy, KL, clip fractions, …) as [Σ value, Σ tokens] over trained
       tokens, logged as their token mean over the whole batch;
-    - the behaviour weights and the drift counters, as the tensors and sums they are."""
+    - the behaviour weights and the drift counters, as the tensors and sums they are;
+    - ``peaks``: the largest value seen (the costliest micro-batch, `vlrl.train.microbatch`)."""
 
     values: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     token_sums: dict[str, list[float]] = field(default_factory=dict)  # name -> [Σ value·mask, Σ mask]
@@ -32,6 +33,10 @@ class UpdateStats:
     behaviour_capped: int = 0  # trained tokens whose behaviour weight reached the cap (clamped or dropped)
     behaviour_weight_cap: float = 5.0
     skipped: int | None = None  # optimizer steps dropped for a non-finite loss/grad norm (None: on_nonfinite=stop)
+    peaks: dict[str, float] = field(default_factory=dict)  # logged as their maximum over steps and ranks
+
+    def peak(self, name: str, value: float) -> None:
+        self.peaks[name] = max(self.peaks.get(name, float(value)), float(value))
 
     def add(self, name: str, value: float) -> None:
         self.values[name].append(float(value))
@@ -56,6 +61,8 @@ class UpdateStats:
         if other.skipped is not None:
             self.skipped = max(self.skipped or 0, other.skipped)  # the ranks agree: the same count on each
         self.behaviour_capped += other.behaviour_capped
+        for name, value in other.peaks.items():
+            self.peak(name, value)
 
     @classmethod
     def merge(cls, parts: Sequence[UpdateStats]) -> UpdateStats:
@@ -70,6 +77,7 @@ class UpdateStats:
         and ``policy/logp_drift``."""
         out = {name: sum(values) / len(values) for name, values in self.values.items() if values}
         out.update({name: value / max(tokens, 1.0) for name, (value, tokens) in self.token_sums.items()})
+        out.update(self.peaks)
         weights = torch.cat(self.behaviour_weights) if self.behaviour_weights else torch.zeros(0)
         for name, value in behaviour_weight_stats(weights, torch.ones_like(weights), cap=self.behaviour_weight_cap).items():
             out[f"policy/behaviour_weight_{name}"] = float(value)

@@ -9,7 +9,8 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
   schema, and a batch's ``image_data`` in its forms (`prompt_image_items`). The answer has SGLang's shape: ``text``, ``output_ids``
   and ``meta_info`` with ``finish_reason`` (``{"type": "stop" | "length" | "abort", ...}``),
   ``output_token_logprobs`` (``[[logprob, token_id, null], ...]``, log-softmax of logits / temperature,
-  as SGLang returns by default), ``prompt_tokens``, ``completion_tokens`` and ``weight_version``; a list of
+  as SGLang returns by default), ``prompt_tokens``, ``completion_tokens`` and ``weight_version`` (and, with
+  ``return_prompt_token_ids``, the ``prompt_token_ids`` it sampled from); a list of
   ``n`` such objects when ``n > 1``. A batch (``text`` / ``input_ids`` a list of B prompts, ``image_data``
   and ``rid`` then one item per prompt) is decoded as one batch and answered as a list of B × n objects,
   prompt-major (SGLang's order).
@@ -28,6 +29,9 @@ its place on GPUs (see the README, "Rollout servers and asynchronous RL"):
   disk load and answered with its ``weight_checksum``. A disk load or a new group drops an update left half-way.
   ``POST /destroy_weights_update_group`` leaves a group; joins run one at a time on a daemon thread of their own,
   bounded by ``join_timeout`` (`WeightRoutes`).
+- ``POST /begin_weight_update`` / ``POST /end_weight_update``: SGLang 0.5.23's weight-update session — a distributed
+  update outside it is refused with SGLang's message, one session at a time; ``POST /flush_cache`` answers as SGLang's
+  (vlrl serve keeps no cache across requests).
 - ``POST /pause_generation`` (``mode``: ``abort``, ``retract``, ``in_place``) and ``POST /continue_generation``
   (`ContinuousBatcher.pause`); with ``--admin-api-key`` these and the weight routes take that key only.
 - ``GET /health``, ``GET /server_info`` (SGLang's parallel sizes and batch bound, then vlrl's facts),

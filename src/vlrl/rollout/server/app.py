@@ -60,7 +60,8 @@ from vlrl.serving import (
 )
 
 ADMIN_PATHS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
-               "/destroy_weights_update_group", "/pause_generation", "/continue_generation")
+               "/destroy_weights_update_group", "/pause_generation", "/continue_generation",
+               "/begin_weight_update", "/end_weight_update", "/flush_cache")  # (the session: issue 46)
 """The routes an admin key guards when one is set (SGLang's ``ADMIN_OPTIONAL`` routes among those vlrl serves)."""
 
 
@@ -279,8 +280,8 @@ class GenerateRoute:
 
         def answers() -> list[dict[str, Any]]:
             policy = batcher.policy
-            return [sglang_output(policy, t, sampling, return_logprob=body.return_logprob, abort_message=why)
-                    for t in trajectories]
+            return [sglang_output(policy, t, sampling, return_logprob=body.return_logprob, abort_message=why,
+                                  return_prompt_ids=body.return_prompt_token_ids) for t in trajectories]
 
         out = await self.in_pool(self.prep, answers)
         return answer(out if is_batched(body) or sampling.n > 1 else out[0])  # a batch: prompt-major, n per prompt

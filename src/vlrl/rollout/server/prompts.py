@@ -322,8 +322,9 @@ def _expand_ids(policy: Policy, ids: list[int], vision) -> list[int]:
 
 
 def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, return_logprob: bool,
-                  abort_message: str = "aborted by a weight update") -> dict[str, Any]:
-    """One trajectory in the shape of SGLang's ``/generate`` answer."""
+                  abort_message: str = "aborted by a weight update", return_prompt_ids: bool = False) -> dict[str, Any]:
+    """One trajectory in the shape of SGLang's ``/generate`` answer (``return_prompt_ids``: with SGLang's
+    ``prompt_token_ids``, the ids it sampled from — the prompt with its image tokens expanded)."""
     ids = t.response_ids.tolist()
     text = policy.tokenizer.decode(ids, skip_special_tokens=True)
     if t.status is Status.ABORTED:
@@ -341,5 +342,8 @@ def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, re
                             "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": str(t.weight_version)}
     if return_logprob:
         meta["output_token_logprobs"] = [[float(lp), int(i), None] for lp, i in zip(t.behaviour_logp.tolist(), ids, strict=True)]
-    return {"text": text, "output_ids": ids, "meta_info": meta}
+    out = {"text": text, "output_ids": ids, "meta_info": meta}
+    if return_prompt_ids:
+        out["prompt_token_ids"] = t.prompt_ids.tolist()
+    return out
 

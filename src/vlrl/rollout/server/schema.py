@@ -108,6 +108,7 @@ class GenerateBody(BaseModel):
     image_data: ImageItem | list[ImageItem | list[ImageItem | None] | None] | None = None
     sampling_params: SamplingBody = Field(default_factory=SamplingBody)
     return_logprob: bool = False
+    return_prompt_token_ids: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
     logprob_start_len: int = -1
@@ -169,6 +170,20 @@ class ContinueBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     torch_empty_cache: bool = True
+
+
+class BeginSessionBody(BaseModel):
+    """SGLang's ``BeginWeightUpdateReqInput``: open a weight-update session (``selector``: the runners it covers —
+    vlrl serve has one)."""
+
+    model_config = ConfigDict(extra="forbid")
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndSessionBody(BaseModel):
+    """SGLang's ``EndWeightUpdateReqInput``: close the weight-update session (no fields)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class DestroyGroupBody(BaseModel):

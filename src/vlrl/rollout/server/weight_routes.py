@@ -1,5 +1,12 @@
-"""`vlrl serve`'s weight routes, SGLang's: load from disk, join / leave a weight-update group, receive a bucket of a
-distributed update, pause and continue generation (`WeightRoutes`).
+"""`vlrl serve`'s weight routes, SGLang's: load from disk, join / leave a weight-update group, open and close a
+weight-update session, receive a bucket of a distributed update, flush the cache, pause and continue generation
+(`WeightRoutes`).
+
+The session is SGLang 0.5.23's (``srt/managers/scheduler_components/weight_updater.py``): ``/begin_weight_update``
+opens it (400 if one is open), ``/end_weight_update`` closes it (400 if none is; an update left half-way is dropped),
+and ``/update_weights_from_distributed`` is refused outside it with SGLang's message — so the client's own tests follow
+the order a real SGLang enforces. ``/flush_cache`` answers as SGLang does (plain text, 200); vlrl serve keeps no cache
+across requests, so there is nothing to refuse.
 
 A disk load copies the directory's safetensors in place into the batcher's spare weights
 (`ContinuousBatcher.load_in_place`; other formats: ``from_pretrained``). A distributed update receives each bucket
@@ -24,8 +31,10 @@ from vlrl.rollout import dist_sync
 from vlrl.rollout.batcher import ContinuousBatcher
 from vlrl.rollout.server.schema import (
     BadRequest,
+    BeginSessionBody,
     ContinueBody,
     DestroyGroupBody,
+    EndSessionBody,
     InitWeightsGroupBody,
     PauseBody,
     ServeLimits,
@@ -82,6 +91,7 @@ class WeightRoutes:
         self.incoming = _IncomingUpdate(batcher, self.names)
         self.waiting: set[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = set()
         self.stopping = False
+        self.session: str | None = None  # the open weight-update session's selector (SGLang's), else None
 
     def on_drain(self) -> None:
         """Shutdown: answer every weight call still waiting for its thread (its thread, a daemon, ends by itself)."""
@@ -112,7 +122,8 @@ class WeightRoutes:
         return {"/update_weights_from_disk": self.update_from_disk, "/init_weights_update_group": self.init_group,
                 "/update_weights_from_distributed": self.update_distributed,
                 "/destroy_weights_update_group": self.destroy_group, "/pause_generation": self.pause,
-                "/continue_generation": self.resume}
+                "/continue_generation": self.resume, "/begin_weight_update": self.begin_session,
+                "/end_weight_update": self.end_session, "/flush_cache": self.flush_cache}
 
     def groups(self) -> list[str]:
         return self.receiver.group_names()
@@ -185,6 +196,9 @@ class WeightRoutes:
             version = int(body.weight_version) if body.weight_version is not None else None
         except ValueError:
             raise BadRequest(f"field 'weight_version': vlrl versions are integers, got {body.weight_version!r}") from None
+        if self.session is None:  # SGLang 0.5.23's refusal, word for word (its scheduler answers before receiving)
+            return self.answer({"success": False, "message": "update_weights_from_distributed must run between "
+                                "begin_weight_update() and end_weight_update()"}, 400)
         async with self.lock:
             try:
                 checksum = await self._off_loop(self._receive_bucket, body, version, name="vlrl-receive")
@@ -206,6 +220,33 @@ class WeightRoutes:
         if not left:
             return self.answer({"success": False, "message": "The group to be destroyed does not exist."}, 400)
         return self.answer({"success": True, "message": f"left {body.group_name}"})
+
+    async def begin_session(self, request: Any):
+        """SGLang's ``/begin_weight_update``: open the weight-update session (one at a time)."""
+        body = await self.read(request, BeginSessionBody)
+        if self.session is not None:
+            return self.answer({"success": False, "message": "a weight-update session is already open; call "
+                                "end_weight_update() first"}, 400)
+        self.session = body.selector
+        return self.answer({"success": True, "message": "Success"})
+
+    async def end_session(self, request: Any):
+        """SGLang's ``/end_weight_update``: close the session; a distributed update it left half-way is dropped (its
+        trainer gave up on it: the weights served stay those of the last completed update)."""
+        await self.read(request, EndSessionBody)
+        if self.session is None:
+            return self.answer({"success": False, "message": "no weight-update session is open; call "
+                                "begin_weight_update() first"}, 400)
+        async with self.lock:
+            self.incoming.cancel()
+            self.session = None
+        return self.answer({"success": True, "message": "Success"})
+
+    async def flush_cache(self, request: Any):
+        """SGLang's ``/flush_cache`` (its plain-text answer): vlrl serve keeps no cache across requests."""
+        from starlette.responses import PlainTextResponse
+
+        return PlainTextResponse("Cache flushed.\n")
 
     async def pause(self, request: Any):
         body = await self.read(request, PauseBody)
