@@ -3,7 +3,7 @@
 Starts `vlrl serve` (the tiny Qwen2-VL preset, one torch thread, its limits at their defaults) as a subprocess on a
 free loopback port — a fresh one per scenario, warmed up by two requests — then for each scenario runs ``--clients`` client threads that each send ``--requests`` normal
 requests (alternately a text prompt and a prompt with one 56² image, ``--max-new-tokens`` sampled tokens) while one
-hostile load runs beside them:
+hostile load runs beside them, from a process of its own (another client):
 
 - ``baseline``: none;
 - ``poison`` (item 3): a loop of ``{"text": "hi <|video_pad|> x"}`` without a video and two adjacent
@@ -29,6 +29,7 @@ import argparse
 import base64
 import io
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -175,15 +176,15 @@ def run(url: str, pid: int, name: str, args: argparse.Namespace) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    hostile = SCENARIOS[name]
-    attacker = threading.Thread(target=hostile, args=(url, stop), daemon=True) if hostile else None
-    if attacker is not None:
-        attacker.start()
-        time.sleep(1.0)  # the hostile load is on before the normal one starts
+    attacker = None
+    if SCENARIOS[name] is not None:  # another client: a process of its own
+        attacker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--hostile", name, "--url", url])
+        time.sleep(2.0)  # the hostile load is on before the normal one starts
     latencies, errors = normal_load(url, args.clients, args.requests, args.max_new_tokens)
     stop.set()
     if attacker is not None:
-        attacker.join(timeout=30)
+        attacker.terminate()
+        attacker.wait(timeout=30)
     time.sleep(3.0)
     after = rss_mb(pid)
     ordered = sorted(latencies)
@@ -200,7 +201,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=[n for n in SCENARIOS if n != "baseline"])
+    parser.add_argument("--hostile", choices=[n for n in SCENARIOS if n != "baseline"], help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.hostile:  # (the hostile client's own process, until it is terminated)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        SCENARIOS[args.hostile](args.url, threading.Event())
+        return
     if args.quick:
         args.clients, args.requests = 2, 6
     import vlrl

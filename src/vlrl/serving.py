@@ -112,6 +112,16 @@ def loopback_peer_pid(client: tuple[str, int], server: tuple[str, int]) -> int |
     return found
 
 
+def peer_identity(scope: dict) -> str:
+    """Who an HTTP request comes from, as far as the server can see: its peer host, and on a loopback connection
+    ``#pid`` of the peer process (`loopback_peer_pid`) — for the servers' fair shares."""
+    client, server = scope.get("client"), scope.get("server")
+    if not client:
+        return "unknown"
+    pid = loopback_peer_pid((client[0], client[1]), (server[0], server[1])) if server else None
+    return client[0] + (f"#{pid}" if pid is not None else "")
+
+
 def _proc_address(host: str, port: int) -> str:
     """``host:port`` as ``/proc/net/tcp{,6}`` writes it (each 32-bit word in host byte order, hex)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -181,24 +191,39 @@ def _header(scope: dict, name: bytes) -> str | None:
 
 class Budget:
     """A quantity a server holds at once — request bytes (`BodyLimit`), the decoded pixels of queued requests —
-    at most ``limit`` (None: unbounded); ``peak``: the most it ever held. Thread-safe."""
+    at most ``limit`` in all (None: unbounded) and, with ``share``, at most that much per client (who holds what
+    is counted by the ``client`` named in `reserve`); ``peak``: the most it ever held. Thread-safe."""
 
-    def __init__(self, limit: int | None = None) -> None:
-        self.limit, self.held, self.peak = limit, 0, 0
+    def __init__(self, limit: int | None = None, share: int | None = None) -> None:
+        self.limit, self.share, self.held, self.peak = limit, share, 0, 0
+        self._by_client: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def reserve(self, amount: int) -> bool:
+    def reserve(self, amount: int, client: str | None = None) -> bool:
         with self._lock:
             if self.limit is not None and self.held + amount > self.limit:
                 return False
+            if client is not None and self.share is not None and self._by_client.get(client, 0) + amount > self.share:
+                return False
             self.held += amount
             self.peak = max(self.peak, self.held)
+            if client is not None:
+                self._by_client[client] = self._by_client.get(client, 0) + amount
             return True
 
-    def release(self, amount: int) -> None:
+    def release(self, amount: int, client: str | None = None) -> None:
         with self._lock:
             self.held -= amount
+            if client is not None:
+                left = self._by_client.get(client, 0) - amount
+                if left > 0:
+                    self._by_client[client] = left
+                else:
+                    self._by_client.pop(client, None)
 
+    def held_by(self, client: str) -> int:
+        with self._lock:
+            return self._by_client.get(client, 0)
 
 
 class BodyLimit:

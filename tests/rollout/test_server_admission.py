@@ -69,21 +69,42 @@ def _model_info(client):
     return client.get("/get_model_info").json()
 
 
-def test_the_decoded_pixels_of_queued_requests_have_one_server_wide_budget(policy):
+def test_the_decoded_pixels_of_queued_requests_have_one_server_wide_budget(policy, tmp_path):
     """Before: every request under the per-request bounds was admitted and kept its decoded images while queued
     (8 × 4096² grew the server 1.0 → 4.4 GB). Now a request's pixels (from the headers) are reserved before they
-    are decoded, against --max-queued-pixels: past it, 503; a client that goes away releases them."""
-    image = data_url(png(256, 256))
-    body = {"text": "<|vision_start|><|image_pad|><|vision_end|> hi", "image_data": image,
+    are decoded, against --max-queued-pixels in all and a client's share of it (a client: its address, and on
+    loopback its process): past either, 503 naming the setting; a client that goes away releases them."""
+    import json
+    import subprocess
+    import sys
+
+    side = 256 * 256
+    body = {"text": "<|vision_start|><|image_pad|><|vision_end|> hi", "image_data": data_url(png(256, 256)),
             "sampling_params": {"max_new_tokens": 2}}
-    limits = ServeLimits(max_queued_pixels=3 * 256 * 256)
+    limits = ServeLimits(max_queued_pixels=4 * side, max_queued_pixels_per_client=3 * side)
+    (tmp_path / "body.json").write_text(json.dumps(body))
+    other_client = ("import json, socket, sys, time; body = open(sys.argv[1], 'rb').read(); "
+                    "host, port = sys.argv[2].removeprefix('http://').split(':'); "
+                    "s = socket.create_connection((host, int(port))); "
+                    "s.sendall(b'POST /generate HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n' + "
+                    "f'Authorization: Bearer {sys.argv[3]}\\r\\nContent-Length: {len(body)}\\r\\n\\r\\n'.encode() + body); "
+                    "print(s.recv(4096).split(b'\\r\\n')[0].decode(), flush=True); time.sleep(float(sys.argv[4]))")
     with serving(policy, limits) as (client, batcher, server):
         batcher.pause("in_place")  # nothing decodes: admitted requests stay queued
-        waiting = [_send_raw(server.url, body) for _ in range(3)]
-        _wait(lambda: _model_info(client)["queued_pixels"] == 3 * 256 * 256, timeout=30)
-        refused = client.post("/generate", json=body)
-        assert refused.status_code == 503 and "(vlrl serve --max-queued-pixels)" in refused.json()["error"]
-        assert "Retry-After" in refused.headers
+        waiting = [_send_raw(server.url, body) for _ in range(3)]  # this process: its whole share
+        _wait(lambda: _model_info(client)["queued_pixels"] == 3 * side, timeout=30)
+        mine = client.post("/generate", json=body)
+        assert mine.status_code == 503 and "(vlrl serve --max-queued-pixels-per-client)" in mine.json()["error"]
+        assert "Retry-After" in mine.headers
+        command = [sys.executable, "-c", other_client, str(tmp_path / "body.json"), server.url, KEY]
+        other = subprocess.Popen([*command, "60"], stdout=subprocess.PIPE, text=True)  # another process: its share
+        try:
+            _wait(lambda: _model_info(client)["queued_pixels"] == 4 * side, timeout=30)
+            third = subprocess.run([*command, "0"], capture_output=True, text=True, timeout=30)  # the server is full
+        finally:
+            other.kill()
+            other.wait()
+        assert third.stdout.startswith("HTTP/1.1 503"), third  # (admitted, it would wait: a timeout)
         for sock in waiting:
             sock.close()
         _wait(lambda: _model_info(client)["queued_pixels"] == 0, timeout=30)

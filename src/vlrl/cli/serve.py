@@ -28,9 +28,11 @@ def serve(
     max_image_pixels: int = typer.Option(16 << 20, "--max-image-pixels", help="Largest image (pixels, from its header)."),
     max_request_pixels: int = typer.Option(128 << 20, "--max-request-pixels",
                                            help="Pixels of all the images of one request together (from their headers)."),
-    max_queued_pixels: int = typer.Option(128 << 20, "--max-queued-pixels",
+    max_queued_pixels: int = typer.Option(256 << 20, "--max-queued-pixels",
                                           help="Pixels (from their headers) of the images of every request admitted "
                                           "and not yet answered (503 beyond)."),
+    max_queued_pixels_per_client: int | None = typer.Option(None, "--max-queued-pixels-per-client", help="What one "
+        "client (address; on loopback its process) may hold of it (default: half, at least --max-request-pixels)."),
     max_inflight_body_mb: float = typer.Option(256.0, "--max-inflight-body-mb",
                                                help="Request bytes held at once over all requests, reserved as they "
                                                "arrive (503 beyond)."),
@@ -76,6 +78,7 @@ def serve(
                              max_image_pixels=max_image_pixels, request_timeout=request_timeout,
                              image_roots=tuple(image_root or ()), drain_seconds=drain_seconds,
                              max_request_pixels=max_request_pixels, max_queued_pixels=max_queued_pixels,
+                             max_queued_pixels_per_client=max_queued_pixels_per_client,
                              max_inflight_body_bytes=int(max_inflight_body_mb * (1 << 20)), body_timeout=body_timeout,
                              first_byte_timeout=first_byte_timeout, join_timeout=join_timeout)
         run_server(model, host=host, port=port, api_key=api_key, no_auth=no_auth, dtype=dtype, device=device,

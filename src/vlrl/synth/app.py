@@ -13,8 +13,8 @@ from vlrl.serving import (
     BodyParser,
     encode_json,
     explain_validation_error,
-    loopback_peer_pid,
     on_close,
+    peer_identity,
     protect,
 )
 from vlrl.synth.schema import BadRequest, JobBody, QueueFull, parse_job
@@ -25,19 +25,14 @@ if TYPE_CHECKING:
 
 def client_identity(request: Any) -> str:
     """Who a request comes from, for the queue's fair shares: ``sha256(bearer token)[:8]@peer host``, and on a
-    loopback connection ``#pid`` of the peer process (`vlrl.serving.loopback_peer_pid`: what the server can see of
-    a local client — one shared key no longer makes every local process one client). The token is the only
+    loopback connection ``#pid`` of the peer process (`vlrl.serving.peer_identity`: what the server can see of a
+    local client — one shared key no longer makes every local process one client). The token is the only
     credential a client cannot forge; the address (a peer address, not a header: ``X-Forwarded-For`` is the
     client's to write) and the local process tell apart the holders of one shared token."""
     import hashlib
 
     token = request.headers.get("authorization", "")
-    who = f"{hashlib.sha256(token.encode()).hexdigest()[:8]}@"
-    client, server = request.client, request.scope.get("server")
-    if client is None:
-        return who + "unknown"
-    pid = loopback_peer_pid((client.host, client.port), tuple(server)) if server else None
-    return who + client.host + (f"#{pid}" if pid is not None else "")
+    return f"{hashlib.sha256(token.encode()).hexdigest()[:8]}@{peer_identity(request.scope)}"
 
 
 def create_app(service: SynthService, *, api_key: str | None) -> Any:
@@ -101,9 +96,9 @@ def _submit_route(service: SynthService, parser: BodyParser, answer: type) -> An
         except ValidationError as err:
             raise BadRequest(explain_validation_error(err)) from None
         image, keep, boxes = await asyncio.to_thread(parse_job, body, settings)
+        client = await asyncio.to_thread(client_identity, request)  # (reads /proc once per loopback connection)
         try:
-            job = service.submit(image, keep, boxes, body.description.strip(), body.seed, body.refine,
-                                 client=client_identity(request))
+            job = service.submit(image, keep, boxes, body.description.strip(), body.seed, body.refine, client=client)
         except QueueFull as err:
             return answer({"error": f"server busy: {err}"}, 429, headers={"Retry-After": "1"})
         return answer({"id": job.id, "status": job.status, "queued": service.health()["queued"]}, 202,

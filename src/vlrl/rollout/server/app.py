@@ -54,6 +54,7 @@ from vlrl.serving import (
     bind_socket,
     encode_json,
     on_close,
+    peer_identity,
     protect,
     resolve_api_key,
     run_server,
@@ -175,7 +176,9 @@ class GenerateRoute:
                                  max_string_chars=self.max_text_chars or 1 << 24)
         self.prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlrl-prep")  # one tokenizer user
         self.images = SmallestFirst("vlrl-images")  # decodes and processes images, the smallest request first
-        self.pixels = Budget(limits.max_queued_pixels)  # decoded pixels of the requests admitted, not yet answered
+        share = limits.max_queued_pixels_per_client or max(limits.max_queued_pixels // 2,
+                                                            min(limits.max_queued_pixels, limits.max_request_pixels))
+        self.pixels = Budget(limits.max_queued_pixels, share)  # pixels of the requests admitted, not yet answered
         self.draining = False
         self.weights = WeightRoutes(batcher, limits, self.read, answer)
 
@@ -227,8 +230,8 @@ class GenerateRoute:
             raise BadRequest(f"field 'sampling_params.n': {prompts} prompt(s) × n = {n} is {prompts * n} samples; the "
                              f"server queues at most {batcher.max_queued_requests} (vlrl serve --max-queued-requests)")
 
-    async def _admit(self, body: GenerateBody, sampling: Any, bounds: PromptBounds,
-                     hold: PixelHold) -> tuple[concurrent.futures.Future, float]:
+    async def _admit(self, body: GenerateBody, sampling: Any, bounds: PromptBounds, hold: PixelHold,
+                     scope: dict) -> tuple[concurrent.futures.Future, float]:
         """Prepare ``body``'s requests and queue them as one job: (its future, its deadline). The images' headers are
         read, their pixels reserved against the server's budget of queued pixels (``hold``), then they are decoded
         and processed on the image thread, the request with the fewest pixels first; a text-only request never goes
@@ -239,6 +242,7 @@ class GenerateRoute:
         if has_images(body):
             adapter = batcher.policy.adapter
             sources, pixels = await self.in_pool(self.prep, read_image_headers, body, bounds, adapter)  # headers only
+            hold.client = await self.in_pool(self.prep, peer_identity, scope)  # (reads /proc once per connection)
             hold.take(pixels)
             visions = await asyncio.wrap_future(self.images.submit(pixels, _decode_and_process, hold, body, sources,
                                                                    bounds, adapter))
@@ -264,7 +268,7 @@ class GenerateRoute:
         hold = PixelHold(self.pixels)  # what this request holds of the budget of queued pixels
         gone = asyncio.ensure_future(_until_disconnected(request.receive))
         try:
-            admitted = await _admit_or_abandon(self._admit(body, sampling, bounds, hold), gone, hold)
+            admitted = await _admit_or_abandon(self._admit(body, sampling, bounds, hold, request.scope), gone, hold)
             if admitted is None:  # the client left while its request was prepared: nothing more is done for it
                 return answer({"error": "client disconnected"}, 499)
             future, deadline = admitted
@@ -288,19 +292,24 @@ class GenerateRoute:
 
 
 class PixelHold:
-    """The pixels one request holds of the server's budget of queued pixels: taken on the image thread before its
-    images are decoded, released once — when its job is answered or cancelled, or its admission failed (a take
-    after that is refused, so an abandoned request leaves nothing held)."""
+    """The pixels one request holds of the server's budget of queued pixels (its ``client``'s share of it too):
+    taken on the image thread's behalf before its images are decoded, released once — when its job is answered or
+    cancelled, or its admission failed (a take after that is refused, so an abandoned request leaves nothing held)."""
 
-    def __init__(self, budget: Budget) -> None:
-        self.budget, self.amount, self.done = budget, 0, False
+    def __init__(self, budget: Budget, client: str | None = None) -> None:
+        self.budget, self.client, self.amount, self.done = budget, client, 0, False
         self._lock = threading.Lock()
 
     def take(self, pixels: int) -> None:
         with self._lock:
             if self.done:
                 raise ServerBusy("the request was abandoned before its images were read")
-            if not self.budget.reserve(pixels):
+            if not self.budget.reserve(pixels, self.client):
+                mine = self.budget.held_by(self.client) if self.client is not None else 0
+                if self.client is not None and self.budget.share is not None and mine + pixels > self.budget.share:
+                    raise ServerBusy(f"this client's queued requests hold {mine} pixels of images; with this "
+                                     f"request's {pixels} that would pass its share of {self.budget.share} "
+                                     "(vlrl serve --max-queued-pixels-per-client)")
                 raise ServerBusy(f"the images of the requests queued hold {self.budget.held} pixels; with this "
                                  f"request's {pixels} that would pass the server's limit of {self.budget.limit} "
                                  "(vlrl serve --max-queued-pixels)")
@@ -311,7 +320,7 @@ class PixelHold:
             if self.done:
                 return
             self.done = True
-            self.budget.release(self.amount)
+            self.budget.release(self.amount, self.client)
             freed, self.amount = self.amount, 0
         if freed and self.budget.held == 0:
             _trim_heap()

@@ -45,12 +45,15 @@ class ServeLimits:
     """Request bytes held by the server at once, over every request being received or handled
     (``--max-inflight-body-mb``): a request whose body would pass it is answered 503. Bytes are reserved as they
     arrive: a declared ``Content-Length`` reserves nothing."""
-    max_queued_pixels: int = 128 << 20
+    max_queued_pixels: int = 256 << 20
     """Pixels (from their headers) of the images of every request admitted and not yet answered, server-wide
     (``--max-queued-pixels``): reserved before any is decoded, released when the request is answered or its client
     goes; a request that would pass it is answered 503. Only the processor's outputs wait in the queue (the decoded
-    images are dropped once processed). The default is ``max_request_pixels``: at most one largest request's
-    images wait at once (8 × 4096²)."""
+    images are dropped once processed). Default: two largest requests' worth (2 × ``max_request_pixels``)."""
+    max_queued_pixels_per_client: int | None = None
+    """Of ``max_queued_pixels``, what one client — its address and, on loopback, its process
+    (`vlrl.serving.peer_identity`) — may hold (``--max-queued-pixels-per-client``); beyond it: 503. None: half
+    of ``max_queued_pixels``, and at least one largest request (``max_request_pixels``)."""
     body_timeout: float = 60.0
     """Seconds a client may take to send one request's body (``--body-timeout``); past it: 408, the bytes freed."""
     first_byte_timeout: float = 10.0
