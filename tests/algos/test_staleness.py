@@ -10,6 +10,7 @@ from vlrl.algos.staleness import (
     behaviour_weights,
     fresh_mask,
     logp_drift,
+    logp_drift_max,
     staleness,
     staleness_histogram,
 )
@@ -68,3 +69,8 @@ def test_drift_only_on_same_version_rows():
     assert drift.item() == pytest.approx(0.75) and n.item() == 2
     drift, n = logp_drift(behaviour, logp, mask, torch.tensor([False, False]))
     assert drift.item() == 0.0 and n.item() == 0
+    # the max over the same tokens: 1 (row 0's second token); row 1's gap of 8 is stale, a masked token never counts
+    assert logp_drift_max(behaviour, logp, mask, torch.tensor([True, False])).item() == pytest.approx(1.0)
+    assert logp_drift_max(behaviour, logp, torch.tensor([[1, 0], [1, 1]]), torch.tensor([True, True])).item() == 8.0
+    assert logp_drift_max(behaviour, logp, torch.tensor([[1, 0], [0, 0]]), torch.tensor([True, True])).item() == 0.5
+    assert logp_drift_max(behaviour, logp, mask, torch.tensor([False, False])).item() == 0.0

@@ -1,9 +1,10 @@
 """Held-out evaluation scored strictly (issue 52): right, well-formed for the task's answer form, and ended."""
 
+from tests.train.fakes import ScriptedEngine
+
 from vlrl.config import EvalConfig
 from vlrl.data import Sample
 from vlrl.eval import evaluate
-from tests.train.fakes import ScriptedEngine
 
 ASK = "How many shapes are there? Put ONLY your final answer within <answer></answer>."
 

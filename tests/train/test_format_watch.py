@@ -1,7 +1,8 @@
 """`FormatWatch` (issue 52): one warning when the well-formed fraction falls from its value at the start of RL."""
 
-from vlrl.train.format_watch import FormatWatch
 from tests.train.test_zero_advantage import Recorder
+
+from vlrl.train.format_watch import FormatWatch
 
 
 def test_warns_once_when_well_formed_answers_fall_by_more_than_the_margin():

@@ -91,3 +91,20 @@ def test_server_plan_defaults_to_the_trainers_device_and_compute_dtype():
     cfg = load_config(RLConfig, None, [*base, "model.dtype=float16", "rollout.servers.urls=[http://h:1]",
                                        "rollout.weight_sync.method=distributed"])
     assert server_plan(cfg, "rl").dtype == "float16" and server_plan(cfg, "rl").wire_sync_address
+
+
+def test_vllm_servers_get_their_own_command_environment_and_port():
+    """rollout.servers.engine=vllm: `vlrl launch` starts vLLM (its module, its key flag, a port the actor picks: vLLM
+    takes no port 0), with its RL routes on and rollout.servers.launch's environment."""
+    from vlrl.config import RLConfig
+
+    cfg = RLConfig.model_validate({"model": {"path": "/m"}, "launch": {"rollout_servers": 2},
+                                   "rollout": {"servers": {"urls": ["http://127.0.0.1:1"], "engine": "vllm",
+                                                           "launch": {"python": "/v/python", "env": {"A": "1"}}},
+                                               "weight_sync": {"method": "distributed"}}})
+    plan = server_plan(cfg, "rl")
+    command = plan.command(1)
+    assert command[:3] == ["/v/python", "-m", "vllm.entrypoints.openai.api_server"] and "--enable-scale-out" in command
+    assert command[command.index("--port") + 1] == "{port}" and command[command.index("--api-key") + 1] == "{api_key}"
+    assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}' and plan.env == (("A", "1"),)
+    assert "--attn-implementation" not in command  # vlrl serve's flags are not vLLM's

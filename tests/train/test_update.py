@@ -85,8 +85,10 @@ def test_update_steps_once_per_minibatch_and_logs_its_statistics(rollout):
     metrics = stats.metrics()
     for key in ("policy/entropy", "policy/approx_kl_old", "policy/clip_low", "policy/clip_high", "policy/ratio",
                 "policy/behaviour_weight_mean", "policy/behaviour_weight_max", "policy/behaviour_weight_capped_frac",
-                "policy/logp_drift"):
+                "policy/logp_drift", "rollout/logprob_diff_mean", "rollout/logprob_diff_max"):
         assert key in metrics, key
+    assert metrics["rollout/logprob_diff_mean"] == metrics["policy/logp_drift"]
+    assert metrics["rollout/logprob_diff_max"] >= metrics["rollout/logprob_diff_mean"] > 0  # (behaviour ≠ π_old here)
     assert not any(key.startswith("_") or "behaviour_weights" == key for key in stats.values)  # counters kept apart
     assert stats.drift_tokens > 0 and sum(len(w) for w in stats.behaviour_weights) == stats.drift_tokens  # all sampled now
     # per-token statistics are pooled over every trained token: 2 epochs × the batch's tokens

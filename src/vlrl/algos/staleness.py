@@ -106,3 +106,17 @@ def logp_drift(
     gap = (behaviour_logp.detach() - logp.detach()).abs()
     drift = (gap * mask).sum() / n.clamp(min=1)
     return drift, n
+
+
+def logp_drift_max(
+    behaviour_logp: torch.Tensor, logp: torch.Tensor, loss_mask: torch.Tensor, same_version: torch.Tensor
+) -> torch.Tensor:
+    """The largest train–inference gap over the same tokens as `logp_drift` (masked, sampled by the trainer's weights):
+
+        max |log π_behave − log π_θ|
+
+    — the number verl users watch to catch a broken inference engine (a wrong weight load shows here first, while the
+    mean may stay small). 0 when no token qualifies."""
+    mask = loss_mask.bool() & same_version.bool().unsqueeze(-1)  # (B, T)
+    gap = (behaviour_logp.detach() - logp.detach()).abs()
+    return torch.where(mask, gap, torch.zeros_like(gap)).amax() if mask.any() else gap.new_zeros(())

@@ -12,7 +12,7 @@ The package, by topic (every name is importable from ``vlrl.config`` itself):
 - `vlrl.config.base`: `Section`, `ConfigError`, `SEED_MAX`;
 - `vlrl.config.model`: the policy and its data (`ModelConfig`, `LoraConfig`, `DataConfig`, `EvalConfig`);
 - `vlrl.config.rollout`: how the RL stage samples (`RolloutConfig` and its sub-sections `EngineConfig`, `AgentConfig`,
-  `ServersConfig`, `WeightSyncConfig`; `StalenessConfig`, `DynamicSamplingConfig`);
+  `ServersConfig` (with `LaunchServersConfig`), `WeightSyncConfig`; `StalenessConfig`, `DynamicSamplingConfig`);
 - `vlrl.config.train`: the optimizer, the SFT stage and the RL stage's algorithm and loop (`SFTStage`, `RLStage`);
 - `vlrl.config.runs`: the run-wide sections and the whole runs (`RunConfig`, `SFTConfig`, `RLConfig`, `DemoConfig`);
 - `vlrl.config.loading`: `load_config`, `apply_overrides`, `resolve_paths`, `dump_config`.
@@ -31,6 +31,7 @@ from vlrl.config.rollout import (
     AgentConfig,
     DynamicSamplingConfig,
     EngineConfig,
+    LaunchServersConfig,
     RolloutConfig,
     ServersConfig,
     StalenessConfig,
@@ -69,7 +70,7 @@ from vlrl.config.train import (
 __all__ = [
     "MOVED_KEYS", "SEED_MAX", "AgentConfig", "AlgoConfig", "CheckConfig", "CheckpointConfig", "ConfigError",
     "CriticConfig", "DataConfig", "DemoConfig", "DistConfig", "DynamicSamplingConfig", "EngineConfig", "EvalConfig",
-    "LaunchConfig", "LoraConfig", "MlflowOptions", "ModelConfig", "OptimConfig", "RLConfig", "RLStage", "RLStageSpec",
+    "LaunchConfig", "LaunchServersConfig", "LoraConfig", "MlflowOptions", "ModelConfig", "OptimConfig", "RLConfig", "RLStage", "RLStageSpec",
     "RLTrainConfig", "ReportConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SFTConfig", "SFTStage",
     "SFTStageSpec", "SFTTrainConfig", "SandboxConfig", "Section", "SelectConfig", "ServersConfig", "ShapingSpec",
     "StalenessConfig", "SynthConfig", "WandbOptions", "WeightSyncConfig", "apply_overrides", "dump_config",

@@ -66,14 +66,67 @@ class AgentConfig(Section):
     )
 
 
+class LaunchServersConfig(Section):
+    """Rollout servers vlrl starts itself (`rollout.servers.launch`, `vlrl.rollout.engine_launch`): ``count`` servers of
+    ``rollout.servers.engine`` on loopback, each on a free port with a generated key, waited for, stopped with the run.
+    Docs: "Rollout servers"."""
+
+    count: int = Field(
+        0, ge=0, description="Servers to start (0: none; rollout.servers.urls then names servers started by hand). One "
+        "process runs the trainer: under torchrun or `vlrl launch`, start them there instead (launch.rollout_servers)."
+    )
+    python: str | None = Field(
+        None, description="The interpreter of the environment that has the engine, e.g. .venv-vllm/bin/python (vLLM "
+        "needs transformers < 5.20: its own venv, `make .venv-vllm`). Unset: for vllm .venv-vllm/bin/python where it "
+        "exists, else this interpreter."
+    )
+    command: list[str] | None = Field(
+        None, description="The whole server command instead of the engine's own, with {python}, {model}, {host}, "
+        "{port}, {dtype} and {i} (the server's index) filled in; the key is in $VLRL_API_KEY."
+    )
+    model: str | None = Field(
+        None, description="What the servers load. Unset: model.path when it is a directory, else the trainer's policy "
+        "saved under <out>/rollout_model (vLLM and SGLang load a directory, not a vlrl preset)."
+    )
+    args: list[str] = Field(
+        default_factory=list, description="Extra arguments after the engine's own (e.g. [--enforce-eager, "
+        "--max-model-len, '1024'] for vLLM on a CPU); {i} is the server's index."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment variables of the servers (e.g. {VLLM_CPU_KVCACHE_SPACE: "
+        "'1'}); vLLM always gets VLLM_SERVER_DEV_MODE=1 (its pause and weight routes)."
+    )
+    host: str = Field(
+        "127.0.0.1", description="Bind address. Loopback: vLLM's RL routes (pause, weights) are not behind its --api-key."
+    )
+    timeout: float = Field(
+        600.0, gt=0, description="Seconds each server may take to answer /health (vLLM on 2 CPU cores: 1-4 minutes)."
+    )
+
+
 class ServersConfig(Section):
-    """Rollout servers (`rollout.servers`; docs: "Rollout servers"): used when ``urls`` names servers (`vlrl serve`
-    or SGLang), which then generate instead of an in-process engine. ``on_weight_update`` and
-    ``max_concurrent_rollouts`` also apply to rollout.mode=async without servers (its threaded engine)."""
+    """Rollout servers (`rollout.servers`; docs: "Rollout servers"): used when ``urls`` names servers (`vlrl serve`,
+    SGLang or vLLM) or ``launch`` starts them; they then generate instead of an in-process engine. ``on_weight_update``
+    and ``max_concurrent_rollouts`` also apply to rollout.mode=async without servers (its threaded engine)."""
 
     urls: list[str] = Field(
-        default_factory=list, description="Rollout server base URLs (`vlrl serve` or SGLang, e.g. "
-        "http://127.0.0.1:30000). Empty: generate in this process (async mode uses a private copy of the policy)."
+        default_factory=list, description="Rollout server base URLs (`vlrl serve`, SGLang or vLLM, e.g. "
+        "http://127.0.0.1:30000). Empty: generate in this process (async mode uses a private copy of the policy), "
+        "unless rollout.servers.launch starts servers."
+    )
+    engine: Literal["auto", "vlrl", "sglang", "vllm"] = Field(
+        "auto", description="What the servers are, and so which API vlrl speaks: vlrl (`vlrl serve`) and sglang "
+        "(SGLang's native /generate and weight routes), vllm (vLLM's /inference/v1/generate, /pause, /collective_rpc "
+        "reload_weights, /update_weight_version, /weight_checker; needs VLLM_SERVER_DEV_MODE=1 and --enable-scale-out). "
+        "auto: read from each server's /server_info (vLLM's carries vllm_config, vlrl serve's version is 'vlrl'); with "
+        "rollout.servers.launch, auto starts vlrl serve."
+    )
+    launch: LaunchServersConfig = Field(
+        default_factory=LaunchServersConfig, description="Rollout servers vlrl starts and stops itself.")
+    checksum: Literal["every_update", "first_update", "off"] = Field(
+        "every_update", description="vLLM: compare the server's /weight_checker checksums (sha256 of every parameter "
+        "as it holds it) with the trainer's weights after every disk update, after the first only, or never — a "
+        "pass over the weights on the server each time. vlrl serve reports its checksum with every load; SGLang none."
     )
     api_key_env: str = Field(
         "VLRL_API_KEY", description="Environment variable holding the servers' bearer token (never put the key itself in a config)."
@@ -250,7 +303,10 @@ class RolloutConfig(Section):
         if agent.env is not None and agent.function == "single_turn":
             raise ValueError("rollout.agent.env is set but rollout.agent.function=single_turn would ignore it; "
                              "use multi_turn")
-        if self.weight_sync.method == "distributed" and not self.servers.urls:
+        if self.servers.urls and self.servers.launch.count:
+            raise ValueError(f"rollout.servers.launch.count={self.servers.launch.count} starts the servers and uses their "
+                             f"URLs; rollout.servers.urls is set too ({self.servers.urls}): set one or the other")
+        if self.weight_sync.method == "distributed" and not (self.servers.urls or self.servers.launch.count):
             raise ValueError("rollout.weight_sync.method=distributed sends weights to rollout servers: set "
                              "rollout.servers.urls (in-process engines share the trainer's weights)")
         return self

@@ -277,11 +277,21 @@ class ServerPlan:
     device: str = "cpu"
     dtype: str = "float32"
     wire_sync_address: bool = False  # rollout.weight_sync.method=distributed at its loopback default: set rank 0's IP
+    engine: str = "vlrl"  # rollout.servers.engine: vlrl serve, or vLLM (`vlrl.rollout.engine_launch`)
+    python: str | None = None  # vLLM's interpreter (rollout.servers.launch.python; default .venv-vllm/bin/python)
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of each server (vLLM: rollout.servers.launch.env)
 
     def command(self, index: int) -> list[str]:
-        """`vlrl serve` without --host / --port (the actor adds its node's IP and port 0)."""
+        """`vlrl serve` without --host / --port (the actor adds its node's IP and port 0); vLLM with ``{host}``,
+        ``{port}`` and ``{api_key}`` for the actor to fill (it picks a free port: vLLM takes no port 0)."""
+        extra = [arg.replace("{i}", str(index)) for arg in self.args]
+        if self.engine == "vllm":
+            from vlrl.rollout.engine_launch import engine_command, engine_python
+
+            return [*engine_command("vllm", engine_python("vllm", self.python), model=self.model, host="{host}",
+                                    port="{port}", dtype=self.dtype, api_key="{api_key}"), *extra]  # type: ignore[arg-type]
         return [sys.executable, "-m", "vlrl.cli", "serve", "--model", self.model, "--threads", str(self.threads),
-                "--device", self.device, "--dtype", self.dtype, *(arg.replace("{i}", str(index)) for arg in self.args)]
+                "--device", self.device, "--dtype", self.dtype, *extra]
 
 
 def starts_servers(config: Path | None, overrides: list[str]) -> str | None:
@@ -323,8 +333,16 @@ def server_plan(cfg, recipe: str) -> ServerPlan | None:
     model_flags = [*(["--attn-implementation", model.attn_implementation] if model.attn_implementation else []),
                    *(["--revision", model.revision] if model.revision else []),
                    *(["--trust-remote-code"] if model.trust_remote_code else [])]
+    engine = "vllm" if rollout.servers.engine == "vllm" else "vlrl"
+    if rollout.servers.engine == "sglang":
+        raise LaunchRefused("launch.rollout_servers starts vlrl serve or vLLM (rollout.servers.engine=vllm); start SGLang "
+                            "servers yourself and give their URLs (rollout.servers.urls)")
+    if engine == "vllm":
+        model_flags = ["--weight-transfer-config", '{"backend": "nccl"}'] \
+            if rollout.weight_sync.method == "distributed" else []
     return ServerPlan(
         launch_cfg.rollout_servers, launch_cfg.server_model or cfg.model.path, threads=launch_cfg.server_threads,
+        engine=engine, python=rollout.servers.launch.python, env=tuple(sorted(rollout.servers.launch.env.items())),
         args=(*model_flags, *launch_cfg.server_args), timeout=launch_cfg.server_timeout, api_key_env=rollout.servers.api_key_env,
         cpus=launch_cfg.server_cpus, gpus=launch_cfg.gpus_per_server, device=launch_cfg.server_device or cfg.model.device,
         dtype=launch_cfg.server_dtype or COMPUTE_DTYPES.get(cfg.dist.mixed_precision, cfg.model.dtype),
@@ -358,8 +376,8 @@ class ServerProcess:
     (under Ray, streamed to the launcher's terminal prefixed ``(vlrl serve i pid=…)``). The body of the server
     actor (`_server_actor_class`)."""
 
-    def __init__(self, index: int) -> None:
-        self.index, self.process, self.url = index, None, None
+    def __init__(self, index: int, env: tuple[tuple[str, str], ...] = ()) -> None:
+        self.index, self.process, self.url, self.env = index, None, None, env
         self.tail: collections.deque = collections.deque(maxlen=20)  # its last lines
         self.reader: threading.Thread | None = None
 
@@ -372,8 +390,18 @@ class ServerProcess:
         import ray
 
         host = ray.util.get_node_ip_address()  # reachable from the other nodes; loopback would not be
-        env = {**os.environ, "VLRL_API_KEY": api_key}
-        self.process = subprocess.Popen([*command, "--host", host, "--port", "0"], stdout=subprocess.PIPE,
+        env = {**os.environ, "VLRL_API_KEY": api_key, **dict(self.env)}
+        if "{port}" in command:  # vLLM: a free port chosen here, its URL known at once, its RL routes switched on
+            from vlrl.rollout.engine_launch import free_port
+
+            port = free_port(host)
+            self.url = f"http://{host}:{port}"
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+            command = [a.replace("{host}", host).replace("{port}", str(port)).replace("{api_key}", api_key)
+                       for a in command]  # (not str.format: an argument may be JSON)
+        else:
+            command = [*command, "--host", host, "--port", "0"]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True,
                                         bufsize=1, preexec_fn=_death_signal())
         self.reader = threading.Thread(target=self._read, daemon=True, name=f"vlrl-serve-{self.index}")
@@ -404,11 +432,14 @@ class ServerProcess:
             return False
 
     def model_info(self, api_key: str) -> dict | str:
-        """/get_model_info (weight version and checksum), or why it failed."""
+        """/get_model_info (weight version and checksum; vLLM: /weight_info), or why it failed."""
         import httpx
 
         try:
-            return httpx.get(f"{self.url}/get_model_info", timeout=30,
+            path = "/get_model_info"
+            if httpx.get(f"{self.url}{path}", timeout=30).status_code == 404:
+                path = "/weight_info"  # a vLLM server
+            return httpx.get(f"{self.url}{path}", timeout=30,
                              headers={"Authorization": f"Bearer {api_key}"}).json()
         except (httpx.HTTPError, ValueError) as err:
             return str(err)
@@ -465,7 +496,7 @@ class RolloutServers:
                 num_cpus=self.plan.cpus, num_gpus=self.plan.gpus, name=f"vlrl-serve-{i}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
                                                                      placement_group_bundle_index=first_bundle + i),
-            ).remote(i)
+            ).remote(i, self.plan.env)
             self.servers.append(_Server(i, actor))
         started = ray.get([s.actor.start.remote(self.plan.command(s.index), self.api_key) for s in self.servers])
         for server, (ip, pid) in zip(self.servers, started, strict=True):

@@ -20,6 +20,7 @@ the inner engine's own batched ``agenerate``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -60,16 +61,29 @@ def http_settings(cfg: Any, run_dir: str | Path | None) -> tuple[SyncSettings, C
     client = ClientSettings(api_key=os.environ.get(servers.api_key_env),
                             admin_api_key=os.environ.get(servers.admin_api_key_env) or None,
                             request_timeout=servers.request_timeout, max_retries=servers.max_retries,
-                            max_server_failures=servers.max_server_failures, prompt_check=servers.prompt_check)
+                            max_server_failures=servers.max_server_failures, prompt_check=servers.prompt_check,
+                            engine=servers.engine, checksum=servers.checksum)
     return sync, client
 
 
 def _generation_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None, sync_weights: bool,
                        max_batch_size: int) -> Engine:
-    if cfg.servers.urls:
+    if cfg.servers.urls or cfg.servers.launch.count:
         from vlrl.rollout.http_engine import HTTPEngine
 
-        engine = HTTPEngine(policy, cfg.servers.urls, *http_settings(cfg, run_dir))
+        sync, client = http_settings(cfg, run_dir)
+        urls, owned = cfg.servers.urls, None
+        if cfg.servers.launch.count:
+            owned = launch(cfg, policy, run_dir=run_dir)
+            urls = owned.urls
+            client = dataclasses.replace(client, api_key=owned.api_key, admin_api_key=owned.api_key,
+                                         engine=owned.engine, startup_timeout=max(client.startup_timeout, 60.0))
+        try:
+            engine = HTTPEngine(policy, urls, sync, client, owned=owned)
+        except BaseException:
+            if owned is not None:
+                owned.stop()
+            raise
         if sync_weights:
             engine.update_weights(version=0)
         return engine
@@ -78,6 +92,33 @@ def _generation_engine(cfg: Any, policy: Any, *, run_dir: str | Path | None, syn
 
         return ThreadedEngine(policy, max_batch_size=max_batch_size, on_weight_update=cfg.servers.on_weight_update)
     return HFEngine(policy, max_batch_size=max_batch_size, compile=cfg.engine.compile)
+
+
+def launch(cfg: Any, policy: Any, *, run_dir: str | Path | None) -> Any:
+    """``rollout.servers.launch``: start the servers (`vlrl.rollout.engine_launch`) on what the trainer holds — the
+    launch's model, else ``model.path`` when it is a directory, else the policy saved under ``RUN_DIR/rollout_model``
+    — in the policy's dtype; auto starts vlrl serve."""
+    import torch.distributed as dist
+
+    from vlrl.rollout.engine_launch import launch_servers
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("rollout.servers.launch starts servers from one trainer process; with several ranks let `vlrl "
+                         "launch` start them (launch.rollout_servers) or give their URLs (rollout.servers.urls)")
+    spec = cfg.servers.launch
+    base = Path(run_dir) if run_dir is not None else Path(cfg.weight_sync.dir or ".")
+    model = spec.model or (policy.source if policy.source and Path(policy.source).is_dir() else None)
+    if model is None:
+        model = str(base / "rollout_model")
+        policy.save(model)
+    engine = "vlrl" if cfg.servers.engine == "auto" else cfg.servers.engine
+    param = next(policy.model.parameters())
+    args = list(spec.args)
+    if engine == "vllm" and cfg.weight_sync.method == "distributed":
+        args += ["--weight-transfer-config", '{"backend": "nccl"}']
+    return launch_servers(engine, spec.count, model=str(model), dtype=str(param.dtype).removeprefix("torch."),
+                          log_dir=base / "rollout_servers", python=spec.python, command=spec.command, args=args,
+                          env=spec.env, host=spec.host, device=param.device.type, timeout=spec.timeout)
 
 
 def close_engine(engine: Any) -> None:

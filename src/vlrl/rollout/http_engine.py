@@ -107,7 +107,7 @@ class HTTPEngine:
     (`ClientSettings`). `vlrl.rollout.build_engine` builds both from the ``rollout`` config section."""
 
     def __init__(self, policy: Policy, servers: Sequence[str], sync: SyncSettings,
-                 client: ClientSettings = ClientSettings()) -> None:
+                 client: ClientSettings = ClientSettings(), *, owned: Any = None) -> None:
         self.policy = policy
         self._encoder = HFEngine(policy)
         self._tokenizer_lock = threading.Lock()
@@ -115,13 +115,37 @@ class HTTPEngine:
         self._gathering: dict[tuple, list[tuple[list[Request], asyncio.Future]]] = {}
         self._tasks: set[asyncio.Task] = set()
         self.pool = ServerPool(servers, client, distributed=sync.method == "distributed")
-        self.weights = ServerWeights(self.pool, policy, sync)
+        self.owned = owned  # servers this engine started (`vlrl.rollout.engine_launch`), stopped by `close`
+        self.engine = self._engine_kind(client.engine)
+        self.vllm = None  # vLLM servers: their calls (`vlrl.rollout.vllm_client`), else SGLang's API below
+        if self.engine == "vllm":
+            from vlrl.rollout.vllm_client import VLLMServers
+            from vlrl.rollout.vllm_weights import VLLMServerWeights
+
+            self.vllm = VLLMServers(self.pool, checksum=client.checksum,
+                                    keep_on_update=sync.on_weight_update in ("retract", "in_place"))
+            self.pool.call(self.vllm.read_facts())
+            self.weights: ServerWeights = VLLMServerWeights(self.pool, policy, sync, self.vllm)
+        else:
+            self.weights = ServerWeights(self.pool, policy, sync)
         self.prompt_check = PromptCheck(policy, self.pool)
 
     @property
     def prompt_mismatches(self) -> int:
         """Answers sampled from another prompt than the trainer's (counted under ``prompt_check=warn``)."""
         return self.prompt_check.mismatches
+
+    def _engine_kind(self, configured: str) -> str:
+        """The servers' engine: every server's, read from its info (`server_pool.engine_of`); a configured engine other
+        than auto must match it (vlrl serve speaks SGLang's API: ``sglang`` accepts it)."""
+        found = {s.engine or "sglang" for s in self.pool.servers}
+        if len(found) > 1:
+            raise RolloutRequestError(f"the rollout servers are of different engines ({sorted(found)}): one engine a run")
+        kind = found.pop()
+        if configured not in ("auto", kind) and not (configured == "sglang" and kind == "vlrl"):
+            raise RolloutRequestError(f"rollout.servers.engine={configured}, but {self.pool.servers[0].url} is a {kind} "
+                                      "server (from its /server_info); set rollout.servers.engine=auto or the server's")
+        return kind
 
     # -------------------------------------------------------------------------------------------- the pool
     @property
@@ -137,9 +161,15 @@ class HTTPEngine:
         return self.pool.live()
 
     def close(self) -> None:
-        if self.pool.running:
-            self.weights.group.destroy(timeout=10.0)
-        self.pool.close()
+        try:
+            if self.pool.running:
+                if self.vllm is not None:
+                    self.pool.call(self.vllm.abort())  # (this engine's requests still in flight)
+                self.weights.group.destroy(timeout=10.0)
+            self.pool.close()
+        finally:
+            if self.owned is not None:
+                self.owned.close()
 
     # -------------------------------------------------------------------------------------------- weights
     @property
@@ -271,12 +301,18 @@ class HTTPEngine:
         for i, future in enumerate(futures):
             settle(future, trajectories[i * sampling.n : (i + 1) * sampling.n])
 
-    def _payload(self, requests: Sequence[Request], sampling: SamplingParams) -> dict[str, Any]:
+    def _payload(self, requests: Sequence[Request], sampling: SamplingParams) -> Any:
         """SGLang's batched ``/generate`` body: ``input_ids`` one list per prompt; ``image_data`` (when any prompt has
         images) one list per prompt, ``[]`` for a text-only one — SGLang reads the batch form from the first entry,
         and refuses ``[None, [image]]``. Sampling as the in-process engine samples: the model's EOS ids as
         ``stop_token_ids`` (not the server's generation config) and the family's vision markup and other special
-        tokens never sampled (a ``logit_bias`` of `SUPPRESS_BIAS`)."""
+        tokens never sampled (a ``logit_bias`` of `SUPPRESS_BIAS`). vLLM: one body per prompt (`VLLMServers.bodies`)."""
+        if self.vllm is not None:
+            problem = self.vllm.logprob_problem(sampling)
+            if problem:  # (the run goes on: rollout/logprob_diff_max shows the gap)
+                self.pool.warn_once("vllm", f"logprobs {sampling_key(sampling)}", "%s", problem)
+            return self.vllm.bodies(requests, sampling, stop_token_ids=self.policy.eos_token_ids,
+                                    suppress=self._encoder.suppress, images=self._encoded_images)
         body: dict[str, Any] = {"input_ids": [list(r.prompt_ids) for r in requests]}
         if any(r.images for r in requests):
             body["image_data"] = [self._encoded_images(r) if r.images else [] for r in requests]
@@ -326,7 +362,9 @@ class HTTPEngine:
             version_at_start = self.weight_version
             server.in_flight += len(requests)
             try:
-                response = await self.pool.client.post(f"{server.url}/generate", json=payload, headers=self.pool.headers)
+                response = await (self.vllm.post_generate(server, payload, self.pool.settings.request_timeout)
+                                  if self.vllm is not None else
+                                  self.pool.client.post(f"{server.url}/generate", json=payload, headers=self.pool.headers))
             except Exception as err:  # connection refused/reset, timeout: the server is down or stalled
                 if self.pool.closing:  # our own client was closed under the request: not the server's failure
                     raise RolloutRequestError("the HTTP engine was closed") from err
@@ -353,6 +391,10 @@ class HTTPEngine:
     def _parse(self, body: Any, requests: Sequence[Request], sampling: SamplingParams, version_at_start: int,
                server: ServerState) -> list[Trajectory]:
         url = server.url
+        if self.vllm is not None:  # (vLLM's prompt ids: the same exact check as SGLang's)
+            return self.vllm.trajectories(
+                body, requests, sampling, url=url, version_at_start=version_at_start, decode=self._decode_response,
+                check_prompt=lambda _, request, ids: self.prompt_check(server, request, {"prompt_token_ids": ids}))
         items = body if isinstance(body, list) else [body]
         if len(items) != len(requests) * sampling.n:
             raise RolloutRequestError(f"{url}: asked for {len(requests)} prompt(s) × n = {sampling.n} samples, "
@@ -382,3 +424,7 @@ class HTTPEngine:
                 status=_FINISH[finish], response_text=text, group_index=k // sampling.n,
             ))
         return out
+
+    def _decode_response(self, ids: list[int]) -> str:
+        with self._tokenizer_lock:
+            return self.policy.tokenizer.decode(ids, skip_special_tokens=True)

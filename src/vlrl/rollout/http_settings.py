@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 PROMPT_CHECKS = ("error", "warn", "off")
+ENGINES = ("auto", "vlrl", "sglang", "vllm")
 PAUSE_MODES = {"finish": "retract", "abort": "abort", "retract": "retract", "in_place": "in_place"}
 """`rollout.servers.on_weight_update` → the ``/pause_generation`` mode sent before each update (``finish``: none before a disk
 update; before a distributed one, once this client's requests in flight ended — nothing of its own is retracted)."""
@@ -35,10 +36,16 @@ class ClientSettings:
     prompt_check: str = "error"
     """``rollout.servers.prompt_check``: a server's ``meta_info.prompt_tokens`` against the trainer's prompt (error, warn,
     off)."""
+    engine: str = "auto"
+    """``rollout.servers.engine``: vlrl, sglang (SGLang's API), vllm (vLLM's), or auto (read from ``/server_info``)."""
+    checksum: str = "every_update"
+    """``rollout.servers.checksum`` (vLLM): when its ``/weight_checker`` checksums are compared with the trainer's."""
 
     def __post_init__(self) -> None:
         if self.prompt_check not in PROMPT_CHECKS:
             raise ValueError(f"rollout.servers.prompt_check: error, warn or off, got {self.prompt_check!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"rollout.servers.engine: one of {ENGINES}, got {self.engine!r}")
 
 
 @dataclasses.dataclass(frozen=True)

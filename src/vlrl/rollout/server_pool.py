@@ -48,6 +48,7 @@ class ServerState:
     reports_checksum: bool = False  # it reports a weight_checksum (vlrl serve does, SGLang does not)
     image_processor_backend: str | None = None  # SGLang's --image-processor-backend, if it says
     pixel_bounds: tuple[int | None, int | None] | None = None  # SGLang's --mm-process-config image min/max_pixels
+    engine: str | None = None  # what it is, from its /server_info: vlrl, sglang or vllm (`engine_of`)
 
 
 class ServerPool:
@@ -74,7 +75,9 @@ class ServerPool:
         self._thread = threading.Thread(target=self.loop.run_forever, name="vlrl-http-engine", daemon=True)
         self._thread.start()
         timeout = httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        # idle connections are dropped after 4 s, before a uvicorn server (vLLM, vlrl serve: 5 s keep-alive) closes
+        # them: one it closed as it was reused failed a request with ReadError (a vLLM run's final evaluation)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0)
         self.client = self.call(self._make_client(timeout, limits))
         self.call(self.wait_ready(settings.startup_timeout))
 
@@ -133,6 +136,10 @@ class ServerPool:
                 raise RolloutRequestError(f"{server.url}: 401 unauthorised: set ${API_KEY_ENV} to the server's --api-key")
             if response.status_code == 404 and path == "/server_info":
                 continue  # an older server: the deprecated route has what vlrl reads
+            if response.status_code == 404 and (await self.client.get(f"{server.url}/version")).status_code == 200:
+                raise RolloutRequestError(f"{server.url} has no /server_info nor /get_model_info but answers /version: "
+                                          "a vLLM server without its RL routes — start it with VLLM_SERVER_DEV_MODE=1 "
+                                          "(docs: \"Rollout servers\")")
             response.raise_for_status()
             return response.json()
         raise AssertionError("unreachable")
@@ -142,6 +149,9 @@ class ServerPool:
         is unknown), how many sequences it decodes at once (vlrl's ``max_batch_size``, SGLang's
         ``max_running_requests``), the pixels one request may carry (vlrl), and its ranks in a weight-update group
         (``tp_size``: SGLang's rank ``rank_offset + tp_rank``)."""
+        server.engine = engine_of(info)
+        if server.engine == "vllm":  # (its facts are in its configuration: `vlrl.rollout.vllm_client`)
+            return
         server.dtype = _DTYPE_NAMES.get(str(info.get("dtype")))
         batch = info.get("max_batch_size") or info.get("max_running_requests")
         server.max_batch_size = int(batch) if isinstance(batch, int) and batch > 0 else None
@@ -210,6 +220,14 @@ class ServerPool:
 
         return list(await asyncio.gather(*(post(s, b) for s, b in zip(servers, bodies, strict=True)),
                                          return_exceptions=True))
+
+
+def engine_of(info: dict[str, Any]) -> str:
+    """What a server is, from its ``/server_info`` (or ``/get_model_info``): vLLM's carries ``vllm_config``, vlrl serve's
+    ``version`` is ``vlrl``; anything else speaks SGLang's API."""
+    if isinstance(info, dict) and "vllm_config" in info:
+        return "vllm"
+    return "vlrl" if isinstance(info, dict) and info.get("version") == "vlrl" else "sglang"
 
 
 def _pixel_bounds(config: Any) -> tuple[int | None, int | None] | None:

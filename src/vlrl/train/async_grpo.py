@@ -53,7 +53,6 @@ from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.async_rollout import AsyncRollout, GroupBuffer, hand_out
 from vlrl.train.batch import prepare_batch
 from vlrl.train.distributed import DistContext
-from vlrl.train.format_watch import FormatWatch
 from vlrl.train.informative import informative_filter, starved_warning
 from vlrl.train.loop import (
     StageParts,
@@ -104,7 +103,7 @@ def train_async_grpo(
     # the decoupled objective: L_t = w_t · L_clip(π_θ / π_prox)_t, w_t = min(π_prox / π_behave, cap)  (when enabled)
     algorithm = rl_algorithm(stage, policy, rt, apply_behaviour_weight=stage.staleness.apply_behaviour_weight)
     stack = ExitStack()  # train.trainable and gradient checkpointing, undone when the loop ends
-    parts = enter_stage(stack, policy, stage, rt)
+    parts = enter_stage(stack, policy, stage, rt, logger, stage_name)
     synthesis = start_synthesis(stage.synth, samples, seed=seed, logger=logger)  # Syn-GRPO; None unless synth.enabled
     cursor = PromptCursor(synthesis.dataset if synthesis is not None else samples, seed)
     buffer, rollout = _driver(engine, cursor, stage, algorithm, ctx)  # rank 0 only; (None, None) elsewhere
@@ -113,7 +112,6 @@ def train_async_grpo(
     run_dir = analysis_dir(logger, rt)  # shapers' analysis files
     start, last = time.time(), {}
     syncing: concurrent.futures.Future | None = None  # the last weight update, until every server confirmed it
-    form = FormatWatch(logger, stage_name)  # one warning when the answers stop being well-formed
 
     def check() -> None:  # while waiting for data: a failed rollout or weight update stops the run
         _check(rollout, syncing)
@@ -139,9 +137,7 @@ def train_async_grpo(
                 last.update(synthesis.after_step(trajectories, step, shaping=algorithm.reward_shaping))
                 rollout.forget(synthesis.retired())
             last.update(perf_metrics(parts, batch, t0, {"perf/wait_seconds": t_wait, "perf/sync_seconds": t_sync}))
-            if ctx.is_main:
-                form.update(step, last)
-            log_step(logger, stage, stage_name, step, last, SHOWN)
+            log_step(logger, stage, stage_name, step, last, SHOWN, parts)
             if rt.checkpoint_due(step):
                 _save_checkpoint(rt, step, stage_name, parts, cursor, rollout, algorithm, ledger, synthesis)
         if syncing is not None:

@@ -33,7 +33,6 @@ from vlrl.report import MetricsLogger
 from vlrl.rollout import Engine
 from vlrl.synth.workflow import restore_synthesis, start_synthesis
 from vlrl.train.batch import prepare_batch
-from vlrl.train.format_watch import FormatWatch
 from vlrl.train.informative import starved_warning
 from vlrl.train.loop import (
     StageParts,
@@ -49,7 +48,6 @@ from vlrl.train.runtime import Runtime
 from vlrl.train.sampling import GroupSampler, flatten, sampling_params
 from vlrl.train.state import AlgorithmState, GroupRecord, SyncState, expect_state
 from vlrl.train.update import ppo_update
-from vlrl.train.zero_advantage import ZeroAdvantageWatch
 
 SHOWN = ("reward/mean", "accuracy/mean", "policy/entropy", "perf/step_seconds")  # on the console at each log
 
@@ -87,14 +85,12 @@ def train_grpo(
                                shard=lambda draws: rt.ctx.shard(draws, what="train.prompts_per_step"),
                                gather=rt.ctx.gather_objects, world_size=rt.ctx.world_size,
                                strict=stage.algo.strict_reward)
-        parts = enter_stage(stack, policy, stage, rt)  # train.trainable, gradient checkpointing, perf/mfu, optimizer
+        parts = enter_stage(stack, policy, stage, rt, logger, stage_name)  # trainable, perf/mfu, optimizer, warnings
         step = _restore(rt, stage_name, parts, cursor, sampler, algorithm, synthesis)
         if step:
             engine.update_weights(version=step)
         run_dir = analysis_dir(logger, rt)  # shapers' analysis files
         start, last = time.time(), {}
-        zero_advantage = ZeroAdvantageWatch(logger, stage_name)  # one warning when most groups carry no signal
-        form = FormatWatch(logger, stage_name)  # one warning when the answers stop being well-formed
         while step < train.steps and not rt.out_of_time(time.time() - start, budget):
             t0 = time.time()
             parts.perf.begin()
@@ -121,10 +117,7 @@ def train_grpo(
                 sampler.encode.forget(synthesis.retired())
             last.update(sampled.metrics)
             last.update(perf_metrics(parts, batch, t0, {"perf/gen_seconds": t_gen}))
-            if rt.ctx.is_main:
-                zero_advantage.update(step, last)
-                form.update(step, last)
-            log_step(logger, stage, stage_name, step, last, SHOWN)
+            log_step(logger, stage, stage_name, step, last, SHOWN, parts)
             if rt.checkpoint_due(step):
                 _save_checkpoint(rt, step, stage_name, parts, cursor, sampler, algorithm, synthesis)
             if validate is not None:

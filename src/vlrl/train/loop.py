@@ -3,9 +3,10 @@ that close each of their steps. Each recipe calls these in its own order:
 
     trimmed        train.max_samples
     rl_algorithm   `build_algorithm` once, its estimator and reward shapers over every rank's responses
-    enter_stage    train.trainable and gradient checkpointing, the phase meter (perf/mfu), optimizer + scheduler
+    enter_stage    train.trainable and gradient checkpointing, the phase meter (perf/mfu), optimizer + scheduler,
+                   the step's warnings (`StepWatches`: zero-advantage groups, answers no longer well-formed)
     perf_metrics   perf/step_seconds, the recipe's own timings, policy/lr, perf/tokens_per_s, perf/mfu …
-    log_step       every train.log_every steps and at the last
+    log_step       the warnings read every step's metrics; logged every train.log_every steps and at the last
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ from vlrl.train.distributed import GlobalAdvantage, GlobalRewardShaping
 from vlrl.train.modules import StageModules, stage_modules
 from vlrl.train.runtime import Runtime
 from vlrl.train.update import UpdateBatch
+from vlrl.train.watches import StepWatches
 
 
 @dataclass
 class StageParts:
     """What a stage trains with, set up by `enter_stage`: the trainable modules, the phase meter, the optimizer and
-    its learning-rate scheduler."""
+    its learning-rate scheduler, and the warnings its steps' metrics can raise."""
 
     modules: StageModules
     perf: PhaseMeter
     optimizer: torch.optim.Optimizer
     scheduler: Any
+    watches: StepWatches
 
 
 def trimmed(samples: list[Sample], stage: RLStage) -> list[Sample]:
@@ -56,15 +59,17 @@ def rl_algorithm(stage: RLStage, policy: Policy, rt: Runtime, *, apply_behaviour
     return algorithm
 
 
-def enter_stage(stack: ExitStack, policy: Policy, stage: RLStage, rt: Runtime) -> StageParts:
+def enter_stage(stack: ExitStack, policy: Policy, stage: RLStage, rt: Runtime, logger: MetricsLogger,
+                stage_name: str) -> StageParts:
     """train.trainable and gradient checkpointing (undone when ``stack`` closes), the phase meter of perf/mfu
-    (generation and update), then the optimizer and scheduler over the stage's trainable parameters."""
+    (generation and update), then the optimizer and scheduler over the stage's trainable parameters, and the
+    step's warnings (said by rank 0)."""
     modules = stack.enter_context(stage_modules(policy, stage.train))
     model = policy.model
     perf = stack.enter_context(PhaseMeter(model, rt.ctx.device, compute_dtype(model, rt.cfg.mixed_precision), rt.ctx))
     optimizer, scheduler = make_optimizer(model, stage.optim, policy.adapter.module_groups,
                                           total_steps=stage.train.steps)
-    return StageParts(modules, perf, optimizer, scheduler)
+    return StageParts(modules, perf, optimizer, scheduler, StepWatches(logger, stage_name, enabled=rt.ctx.is_main))
 
 
 def perf_metrics(parts: StageParts, batch: UpdateBatch, t0: float, seconds: dict[str, float]) -> dict[str, float]:
@@ -83,7 +88,9 @@ def analysis_dir(logger: MetricsLogger, rt: Runtime):
 
 
 def log_step(logger: MetricsLogger, stage: RLStage, stage_name: str, step: int, last: dict[str, float],
-             show: tuple[str, ...]) -> None:
-    """Log ``last`` every ``train.log_every`` steps and at the last step, showing ``show`` on the console."""
+             show: tuple[str, ...], parts: StageParts) -> None:
+    """Let the stage's warnings read ``last`` (every step), then log it every ``train.log_every`` steps and at the
+    last step, showing ``show`` on the console."""
+    parts.watches.update(step, last)
     if step % stage.train.log_every == 0 or step == stage.train.steps:
         logger.log(stage_name, step, last, show=show)

@@ -33,7 +33,7 @@ import torch
 
 from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, normaliser_for
 from vlrl.algos.losses import behaviour_weight
-from vlrl.algos.staleness import logp_drift
+from vlrl.algos.staleness import logp_drift, logp_drift_max
 from vlrl.models import Policy
 from vlrl.train.common import step_or_skip
 from vlrl.train.distributed import DistContext
@@ -295,9 +295,11 @@ def _micro_loss(policy: Policy, rt: Runtime, batch: UpdateBatch, micro: list[int
         stats.add_tokens(f"policy/{name}", values, mask)
     stats.behaviour_weights.append(w[mask.bool()].detach())
     stats.behaviour_capped += int((capped & mask.bool()).sum())
-    drift, n = logp_drift(behaviour, old, mask, batch.same_version[micro].to(logp.device))
+    same = batch.same_version[micro].to(logp.device)
+    drift, n = logp_drift(behaviour, old, mask, same)
     stats.drift_sum += float(drift) * int(n)
     stats.drift_tokens += int(n)
+    stats.drift_max = max(stats.drift_max, float(logp_drift_max(behaviour, old, mask, same)))  # rollout/logprob_diff_max
     return loss
 
 

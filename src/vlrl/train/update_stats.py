@@ -30,6 +30,7 @@ class UpdateStats:
     behaviour_weights: list[torch.Tensor] = field(default_factory=list)  # w of every trained token, per micro-batch
     drift_sum: float = 0.0  # Σ |log π_behave − log π_old| over tokens sampled by the trainer's current weights
     drift_tokens: int = 0
+    drift_max: float = 0.0  # max of the same gaps (rollout/logprob_diff_max)
     behaviour_capped: int = 0  # trained tokens whose behaviour weight reached the cap (clamped or dropped)
     behaviour_weight_cap: float = 5.0
     skipped: int | None = None  # optimizer steps dropped for a non-finite loss/grad norm (None: on_nonfinite=stop)
@@ -58,6 +59,7 @@ class UpdateStats:
         self.behaviour_weights += other.behaviour_weights
         self.drift_sum += other.drift_sum
         self.drift_tokens += other.drift_tokens
+        self.drift_max = max(self.drift_max, other.drift_max)
         if other.skipped is not None:
             self.skipped = max(self.skipped or 0, other.skipped)  # the ranks agree: the same count on each
         self.behaviour_capped += other.behaviour_capped
@@ -74,7 +76,7 @@ class UpdateStats:
 
     def metrics(self) -> dict[str, float]:
         """Means of ``values``, token means of ``token_sums``, ``policy/behaviour_weight_{mean,max,capped_frac}``
-        and ``policy/logp_drift``."""
+        ``policy/logp_drift`` and ``rollout/logprob_diff_{mean,max}`` (the sampler–trainer mismatch, mean = logp_drift)."""
         out = {name: sum(values) / len(values) for name, values in self.values.items() if values}
         out.update({name: value / max(tokens, 1.0) for name, (value, tokens) in self.token_sums.items()})
         out.update(self.peaks)
@@ -83,8 +85,10 @@ class UpdateStats:
             out[f"policy/behaviour_weight_{name}"] = float(value)
         if len(weights):  # counted where it was computed: a dropped token's weight is 0, not the cap
             out["policy/behaviour_weight_capped_frac"] = self.behaviour_capped / len(weights)
-        if self.drift_tokens:
+        if self.drift_tokens:  # the sampler–trainer mismatch: |behaviour log-prob − π_old| over same-version tokens
             out["policy/logp_drift"] = self.drift_sum / self.drift_tokens
+            out["rollout/logprob_diff_mean"] = out["policy/logp_drift"]  # (the name verl users watch)
+            out["rollout/logprob_diff_max"] = self.drift_max
         if self.skipped is not None:
             out["train/nonfinite_skipped"] = float(self.skipped)
         return out
