@@ -20,8 +20,9 @@ Jobs wait in a bounded queue (``max_queued_jobs``) for one of ``workers`` worker
 between clients: one client may hold at most ``max_queued_per_client`` queued jobs (default a quarter of the
 queue), and the workers take jobs round-robin across the clients that have some, so a client's flood neither
 fills the queue for the others (their jobs are still admitted) nor delays their jobs behind its own. A client
-is its bearer token and its address (``sha256(token)[:8]@host``): with one shared key, clients on different
-hosts are told apart by their address, and processes on one host share a share. With ``executor="process"``
+is its bearer token, its address and — on loopback — its process (``sha256(token)[:8]@host#pid``, the peer
+process read from ``/proc``): with one shared key, clients on different hosts are told apart by their address and
+local processes by their PID; the processes of one remote host share a share. With ``executor="process"``
 (the default of the command) each worker is a process that builds the back-end once (pebble pool,
 forkserver) and is killed and replaced when a job exceeds ``job_timeout``; with ``executor="thread"`` jobs run
 in threads of this process (cheap to start: tests, notebooks) and a job over its timeout is marked failed
@@ -81,13 +82,13 @@ class SynthSettings:
         segmenter / segmenter_options: optional box → mask refinement (``border``, ``model``; None = boxes).
         workers: jobs run at once. executor: ``process`` (killable timeouts) or ``thread``.
         max_queued_jobs: accepted jobs waiting for a worker; more get 429.
-        max_queued_per_client: queued jobs one client (token + address) may hold; more get 429. None: a quarter
-            of ``max_queued_jobs`` (at least 1).
+        max_queued_per_client: queued jobs one client (token + address, + process on loopback) may hold; more get
+            429. None: a quarter of ``max_queued_jobs`` (at least 1).
         job_timeout: seconds one job may run.
         results_dir: where result PNGs go (None: a temporary directory removed at shutdown).
         max_results_bytes: size cap of the results; the oldest are deleted beyond it.
         max_jobs: finished jobs remembered (older ones are forgotten: 404).
-        max_image_side / min_image_side / max_image_pixels / max_boxes / max_description_chars /
+        max_image_side / min_image_side / max_image_pixels / max_boxes / max_masks / max_description_chars /
         max_body_bytes: input limits (400 / 413 beyond them; the body limit counts the bytes received, so it holds
         for chunked bodies too).
         drain_seconds: on SIGTERM, HTTP requests in flight get this long before they are cancelled; queued jobs
@@ -110,6 +111,7 @@ class SynthSettings:
     min_image_side: int = 8
     max_image_pixels: int = 16 << 20
     max_boxes: int = 256
+    max_masks: int = 16
     max_description_chars: int = 2000
     max_body_bytes: int = 64 << 20
     drain_seconds: float = 10.0
