@@ -60,6 +60,10 @@ CASES = {
     "deep": ("data:\n  suite_options: {x: " + "[" * 50_000 + "]" * 50_000 + "}\n", "nested more than 64 levels deep"),
     "duplicate": ("optim: {lr: 0.1}\noptim: {lr: 0.2}\n", "line 2, column 1: duplicate key 'optim'"),
     "binary": ("model: {path: !!binary aGVsbG8=}\n", "line 1, column 15: the tag !!binary is refused"),
+    # issue 47: a 1 MB string repeated by 200 aliases is ~200 nodes, and a 200 MB config.yaml once dumped
+    "wide": ("data:\n  suite_options:\n    pad: &s " + "x" * (1 << 20) + "\n    more: [" + ", ".join(["*s"] * 200)
+             + "]\n", "line 4, column 11: expands to more than 16,777,216 bytes of values (aliases counted as the "
+             "text they repeat)"),
 }
 
 
@@ -67,8 +71,9 @@ CASES = {
 def test_the_cli_refuses_each_with_one_line_and_exit_2(case, tmp_path):
     """Issue 38, finding 8, through `vlrl rl --config`: a billion laughs under data.suite_options (5.76 GB before),
     a recursive anchor and 50,000-deep nesting (raw tracebacks before), a duplicate key (silently taken) and a
-    !!binary model path (taken as a hub id) — each ends with exit 2 and one line naming the file, at once and
-    without memory growth. (model.path names nothing: a config that loaded would stop at the preflight, exit 1.)"""
+    !!binary model path (taken as a hub id) — and (issue 47) a long string repeated by aliases, bounded in bytes
+    (counted in nodes before) — each ends with exit 2 and one line naming the file, at once and without memory
+    growth. (model.path names nothing: a config that loaded would stop at the preflight, exit 1.)"""
     text, message = CASES[case]
     config = tmp_path / "hostile.yaml"
     config.write_text(text)

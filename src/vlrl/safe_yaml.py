@@ -9,7 +9,9 @@ refuses each one while the document is composed — before any value is construc
 names the source and the place:
 
 - aliases: the document expanded (every alias counted as the whole node it repeats) may hold at most
-  `MAX_NODES` nodes; an alias inside the node it names (a recursive anchor) is refused;
+  `MAX_NODES` nodes and `MAX_EXPANDED_BYTES` bytes of scalars (a 1 MB string repeated by a thousand aliases is
+  a few nodes, and a multi-GB ``config.yaml`` once dumped); an alias inside the node it names (a recursive
+  anchor) is refused;
 - nesting: at most `MAX_DEPTH` levels;
 - duplicate keys in one mapping;
 - any explicit tag (``!!str`` too): a config is plain YAML.
@@ -27,6 +29,7 @@ import yaml
 MAX_NODES = 100_000  # a config file holds hundreds; what an alias repeats counts every time
 MAX_DEPTH = 64  # sections nest four or five levels deep
 MAX_BYTES = 8 << 20  # a config file of 8 MiB is already absurd
+MAX_EXPANDED_BYTES = 16 << 20  # the scalars of the expanded document (what config.yaml and the run hold)
 
 
 class YamlRefused(ValueError):
@@ -84,6 +87,7 @@ class _BoundedLoader(yaml.SafeLoader):  # the pure-Python loader: its composer i
         self._depth = 0
         self._open: set[str] = set()  # anchors of the collections being composed
         self._sizes: dict[int, int] = {}  # id(node) → nodes it holds, aliases expanded
+        self._bytes: dict[int, int] = {}  # id(node) → bytes of the scalars it holds, aliases expanded
 
     def compose_node(self, parent, index):
         event = self.peek_event()
@@ -108,10 +112,16 @@ class _BoundedLoader(yaml.SafeLoader):  # the pure-Python loader: its composer i
         finally:
             self._depth -= 1
             self._open.discard(anchor)
-        self._sizes[id(node)] = size = 1 + sum(self._sizes[id(child)] for child in _children(node))
+        children = _children(node)
+        self._sizes[id(node)] = size = 1 + sum(self._sizes[id(child)] for child in children)
         if size > MAX_NODES:
             raise YamlRefused(f"{_at(node.start_mark)}: expands to more than {MAX_NODES:,} values (aliases counted "
                               "as the nodes they repeat)")
+        scalar = len(node.value) if isinstance(node, yaml.ScalarNode) else 0
+        self._bytes[id(node)] = held = scalar + sum(self._bytes[id(child)] for child in children)
+        if held > MAX_EXPANDED_BYTES:
+            raise YamlRefused(f"{_at(node.start_mark)}: expands to more than {MAX_EXPANDED_BYTES:,} bytes of values "
+                              "(aliases counted as the text they repeat)")
         return node
 
     def compose_mapping_node(self, anchor):

@@ -12,10 +12,11 @@ Every request passes, outermost first (`protect`):
 - `BearerAuth`: ``401`` without the token (before any body is read); with an admin key, the admin routes take
   that key and only it (SGLang's ``--admin-api-key``);
 - `BodyLimit`: ``413`` once the body passes ``max_body_bytes`` — counted on the bytes received, so a chunked
-  body (no ``Content-Length``) is stopped as early as a declared one; ``408`` when it is not all there within
-  ``body_timeout``; ``503`` when the bytes of every request held at once would pass ``max_inflight_bytes`` (a
-  declared length is reserved before any byte is read; the bytes count until the request is answered). The
-  application sees the body only once it is whole and within the limits.
+  body (no ``Content-Length``) is stopped as early as a declared one; ``408`` when its first byte is not there
+  within ``first_byte_timeout`` or the whole of it within ``body_timeout``; ``503`` when the bytes of every request
+  held at once would pass ``max_inflight_bytes`` (bytes are reserved as they arrive — a declared length reserves
+  nothing — and count until the request is answered). The application sees the body only once it is whole and
+  within the limits.
 
 `BodyParser` turns a body into JSON off the event loop: a small body in a thread, a large one in a worker
 process (``json.loads`` holds the GIL for its whole run — 2.4 s for 14 MB of ``[[],[],…]`` measured here — so a
@@ -29,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import collections
 import ipaddress
 import json
 import logging
 import multiprocessing
+import os
 import re
 import secrets
 import signal
@@ -84,6 +87,87 @@ def resolve_api_key(api_key: str | None, *, no_auth: bool, host: str, command: s
     return api_key
 
 
+# ----------------------------------------------------------------------------------------------- who is calling
+_PEERS: collections.OrderedDict[tuple, int | None] = collections.OrderedDict()  # (client, server) → PID, latest last
+_PEERS_LOCK = threading.Lock()
+
+
+def loopback_peer_pid(client: tuple[str, int], server: tuple[str, int]) -> int | None:
+    """The PID of the process at the other end of a loopback TCP connection (``client`` its address and port,
+    ``server`` ours), or None where it cannot be seen (not loopback, not Linux, another user's process without
+    root): its socket's inode from ``/proc/net/tcp{,6}``, then the process holding that inode among those of the
+    socket's user. Cached per connection (a few ms for ~100 processes, once)."""
+    if not is_loopback(client[0]):
+        return None
+    key = (tuple(client), tuple(server))
+    with _PEERS_LOCK:
+        if key in _PEERS:
+            _PEERS.move_to_end(key)
+            return _PEERS[key]
+    found = _socket_owner(*_socket_inode(client, server))
+    with _PEERS_LOCK:
+        _PEERS[key] = found
+        while len(_PEERS) > 4096:
+            _PEERS.popitem(last=False)
+    return found
+
+
+def peer_identity(scope: dict) -> str:
+    """Who an HTTP request comes from, as far as the server can see: its peer host, and on a loopback connection
+    ``#pid`` of the peer process (`loopback_peer_pid`) — for the servers' fair shares."""
+    client, server = scope.get("client"), scope.get("server")
+    if not client:
+        return "unknown"
+    pid = loopback_peer_pid((client[0], client[1]), (server[0], server[1])) if server else None
+    return client[0] + (f"#{pid}" if pid is not None else "")
+
+
+def _proc_address(host: str, port: int) -> str:
+    """``host:port`` as ``/proc/net/tcp{,6}`` writes it (each 32-bit word in host byte order, hex)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    raw = socket.inet_pton(family, host)
+    words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
+    return "".join(w[::-1].hex().upper() if sys.byteorder == "little" else w.hex().upper() for w in words) + \
+        f":{port:04X}"
+
+
+def _socket_inode(client: tuple[str, int], server: tuple[str, int]) -> tuple[int | None, int | None]:
+    """(inode, uid) of the client's end of the connection ``client`` → ``server``, from ``/proc/net/tcp{,6}``."""
+    try:
+        local, remote = _proc_address(*client), _proc_address(*server)
+    except (OSError, ValueError):
+        return None, None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[1] == local and fields[2] == remote:
+                        return int(fields[9]), int(fields[7])
+        except (OSError, ValueError):
+            continue
+    return None, None
+
+
+def _socket_owner(inode: int | None, uid: int | None) -> int | None:
+    """The PID whose descriptors hold socket ``inode`` (only the processes of ``uid`` are looked at)."""
+    if not inode:
+        return None
+    target = f"socket:[{inode}]"
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if uid is not None and os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            for fd in os.listdir(f"/proc/{name}/fd"):
+                if os.readlink(f"/proc/{name}/fd/{fd}") == target:
+                    return int(name)
+        except OSError:  # gone, or not ours to read
+            continue
+    return None
+
+
 # ----------------------------------------------------------------------------------------------- ASGI layers
 def encode_json(payload: Any) -> bytes:
     """JSON bytes that always encode: non-ASCII escaped (a lone surrogate too), NaN/inf refused (ValueError)."""
@@ -105,38 +189,56 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
-class ByteBudget:
-    """The request bytes a server holds at once (`BodyLimit`), at most ``limit`` (None: unbounded); ``peak``: the
-    most it ever held. Used from the event loop only."""
+class Budget:
+    """A quantity a server holds at once — request bytes (`BodyLimit`), the decoded pixels of queued requests —
+    at most ``limit`` in all (None: unbounded) and, with ``share``, at most that much per client (who holds what
+    is counted by the ``client`` named in `reserve`); ``peak``: the most it ever held. Thread-safe."""
 
-    def __init__(self, limit: int | None = None) -> None:
-        self.limit, self.held, self.peak = limit, 0, 0
+    def __init__(self, limit: int | None = None, share: int | None = None) -> None:
+        self.limit, self.share, self.held, self.peak = limit, share, 0, 0
+        self._by_client: dict[str, int] = {}
+        self._lock = threading.Lock()
 
-    def reserve(self, nbytes: int) -> bool:
-        if self.limit is not None and self.held + nbytes > self.limit:
-            return False
-        self.held += nbytes
-        self.peak = max(self.peak, self.held)
-        return True
+    def reserve(self, amount: int, client: str | None = None) -> bool:
+        with self._lock:
+            if self.limit is not None and self.held + amount > self.limit:
+                return False
+            if client is not None and self.share is not None and self._by_client.get(client, 0) + amount > self.share:
+                return False
+            self.held += amount
+            self.peak = max(self.peak, self.held)
+            if client is not None:
+                self._by_client[client] = self._by_client.get(client, 0) + amount
+            return True
 
-    def release(self, nbytes: int) -> None:
-        self.held -= nbytes
+    def release(self, amount: int, client: str | None = None) -> None:
+        with self._lock:
+            self.held -= amount
+            if client is not None:
+                left = self._by_client.get(client, 0) - amount
+                if left > 0:
+                    self._by_client[client] = left
+                else:
+                    self._by_client.pop(client, None)
+
+    def held_by(self, client: str) -> int:
+        with self._lock:
+            return self._by_client.get(client, 0)
 
 
 class BodyLimit:
     """Read the whole body before the application runs, answering 413 as soon as it passes ``max_bytes``
-    (a ``Content-Length`` over the limit is refused before anything is read), 408 when it is not whole within
-    ``body_timeout`` seconds, and 503 when the bytes held for every request at once would pass the ``budget``
-    (a declared length is reserved before any byte is read; the bytes are released when the request is answered
-    or its client goes)."""
+    (a ``Content-Length`` over the limit is refused before anything is read), 408 when its first byte has not
+    arrived within ``first_byte_timeout`` seconds or the whole of it within ``body_timeout``, and 503 when the bytes
+    held for every request at once would pass the ``budget``. Bytes are reserved as they arrive — a declared
+    length reserves nothing, so connections that declare 32 MB and send nothing hold nothing — and released when
+    the request is answered or its client goes."""
 
     def __init__(self, app: Any, *, max_bytes: int, setting: str = "max_body_bytes", body_timeout: float | None = None,
-                 budget: ByteBudget | None = None) -> None:
+                 budget: Budget | None = None, first_byte_timeout: float | None = None) -> None:
         self.app, self.max_bytes, self.setting = app, max_bytes, setting
-        self.body_timeout, self.budget = body_timeout, budget or ByteBudget()
-
-    def _reserve(self, nbytes: int) -> bool:
-        return self.budget.reserve(nbytes)
+        self.body_timeout, self.budget = body_timeout, budget or Budget()
+        self.first_byte_timeout = first_byte_timeout
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -144,37 +246,41 @@ class BodyLimit:
         declared = _header(scope, b"content-length")
         if declared is not None and (not declared.strip().isdigit() or int(declared) > self.max_bytes):
             return await self._refuse(send, declared)
-        reserved = int(declared) if declared is not None else 0
-        if not self._reserve(reserved):
-            return await self._busy(send)
-        try:
-            await self._read_and_run(scope, receive, send, reserved)
-        finally:
-            self.budget.release(reserved)  # (what `_read_and_run` reserved beyond the declared length, it released)
+        await self._read_and_run(scope, receive, send, expect_body=declared is None or int(declared) > 0)
 
-    async def _read_and_run(self, scope: dict, receive: Callable, send: Callable, reserved: int) -> None:
-        chunks, size, extra = [], 0, 0
+    def _wait_limit(self, loop: Any, started: float, size: int, expect_body: bool) -> float | None:
+        """Seconds the next body message may take: to the body deadline, or the first byte's while none came."""
+        ends = [started + self.body_timeout] if self.body_timeout is not None else []
+        if size == 0 and expect_body and self.first_byte_timeout is not None:
+            ends.append(started + self.first_byte_timeout)
+        return max(0.0, min(ends) - loop.time()) if ends else None
+
+    async def _read_and_run(self, scope: dict, receive: Callable, send: Callable, expect_body: bool) -> None:
+        chunks, size, held = [], 0, 0
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.body_timeout if self.body_timeout is not None else None
+        started = loop.time()
         try:
             while True:
+                wait = self._wait_limit(loop, started, size, expect_body)
                 try:
-                    message = await (asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-                                     if deadline is not None else receive())
+                    message = await (asyncio.wait_for(receive(), wait) if wait is not None else receive())
                 except asyncio.TimeoutError:
-                    return await send_json(send, 408, {"error": f"the request body did not arrive within "
-                                                                f"{self.body_timeout:g} s"})
+                    first = size == 0 and expect_body and self.first_byte_timeout is not None and (
+                        self.body_timeout is None or self.first_byte_timeout < self.body_timeout)
+                    what = (f"the first byte of the request body did not arrive within {self.first_byte_timeout:g} s"
+                            if first else f"the request body did not arrive within {self.body_timeout:g} s")
+                    return await send_json(send, 408, {"error": what})
                 if message["type"] != "http.request":  # http.disconnect: the client left while sending
                     return
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > self.max_bytes:
                     return await self._refuse(send, None)
-                if size > reserved + extra:  # a chunked body (or more than declared): held as it comes
-                    if not self._reserve(size - reserved - extra):
+                if chunk:  # held as it comes
+                    if not self.budget.reserve(len(chunk)):
                         return await self._busy(send)
-                    extra = size - reserved
-                chunks.append(chunk)
+                    held += len(chunk)
+                    chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
             body, replayed = b"".join(chunks), False
@@ -189,7 +295,7 @@ class BodyLimit:
 
             await self.app(scope, replay, send)
         finally:
-            self.budget.release(extra)
+            self.budget.release(held)
 
     async def _busy(self, send: Callable) -> None:
         await send_json(send, 503, {"error": f"server busy: request bodies held at once would exceed "
@@ -252,14 +358,20 @@ class ErrorBoundary:
                                                      "the details"})
 
 
+DEFAULT_INFLIGHT_BYTES = 256 << 20
+DEFAULT_BODY_TIMEOUT = 60.0
+DEFAULT_FIRST_BYTE_TIMEOUT = 10.0
+
+
 def protect(app: Any, *, api_key: str | None, max_body_bytes: int, setting: str = "max_body_bytes",
             open_paths: Iterable[str] = ("/health",), admin_api_key: str | None = None, admin_paths: Iterable[str] = (),
-            max_inflight_bytes: int | None = None, body_timeout: float | None = None) -> None:
-    """Wrap ``app`` in `ErrorBoundary` → `BearerAuth` (unless both keys are None) → `BodyLimit` (its `ByteBudget`:
-    ``app.state.body_bytes``)."""
-    app.state.body_bytes = ByteBudget(max_inflight_bytes)
+            max_inflight_bytes: int | None = DEFAULT_INFLIGHT_BYTES, body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+            first_byte_timeout: float | None = DEFAULT_FIRST_BYTE_TIMEOUT) -> None:
+    """Wrap ``app`` in `ErrorBoundary` → `BearerAuth` (unless both keys are None) → `BodyLimit` (its `Budget`:
+    ``app.state.body_bytes``). The body bounds' defaults are both servers' (`vlrl serve` sets its own)."""
+    app.state.body_bytes = Budget(max_inflight_bytes)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, setting=setting,  # innermost
-                       budget=app.state.body_bytes, body_timeout=body_timeout)
+                       budget=app.state.body_bytes, body_timeout=body_timeout, first_byte_timeout=first_byte_timeout)
     if api_key is not None or admin_api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key, open_paths=open_paths, admin_api_key=admin_api_key,
                            admin_paths=admin_paths)

@@ -431,3 +431,31 @@ def test_optimizer_hyperparameters_outside_their_ranges_exit_2(override, lines, 
     result = CliRunner().invoke(app, ["rl", override, f"out={tmp_path / 'run'}", "model.path=/nonexistent/model"])
     assert result.exit_code == 2 and result.output.strip().splitlines() == lines, result.output  # (not the preflight's 1)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_directory_with_pickle_weights_only_is_refused_in_one_line(tmp_path):
+    """Issue 47: a model directory holding only pytorch_model.bin passed the preflight (then a 183-line traceback
+    when the pickle would not load); `vlrl check` and `vlrl serve` now refuse it in one line naming the file."""
+    import torch
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+    from vlrl.models import load_policy
+
+    model = tmp_path / "model"
+    load_policy("tiny-qwen2").save(model)
+    for weights in model.glob("*.safetensors"):
+        torch.save(load_file(weights), model / "pytorch_model.bin")
+        weights.unlink()
+    config = tmp_path / "rl.yaml"
+    config.write_text(f"model: {{path: {model}}}\ndata: {{suite: arith, tasks: [add], n_train: 8, n_test: 4}}\n"
+                      "check: {samples_per_task: 1}\n")
+    result = CliRunner().invoke(app, ["check", str(config), "--recipe", "rl"])
+    problems = [line for line in result.output.splitlines() if line.startswith("  ✗")]
+    assert result.exit_code == 1 and problems == [
+        f"  ✗ model.path: {model}: its weights are pickle files only (pytorch_model.bin); a pickle can run code when "
+        "loaded, so vlrl refuses it — re-save the model where you trust it (from_pretrained, then save_pretrained "
+        "writes model.safetensors)"], result.output
+    served = CliRunner().invoke(app, ["serve", "--model", str(model), "--port", "0"])
+    assert served.exit_code == 2 and "its weights are pickle files only" in served.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import sys
 from pathlib import Path
 
@@ -245,3 +246,33 @@ def test_a_json_array_and_a_template_file(tmp_path):
     assert sample.id == "d-0" and sample.images == [str(tmp_path / "cat.jpg")] and sample.reward == "string_match"
     assert sample.messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "What animal? Answer in \\boxed{}."}]
     assert report.skipped[0][0] == f"{tmp_path / 'd.json'}:row 1" and "solution" in report.skipped[0][1]
+
+
+def test_a_mistyped_local_path_is_an_error_not_a_hub_lookup(tmp_path, monkeypatch):
+    """Issue 47: ``mydata/train`` (meaning mydata/train.jsonl) was looked up on the Hub. A path whose first part is
+    a folder here is local: it names nothing, and the error says so, with the files it may have meant — through a
+    config file too (resolved against the config's folder)."""
+    import datasets
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"looked up on the hub: {args}")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    (tmp_path / "mydata").mkdir()
+    (tmp_path / "mydata" / "train.jsonl").write_text('{"id": "a", "prompt": "hi", "answer": "1", "reward": "number"}\n')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=r"^mydata/train: no such file or directory \(in mydata: train.jsonl\)$"):
+        read_samples("mydata/train")
+    config = tmp_path / "rl.yaml"
+    config.write_text("model: {path: tiny-qwen2}\ndata: {train: mydata/train, test: mydata/train}\n"
+                      "check: {samples_per_task: 1}\n")
+    monkeypatch.chdir(tmp_path.parent)
+    result = CliRunner().invoke(app, ["check", str(config), "--recipe", "rl"])
+    problems = [line for line in result.output.splitlines() if line.startswith("  ✗")]
+    assert result.exit_code == 1 and len(problems) == 2 and all(
+        re.fullmatch(rf"  ✗ data.{split}: \S*{tmp_path.name}/mydata/train: no such file or directory \(in "
+                     rf"\S*{tmp_path.name}/mydata: train.jsonl\)", line)
+        for split, line in zip(("train", "test"), problems, strict=True)), result.output

@@ -48,7 +48,8 @@ def test_executor_batches_judge_calls():
 def test_score_trajectories_gives_the_judge_the_question():
     sample = Sample(id="q", task="t", messages=[{"role": "user", "content": "What is 3+4?"}], answer="7",
                     reward="critic")
-    trajectory = SimpleNamespace(sample=sample, response_text="7", response_length=1, reward=None, reward_parts={})
+    trajectory = SimpleNamespace(sample=sample, response_text="7", response_length=1, reward=None, reward_parts={},
+                                 status="completed")
     engine = FakeJudgeEngine()
     with RewardExecutor(judge=JudgeReward(engine)) as ex:
         report = score_trajectories([trajectory], executor=ex)

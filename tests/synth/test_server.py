@@ -281,3 +281,56 @@ def _until(condition, timeout=10.0):
             return True
         time.sleep(0.02)
     return False
+
+
+def test_two_local_processes_sharing_one_key_are_two_clients(tmp_path):
+    """Issue 47: the server told clients apart by token and host, so with one key every loopback client was one
+    client (20/20 of a second process's jobs got 429 behind a flood). On loopback it now sees the peer process
+    (its PID, read from /proc): a second process still gets its own share while this one holds its whole share."""
+    import json
+    import subprocess
+    import sys
+
+    fakes.GATE.clear()
+    with synth_server(backend=f"{fakes.__name__}:make_gated", workers=1, max_queued_jobs=8) as (url, service):
+        with httpx.Client(base_url=url, headers=AUTH) as flood:
+            flood.post("/jobs", json=_body())
+            assert _until(lambda: service.health()["running"] == 1)
+            answers = [flood.post("/jobs", json=_body()) for _ in range(6)]
+            assert [a.status_code for a in answers] == [202] * 2 + [429] * 4
+            (tmp_path / "body.json").write_text(json.dumps(_body()))
+            other = subprocess.run(
+                [sys.executable, "-c", "import httpx, json, sys; body = json.load(open(sys.argv[1])); "
+                 "print([httpx.post(sys.argv[2] + '/jobs', json=body, headers={'Authorization': sys.argv[3]})"
+                 ".status_code for _ in range(3)])", str(tmp_path / "body.json"), url, AUTH["Authorization"]],
+                capture_output=True, text=True, timeout=60)
+            assert other.stdout.strip() == "[202, 202, 429]", other.stderr
+            assert service.health()["clients_queued"] == 2
+            fakes.GATE.set()
+
+
+def test_masks_are_bounded_and_checked_from_their_headers_before_any_is_decoded(monkeypatch):
+    """Issue 47: 400 empty masks took 40 s to refuse (every one decoded, then 'no foreground'). Now their number
+    (max_masks) and each one's size are checked from the headers first — nothing decoded — and an empty mask is
+    refused by name at the first one."""
+    from vlrl.synth import schema
+
+    image, _ = shapes_scene()
+    empty = png_data_url(np.zeros(image.shape[:2], np.uint8))
+    decoded = []
+    real = schema.load_image
+    monkeypatch.setattr(schema, "load_image", lambda *a, **k: decoded.append(1) or real(*a, **k))
+    with synth_server() as (url, service):
+        start = time.monotonic()
+        many = httpx.post(f"{url}/jobs", json={**_body(image, []), "masks": [empty] * 400}, headers=AUTH)
+        assert many.status_code == 400 and many.json()["error"] == "field 'masks': 400 masks, at most 16"
+        assert time.monotonic() - start < 5 and decoded == [1]  # the image only
+        wrong = png_data_url(np.zeros((8, 8), np.uint8))
+        decoded.clear()
+        sized = httpx.post(f"{url}/jobs", json={**_body(image, []), "masks": [empty] * 3 + [wrong]}, headers=AUTH)
+        assert sized.status_code == 400 and "field 'masks[3]': size 8x8 differs" in sized.json()["error"]
+        assert decoded == [1]  # sizes from the headers: no mask decoded
+        nothing = httpx.post(f"{url}/jobs", json={**_body(image, []), "masks": [empty] * 3}, headers=AUTH)
+        assert nothing.status_code == 400 and nothing.json()["error"] == (
+            "field 'masks[0]': empty (no non-zero pixel); a mask marks the foreground to keep")
+        assert service.health()["queued"] == 0

@@ -338,13 +338,20 @@ def runs_programs(splits: dict[str, list[Sample]]) -> bool:
 
 def sandbox_isolation(cfg: RunConfig, splits: dict[str, list[Sample]]) -> dict[str, str] | None:
     """What the run's programs get (`vlrl.rewards.sandbox.report_isolation`: setting, isolation obtained,
-    description) when the samples use the ``code`` reward, else None. Raises
-    `vlrl.rewards.sandbox.SandboxUnavailable` when ``sandbox.isolation`` cannot be had here."""
+    description, process-tree bound) when the samples use the ``code`` reward, else None. Raises
+    `vlrl.rewards.sandbox.SandboxUnavailable` when ``sandbox.isolation`` (or ``sandbox.tree_bound: cgroup``)
+    cannot be had here."""
     if not runs_programs(splits):
         return None
-    from vlrl.rewards.sandbox import report_isolation
+    from vlrl.rewards.sandbox import SandboxUnavailable, report_isolation
+    from vlrl.rewards.sandbox_bounds import BoundUnavailable, tree_bound
 
-    return report_isolation(cfg.sandbox.isolation)
+    box = cfg.sandbox
+    try:
+        tree = tree_bound(box.max_memory_mb, box.max_processes, box.tree_bound)
+    except BoundUnavailable as err:
+        raise SandboxUnavailable(str(err)) from None
+    return report_isolation(box.isolation, tree=tree)
 
 
 def _check_sandbox(report: CheckReport, cfg: RunConfig, splits: dict[str, list[Sample]]) -> None:
@@ -354,11 +361,11 @@ def _check_sandbox(report: CheckReport, cfg: RunConfig, splits: dict[str, list[S
     try:
         record = sandbox_isolation(cfg, splits)
     except SandboxUnavailable as err:
-        report.problem("sandbox.isolation", str(err))
+        report.problem("sandbox.tree_bound" if "tree_bound" in str(err) else "sandbox.isolation", str(err))
         return
     if record is not None:
         report.facts.append(f"code sandbox: isolation {record['isolation']} (sandbox.isolation {record['setting']}): "
-                            f"{record['description']}")
+                            f"{record['description']}; process tree: {record['tree_bound']}")
 
 
 def read_data(report: CheckReport, field_name: str, path: str | Path, on_error: str,

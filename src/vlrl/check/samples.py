@@ -68,8 +68,9 @@ def load_processor(report: CheckReport, model) -> _Processor | None:
 
 
 def model_path_problem(path: str) -> str | None:
-    """Why ``path`` cannot name a model, before anything is read: a directory without ``config.json``, or a path
-    that exists nowhere and cannot be a preset or a hub id (``org/name``); None otherwise."""
+    """Why ``path`` cannot name a model, before anything is read: a directory without ``config.json``, one whose
+    weights are pickle files only (no ``*.safetensors``: loading them would unpickle), or a path that exists
+    nowhere and cannot be a preset or a hub id (``org/name``); None otherwise."""
     from vlrl.models import PRESETS
 
     local = Path(path)
@@ -77,15 +78,25 @@ def model_path_problem(path: str) -> str | None:
         return None
     if local.exists() and not (local / "config.json").is_file():
         return f"{path}: not a model directory (no config.json)"
+    if local.is_dir() and not any(local.glob("*.safetensors")):
+        pickles = sorted(f.name for f in local.iterdir() if f.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            return (f"{path}: its weights are pickle files only ({', '.join(pickles[:3])}{', …' if len(pickles) > 3 else ''}); "
+                    "a pickle can run code when loaded, so vlrl refuses it — re-save the model where you trust it "
+                    "(from_pretrained, then save_pretrained writes model.safetensors)")
     if not local.exists() and not looks_like_hub_id(path):
         return f"{path}: no such directory (and not a preset: {', '.join(PRESETS)})"
     return None
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # torch.save / pickle weight files
+
+
 def looks_like_hub_id(path: str) -> bool:
     """``name`` or ``org/name`` (what the hub accepts); a path with more parts, or starting with ``.``, ``/`` or
-    ``~``, is a local path."""
-    return re.fullmatch(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?", path) is not None
+    ``~``, or whose first part is a directory here (``mymodels/qwen`` beside ``mymodels/``), is a local path."""
+    return re.fullmatch(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?", path) is not None and not (
+        "/" in path and Path(path.split("/", 1)[0]).is_dir())
 
 
 def _context_length(config: Any) -> int | None:

@@ -98,13 +98,13 @@ def run_recipe(command: str, cfg) -> None:
     from vlrl.recipes import RECIPES
     from vlrl.registry import RegistryError
     from vlrl.train.checkpoint import CheckpointError
-    from vlrl.train.common import NonFiniteError
+    from vlrl.train.common import NonFiniteError, RunDirBusy
 
     try:
         RECIPES[command](cfg)
     except PreflightError as err:
         preflight_failed(command, str(cfg.out), err.report)
-    except (CheckpointError, NonFiniteError) as err:  # a corrupt checkpoint, a failed save, a NaN loss/gradient
+    except (CheckpointError, NonFiniteError, RunDirBusy) as err:  # a corrupt checkpoint, a NaN, a busy out=
         typer.secho(f"vlrl {command}: {err}", fg="red", err=True)
         raise typer.Exit(1) from None
     except (DataError, RegistryError, PackingError, FileNotFoundError) as err:

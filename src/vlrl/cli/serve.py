@@ -28,9 +28,17 @@ def serve(
     max_image_pixels: int = typer.Option(16 << 20, "--max-image-pixels", help="Largest image (pixels, from its header)."),
     max_request_pixels: int = typer.Option(128 << 20, "--max-request-pixels",
                                            help="Pixels of all the images of one request together (from their headers)."),
+    max_queued_pixels: int = typer.Option(256 << 20, "--max-queued-pixels",
+                                          help="Pixels (from their headers) of the images of every request admitted "
+                                          "and not yet answered (503 beyond)."),
+    max_queued_pixels_per_client: int | None = typer.Option(None, "--max-queued-pixels-per-client", help="What one "
+        "client (address; on loopback its process) may hold of it (default: half, at least --max-request-pixels)."),
     max_inflight_body_mb: float = typer.Option(256.0, "--max-inflight-body-mb",
-                                               help="Request bytes held at once over all requests (503 beyond)."),
+                                               help="Request bytes held at once over all requests, reserved as they "
+                                               "arrive (503 beyond)."),
     body_timeout: float = typer.Option(60.0, "--body-timeout", help="Seconds a client may take to send a body (408)."),
+    first_byte_timeout: float = typer.Option(10.0, "--first-byte-timeout",
+                                             help="Seconds within which a declared body's first byte must arrive (408)."),
     join_timeout: float = typer.Option(120.0, "--join-timeout",
                                        help="Seconds an /init_weights_update_group may wait for the group's ranks."),
     admin_api_key: str | None = typer.Option(None, "--admin-api-key", envvar="VLRL_ADMIN_API_KEY", show_envvar=True,
@@ -69,9 +77,10 @@ def serve(
         limits = ServeLimits(max_new_tokens=max_new_tokens, max_body_bytes=int(max_body_mb * (1 << 20)),
                              max_image_pixels=max_image_pixels, request_timeout=request_timeout,
                              image_roots=tuple(image_root or ()), drain_seconds=drain_seconds,
-                             max_request_pixels=max_request_pixels,
+                             max_request_pixels=max_request_pixels, max_queued_pixels=max_queued_pixels,
+                             max_queued_pixels_per_client=max_queued_pixels_per_client,
                              max_inflight_body_bytes=int(max_inflight_body_mb * (1 << 20)), body_timeout=body_timeout,
-                             join_timeout=join_timeout)
+                             first_byte_timeout=first_byte_timeout, join_timeout=join_timeout)
         run_server(model, host=host, port=port, api_key=api_key, no_auth=no_auth, dtype=dtype, device=device,
                    max_batch_size=max_batch_size, max_queued_requests=max_queued_requests,
                    batch_window_ms=batch_window_ms, init_seed=init_seed, max_tokens_in_flight=max_tokens_in_flight,

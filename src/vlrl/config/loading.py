@@ -151,7 +151,8 @@ def resolve_paths(cls: type[BaseModel], raw: dict[str, Any], base: Path) -> dict
 
 def _resolve_data_path(value: str, base: Path) -> str:
     """A data path (kind ``data``): a local file, folder or glob is made absolute against ``base`` (an ``@split``
-    suffix kept); a hub id (``org/name``, ``name``, not a path under ``base``, no file suffix) stays as written."""
+    suffix kept); a hub id (``org/name``, ``name``, not a path under ``base``, no file suffix, ``org`` not a folder
+    under ``base``) stays as written."""
     import re
 
     head, sep, split = value.rpartition("@")
@@ -159,7 +160,8 @@ def _resolve_data_path(value: str, base: Path) -> str:
         head, sep, split = value, "", ""
     hub_like = re.fullmatch(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?", head) is not None and \
         not head.endswith((".jsonl", ".json", ".parquet", ".arrow"))
-    if hub_like and not (base / head).exists():
+    local_folder = "/" in head and (base / head.split("/", 1)[0]).is_dir()  # mydata/train beside mydata/: local
+    if hub_like and not (base / head).exists() and not local_folder:
         return value
     return str((base / head).resolve()) + sep + split
 

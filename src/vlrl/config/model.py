@@ -186,19 +186,29 @@ class DataConfig(Section):
         "tokens, this bounds a sample's vision tokens. None: no limit.",
     )
     max_image_pixels: int | None = Field(
-        None, ge=1, description="Most pixels of one image or frame as stored (width×height from its header, before "
-        "any decoding or resizing); a bigger one makes its sample a bad record. None: no limit (Pillow's own "
-        "decompression-bomb check still applies).",
+        16 << 20, ge=1, description="Most pixels of one image or frame as stored (width×height from its header, "
+        "before any decoding or resizing); a bigger one makes its sample a bad record. The default is vlrl serve's "
+        "--max-image-pixels (16,777,216: a decoded RGB image of 48 MB). None: no limit (Pillow's own "
+        "decompression-bomb check still applies — a 1-bit 12000² PNG of 17.6 KB is under it).",
     )
     max_sample_pixels: int | None = Field(
-        None, ge=1, description="Most pixels of all a sample's images and frames together, as stored; a sample "
-        "over it is a bad record. None: no limit.",
+        128 << 20, ge=1, description="Most pixels of all a sample's images and frames together, as stored; a sample "
+        "over it is a bad record. The default is vlrl serve's --max-request-pixels (134,217,728: ~400 MB "
+        "decoded). None: no limit.",
     )
     max_record_bytes: int = Field(
         64 << 20, ge=1, description="Most bytes of one record of a data file (a jsonl line, a parquet row; images "
         "sent inline as data URLs count), checked while the file is read — a longer line is skipped through, never "
-        "held — so it is a bad record (data.on_error) before it takes memory. Parquet row groups are read one at a "
-        "time.",
+        "held — so it is a bad record (data.on_error) before it takes memory. Measured once decoded: a parquet row "
+        "group is measured on its column chunks (strings as their dictionary, never expanded) before it is read, "
+        "and a JSON line by what its parsed value would take (~64 bytes per value beyond its text) before it is "
+        "parsed; a line nested over 512 deep is a bad record too.",
+    )
+    max_source_bytes: int = Field(
+        1 << 30, ge=1, description="Most bytes of text (every decoded value but binaries: images stay in the "
+        "memory-mapped table and are decoded one at a time) one data source — a file, a save_to_disk folder, a hub "
+        "split — holds once decoded; a source over it is refused as a whole, measured before its rows are read "
+        "(parquet, arrow) or as they are (jsonl). A 2.6 KB parquet file decoded to 1.8 GB of text before this bound.",
     )
     packing_plan: str | None = Field(
         None, description="SFT: a packing plan written by `vlrl data pack` for `train` (.npz + .json sidecar). "

@@ -81,6 +81,22 @@ class SandboxConfig(Section):
         "setting this machine cannot give stops the run at preflight with the cause; the sandbox never falls back "
         "to less. The mode obtained is logged and recorded in summary.json (`sandbox`).",
     )
+    max_memory_mb: int = Field(
+        512, ge=16, description="Most memory of one sandboxed run's whole process tree — the runner, every process a "
+        "test forks and the files it writes to its tmpfs — not per process: a cgroup per run (memory.max, or cgroup "
+        "v1's memory.limit_in_bytes) where the host allows one; see tree_bound. A verifier's own memory_mb (e.g. "
+        "from a sample's metadata) may lower it, never raise it.",
+    )
+    max_processes: int = Field(
+        64, ge=1, description="Most processes of one sandboxed program at once (the cgroup's pids.max, plus the "
+        "runner's two); as root every run has a user of its own, so runs never share RLIMIT_NPROC's count.",
+    )
+    tree_bound: Literal["auto", "cgroup", "rlimits"] = Field(
+        "auto", description="How max_memory_mb and max_processes bound the whole process tree. auto: a cgroup per "
+        "run (v2, else v1) where one can be made, else the documented fallback, logged as a warning and recorded "
+        "in summary.json — each test is one process (RLIMIT_NPROC 1: it cannot fork) of at most max_memory_mb "
+        "(RLIMIT_AS). cgroup: stop at preflight where no cgroup can be made. rlimits: the fallback everywhere.",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- scale-out

@@ -28,7 +28,15 @@ from vlrl.data.sample import (
     open_image,
     sample_to_json,
 )
-from vlrl.data.schemas import LAYOUTS, RowContext, Schema, default_reward_note, detect_format, row_to_sample
+from vlrl.data.schemas import (
+    LAYOUTS,
+    RowContext,
+    Schema,
+    TemplateRefused,
+    default_reward_note,
+    detect_format,
+    row_to_sample,
+)
 from vlrl.data.sources import SourceError, Table, open_tables
 from vlrl.data.video import MediaLimits, prepare_media
 
@@ -87,15 +95,29 @@ def read_samples(
             (`vlrl.data.sources.ArrowImage`) are checked from their header only: nothing is decoded.
         media: how videos become frames and the per-sample image budgets (`vlrl.data.video.prepare_media`);
             a sample over a budget is a bad record. None: samples are returned as read (videos kept). Its
-            ``max_record_bytes`` (the default one when None) bounds each record while it is read.
+            ``max_record_bytes`` and ``max_source_bytes`` (the default ones when None) bound each record and the
+            whole source, once decoded, while it is read (`vlrl.data.sources.open_tables`).
     """
     schema = schema or Schema()
     try:
+        limits = media or MediaLimits()
         tables = open_tables(path, split=schema.split, subset=schema.subset, revision=schema.revision,
-                             max_record_bytes=(media or MediaLimits()).max_record_bytes)
+                             max_record_bytes=limits.max_record_bytes, max_source_bytes=limits.max_source_bytes)
     except SourceError as err:
         raise DataError(str(err)) from err
     report = ReadReport(samples=[])
+    try:
+        _read_tables(tables, schema, report, on_error, check, verify_images, media)
+    except (TemplateRefused, SourceError) as err:  # the template's or the whole source's: whatever on_error says
+        raise DataError(str(err)) from None
+    if report.skipped:
+        log.warning("%s: skipped %d bad record(s); first: %s: %s", path, len(report.skipped), *report.skipped[0])
+    return report
+
+
+def _read_tables(tables: list[Table], schema: Schema, report: ReadReport, on_error: OnError,
+                 check: Callable[[Sample], None] | None, verify_images: bool, media: MediaLimits | None) -> None:
+    """Every record of ``tables`` into ``report`` (a sample, or a skipped record with its reason)."""
     seen_ids: dict[str, str] = {}
     for table in tables:
         for where, record in _table_records(table, schema, report, on_error):
@@ -120,9 +142,6 @@ def read_samples(
                 continue
             seen_ids[sample.id] = where
             report.samples.append(sample)
-    if report.skipped:
-        log.warning("%s: skipped %d bad record(s); first: %s: %s", path, len(report.skipped), *report.skipped[0])
-    return report
 
 
 def _table_records(table: Table, schema: Schema, report: ReadReport, on_error: OnError) -> Iterable[tuple[str, Any]]:

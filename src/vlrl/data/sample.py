@@ -224,9 +224,10 @@ def open_image(source: ImageSource) -> Image.Image:
 
 
 def load_image(source: ImageSource, *, max_pixels: int | None = None, mode: str = "RGB") -> Image.Image:
-    """Decode an image source into a PIL image of ``mode`` (RGB by default); raise `SampleError` saying what is
-    wrong. Only `IMAGE_FORMATS` are decoded (see `open_image`); with ``max_pixels``, an image with more pixels
-    is refused from its header, before its pixels are decoded."""
+    """Decode an image source into a PIL image of ``mode`` (RGB by default), turned upright by its EXIF orientation
+    (as a viewer shows it) and, if 16-bit, scaled to 8 bits; raise `SampleError` saying what is wrong. Only
+    `IMAGE_FORMATS` are decoded (see `open_image`); with ``max_pixels``, an image with more pixels is refused from
+    its header, before its pixels are decoded."""
     if isinstance(source, Image.Image):
         return source if source.mode == mode else source.convert(mode)
     if isinstance(source, DeferredImage):
@@ -237,8 +238,9 @@ def load_image(source: ImageSource, *, max_pixels: int | None = None, mode: str 
         width, height = image.size
         if max_pixels is not None and width * height > max_pixels:
             raise SampleError(f"image {where}: {width}x{height} has more than {max_pixels} pixels")
+        turn = _ORIENTATIONS.get(header_orientation(image))
         image.load()
-        return image.convert(mode)
+        return _as_mode(image.transpose(turn) if turn is not None else image, mode)
     except SampleError:
         raise
     except Exception as err:  # PIL raises many types for corrupt data
@@ -248,12 +250,47 @@ def load_image(source: ImageSource, *, max_pixels: int | None = None, mode: str 
 
 
 def image_size(source: ImageSource) -> tuple[int, int]:
-    """(width, height) of an image source from its header alone (no pixel decoding); `SampleError` if unreadable
-    or not one of `IMAGE_FORMATS`."""
+    """(width, height) of an image source as `load_image` gives it — from its header alone (no pixel decoding),
+    turned by its EXIF orientation; `SampleError` if unreadable or not one of `IMAGE_FORMATS`."""
     if isinstance(source, Image.Image):
         return source.size
     with open_image(source) as image:
-        return image.size
+        width, height = image.size
+        turned = header_orientation(image) in (5, 6, 7, 8)  # a quarter turn (or a transpose)
+        return (height, width) if turned else (width, height)
+
+
+def header_orientation(image: Image.Image) -> int:
+    """The EXIF orientation (1-8) an opened image's header holds, 1 if none — read without decoding a pixel (a
+    PNG's ``eXIf`` chunk after its pixels is not looked for: `load_image` and `image_size` agree either way)."""
+    raw = image.info.get("exif")
+    if not raw:
+        return 1
+    try:
+        exif = Image.Exif()
+        exif.load(raw)
+        value = exif.get(_EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001  (a broken EXIF block is ignored, as viewers do)
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+_EXIF_ORIENTATION = 0x0112
+_ORIENTATIONS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+                 5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+                 8: Image.Transpose.ROTATE_90}  # as ImageOps.exif_transpose turns them
+_WIDE_MODES = {"I;16": 8, "I;16L": 8, "I;16B": 8, "I;16N": 8, "I": 8}  # bits to shift down to 8
+
+
+def _as_mode(image: Image.Image, mode: str) -> Image.Image:
+    """``image`` in ``mode``. A 16-bit grayscale image (PNG's 16-bit depth: Pillow's ``I;16``, or ``I``) is scaled
+    to 8 bits first — Pillow's own conversion clips every value over 255 to white."""
+    if image.mode in _WIDE_MODES and mode != image.mode:
+        import numpy as np
+
+        values = np.asarray(image).astype(np.uint32) >> _WIDE_MODES[image.mode]  # 0..65535 → 0..255
+        image = Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), mode="L")
+    return image.convert(mode)  # (a new image even in the same mode: `load_image` closes the one it opened)
 
 
 def image_to_png_bytes(image: Image.Image) -> bytes:

@@ -59,7 +59,9 @@ class Schema:
         format: ``auto`` (detected from the columns, see `detect_format`), ``vlrl``, ``easyr1``, ``verl``, ``trl``.
         columns: vlrl field (`COLUMN_FIELDS`) → the dataset's column, over the layout's own names.
         prompt_template: jinja text rendered with ``content`` = the prompt text (``<image>`` markers in place)
-            and every other column by name — EasyR1's ``format_prompt``; None: the prompt as it is.
+            and every other column by name — EasyR1's ``format_prompt``; None: the prompt as it is. Rendered in
+            jinja's immutable sandbox (`compile_template`): a template is untrusted input.
+        template_file: the file ``prompt_template`` was read from (named in its errors), if any.
         system_prompt: a system message put first (unless the prompt has one).
         reward: the verifier of rows that name none (a name, or weights of several).
         reward_by_source: task / ``data_source`` → verifier, before ``reward`` (verl's dispatch by data_source).
@@ -70,6 +72,7 @@ class Schema:
     format: str = "auto"
     columns: Mapping[str, str] = field(default_factory=dict)
     prompt_template: str | None = None
+    template_file: str | None = None
     system_prompt: str | None = None
     reward: str | Mapping[str, float] | None = None
     reward_by_source: Mapping[str, str | Mapping[str, float]] = field(default_factory=dict)
@@ -84,7 +87,7 @@ class Schema:
         if unknown:
             raise ValueError(f"data.columns: unknown field(s) {unknown}; map any of {', '.join(COLUMN_FIELDS)}")
         if self.prompt_template is not None:
-            compile_template(self.prompt_template)  # a syntax error names the field before any row is read
+            compile_template(self.prompt_template, self.template_file)  # a syntax error names the field before any row is read
 
 
 @dataclass(frozen=True)
@@ -336,26 +339,44 @@ def image_source(value: Any, base_dir: Path, name: str = "image") -> Any:
 
 
 # ----------------------------------------------------------------------------------------------- prompts
+class TemplateRefused(RuntimeError):
+    """A prompt template that reached for something templates may not (jinja's sandbox refused it): the template's
+    fault, not a row's — `vlrl.data.read_samples` stops on it whatever ``on_error`` says."""
+
+
+def _template_field(file: str | None) -> str:
+    return f"data.prompt_template ({file})" if file else "data.prompt_template"
+
+
 @lru_cache(maxsize=16)
-def compile_template(text: str):
-    """A jinja template (undefined names are errors, as a typo in a column name should be)."""
-    from jinja2 import Environment, StrictUndefined, TemplateSyntaxError
+def compile_template(text: str, file: str | None = None):
+    """A jinja template in an immutable sandbox (transformers renders chat templates the same way: a template
+    comes with a dataset or a shared recipe, so it is untrusted input): no attribute starting with ``_``, no
+    method that changes a list or dict, no ``str.format`` escape. Undefined names are errors, as a typo in a
+    column name should be. ``file``: where the text came from (named in errors)."""
+    from jinja2 import StrictUndefined, TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
-        return Environment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(text.strip())
+        return ImmutableSandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(
+            text.strip())
     except TemplateSyntaxError as err:
-        raise ValueError(f"data.prompt_template: line {err.lineno}: {err.message}") from None
+        raise ValueError(f"{_template_field(file)}: line {err.lineno}: {err.message}") from None
 
 
-def render_template(text: str, content: str, variables: Mapping[str, Any]) -> str:
+def render_template(text: str, content: str, variables: Mapping[str, Any], file: str | None = None) -> str:
     """EasyR1's ``format_prompt``: ``Template(text.strip()).render(content=prompt)`` — here with the row's other
-    columns as variables too (``content`` wins a clash)."""
+    columns as variables too (``content`` wins a clash), in jinja's immutable sandbox: a template reaching for an
+    attribute or method it may not raises `TemplateRefused` (one line naming the file)."""
     from jinja2 import UndefinedError
+    from jinja2.exceptions import SecurityError
 
     try:
-        return compile_template(text).render({**variables, "content": content})
+        return compile_template(text, file).render({**variables, "content": content})
+    except SecurityError as err:
+        raise TemplateRefused(f"{_template_field(file)}: refused by the template sandbox: {err}") from None
     except UndefinedError as err:
-        raise SampleError(f"data.prompt_template: {err.message} (variables: content, "
+        raise SampleError(f"{_template_field(file)}: {err.message} (variables: content, "
                           f"{', '.join(sorted(variables))})") from None
 
 
@@ -378,7 +399,8 @@ def build_messages(prompt: Any, n_images: int, *, schema: Schema, variables: Map
         if not users:
             raise SampleError("field 'prompt': no user message for data.prompt_template to render")
         last = messages[users[-1]]
-        last["content"] = render_template(schema.prompt_template, _as_text(last.get("content")), variables)
+        last["content"] = render_template(schema.prompt_template, _as_text(last.get("content")), variables,
+                                          schema.template_file)
     messages = [{**m, "content": _parts(m.get("content"))} for m in messages]
     if n_images and not any(p["type"] == "image" for m in messages for p in m["content"]):
         for m in messages:

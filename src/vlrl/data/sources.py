@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlrl.data.decoded import MAX_JSON_DEPTH, ParquetMeasure, json_cost, row_sizes
 from vlrl.data.sample import SampleError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
@@ -70,49 +71,74 @@ def split_suffix(path: str) -> tuple[str, str | None]:
 
 
 def looks_like_hub_id(path: str) -> bool:
-    return _HUB_ID.fullmatch(path) is not None and not path.endswith(FILE_SUFFIXES)
+    """``name`` or ``org/name`` that is not a local path: no file suffix, and its first part (``org``) is not a
+    directory here — ``mydata/train`` beside a ``mydata/`` folder is a mistyped local path, not a hub dataset."""
+    return (_HUB_ID.fullmatch(path) is not None and not path.endswith(FILE_SUFFIXES)
+            and not ("/" in path and Path(path.split("/", 1)[0]).expanduser().is_dir()))
+
+
+def missing_local(path: str) -> str:
+    """The error for a local path that names nothing, with the files of its folder it may have meant."""
+    local = Path(path).expanduser()
+    near = sorted(f.name for f in local.parent.glob(f"{local.name}*") if f.suffix in FILE_SUFFIXES or f.is_dir()) \
+        if local.parent.is_dir() else []
+    return f"{path}: no such file or directory" + (f" (in {local.parent}: {', '.join(near[:5])})" if near else "")
 
 
 DEFAULT_MAX_RECORD_BYTES = 64 << 20  # data.max_record_bytes
+DEFAULT_MAX_SOURCE_BYTES = 1 << 30  # data.max_source_bytes
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one record and one source may hold once decoded (``data.max_record_bytes``, ``data.max_source_bytes``)."""
+
+    record: int = DEFAULT_MAX_RECORD_BYTES
+    source: int = DEFAULT_MAX_SOURCE_BYTES
 
 
 def open_tables(path: str | Path, *, split: str = "train", subset: str | None = None, revision: str | None = None,
-                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> list[Table]:
+                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES) -> list[Table]:
     """The tables a data path names (see the module docstring); `SourceError` when it names nothing readable.
-    ``max_record_bytes`` bounds each record while it is read: a longer jsonl line is skipped through, never held;
-    a parquet row group whose rows average more is not read; an Arrow row over it is measured before it is
-    decoded — each a bad record (``file:line`` / ``file:row N``)."""
+    Bounds on decoded bytes (`vlrl.data.decoded`): ``max_record_bytes`` bounds each record while it is read — a
+    longer jsonl line is skipped through, never held, and one whose parsed value would take more is not parsed; a
+    parquet row group holding a row that decodes to more is not read; an Arrow row over it is measured before it is
+    decoded — each a bad record (``file:line`` / ``file:row N``). ``max_source_bytes`` bounds the text (non-binary
+    bytes) one source holds once decoded: a source over it is refused as a whole (`SourceError`), measured before
+    its rows are read (parquet, Arrow) or as they are (jsonl)."""
     text, chosen = split_suffix(str(path))
     split = chosen or split
+    bounds = Bounds(max_record_bytes, max_source_bytes)
     local = Path(text).expanduser()
     if local.is_dir():
         if _is_saved_dataset(local):
-            return [_saved_table(local, split, max_record_bytes)]
+            return [_saved_table(local, split, bounds)]
         # a folder's .json files are not read (the sidecars vlrl writes beside data: plan and report .json files);
         # name a .json data file itself, or with a glob
         files = sorted(f for f in local.iterdir() if f.suffix in FOLDER_SUFFIXES and f.is_file())
         if not files:
             raise SourceError(f"{local}: no {', '.join(FOLDER_SUFFIXES)} files (nor a `save_to_disk` dataset) in this "
                               "directory")
-        return [_file_table(f, max_record_bytes) for f in files]
+        return [_file_table(f, bounds) for f in files]
     if local.is_file():
-        return [_file_table(local, max_record_bytes)]
+        return [_file_table(local, bounds)]
     if _GLOB.search(text):
         files = sorted(Path(f) for f in glob.glob(os.path.expanduser(text)) if Path(f).suffix in FILE_SUFFIXES)
         if not files:
             raise SourceError(f"{text}: the pattern matches no {', '.join(FILE_SUFFIXES)} file")
-        return [_file_table(f, max_record_bytes) for f in files]
+        return [_file_table(f, bounds) for f in files]
     if looks_like_hub_id(text) and not text.startswith((".", "/", "~")):
-        return [_hub_table(text, split=split, subset=subset, revision=revision, max_record_bytes=max_record_bytes)]
-    raise SourceError(f"{text}: no such file or directory")
+        return [_hub_table(text, split=split, subset=subset, revision=revision, bounds=bounds)]
+    raise SourceError(missing_local(text))
 
 
 # ----------------------------------------------------------------------------------------------- files
-def _file_table(file: Path, max_record_bytes: int) -> Table:
+def _file_table(file: Path, bounds: Bounds) -> Table:
     by_split = file.stem.lower() in _SPLIT_NAMES and file.parent.name
     stem, prefix = (file.parent.name, f"{file.parent.name}-{file.stem}") if by_split else (file.stem, file.stem)
     if file.suffix in (".jsonl", ".json"):
-        rows = lambda image_columns: _json_records(file, max_record_bytes)  # noqa: E731  (read again per pass)
+        rows = lambda image_columns: _json_records(file, bounds)  # noqa: E731  (read again per pass)
         first = next((r for _, r in rows(()) if isinstance(r, dict)), {})
         return Table(str(file), stem, prefix, file.parent, list(first), rows)
     if file.suffix == ".parquet":
@@ -120,20 +146,20 @@ def _file_table(file: Path, max_record_bytes: int) -> Table:
 
         try:
             parquet = pq.ParquetFile(file)
+            ours = (parquet.schema_arrow.metadata or {}).get(b"vlrl") == _PARQUET_MARKER
+            measure = ParquetMeasure.of(file, bounds.record, too_big)
         except Exception as err:  # noqa: BLE001  (pyarrow raises several types for a broken file)
             raise SourceError(f"{file}: cannot read parquet ({err})") from err
-        ours = (parquet.schema_arrow.metadata or {}).get(b"vlrl") == _PARQUET_MARKER
-        refused = _oversized_row_groups(file, parquet, max_record_bytes)
-        if refused:  # only the other row groups are read (into memory): the big ones never are
-            kept = [g for g in range(parquet.num_row_groups) if g not in {group for group, _, _ in refused}]
-            arrow = parquet.read_row_groups(kept) if kept else parquet.schema_arrow.empty_table()
-            dataset = _datasets_call(file, "Dataset", arrow)
+        _check_source(str(file), measure.text_bytes, bounds)
+        refused = measure.refused
+        if refused:  # only the other rows are read (into memory): the big ones never are decoded
+            dataset = _datasets_call(file, "Dataset", measure.kept_table(file))
         else:
             dataset = _datasets_call(file, "load_dataset", "parquet", data_files=str(file), split="train")
-        return _arrow_table(dataset, str(file), stem, prefix, file.parent, max_record_bytes, vlrl_parquet=ours,
+        return _arrow_table(dataset, str(file), stem, prefix, file.parent, bounds, vlrl_parquet=ours,
                             refused=refused)
     dataset = _datasets_call(file, "Dataset.from_file", str(file))
-    return _arrow_table(dataset, str(file), stem, prefix, file.parent, max_record_bytes)
+    return _arrow_table(dataset, str(file), stem, prefix, file.parent, bounds)
 
 
 def too_big(size: int, limit: int, *, at_least: bool = False) -> SampleError:
@@ -141,65 +167,94 @@ def too_big(size: int, limit: int, *, at_least: bool = False) -> SampleError:
                        f"data.max_record_bytes ({limit:,})")
 
 
-def _oversized_row_groups(file: Path, parquet: Any, max_record_bytes: int) -> list[tuple[int, range, SampleError]]:
-    """(group, its rows, the error) of each row group whose uncompressed size exceeds ``max_record_bytes`` × its
-    rows: it holds a row over the bound (its largest row is at least its mean), so it is one bad record, not read."""
-    refused, first = [], 0
-    for group in range(parquet.num_row_groups):
-        meta = parquet.metadata.row_group(group)
-        rows = range(first, first + meta.num_rows)
-        first += meta.num_rows
-        if meta.total_byte_size > max_record_bytes * max(1, meta.num_rows):
-            mean = -(-meta.total_byte_size // max(1, meta.num_rows))
-            refused.append((group, rows, too_big(mean, max_record_bytes, at_least=True)))
-    return refused
+def _check_source(name: str, text_bytes: int, bounds: Bounds) -> None:
+    if text_bytes > bounds.source:
+        raise SourceError(f"{name}: its records hold {text_bytes:,} bytes of text once decoded (at least), more than "
+                          f"data.max_source_bytes ({bounds.source:,}); raise it if this source is meant to be that "
+                          "large")
 
 
 _SPLIT_NAMES = {"train", "test", "validation", "val", "dev", "eval"}
 
 
-def _json_records(file: Path, max_record_bytes: int) -> Iterator[tuple[str, Any]]:
-    """(``file:line``, record or error) of a jsonl file, streamed: a line is read at most ``max_record_bytes``
-    (+ its newline) at a time, a longer one skipped through in 1 MiB pieces, never held. A ``.json`` file holding
-    one array (``file:row N``) is one document: read whole, so it must fit the bound itself."""
+def _json_records(file: Path, bounds: Bounds) -> Iterator[tuple[str, Any]]:
+    """(``file:line``, record or error) of a jsonl file, streamed: a line is read at most ``bounds.record``
+    (+ its newline) at a time, a longer one skipped through in 1 MiB pieces, never held; a line whose parsed value
+    would take more (`vlrl.data.decoded.json_cost`) or nest deeper than `MAX_JSON_DEPTH` is not parsed. A ``.json``
+    file holding one array (``file:row N``) is one document: read whole, so it must fit the bound itself. Past
+    ``bounds.source`` bytes of records the source is refused (`SourceError`)."""
     if file.suffix == ".json":
         with open(file, "rb") as handle:
             head = handle.read(4096).lstrip()
         if head.startswith(b"["):
             size = file.stat().st_size
-            if size > max_record_bytes:
-                yield str(file), too_big(size, max_record_bytes)  # (write it as jsonl: bounded per line)
+            if size > bounds.record:
+                yield str(file), too_big(size, bounds.record)  # (write it as jsonl: bounded per line)
+                return
+            raw = file.read_bytes()
+            problem = _json_problem(raw, bounds.record)
+            if problem is not None:
+                yield str(file), problem
                 return
             try:
-                rows = json.loads(file.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as err:
-                yield f"{file}:{err.lineno}", SampleError(f"malformed JSON ({err.msg} at column {err.colno})")
+                rows = json.loads(raw.decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                yield f"{file}:{getattr(err, 'lineno', 1)}", SampleError(f"malformed JSON ({err})")
                 return
             yield from ((f"{file}:row {k}", row) for k, row in enumerate(rows))
             return
+    held = 0
     with open(file, "rb") as handle:
         number = 0
-        while line := handle.readline(max_record_bytes + 1):
+        while line := handle.readline(bounds.record + 1):
             number += 1
             where = f"{file}:{number}"
-            if len(line) > max_record_bytes and not line.endswith(b"\n"):
+            if len(line) > bounds.record and not line.endswith(b"\n"):
                 size = len(line)
-                del line
-                while piece := handle.readline(1 << 20):
-                    size += len(piece)
-                    if piece.endswith(b"\n"):
-                        size -= 1
-                        break
-                yield where, too_big(size, max_record_bytes)
+                del line  # (not held while the rest is skipped)
+                yield where, too_big(size + _skip_line(handle), bounds.record)
                 continue
             if not line.strip():
                 continue
-            try:
-                yield where, json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as err:
-                yield where, SampleError(f"not UTF-8 text (byte {err.start + 1} of the line)")
-            except json.JSONDecodeError as err:
-                yield where, SampleError(f"malformed JSON ({err.msg} at column {err.colno})")
+            held += len(line)
+            _check_source(str(file), held, bounds)
+            yield where, _json_line(line, bounds.record)
+
+
+def _skip_line(handle: Any) -> int:
+    """Read past the rest of a line in 1 MiB pieces; its bytes (without the newline)."""
+    size = 0
+    while piece := handle.readline(1 << 20):
+        size += len(piece)
+        if piece.endswith(b"\n"):
+            return size - 1
+    return size
+
+
+def _json_problem(raw: bytes, limit: int) -> SampleError | None:
+    """Why the JSON text ``raw`` is not parsed (its parsed value too big or too deep), or None."""
+    cost, depth = json_cost(raw, limit)
+    if cost > limit:
+        return SampleError(f"a record that takes about {cost:,} bytes once parsed (JSON values cost memory beyond "
+                           f"their text), more than data.max_record_bytes ({limit:,})")
+    if depth > MAX_JSON_DEPTH:
+        return SampleError(f"JSON nested {depth:,} deep, more than {MAX_JSON_DEPTH}")
+    return None
+
+
+def _json_line(line: bytes, limit: int) -> Any:
+    """One jsonl line's record, or the error that names what is wrong with it."""
+    problem = _json_problem(line, limit)
+    if problem is not None:
+        return problem
+    try:
+        return json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        return SampleError(f"not UTF-8 text (byte {err.start + 1} of the line)")
+    except json.JSONDecodeError as err:
+        return SampleError(f"malformed JSON ({err.msg} at column {err.colno})")
+    except RecursionError:
+        return SampleError(f"JSON nested too deeply (more than {MAX_JSON_DEPTH} levels)")
 
 
 # ----------------------------------------------------------------------------------------------- datasets
@@ -234,7 +289,7 @@ def _is_saved_dataset(folder: Path) -> bool:
         ((folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
 
 
-def _saved_table(folder: Path, split: str, max_record_bytes: int) -> Table:
+def _saved_table(folder: Path, split: str, bounds: Bounds) -> Table:
     loaded = _datasets_call(folder, "load_from_disk", str(folder))
     name, prefix = str(folder), folder.name
     if hasattr(loaded, "keys"):  # a DatasetDict
@@ -242,29 +297,32 @@ def _saved_table(folder: Path, split: str, max_record_bytes: int) -> Table:
             raise SourceError(f"{folder}: no split {split!r} (splits: {', '.join(loaded)}); choose one with "
                               f"data.split / data.test_split or {folder}@SPLIT")
         loaded, name, prefix = loaded[split], f"{folder}[{split}]", f"{folder.name}-{split}"
-    return _arrow_table(loaded, name, folder.name, prefix, folder, max_record_bytes)
+    return _arrow_table(loaded, name, folder.name, prefix, folder, bounds)
 
 
-def _hub_table(repo: str, *, split: str, subset: str | None, revision: str | None, max_record_bytes: int) -> Table:
+def _hub_table(repo: str, *, split: str, subset: str | None, revision: str | None, bounds: Bounds) -> Table:
     dataset = _datasets_call(f"{repo} (as a hub dataset id)", "load_dataset", repo, name=subset, split=split,
                              revision=revision)
     stem = repo.rsplit("/", 1)[-1]
-    return _arrow_table(dataset, f"{repo}[{split}]", stem, f"{stem}-{split}", Path.cwd(), max_record_bytes)
+    return _arrow_table(dataset, f"{repo}[{split}]", stem, f"{stem}-{split}", Path.cwd(), bounds)
 
 
-def _arrow_table(dataset: Any, name: str, stem: str, prefix: str, base_dir: Path, max_record_bytes: int, *,
-                 vlrl_parquet: bool = False, refused: list[tuple[int, range, SampleError]] = ()) -> Table:
+def _arrow_table(dataset: Any, name: str, stem: str, prefix: str, base_dir: Path, bounds: Bounds, *,
+                 vlrl_parquet: bool = False, refused: list[tuple[int, range, Exception]] = ()) -> Table:
     """A memory-mapped (or in-memory) dataset as a table; ``refused``: parquet row groups left out, each reported
-    as one bad record where its rows would have been."""
+    as one bad record where its rows would have been. Its rows are measured here, on the columns' buffers
+    (`vlrl.data.decoded.row_sizes`): a source over ``bounds.source`` bytes of text is refused before any is read."""
     if getattr(dataset, "_indices", None) is not None:  # a selection of another table: make its rows contiguous
         dataset = dataset.flatten_indices()
+    sizes, text = row_sizes(dataset.data.table)
+    _check_source(name, sum(text), bounds)
 
     def rows(image_columns: Iterable[str]) -> Iterator[tuple[str, Any]]:
         numbers = iter(sorted(set(range(sum(len(r) for _, r, _ in refused) + len(dataset)))
                               - {n for _, r, _ in refused for n in r}))  # the file's row number of each kept row
         for _, span, error in refused:  # the refused groups first: reported once each, before the rows read
             yield (f"{name}:rows {span.start}-{span.stop - 1}" if len(span) > 1 else f"{name}:row {span.start}"), error
-        for (_, record), number in zip(_arrow_rows(dataset, name, image_columns, base_dir, max_record_bytes),
+        for (_, record), number in zip(_arrow_rows(dataset, name, image_columns, base_dir, bounds.record, sizes),
                                        numbers, strict=True):
             yield f"{name}:row {number}", record
 
@@ -272,12 +330,11 @@ def _arrow_table(dataset: Any, name: str, stem: str, prefix: str, base_dir: Path
 
 
 def _arrow_rows(dataset: Any, name: str, image_columns: Iterable[str], base_dir: Path, max_record_bytes: int,
-                batch_size: int = 256) -> Iterator[tuple[str, Any]]:
+                sizes: list[int], batch_size: int = 256) -> Iterator[tuple[str, Any]]:
     """Rows of a memory-mapped dataset: the image columns as `ArrowImage` handles (nothing decoded, no bytes
     copied), every other column as `datasets` decodes it — except other image/audio/video features, dropped. A
     row whose bytes (all its columns, measured in the table) exceed ``max_record_bytes`` is a bad record."""
     table = dataset.data.table  # the pyarrow Table (memory-mapped from the cache / the saved folder)
-    sizes = _row_sizes(table)
     lazy = [c for c in image_columns if c in dataset.column_names]
     plain = [c for c in dataset.column_names if c not in lazy and not _media_feature(dataset.features.get(c))]
     counts = {c: _image_counts(table.column(c)) for c in lazy}
@@ -308,36 +365,6 @@ def _arrow_rows(dataset: Any, name: str, image_columns: Iterable[str], base_dir:
         yield where, {c: [ArrowImage(table.column(c), row, i, base_dir, where) for i in range(counts[c][row] or 0)]
                       for c in lazy}
         row += 1
-
-
-def _row_sizes(table: Any) -> list[int]:
-    """Bytes of each row of a pyarrow table: its strings and binaries (nested ones included) plus 8 per other
-    value — computed on the columns' buffers, no row decoded."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    total = [0] * table.num_rows
-
-    def add(array: Any, rows: list[int]) -> None:  # array: one value per entry of ``rows``
-        kind = array.type
-        if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) or \
-                pa.types.is_large_binary(kind):
-            for row, length in zip(rows, pc.binary_length(array).to_pylist(), strict=True):
-                total[row] += length or 0
-        elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
-            lengths = pc.list_value_length(array).fill_null(0).to_pylist()
-            flat_rows = [row for row, n in zip(rows, lengths, strict=True) for _ in range(n)]
-            add(pc.list_flatten(array), flat_rows)
-        elif pa.types.is_struct(kind):
-            for index in range(kind.num_fields):
-                add(array.field(index), rows)
-        else:
-            for row in rows:
-                total[row] += 8
-
-    for column in table.columns:
-        add(column.combine_chunks() if column.num_chunks != 1 else column.chunk(0), list(range(table.num_rows)))
-    return total
 
 
 def _media_feature(feature: Any) -> bool:

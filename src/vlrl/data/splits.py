@@ -47,7 +47,7 @@ def media_limits(cfg: DataConfig) -> MediaLimits:
     """Video frame sampling and per-sample image budgets of ``cfg`` (`vlrl.data.video`)."""
     return MediaLimits(video_fps=cfg.video_fps, max_frames=cfg.max_frames, max_images=cfg.max_images,
                        max_image_pixels=cfg.max_image_pixels, max_sample_pixels=cfg.max_sample_pixels,
-                       max_record_bytes=cfg.max_record_bytes)
+                       max_record_bytes=cfg.max_record_bytes, max_source_bytes=cfg.max_source_bytes)
 
 
 def schema_for(cfg: DataConfig, split: str = "train"):
@@ -55,10 +55,11 @@ def schema_for(cfg: DataConfig, split: str = "train"):
     ``prompt_template`` naming a file is read here. `ValueError` names the field."""
     from vlrl.data.schemas import Schema
 
-    template = cfg.prompt_template
+    template, file = cfg.prompt_template, None
     if template is not None and "{" not in template and Path(template).expanduser().is_file():
-        template = Path(template).expanduser().read_text(encoding="utf-8")
-    return Schema(format=cfg.format, columns=dict(cfg.columns), prompt_template=template,
+        file = str(Path(template).expanduser())
+        template = Path(file).read_text(encoding="utf-8")
+    return Schema(format=cfg.format, columns=dict(cfg.columns), prompt_template=template, template_file=file,
                   system_prompt=cfg.system_prompt, reward=cfg.reward, reward_by_source=dict(cfg.reward_by_source),
                   split=cfg.split if split == "train" else cfg.test_split, subset=cfg.subset, revision=cfg.revision)
 

@@ -36,9 +36,10 @@ class MediaLimits:
     video_fps: float = 2.0
     max_frames: int = 8
     max_images: int | None = 32
-    max_image_pixels: int | None = None
-    max_sample_pixels: int | None = None
+    max_image_pixels: int | None = 16 << 20  # `vlrl serve`'s --max-image-pixels
+    max_sample_pixels: int | None = 128 << 20  # `vlrl serve`'s --max-request-pixels
     max_record_bytes: int = 64 << 20  # one jsonl line / parquet row, checked by the reader while it reads
+    max_source_bytes: int = 1 << 30  # the text of one source once decoded, checked before (or while) it is read
 
 
 def prepare_media(sample: Sample, limits: MediaLimits) -> Sample:
@@ -172,7 +173,10 @@ def check_budgets(sample: Sample, limits: MediaLimits) -> None:
         return
     total = 0
     for k, image in enumerate(sample.images):
-        width, height = image_size(image)
+        try:
+            width, height = image_size(image)
+        except SampleError as err:
+            raise SampleError(f"field 'images[{k}]': {err}") from err
         if limits.max_image_pixels is not None and width * height > limits.max_image_pixels:
             raise SampleError(f"field 'images[{k}]': {width}x{height} = {width * height} pixels exceed "
                               f"data.max_image_pixels = {limits.max_image_pixels}")

@@ -51,22 +51,28 @@ def open_run(cfg: RunConfig, ctx: DistContext | None = None, resume: Path | None
 @contextmanager
 def reporting(cfg: RunConfig, run_dir: Path, logger: MetricsLogger, ctx: DistContext | None = None) -> Iterator[None]:
     """Close the sinks and write report.html (rank 0) when the block ends, also when it fails; leave the
-    process group of a distributed run. Inside the block ``sandbox.isolation`` is the process's
-    ``VLRL_SANDBOX_ISOLATION``, which the reward workers follow (`vlrl.rewards.execution`)."""
-    from vlrl.rewards.sandbox import ENV
+    process group of a distributed run. Inside the block the ``sandbox`` section is the process's
+    ``VLRL_SANDBOX_*`` variables (`vlrl.rewards.sandbox.sandbox_env`), which the reward workers follow."""
+    from vlrl.rewards.sandbox import sandbox_env
 
-    previous = os.environ.get(ENV)
-    os.environ[ENV] = cfg.sandbox.isolation
+    settings = sandbox_env(cfg.sandbox.isolation, tree_bound=cfg.sandbox.tree_bound,
+                           max_memory_mb=cfg.sandbox.max_memory_mb, max_processes=cfg.sandbox.max_processes)
+    previous = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         logger.close()
-        if cfg.report.html and (ctx is None or ctx.is_main) and (run_dir / "metrics.jsonl").exists():
-            write_report_html(run_dir, logger)
+        try:
+            if cfg.report.html and (ctx is None or ctx.is_main) and (run_dir / "metrics.jsonl").exists():
+                write_report_html(run_dir, logger)
+        finally:
+            logger.release()  # the run directory's lock, once everything of the run is written
         if ctx is not None:
             shutdown_distributed(ctx)
 
@@ -109,8 +115,9 @@ def check_run(cfg: RunConfig, logger: MetricsLogger, train: list[Sample], test: 
         raise PreflightError(refused) from None
     if record is None:
         return {}
-    message = f"code sandbox: isolation {record['isolation']} (sandbox.isolation {record['setting']}): {record['description']}"
-    (logger.warn if record["isolation"] == "none" else logger.info)(message)
+    message = (f"code sandbox: isolation {record['isolation']} (sandbox.isolation {record['setting']}): "
+               f"{record['description']}; process tree: {record['tree_bound']}")
+    (logger.warn if record["isolation"] == "none" or "no cgroup" in record["tree_bound"] else logger.info)(message)
     return {"sandbox": record}
 
 

@@ -470,7 +470,8 @@ def step_credit_sections(runs: list[Run]) -> list[dict[str, Any]]:
 
 def build_report(run_dirs: list[str | Path], *, title: str | None = None) -> str:
     """The report page of one or several runs, as an HTML string."""
-    from jinja2 import Environment, PackageLoader, select_autoescape
+    from jinja2 import PackageLoader, select_autoescape
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     if not run_dirs:
         raise ReportError("give at least one run directory")
@@ -478,8 +479,9 @@ def build_report(run_dirs: list[str | Path], *, title: str | None = None) -> str
     runs = [load_run(path, label) for path, label in zip(paths, _labels(paths), strict=True)]
     series = _series(runs)
     tables = eval_tables(runs)
-    env = Environment(loader=PackageLoader("vlrl.report", "templates"), autoescape=select_autoescape(["html", "j2"]),
-                      trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(loader=PackageLoader("vlrl.report", "templates"),
+                                        autoescape=select_autoescape(["html", "j2"]), trim_blocks=True,
+                                        lstrip_blocks=True)
     env.filters["fmt"] = lambda v, digits=3: "—" if v is None or (isinstance(v, float) and math.isnan(v)) else (
         f"{v:.{digits}f}" if isinstance(v, float) else str(v))
     hidden = hidden_constant_series(runs, series)

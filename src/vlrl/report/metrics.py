@@ -40,6 +40,7 @@ class MetricsLogger:
         self.start = time.time()
         self.records: list[dict[str, Any]] = []
         self._notes: dict[str, dict[str, Any]] = {}
+        self.on_release: list[Any] = []  # called by `release` (the run directory's lock)
 
     def add_sink(self, sink: Sink) -> None:
         self.sinks.append(sink)
@@ -90,6 +91,12 @@ class MetricsLogger:
                 errors.append(f"{type(sink).__name__}: {err}")
         if errors:
             self.warn("closing metric sinks failed: " + "; ".join(errors))
+
+    def release(self) -> None:
+        """The run is over (its report written too): run what it held to the end, once (`on_release`)."""
+        callbacks, self.on_release = self.on_release, []
+        for callback in callbacks:
+            callback()
 
     def __enter__(self) -> MetricsLogger:
         return self

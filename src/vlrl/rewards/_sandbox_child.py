@@ -14,8 +14,9 @@ machine): no other file of the host is visible and nothing written outlives the 
 A test: its own directory (``test<i>-<random>`` in the work folder, made with ``mkdir`` and entered by descriptor), its
 own process group, stdin/stdout/stderr on anonymous memory files (``memfd_create``) made by the runner before
 the test starts — the runner never opens a file by name on the program's side, so no link a program plants
-is ever followed with the runner's privileges; rlimits on CPU time, address space, file size (= output cap), open files, processes, core dumps; uid/gid
-dropped to ``drop_uid`` when running as root; sockets disabled when the caller could not cut the network
+is ever followed with the runner's privileges; rlimits on CPU time, address space, file size (= output cap), open files, processes, core dumps (the whole
+tree's memory and processes are bounded by the caller's cgroup, `vlrl.rewards.sandbox_bounds`); uid/gid
+dropped to ``drop_uid`` (a user of this run's own) when running as root; sockets disabled when the caller could not cut the network
 with a namespace. It runs the program as ``__main__``, then the test's assert code (if any) in the same
 namespace, then copies a nonce from one pipe to another: exiting early (``sys.exit(0)``, ``os._exit(0)``)
 does not fake a pass.
@@ -46,6 +47,7 @@ def main() -> None:
     result_fd = os.dup(1)
     os.set_inheritable(result_fd, False)
     _die_with_parent()
+    _oom_score(-1000)  # the run's memory bound kills a test's process, never the runner (as root; else no-op)
     if job["mount_tmpfs"]:
         error = _load_sibling("_sandbox_root").private_filesystem(job)
         if error is not None:  # never run a program on a half-built filesystem
@@ -84,6 +86,15 @@ def _write(fd: int, result: dict) -> None:
 def _die_with_parent() -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a test become ours, so we can kill them
+
+
+def _oom_score(value: int) -> None:
+    """Set this process's ``oom_score_adj`` where allowed (raising it always is; lowering it needs root)."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(value))
+    except OSError:
+        pass
 
 
 def _preload(packages: list) -> None:
@@ -297,6 +308,7 @@ def _child(job: dict, test: dict, fds: tuple[int, int, int, int], marker_w: int,
     os.dup2(nonce_r, 4)
     os.closerange(5, 65536)
     os.environ["HOME"] = os.environ["TMPDIR"] = os.getcwd()
+    _oom_score(1000)  # the first process the run's memory bound kills
     _limit(job)
     _drop_privileges(job)
     if job["block_network"]:

@@ -15,6 +15,7 @@ whole batch; the executor sends all ``critic`` units of a batch to `Judge.score_
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -27,6 +28,24 @@ DEFAULT_TEMPLATE = (
     "Response: {response}\n"
     "Is the response's final answer correct? Only output: True or False."
 )
+
+
+
+def fill_template(template: str, fields: Mapping[str, Any], *, where: str = "judge template") -> str:
+    """``template`` (``str.format`` syntax) with its ``{name}`` fields from ``fields``. Only plain names are
+    allowed: ``str.format`` would follow ``{answer.__class__.__init__.__globals__}`` or ``{answer[0]}`` into any
+    object the fields reach, and a template comes from a config — so a field with ``.`` or ``[``, a positional
+    ``{}`` or a nested field in a format spec is refused (`ValueError` naming ``where`` and the field)."""
+    for _, name, spec, _ in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if not name.isidentifier():
+            raise ValueError(f"{where}: field {{{name}}} is not a plain name (only {{question}}, {{answer}}, "
+                             "{response} and other names; no attribute, index or positional field)")
+        if spec and "{" in spec:
+            raise ValueError(f"{where}: field {{{name}}} has a nested field in its format spec")
+    return template.format_map(fields)
+
 
 _POSITIVE = {"true", "yes", "correct", "right"}
 _NEGATIVE = {"false", "no", "incorrect", "wrong"}

@@ -119,7 +119,8 @@ class ContinuousBatcher:
     held at its next decode step (``in_place``). Early stop: a job whose future is cancelled (its client went away),
     whose ``deadline`` passed, or that is aborted stops decoding at the next decode step — the engine asks the
     batcher once per step (`HFEngine.generate`'s ``on_step``) — and its rows leave the batch; ``early_stops``
-    keeps the last of them (for metrics and tests).
+    keeps the last of them (for metrics and tests). A batch that fails is decoded again job by job, so a job that
+    cannot be decoded fails alone (its future gets the error) and the others of its batch still get their answers.
     """
 
     def __init__(self, policy: Policy, *, max_batch_size: int = 256, max_queued_requests: int = 1024,
@@ -144,6 +145,7 @@ class ContinuousBatcher:
         self.rows = 0  # sequences decoded so far
         self.decode_steps = 0  # decode steps taken so far (every batch, every step)
         self.cancelled = 0  # jobs whose future was cancelled (their client went away), queued or decoding
+        self.retried_batches = 0  # batches that failed and were decoded again job by job
         self.early_stops: collections.deque[EarlyStop] = collections.deque(maxlen=256)
         self._thread = threading.Thread(target=self._loop, name="vlrl-batcher", daemon=True)
         self._thread.start()
@@ -417,9 +419,15 @@ class ContinuousBatcher:
         try:
             out = engine.generate(requests, jobs[0].sampling, on_step=self._on_step(owners))
         except Exception as err:  # a bad batch fails its own requests, never the server
+            if len(jobs) > 1:  # one bad job must not fail the others: each is decoded again on its own
+                log.warning("a batch of %d jobs failed (%s: %s); retrying them one by one", len(jobs),
+                            type(err).__name__, str(err)[:200])
+                self.retried_batches += 1
+                for job in jobs:
+                    self._run(engine, [job])
+                return
             log.exception("generation failed")
-            for job in jobs:
-                settle(job.future, error=err)
+            settle(jobs[0].future, error=err)
             return
         n, start = jobs[0].sampling.n, 0
         retracted = [job for job in jobs if job.retracted and not job.aborted and not job.future.cancelled()]

@@ -7,14 +7,13 @@ builds samples and requests for an engine); the verdict parser and the verifier 
 from __future__ import annotations
 
 import math
-import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vlrl.data.sample import Sample
 from vlrl.rewards.base import RewardOutput
-from vlrl.rewards.judge import DEFAULT_TEMPLATE, parse_verdict
+from vlrl.rewards.judge import DEFAULT_TEMPLATE, fill_template, parse_verdict
 from vlrl.rollout.types import SamplingParams
 
 
@@ -30,7 +29,7 @@ class JudgeReward:
     Attributes:
         engine: an object with ``encode(sample) -> Request`` and ``generate(requests, sampling)``.
         template: ``str.format`` template; fields ``{question}``, ``{answer}``, ``{response}`` and any
-            metadata key (a missing field is left empty).
+            metadata key (a missing field is left empty); plain names only (`vlrl.rewards.judge.fill_template`).
         max_new_tokens: verdict length.
         use_logprob: score = P(positive verdict) from the first generated token's log-prob
             (p if the verdict is positive, 1 − p if negative) instead of 1/0 — the seed's probability.
@@ -43,10 +42,13 @@ class JudgeReward:
     use_logprob: bool = False
     max_response_chars: int = 8000
 
+    def __post_init__(self) -> None:
+        fill_template(self.template, _Blank())  # a field that is not a plain name is refused here, not per prompt
+
     def prompt(self, response: str, answer: Any, meta: Mapping[str, Any]) -> str:
         fields = _Blank({k: v for k, v in meta.items() if isinstance(v, (str, int, float))})
         fields.update(response=response[: self.max_response_chars], answer=answer, question=meta.get("question", ""))
-        return string.Formatter().vformat(self.template, (), fields)
+        return fill_template(self.template, fields)
 
     def score_batch(self, items: Sequence[tuple[str, Any, Mapping[str, Any]]]) -> list[RewardOutput]:
         """Judge every ``(response, answer, meta)`` in one ``engine.generate`` call (greedy)."""

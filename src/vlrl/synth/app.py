@@ -8,7 +8,15 @@ from __future__ import annotations
 import base64
 from typing import Any, Protocol
 
-from vlrl.serving import BodyError, BodyParser, encode_json, explain_validation_error, on_close, protect
+from vlrl.serving import (
+    BodyError,
+    BodyParser,
+    encode_json,
+    explain_validation_error,
+    on_close,
+    peer_identity,
+    protect,
+)
 from vlrl.synth.schema import BadRequest, JobBody, QueueFull, SynthSettings, parse_job
 
 
@@ -28,14 +36,15 @@ class JobService(Protocol):
 
 
 def client_identity(request: Any) -> str:
-    """Who a request comes from, for the queue's fair shares: ``sha256(bearer token)[:8]@peer host``. The token is
-    the only credential a client cannot forge; the address tells apart the holders of one shared token (a peer
-    address, not a header: ``X-Forwarded-For`` is the client's to write)."""
+    """Who a request comes from, for the queue's fair shares: ``sha256(bearer token)[:8]@peer host``, and on a
+    loopback connection ``#pid`` of the peer process (`vlrl.serving.peer_identity`: what the server can see of a
+    local client — one shared key no longer makes every local process one client). The token is the only
+    credential a client cannot forge; the address (a peer address, not a header: ``X-Forwarded-For`` is the
+    client's to write) and the local process tell apart the holders of one shared token."""
     import hashlib
 
     token = request.headers.get("authorization", "")
-    host = request.client.host if request.client is not None else "unknown"
-    return f"{hashlib.sha256(token.encode()).hexdigest()[:8]}@{host}"
+    return f"{hashlib.sha256(token.encode()).hexdigest()[:8]}@{peer_identity(request.scope)}"
 
 
 def create_app(service: JobService, *, api_key: str | None) -> Any:
@@ -99,9 +108,9 @@ def _submit_route(service: JobService, parser: BodyParser, answer: type) -> Any:
         except ValidationError as err:
             raise BadRequest(explain_validation_error(err)) from None
         image, keep, boxes = await asyncio.to_thread(parse_job, body, settings)
+        client = await asyncio.to_thread(client_identity, request)  # (reads /proc once per loopback connection)
         try:
-            job = service.submit(image, keep, boxes, body.description.strip(), body.seed, body.refine,
-                                 client=client_identity(request))
+            job = service.submit(image, keep, boxes, body.description.strip(), body.seed, body.refine, client=client)
         except QueueFull as err:
             return answer({"error": f"server busy: {err}"}, 429, headers={"Retry-After": "1"})
         return answer({"id": job.id, "status": job.status, "queued": service.health()["queued"]}, 202,

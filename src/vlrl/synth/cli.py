@@ -37,7 +37,8 @@ def serve(
     executor: str = typer.Option("process", "--executor", help="process (timeouts kill the worker) or thread."),
     max_queued_jobs: int = typer.Option(64, "--max-queued-jobs", help="Queue bound; further jobs get 429."),
     max_queued_per_client: int | None = typer.Option(None, "--max-queued-per-client", min=1, help="Queued jobs one "
-                                                     "client (token + address) may hold; unset: a quarter of the queue."),
+                                                     "client (token + address, + process on loopback) may hold; "
+                                                     "unset: a quarter of the queue."),
     job_timeout: float = typer.Option(60.0, "--job-timeout", help="Seconds one job may run."),
     results_dir: str | None = typer.Option(None, "--results-dir", help="Where result PNGs are kept (default: a temporary directory)."),
     max_results_mb: float = typer.Option(512.0, "--max-results-mb", help="Size cap of the results; the oldest are deleted beyond it."),

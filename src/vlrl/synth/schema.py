@@ -27,13 +27,13 @@ class SynthSettings:
         segmenter / segmenter_options: optional box → mask refinement (``border``, ``model``; None = boxes).
         workers: jobs run at once. executor: ``process`` (killable timeouts) or ``thread``.
         max_queued_jobs: accepted jobs waiting for a worker; more get 429.
-        max_queued_per_client: queued jobs one client (token + address) may hold; more get 429. None: a quarter
-            of ``max_queued_jobs`` (at least 1).
+        max_queued_per_client: queued jobs one client (token + address, + process on loopback) may hold; more get
+            429. None: a quarter of ``max_queued_jobs`` (at least 1).
         job_timeout: seconds one job may run.
         results_dir: where result PNGs go (None: a temporary directory removed at shutdown).
         max_results_bytes: size cap of the results; the oldest are deleted beyond it.
         max_jobs: finished jobs remembered (older ones are forgotten: 404).
-        max_image_side / min_image_side / max_image_pixels / max_boxes / max_description_chars /
+        max_image_side / min_image_side / max_image_pixels / max_boxes / max_masks / max_description_chars /
         max_body_bytes: input limits (400 / 413 beyond them; the body limit counts the bytes received, so it holds
         for chunked bodies too).
         drain_seconds: on SIGTERM, HTTP requests in flight get this long before they are cancelled; queued jobs
@@ -56,6 +56,7 @@ class SynthSettings:
     min_image_side: int = 8
     max_image_pixels: int = 16 << 20
     max_boxes: int = 256
+    max_masks: int = 16
     max_description_chars: int = 2000
     max_body_bytes: int = 64 << 20
     drain_seconds: float = 10.0
@@ -86,14 +87,30 @@ class JobBody(BaseModel):
 def decode_image(data: str | bytes, field: str, settings: SynthSettings, *, mode: str = "RGB") -> np.ndarray:
     """A base64 / data-URL image (or its bytes) → (H, W, 3) uint8 (or (H, W) for ``mode="L"``): only `IMAGE_FORMATS`
     (`vlrl.data.sample.load_image`, the one image loader), size checked from the header before decoding."""
-    if isinstance(data, str):
-        payload = data.split(",", 1)[1] if data.startswith("data:") and "," in data else data
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise BadRequest(f"field '{field}': not valid base64 (send base64 or a data URL)") from None
+    raw = image_bytes(data, field)
+    header_size(raw, field, settings)
     try:
-        W, H = image_size(data)
+        image = load_image(raw, max_pixels=settings.max_image_pixels, mode=mode)
+    except SampleError as err:
+        raise BadRequest(f"field '{field}': truncated or corrupt image ({_reason(err)})") from None
+    return np.asarray(image, dtype=np.uint8)
+
+
+def image_bytes(data: str | bytes, field: str) -> bytes:
+    """The encoded image of a base64 / data-URL field (bytes pass through)."""
+    if isinstance(data, bytes):
+        return data
+    payload = data.split(",", 1)[1] if data.startswith("data:") and "," in data else data
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"field '{field}': not valid base64 (send base64 or a data URL)") from None
+
+
+def header_size(raw: bytes, field: str, settings: SynthSettings) -> tuple[int, int]:
+    """(width, height) of an encoded image from its header, within the server's side and pixel limits."""
+    try:
+        W, H = image_size(raw)
     except SampleError as err:
         reason = _reason(err)
         raise BadRequest(f"field '{field}': " + (reason if "is not accepted" in reason else
@@ -101,11 +118,7 @@ def decode_image(data: str | bytes, field: str, settings: SynthSettings, *, mode
     if min(W, H) < settings.min_image_side or max(W, H) > settings.max_image_side or W * H > settings.max_image_pixels:
         raise BadRequest(f"field '{field}': size {W}x{H} outside the limits (sides {settings.min_image_side}.."
                          f"{settings.max_image_side} px, at most {settings.max_image_pixels} pixels)")
-    try:
-        image = load_image(data, max_pixels=settings.max_image_pixels, mode=mode)
-    except SampleError as err:
-        raise BadRequest(f"field '{field}': truncated or corrupt image ({_reason(err)})") from None
-    return np.asarray(image, dtype=np.uint8)
+    return W, H
 
 
 def _reason(err: SampleError) -> str:
@@ -154,11 +167,28 @@ def parse_job(body: JobBody, settings: SynthSettings) -> tuple[np.ndarray, np.nd
     H, W = image.shape[:2]
     boxes = check_boxes(body.boxes, (H, W), settings)
     keep = boxes_mask((H, W), boxes)
-    for k, data in enumerate(body.masks):
-        mask = decode_image(data, f"masks[{k}]", settings, mode="L")
-        if mask.shape != (H, W):
-            raise BadRequest(f"field 'masks[{k}]': size {mask.shape[1]}x{mask.shape[0]} differs from the image's {W}x{H}")
-        keep |= mask > 0
+    for mask in _masks(body.masks, (W, H), settings):
+        keep |= mask
     if not keep.any():
         raise BadRequest("field 'boxes' / 'masks': give the foreground to preserve (at least one box or a non-empty mask)")
     return image, keep, boxes
+
+
+def _masks(masks: Sequence[str | bytes], size: tuple[int, int], settings: SynthSettings) -> list[np.ndarray]:
+    """Each mask as a boolean (H, W) array. Their number (``max_masks``) and each one's size (the image's) are
+    checked from the headers before any is decoded; a mask that keeps nothing is refused at the first one."""
+    W, H = size
+    if len(masks) > settings.max_masks:
+        raise BadRequest(f"field 'masks': {len(masks)} masks, at most {settings.max_masks}")
+    raws = [image_bytes(data, f"masks[{k}]") for k, data in enumerate(masks)]
+    for k, raw in enumerate(raws):
+        width, height = header_size(raw, f"masks[{k}]", settings)
+        if (width, height) != (W, H):
+            raise BadRequest(f"field 'masks[{k}]': size {width}x{height} differs from the image's {W}x{H}")
+    out = []
+    for k, raw in enumerate(raws):
+        mask = decode_image(raw, f"masks[{k}]", settings, mode="L") > 0
+        if not mask.any():
+            raise BadRequest(f"field 'masks[{k}]': empty (no non-zero pixel); a mask marks the foreground to keep")
+        out.append(mask)
+    return out

@@ -20,8 +20,9 @@ Jobs wait in a bounded queue (``max_queued_jobs``) for one of ``workers`` worker
 between clients: one client may hold at most ``max_queued_per_client`` queued jobs (default a quarter of the
 queue), and the workers take jobs round-robin across the clients that have some, so a client's flood neither
 fills the queue for the others (their jobs are still admitted) nor delays their jobs behind its own. A client
-is its bearer token and its address (``sha256(token)[:8]@host``): with one shared key, clients on different
-hosts are told apart by their address, and processes on one host share a share. With ``executor="process"``
+is its bearer token, its address and — on loopback — its process (``sha256(token)[:8]@host#pid``, the peer
+process read from ``/proc``): with one shared key, clients on different hosts are told apart by their address and
+local processes by their PID; the processes of one remote host share a share. With ``executor="process"``
 (the default of the command) each worker is a process that builds the back-end once (pebble pool,
 forkserver) and is killed and replaced when a job exceeds ``job_timeout``; with ``executor="thread"`` jobs run
 in threads of this process (cheap to start: tests, notebooks) and a job over its timeout is marked failed

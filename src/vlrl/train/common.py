@@ -4,9 +4,12 @@ model. (A run's data and the prompt cursor: `vlrl.data.splits`, `vlrl.data.curso
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import math
+import os
 import random
+import socket
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -108,14 +111,51 @@ def step_or_skip(model: torch.nn.Module, optimizer, scheduler, grad_clip: float,
         return None
 
 
+class RunDirBusy(RuntimeError):
+    """Another run holds the run directory's lock (the message names its PID)."""
+
+
+def lock_run_dir(run_dir: Path) -> int:
+    """Hold ``run_dir/run.lock`` (``flock``, exclusive) for this run, its PID written in it; the descriptor, to close
+    when the run ends (the kernel releases it if the process dies). `RunDirBusy` names the PID of the run that
+    holds it: two runs never write one directory (interleaved ``metrics.jsonl``, the other's ``config.yaml``)."""
+    fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirBusy(f"out={run_dir}: another run is writing this directory (PID {holder}, {RUN_LOCK}); wait "
+                         "for it to end or choose another out=") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+RUN_LOCK = "run.lock"
+
+
 def prepare_run_dir(out: str | Path, config: Section, *, keep_metrics_bytes: int | None = None) -> tuple[Path, MetricsLogger]:
-    """Create the run directory, write the resolved ``config.yaml``, open ``metrics.jsonl`` — a fresh one, or
-    (resuming) the existing one, whose first ``keep_metrics_bytes`` are what the checkpoint saw: the clock goes
-    on from their last record. The file is cut back to them only once the checkpoint has loaded
-    (`vlrl.train.checkpoint.Checkpointer.load`), so a resume that fails leaves it whole."""
+    """Create the run directory and hold its lock for the run (`lock_run_dir`; released by ``logger.release()``),
+    write the resolved ``config.yaml``, open ``metrics.jsonl`` — a fresh one, or (resuming) the existing one, whose
+    first ``keep_metrics_bytes`` are what the checkpoint saw: the clock goes on from their last record. The file is
+    cut back to them only once the checkpoint has loaded (`vlrl.train.checkpoint.Checkpointer.load`), so a resume
+    that fails leaves it whole."""
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
+    lock = lock_run_dir(run_dir)
+    try:
+        (run_dir / "config.yaml").write_text(dump_config(config))
+        logger = _open_metrics(run_dir, keep_metrics_bytes)
+    except BaseException:
+        os.close(lock)
+        raise
+    logger.on_release.append(lambda: os.close(lock))
+    return run_dir, logger
+
+
+def _open_metrics(run_dir: Path, keep_metrics_bytes: int | None) -> MetricsLogger:
+    """A logger writing ``run_dir/metrics.jsonl``: fresh, or (resuming) continued after ``keep_metrics_bytes``."""
     metrics = run_dir / "metrics.jsonl"
     elapsed = 0.0
     if keep_metrics_bytes is not None and metrics.exists():
@@ -126,7 +166,7 @@ def prepare_run_dir(out: str | Path, config: Section, *, keep_metrics_bytes: int
         metrics.unlink()
     logger = MetricsLogger(metrics)
     logger.start -= elapsed  # a resumed run's "time" goes on from the checkpoint's last record
-    return run_dir, logger
+    return logger
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -10,11 +10,13 @@ talks. A judge that raises or hangs is retried by the agent loop like any enviro
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 from typing import Any
 
 from vlrl.data.sample import Sample
+from vlrl.rewards.judge import fill_template
 from vlrl.rollout.env import BaseEnv, Observation, StepResult
 from vlrl.rollout.envs import register_env
 from vlrl.rollout.types import Engine, SamplingParams
@@ -33,7 +35,8 @@ class JudgeEnv(BaseEnv):
         """
         Args:
             judge: the judge engine, or a model for an in-process one (preset name, local directory, hub id).
-            template: the judge's prompt; fields {question}, {answer}, {response}.
+            template: the judge's prompt; fields {question}, {answer}, {response} (plain names only:
+                `vlrl.rewards.judge.fill_template`).
             max_new_tokens: judge response budget.
             temperature: judge sampling temperature (0 = greedy).
             accept_pattern: regular expression; a judge text matching it ends the episode.
@@ -41,6 +44,7 @@ class JudgeEnv(BaseEnv):
             judge_seed: initialisation seed when ``judge`` is a tiny preset.
         """
         self.engine = judge_engine(judge, judge_seed) if isinstance(judge, str) else judge
+        fill_template(template, collections.defaultdict(str), where="rollout.agent.env_kwargs.template")  # refused now
         self.template, self.prefix = template, prefix
         self.sampling = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens)
         self.accept = re.compile(accept_pattern)
@@ -51,8 +55,9 @@ class JudgeEnv(BaseEnv):
 
     def step(self, response_text: str) -> StepResult:
         sample = self.sample
-        prompt = self.template.format(question=sample.prompt_text().replace("<image>", "").strip(),
-                                      answer=sample.answer, response=response_text)
+        prompt = fill_template(self.template, {"question": sample.prompt_text().replace("<image>", "").strip(),
+                                               "answer": sample.answer, "response": response_text},
+                               where="rollout.agent.env_kwargs.template")
         request = Sample(id=f"judge/{sample.id}", task="judge", messages=[{"role": "user", "content": prompt}],
                          reward="answer_format")
         verdict = self.engine.generate([self.engine.encode(request)], self.sampling)[0].response_text

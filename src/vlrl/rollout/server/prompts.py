@@ -8,9 +8,10 @@ import base64
 import binascii
 import collections.abc
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from PIL import Image
 
 from vlrl.data.sample import Sample, SampleError, image_size, load_image
@@ -103,11 +104,36 @@ def prompt_image_items(body: GenerateBody) -> list[list[ImageItem]]:
     return [[] if entry is None else [entry] for entry in data]
 
 
-def load_request_images(body: GenerateBody, bounds: PromptBounds, adapter: Any) -> list[list[Image.Image]]:
+def load_request_images(body: GenerateBody, bounds: PromptBounds, adapter: Any,
+                        reserve: Callable[[int], None] | None = None) -> list[list[Image.Image]]:
     """Every prompt's decoded images. Before any pixel is decoded, each image's format and size are read from its
-    header and checked — each against ``max_image_pixels``, all of them together against ``max_request_pixels``,
-    each prompt's vision tokens (from the sizes) against the context. Runs on the server's image thread, off the
-    thread that tokenizes (a request of large images never holds up the others' text)."""
+    header and checked (`read_image_headers`), and ``reserve(pixels)`` is called with the request's pixels (the
+    server-wide budget of queued pixels: it raises to refuse)."""
+    sources, total = read_image_headers(body, bounds, adapter)
+    if reserve is not None and total:
+        reserve(total)
+    return decode_images(body, sources, bounds)
+
+
+def decode_images(body: GenerateBody, sources: list[list[tuple]], bounds: PromptBounds) -> list[list[Image.Image]]:
+    """The images `read_image_headers` found, decoded (each within ``max_image_pixels``)."""
+    out = []
+    for i, found in enumerate(sources):
+        prefix = f"prompt {i} of the batch: " if is_batched(body) else ""
+        images = []
+        for k, (source, server_file) in enumerate(found):
+            try:
+                images.append(load_image(source, max_pixels=bounds.limits.max_image_pixels))
+            except SampleError as err:
+                raise BadRequest(f"{prefix}field 'image_data[{k}]': {_image_problem(err, server_file)}") from None
+        out.append(images)
+    return out
+
+
+def read_image_headers(body: GenerateBody, bounds: PromptBounds, adapter: Any) -> tuple[list[list[tuple]], int]:
+    """(each prompt's (source, is a server file) pairs, the pixels of all), every image's format and size read from
+    its header (nothing decoded) and checked — each against ``max_image_pixels``, all of them together against
+    ``max_request_pixels``, each prompt's vision tokens (from the sizes) against the context."""
     limits, batched = bounds.limits, is_batched(body)
     per_prompt = prompt_image_items(body)
     sources, total = [], 0
@@ -142,16 +168,30 @@ def load_request_images(body: GenerateBody, bounds: PromptBounds, adapter: Any) 
                              f"with sampling_params.max_new_tokens = {bounds.max_new_tokens} that exceeds the model "
                              f"context of {bounds.context} tokens")
         sources.append(found)
+    return sources, total
+
+
+def has_images(body: GenerateBody) -> bool:
+    """Whether any prompt of ``body`` names an image (a text-only request never waits on the image thread)."""
+    return any(prompt_image_items(body))
+
+
+def encode_request_images(body: GenerateBody, bounds: PromptBounds, adapter: Any,
+                          reserve: Callable[[int], None] | None = None) -> list[Any]:
+    """Every prompt's processor outputs (`VisionInputs` or None): decoded (`load_request_images`), processed, and
+    the decoded images dropped — only the processor's tensors wait in the queue."""
+    return process_images(body, load_request_images(body, bounds, adapter, reserve), adapter)
+
+
+def process_images(body: GenerateBody, images: list[list[Image.Image]], adapter: Any) -> list[Any]:
+    """Each prompt's decoded images through the family's processor (`VisionInputs`, or None for no image)."""
     out = []
-    for i, found in enumerate(sources):
-        prefix = f"prompt {i} of the batch: " if batched else ""
-        images = []
-        for k, (source, server_file) in enumerate(found):
-            try:
-                images.append(load_image(source, max_pixels=limits.max_image_pixels))
-            except SampleError as err:
-                raise BadRequest(f"{prefix}field 'image_data[{k}]': {_image_problem(err, server_file)}") from None
-        out.append(images)
+    for i, prompt_images in enumerate(images):
+        try:
+            out.append(adapter.encode_images(prompt_images))
+        except ValueError as err:
+            prefix = f"prompt {i} of the batch: " if is_batched(body) else ""
+            raise BadRequest(f"{prefix}field 'image_data': {err}") from None
     return out
 
 
@@ -177,11 +217,11 @@ def prompt_count(body: GenerateBody) -> int:
 
 
 def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Iterator[str],
-                   bounds: PromptBounds | None = None, images: list[list[Image.Image]] | None = None) -> list[Request]:
+                   bounds: PromptBounds | None = None, visions: list[Any] | None = None) -> list[Request]:
     """Turn a `GenerateBody` into its `Request` (one prompt) or requests (a batch), in order; a prompt
     without ``rid`` is named by ``rids``. With ``bounds``, every prompt is checked against the context (text
-    length before tokenizing, prompt + max_new_tokens after). ``images``: each prompt's, decoded by
-    `load_request_images` (decoded here when not given)."""
+    length before tokenizing, prompt + max_new_tokens after). ``visions``: each prompt's processed images, from
+    `encode_request_images` (made here when not given)."""
     bounds = bounds or PromptBounds(None, None, 0, ServeLimits())
     if (body.text is None) == (body.input_ids is None):
         raise BadRequest("give exactly one of 'text' or 'input_ids'")
@@ -192,12 +232,12 @@ def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Ite
         _check_unicode(stop, f"sampling_params.stop[{k}]")
     if is_batched(body) and any(isinstance(p, int) for p in body.input_ids or []):
         raise BadRequest("field 'input_ids': a batch is a list of token-id lists")
-    if images is None:
-        images = load_request_images(body, bounds, policy.adapter)
+    if visions is None:
+        visions = encode_request_images(body, bounds, policy.adapter)
     if not is_batched(body):
         if isinstance(body.rid, list):
             raise BadRequest("field 'rid': one prompt takes one string")
-        return [build_request(policy, body.text, body.input_ids, images[0], body.rid or next(rids), bounds)]
+        return [build_request(policy, body.text, body.input_ids, visions[0], body.rid or next(rids), bounds)]
     prompts = body.text if body.text is not None else body.input_ids
     B = len(prompts)
     rid = body.rid if body.rid is not None else [next(rids) for _ in range(B)]
@@ -207,15 +247,16 @@ def build_requests(policy: Policy, body: GenerateBody, rids: collections.abc.Ite
     for i, prompt in enumerate(prompts):
         try:
             text, ids = (prompt, None) if body.text is not None else (None, prompt)
-            out.append(build_request(policy, text, ids, images[i], rid[i], bounds))
+            out.append(build_request(policy, text, ids, visions[i], rid[i], bounds))
         except BadRequest as err:
             raise BadRequest(f"prompt {i} of the batch: {err}") from None
     return out
 
 
-def build_request(policy: Policy, text: str | None, input_ids: list[int] | None, images: list[Image.Image], rid: str,
+def build_request(policy: Policy, text: str | None, input_ids: list[int] | None, vision: Any, rid: str,
                   bounds: PromptBounds | None = None) -> Request:
-    """One prompt as a `Request` (tokenize ``text``, process its decoded ``images``, expand image tokens)."""
+    """One prompt as a `Request`: tokenize ``text`` and expand its image placeholders by ``vision`` (its images'
+    processor outputs, `VisionInputs` or None; a list of decoded images is processed here)."""
     bounds = bounds or PromptBounds(None, None, 0, ServeLimits())
     _check_unicode(rid, "rid")
     if text is not None:
@@ -225,9 +266,10 @@ def build_request(policy: Policy, text: str | None, input_ids: list[int] | None,
         _check_unicode(text, "text")
     adapter = policy.adapter
     try:
-        vision = adapter.encode_images(images)
+        if isinstance(vision, list):
+            vision = adapter.encode_images(vision)
         if text is not None:
-            ids = adapter.encode_text(adapter.expand_image_tokens(text, vision) if images else text)
+            ids = adapter.encode_text(adapter.expand_image_tokens(text, vision) if vision is not None else text)
         else:
             ids = _expand_ids(policy, list(input_ids), vision)
     except ValueError as err:
@@ -237,11 +279,40 @@ def build_request(policy: Policy, text: str | None, input_ids: list[int] | None,
     vocab = policy.model.get_input_embeddings().num_embeddings
     if min(ids) < 0 or max(ids) >= vocab:
         raise BadRequest(f"field 'input_ids': token ids must lie in [0, {vocab})")
+    check_vision_tokens(policy, ids, vision, "text" if text is not None else "input_ids")
     if bounds.context is not None and len(ids) + bounds.max_new_tokens > bounds.context:
         raise BadRequest(f"field 'sampling_params.max_new_tokens': {len(ids)} prompt tokens + max_new_tokens "
                          f"{bounds.max_new_tokens} exceed the model context of {bounds.context} tokens")
     sample = Sample(id=rid, task="serve", messages=[{"role": "user", "content": ""}])
-    return Request(sample=sample, prompt_ids=ids, vision=vision, images=images)
+    return Request(sample=sample, prompt_ids=ids, vision=vision, images=[])  # (decoded images not kept queued)
+
+
+def check_vision_tokens(policy: Policy, ids: list[int], vision: Any, field: str) -> None:
+    """A prompt whose vision tokens do not match its images is refused here, at admission (`BadRequest` naming
+    ``field``), instead of failing the decode batch it would join: the tokens image features are scattered into
+    must be exactly those of its images' markup, no video token may appear (the server takes no videos), and the
+    family's own positions must build for it (Qwen's M-RoPE finds each image by its ``<|vision_start|>``)."""
+    adapter = policy.adapter
+    scattered = getattr(adapter, "image_token_id", None)
+    scattered = scattered if scattered is not None else getattr(adapter, "image_placeholder_id", None)
+    video = getattr(adapter, "video_token_id", None)
+    if video is not None and video in ids:
+        raise BadRequest(f"field '{field}': the prompt holds {ids.count(video)} video token(s) "
+                         f"({policy.tokenizer.convert_ids_to_tokens(video)}); this server takes images only")
+    if scattered is None:
+        return
+    want = sum(adapter.encode_text(r).count(scattered) for r in vision.replacements) if vision is not None else 0
+    if ids.count(scattered) != want:
+        raise BadRequest(f"field '{field}': the prompt holds {ids.count(scattered)} image token(s) "
+                         f"({policy.tokenizer.convert_ids_to_tokens(scattered)}) but its "
+                         f"{0 if vision is None else vision.num_images} image(s) take {want}")
+    if vision is not None:
+        try:
+            adapter.segment_position_ids(policy.model, torch.tensor(ids), vision)
+        except Exception as err:  # noqa: BLE001  (whatever the family's code raises on a malformed layout)
+            raise BadRequest(f"field '{field}': the prompt's image markup does not fit its images (each image's "
+                             f"placeholder must stand in the family's markup): {type(err).__name__}: "
+                             f"{str(err)[:200]}") from None
 
 
 def _expand_ids(policy: Policy, ids: list[int], vision) -> list[int]:

@@ -43,10 +43,22 @@ class ServeLimits:
     """On SIGTERM: stop accepting, give requests in flight this long, then abort the rest (``--drain-seconds``)."""
     max_inflight_body_bytes: int = 256 << 20
     """Request bytes held by the server at once, over every request being received or handled
-    (``--max-inflight-body-mb``): a request whose body would pass it is answered 503 (a declared
-    ``Content-Length`` is reserved before any byte is read)."""
+    (``--max-inflight-body-mb``): a request whose body would pass it is answered 503. Bytes are reserved as they
+    arrive: a declared ``Content-Length`` reserves nothing."""
+    max_queued_pixels: int = 256 << 20
+    """Pixels (from their headers) of the images of every request admitted and not yet answered, server-wide
+    (``--max-queued-pixels``): reserved before any is decoded, released when the request is answered or its client
+    goes; a request that would pass it is answered 503. Only the processor's outputs wait in the queue (the decoded
+    images are dropped once processed). Default: two largest requests' worth (2 × ``max_request_pixels``)."""
+    max_queued_pixels_per_client: int | None = None
+    """Of ``max_queued_pixels``, what one client — its address and, on loopback, its process
+    (`vlrl.serving.peer_identity`) — may hold (``--max-queued-pixels-per-client``); beyond it: 503. None: half
+    of ``max_queued_pixels``, and at least one largest request (``max_request_pixels``)."""
     body_timeout: float = 60.0
     """Seconds a client may take to send one request's body (``--body-timeout``); past it: 408, the bytes freed."""
+    first_byte_timeout: float = 10.0
+    """Seconds within which the first byte of a declared body must arrive (``--first-byte-timeout``); past it: 408.
+    A connection that declares a body and sends nothing holds nothing, and not for long."""
     join_timeout: float = 120.0
     """Seconds a ``/init_weights_update_group`` may wait for the group's other ranks (``--join-timeout``). Joins run
     one at a time on a thread of their own (a second while one waits: 409), never on the request path's threads."""
@@ -186,6 +198,10 @@ class DestroyGroupBody(BaseModel):
 
 class BadRequest(ValueError):
     """A malformed request; the message names the field."""
+
+
+class ServerBusy(RuntimeError):
+    """A well-formed request the server cannot hold now (a server-wide budget is full): answered 503, retry later."""
 
 
 @dataclasses.dataclass(frozen=True)
