@@ -167,7 +167,7 @@ def main() -> None:
                                                  "log_every": 10**9}})
         sft_stats = train_sft(policy, train, sft, logger=MetricsLogger(None, quiet=True), seed=0)
         print(f"SFT warm start: {args.sft_steps} steps in {time.time() - t0:.0f}s, last loss "
-              f"{sft_stats.get('sft/loss', float('nan')):.3f}; saved to {warm_dir}", flush=True)
+              f"{sft_stats.metrics.get('sft/loss', float('nan')):.3f}; saved to {warm_dir}", flush=True)
         policy.save(warm_dir)
     policy = load_policy(str(warm_dir))  # always from disk: the first run and later ones start identically
     print(f"SFT warm start: {warm_dir}", flush=True)

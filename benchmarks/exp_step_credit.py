@@ -91,7 +91,7 @@ def run_sft(args, out: Path, train, test) -> tuple[Path, dict]:
     log_eval(logger, "eval/sft", result)
     logger.close()
     write_report([run_dir])
-    return checkpoint, {"eval": result, "steps": stats["steps"], "seconds": round(stats["seconds"], 1)}
+    return checkpoint, {"eval": result, "steps": stats.steps, "seconds": round(stats.seconds, 1)}
 
 
 def run_variant(args, name: str, out: Path, checkpoint: Path, train, test) -> dict:
@@ -123,7 +123,7 @@ def run_variant(args, name: str, out: Path, checkpoint: Path, train, test) -> di
     logger.close()
     write_report([run_dir])
     flips = [r for r in logger.records if r["stage"] == "rl"]
-    return {"eval": result, "rl_seconds": round(rl_seconds, 1), "steps": stats["steps"],
+    return {"eval": result, "rl_seconds": round(rl_seconds, 1), "steps": stats.steps,
             "sign_flip_frac": _mean(r.get("shaping/step_credit/sign_flip_frac/all") for r in flips),
             "parse_fail_frac": _mean(r.get("shaping/step_credit/parse_fail_frac") for r in flips),
             "train_reward": _mean(r.get("reward/mean") for r in flips[-5:])}

@@ -150,15 +150,15 @@ def main() -> None:
                 cpu0 = time.process_time()
                 stats = train_grpo(policy, TemplateEngine(HFEngine(policy), seed=repeat), samples, stage,
                                    logger=logger, seed=repeat)
-                cpu[mode].append((time.process_time() - cpu0) / max(stats["steps"], 1))
-                rate = stats["steps"] * args.prompts * args.n / stats["seconds"]
+                cpu[mode].append((time.process_time() - cpu0) / max(stats.steps, 1))
+                rate = stats.steps * args.prompts * args.n / stats.seconds
                 results[mode].append(rate)
-                counters[mode] = {k.removeprefix("synth/"): v for k, v in stats.items()
+                counters[mode] = {k.removeprefix("synth/"): v for k, v in stats.metrics.items()
                                   if k in ("synth/submitted", "synth/completed", "synth/failed", "synth/swapped",
                                            "synth/latency_mean", "synth/in_flight", "synth/dataset_synthetic_frac",
                                            "synth/client_cpu_seconds")}
-                print(f"  repeat {repeat + 1} {mode:5s}: {rate:6.1f} samples/s ({stats['seconds']:.1f} s for "
-                      f"{stats['steps']} steps; trainer CPU {cpu[mode][-1]:.2f} s/step; load {os.getloadavg()[0]:.1f})",
+                print(f"  repeat {repeat + 1} {mode:5s}: {rate:6.1f} samples/s ({stats.seconds:.1f} s for "
+                      f"{stats.steps} steps; trainer CPU {cpu[mode][-1]:.2f} s/step; load {os.getloadavg()[0]:.1f})",
                       flush=True)
         mean = {m: statistics.mean(v) for m, v in results.items()}
         median = {m: statistics.median(v) for m, v in results.items()}

@@ -169,7 +169,7 @@ def test_abort_mode_requeues_in_flight_prompts_and_never_trains_on_them(monkeypa
 
 def test_state_exposes_cursor_requeue_and_buffer():
     _, _, stats, state = _run_async(_stage(train={"steps": 2}, staleness={"eta": 2}), _samples())
-    assert stats["steps"] == 2
+    assert stats.steps == 2
     assert set(state) >= {"cursor", "requeue", "buffer", "version", "trained", "discarded", "buffered", "pending", "drawn"}
     assert state["version"] == 2 and state["cursor"]["position"] == state["drawn"] % 12
     for group in state["buffer"]:  # undrained groups as typed plain data (`GroupRecord`), ready for a checkpoint

@@ -67,9 +67,9 @@ def test_a_slow_servers_late_groups_are_discarded_not_trained(monkeypatch, tmp_p
         for server, batcher in zip(servers, batchers, strict=True):
             server.stop()
             batcher.close()
-    assert stats["steps"] == 6 and len(seen) == 6
+    assert stats.steps == 6 and len(seen) == 6
     assert all(0 <= s <= 1 for batch in seen for s in batch)
-    assert len(state["discarded"]) > 0 and stats["staleness/discarded_total"] == len(state["discarded"])
+    assert len(state["discarded"]) > 0 and stats.metrics["staleness/discarded_total"] == len(state["discarded"])
     assert accounted_for(state)
 
 
@@ -121,7 +121,7 @@ def test_killing_one_of_two_servers_mid_run_loses_no_prompt(monkeypatch, tmp_pat
         finally:
             engine.close()
         assert victim.poll() is not None  # really dead
-        assert stats["steps"] == 6 and [s.url for s in engine.live_servers()] == [urls[1]]
+        assert stats.steps == 6 and [s.url for s in engine.live_servers()] == [urls[1]]
         assert engine.dropped and engine.dropped[0].startswith(urls[0])
         assert all(0 <= s <= 1 for batch in seen for s in batch)
         assert accounted_for(state)  # every prompt drawn is trained, discarded, buffered or pending
@@ -162,7 +162,7 @@ def test_the_trainer_trains_on_while_servers_load_and_versions_stay_exact(monkey
         engine.close()
         server.stop()
         batcher.close()
-    assert stats["steps"] == 5 and engine.weight_version == 5 and confirmed[-1] == 5  # the last update confirmed too
+    assert stats.steps == 5 and engine.weight_version == 5 and confirmed[-1] == 5  # the last update confirmed too
     assert all(r["perf/sync_seconds"] < 0.4 for r in logger.records)  # never blocked on a server's load
     assert all(0 <= s <= 1 for batch in seen for s in batch)
     assert accounted_for(state)

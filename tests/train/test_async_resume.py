@@ -101,7 +101,7 @@ def first_run(tmp_path_factory):
     AdamW first moment of `PARAM` at that checkpoint)."""
     root = tmp_path_factory.mktemp("async_ckpt")
     policy, records, stats, _, optimizer = _run(root, 2)
-    assert stats["steps"] == 2 and [r["step"] for r in records] == [1, 2]
+    assert stats.steps == 2 and [r["step"] for r in records] == [1, 2]
     checkpoint = latest_checkpoint(root)
     assert checkpoint is not None and checkpoint.name == "step_00000002"
     carry = read_checkpoint_carry_over(checkpoint)
@@ -129,7 +129,7 @@ def test_a_resumed_run_continues_steps_optimizer_buffer_and_ledger(first_run, tm
     shutil.copytree(checkpoint, tmp_path / checkpoint.name)
     _, records, stats, state, _ = _run(tmp_path, 4, resume_from=tmp_path / checkpoint.name, spy=spy)
 
-    assert stats["steps"] == 4 and [r["step"] for r in records] == [3, 4]
+    assert stats.steps == 4 and [r["step"] for r in records] == [3, 4]
     assert state["version"] == 4
     # the restored groups are trained first (FIFO), with the versions and tokens they were generated with
     restored = cut.buffer[:P]
@@ -159,7 +159,7 @@ def test_a_restored_group_older_than_eta_is_discarded_not_trained(first_run, tmp
     _, records, stats, state, _ = _run(tmp_path, 3, resume_from=target,
                                        spy=lambda policy, batch, _: seen.extend(t.weight_version for t in batch.trajectories))
 
-    assert stats["steps"] == 3 and len(seen) == P * N
+    assert stats.steps == 3 and len(seen) == P * N
     assert all(2 - v <= ETA for v in seen)  # every trained sample at most η versions old
     assert old.ticket in state["discarded"] and old.ticket not in state["trained"]
     assert records[0]["staleness/discarded"] >= 1

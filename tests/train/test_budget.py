@@ -134,7 +134,7 @@ def test_every_sft_and_grpo_step_logs_its_mfu(tiny_vlm):
     train_grpo(tiny_vlm, HFEngine(tiny_vlm), generate("shapes", 2), rl, logger=logger, seed=0)
     (record,) = logger.records
     peak = device_peak("cpu").tflops  # this process's measured CPU matmul peak, the one the loops divide by
-    for metrics, phases in ((stats, [""]), (record, ["", "gen_"])):
+    for metrics, phases in ((stats.metrics, [""]), (record, ["", "gen_"])):
         assert metrics["perf/peak_tflops"] == peak
         for prefix in phases:
             mfu = metrics[f"perf/{prefix}mfu"]

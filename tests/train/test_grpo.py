@@ -48,7 +48,7 @@ def test_one_step_changes_weights_and_logs_metrics(tiny_vlm, tmp_path):
                 "policy/grad_norm", "policy/approx_kl_old", "response/length_mean", "response/truncated_frac",
                 "perf/tokens_per_s", "policy/zero_adv_groups_frac"):
         assert key in record, key
-    assert stats["steps"] == 1 and stats["policy/approx_kl_old"] == 0.0  # one update: exactly on-policy
+    assert stats.steps == 1 and stats.metrics["policy/approx_kl_old"] == 0.0  # one update: exactly on-policy
 
 
 def test_zero_advantage_batch_leaves_weights_unchanged(tiny_vlm):
@@ -58,16 +58,16 @@ def test_zero_advantage_batch_leaves_weights_unchanged(tiny_vlm):
         s.reward = "test_constant_reward"
     before = {k: v.clone() for k, v in tiny_vlm.model.state_dict().items()}
     stats = train_grpo(tiny_vlm, HFEngine(tiny_vlm), samples, _stage(), logger=MetricsLogger(None, quiet=True), seed=0)
-    assert stats["policy/zero_adv_groups_frac"] == 1.0
+    assert stats.metrics["policy/zero_adv_groups_frac"] == 1.0
     assert all(torch.equal(v, before[k]) for k, v in tiny_vlm.model.state_dict().items())
 
 
 def test_kl_term_and_several_minibatches_run(tiny_vlm):
     stage = _stage(algo={"kl_coef": 0.1}, train={"steps": 2, "minibatches": 2, "ppo_epochs": 2, "micro_batch_size": 3})
     stats = train_grpo(tiny_vlm, HFEngine(tiny_vlm), _samples(), stage, logger=MetricsLogger(None, quiet=True), seed=0)
-    assert stats["steps"] == 2
-    assert stats["policy/kl_ref"] > 0  # the policy moved away from the frozen reference
-    assert stats["policy/approx_kl_old"] > 0  # later minibatches are off-policy w.r.t. π_old
+    assert stats.steps == 2
+    assert stats.metrics["policy/kl_ref"] > 0  # the policy moved away from the frozen reference
+    assert stats.metrics["policy/approx_kl_old"] > 0  # later minibatches are off-policy w.r.t. π_old
 
 
 def test_rl_raises_a_dense_reward(tiny_vlm):

@@ -65,21 +65,21 @@ def test_preset_trains_without_nans(name, fresh_policy):
     before = [p.detach().clone() for p in policy.model.parameters()]
     logger = MetricsLogger(None, quiet=True)
     stats = train_grpo(policy, HFEngine(policy), _samples(), cfg, logger=logger, seed=0)
-    assert stats["steps"] == 2 and len(logger.records) == 2
+    assert stats.steps == 2 and len(logger.records) == 2
     assert all(_finite(r) for r in logger.records), logger.records
     assert any(not torch.equal(p, b) for p, b in zip(policy.model.parameters(), before, strict=True))
     for key in ("policy/entropy", "rollout/gen_prob", "policy/clip_low", "policy/clip_high", "policy/approx_kl_old",
                 "rollout/diversity", "policy/zero_adv_groups_frac", "response/length_mean", "response/length_max",
                 "response/truncated_frac", "policy/behaviour_weight_mean", "policy/behaviour_weight_max",
                 "policy/behaviour_weight_capped_frac"):
-        assert key in stats, (name, key)
+        assert key in stats.metrics, (name, key)
     if cfg.algo.kl_coef > 0:
-        assert stats["policy/kl_ref"] != 0.0  # the policy moved away from the reference after one step
+        assert stats.metrics["policy/kl_ref"] != 0.0  # the policy moved away from the reference after one step
     if cfg.algo.advantage == "gae":
-        assert stats["critic/value_loss"] > 0 and "critic/grad_norm" in stats
+        assert stats.metrics["critic/value_loss"] > 0 and "critic/grad_norm" in stats.metrics
     if cfg.algo.dynamic_sampling.enabled:
-        assert stats["sampling/prompts_used"] == 2 and stats["policy/zero_adv_groups_frac"] == 0.0
-        assert "shaping/overlong_penalty/penalised_frac" in stats
+        assert stats.metrics["sampling/prompts_used"] == 2 and stats.metrics["policy/zero_adv_groups_frac"] == 0.0
+        assert "shaping/overlong_penalty/penalised_frac" in stats.metrics
 
 
 def test_critic_kl_reward_and_minibatches_work_in_the_async_recipe(fresh_policy):

@@ -80,7 +80,7 @@ def test_padding_free_gives_the_same_update_as_padding(tiny_vlm):
         assert torch.allclose(packed_step, padded_step, atol=1e-8, rtol=1e-3), k
         moved = max(moved, float(padded_step.abs().max()))
     assert moved > 1e-4  # the comparison is not between two steps that did nothing
-    assert stats["perf/padding_frac"] < 0.2  # first-fit rows as long as the longest sample: little end padding
+    assert stats.metrics["perf/padding_frac"] < 0.2  # first-fit rows as long as the longest sample: little end padding
 
 
 def _plan(policy, samples, capacity, **options):
@@ -97,7 +97,7 @@ def test_training_from_a_packing_plan(tiny_vlm):
     loss0 = sft_nll(tiny_vlm, samples)
     log = MetricsLogger(None, quiet=True)
     stats = train_sft(tiny_vlm, samples, _stage(steps=2, batch_size=2, micro_batch_size=2), logger=log, seed=0, plan=plan)
-    assert stats["steps"] == 2 and stats["perf/padding_frac"] < 0.25
+    assert stats.steps == 2 and stats.metrics["perf/padding_frac"] < 0.25
     assert sft_nll(tiny_vlm, samples) < loss0
 
 

@@ -99,7 +99,7 @@ def test_synthesised_samples_replace_their_sources_in_later_batches(tiny_vlm, tm
     engine = TemplateEngine(HFEngine(tiny_vlm))
     stats = train_grpo(tiny_vlm, engine, samples, _stage(server=synth_url, mode="sync"), logger=logger, seed=0)
     records = _records(tmp_path / "metrics.jsonl")
-    assert stats["steps"] == 3 and [r["step"] for r in records] == [1, 2, 3]
+    assert stats.steps == 3 and [r["step"] for r in records] == [1, 2, 3]
     # epoch 0 (steps 1-2) draws the 4 originals and synthesises each (sync mode: done before the next step);
     # epoch 1 (step 3) draws only synthesised samples
     assert [r["synth/batch_synthetic_frac"] for r in records] == [0.0, 0.0, 1.0]
@@ -161,7 +161,7 @@ def test_killing_the_synthesis_server_mid_run_costs_no_step_and_is_counted(tiny_
         if process.poll() is None:
             process.kill()
     records = _records(tmp_path / "metrics.jsonl")
-    assert stats["steps"] == 6 and len(records) == 6  # the run finished every step
+    assert stats.steps == 6 and len(records) == 6  # the run finished every step
     last = records[-1]
     assert last["synth/submitted"] >= 1  # the server worked before it was killed ...
     failed = {k: v for k, v in last.items() if k.startswith("synth/failed_")}
@@ -183,5 +183,5 @@ def test_the_asynchronous_recipe_swaps_synthesised_samples_too(tiny_vlm, tmp_pat
     finally:
         engine.close()
     records = _records(tmp_path / "metrics.jsonl")
-    assert stats["steps"] == 4 and records[-1]["synth/swapped"] >= 2 and records[-1]["synth/failed"] == 0
+    assert stats.steps == 4 and records[-1]["synth/swapped"] >= 2 and records[-1]["synth/failed"] == 0
     assert max(r["synth/batch_synthetic_frac"] for r in records) > 0  # later draws hit synthesised samples

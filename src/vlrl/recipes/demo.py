@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from vlrl.config import DemoConfig
+from vlrl.eval import EvalResult
 from vlrl.models import load_policy
 from vlrl.models.policy import LoadOptions
 from vlrl.recipes.rl import rl_stage
@@ -20,6 +21,7 @@ from vlrl.recipes.run import (
     run_engine,
     sample_log,
     save_policy,
+    summary_json,
     with_lora,
 )
 from vlrl.recipes.sft import sft_stage
@@ -28,6 +30,7 @@ from vlrl.report.environment import describe, environment
 from vlrl.report.samples import SampleLog
 from vlrl.train.budget import FlopMeter, control_budget
 from vlrl.train.common import write_json
+from vlrl.train.result import StageResult
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -61,16 +64,17 @@ def run_demo(cfg: DemoConfig) -> dict:
             summary.update(control_run(cfg, train, test, sft_dir, run_dir, samples, logger, rl_flops=rl_flops, sft_flops=sft_flops,
                                     sft_stats=summary["sft_train"], rl_stats=summary["rl_train"]))
         summary["wall_seconds"] = round(time.time() - start, 1)
-        write_json(run_dir / "summary.json", summary)
         print_summary(logger, summary)
+        summary = summary_json(summary)
+        write_json(run_dir / "summary.json", summary)
     return summary
 
 
 def control_run(cfg: DemoConfig, train, test, sft_dir: Path, run_dir: Path, samples: SampleLog, logger: MetricsLogger, *,
-             rl_flops, sft_flops, sft_stats: dict, rl_stats: dict) -> dict:
+             rl_flops, sft_flops, sft_stats: StageResult, rl_stats: StageResult) -> dict:
     """The SFT checkpoint trained by more SFT on the same labelled samples with the RL stage's budget, evaluated."""
-    budget = control_budget(cfg.control_budget, rl_flops=rl_flops, rl_seconds=rl_stats["seconds"], sft_flops=sft_flops,
-                            sft_steps=sft_stats["steps"], sft_seconds=sft_stats["seconds"])
+    budget = control_budget(cfg.control_budget, rl_flops=rl_flops, rl_seconds=rl_stats.seconds, sft_flops=sft_flops,
+                            sft_steps=sft_stats.steps, sft_seconds=sft_stats.seconds)
     control = with_lora(cfg, load_policy(str(sft_dir), dtype=cfg.model.dtype, device=cfg.model.device,
                                           options=LoadOptions.of(cfg.model)))
     steps = budget["control_steps"] or 10**9  # wall: bounded by time only, not by the SFT stage's step count
@@ -78,8 +82,8 @@ def control_run(cfg: DemoConfig, train, test, sft_dir: Path, run_dir: Path, samp
     with FlopMeter(control.model) as meter:
         stats = sft_stage(control, train, stage, cfg, logger, seed=cfg.seed + 1, name="sft_control",
                      max_seconds=budget["max_seconds"])
-    budget.update(control_flops=meter.flops.total, control_seconds=round(stats["seconds"], 1),
-                  control_steps=stats["steps"])
+    budget.update(control_flops=meter.flops.total, control_seconds=round(stats.seconds, 1),
+                  control_steps=stats.steps)
     save_policy(control, run_dir / "checkpoints" / "sft_control", logger)
     engine = run_engine(cfg.rl.rollout, control, run_dir, logger, samples)
     return {"sft_control": evaluate_stage(engine, test, cfg, logger, "sft_control"), "sft_control_train": stats,
@@ -87,23 +91,24 @@ def control_run(cfg: DemoConfig, train, test, sft_dir: Path, run_dir: Path, samp
 
 
 def print_summary(logger: MetricsLogger, summary: dict) -> None:
+    """The demo's table (each evaluation's typed `EvalResult`), its control budget and its verdict."""
     from vlrl.report.verdict import demo_verdict
 
     rows = [("base", "untrained"), ("sft", "SFT checkpoint"), ("rl", "after RL"), ("sft_control", "SFT control")]
     logger.info("held-out accuracy (sampled pass@1 / greedy; strict: right, well-formed and ended):")
     for key, label in rows:
         if key in summary:
-            s = summary[key]
-            logger.info(f"  {label:16s} {s['accuracy']['mean']:.3f} / {s['greedy']['mean']:.3f}   strict "
-                        f"{s['strict']['mean']:.3f} / {s['strict_greedy']['mean']:.3f}   well-formed "
-                        f"{s['well_formed']['mean']:.2f} / {s['well_formed_greedy']['mean']:.2f}   "
-                        + "  ".join(f"{t}={v:.2f}/{s['greedy'][t]:.2f}" for t, v in s["accuracy"].items() if t != "mean"))
+            s: EvalResult = summary[key]
+            logger.info(f"  {label:16s} {s.accuracy['mean']:.3f} / {s.greedy['mean']:.3f}   strict "
+                        f"{s.strict['mean']:.3f} / {s.strict_greedy['mean']:.3f}   well-formed "
+                        f"{s.well_formed['mean']:.2f} / {s.well_formed_greedy['mean']:.2f}   "
+                        + "  ".join(f"{t}={v:.2f}/{s.greedy[t]:.2f}" for t, v in s.accuracy.items() if t != "mean"))
     budget = summary.get("budget")
     if budget:
         logger.info(f"control budget ({budget['unit']}): {budget['control_steps']} SFT steps; the RL stage's FLOPs "
                     f"({budget['rl_flops']['total']:.3g}) match {budget['flops_matched_steps']} SFT steps, its "
                     f"{budget['rl_seconds']:.0f} s match {budget['wall_matched_steps']} on this machine now")
-    verdict = demo_verdict(summary)
+    verdict = demo_verdict(summary_json(summary))  # (the verdict reads summary.json's layout)
     if verdict:
         logger.info(verdict["sentence"])
     logger.info(f"wall time {summary['wall_seconds']:.0f}s")

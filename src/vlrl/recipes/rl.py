@@ -27,6 +27,7 @@ from vlrl.recipes.run import (
     sample_log,
     save_policy,
     share_servers,
+    summary_json,
     validation_for,
     with_lora,
 )
@@ -40,12 +41,15 @@ from vlrl.train.checkpoint import resolve_resume
 from vlrl.train.common import write_json
 from vlrl.train.distributed import check_scalable, init_distributed
 from vlrl.train.grpo import train_grpo
+from vlrl.train.result import StageResult
 from vlrl.train.runtime import Runtime, make_runtime
 from vlrl.train.validation import Validation
 
 
 def rl_stage(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: MetricsLogger, name: str = "rl",
-        runtime: Runtime | None = None, validate: Validation | None = None) -> dict:
+        runtime: Runtime | None = None, validate: Validation | None = None) -> StageResult:
+    """One RL stage under its progress bar and the report's watch (with ``select.enabled``, on the prompts the
+    starting policy's selection kept); its last step logged if the budget cut it."""
     selected = None
     if stage.select.enabled:  # pass@N-vs-pass@1 selection of the prompts, by the starting policy
         if runtime is not None and runtime.ctx.enabled:
@@ -61,8 +65,9 @@ def rl_stage(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger
         else:
             stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name,
                                runtime=runtime, validate=validate)
+    stats.select = selected
     log_last_step(logger, name, stats)
-    return stats if selected is None else {**stats, "select": selected}
+    return stats
 
 
 def run_rl(cfg: RLConfig) -> dict:
@@ -79,7 +84,7 @@ def run_rl(cfg: RLConfig) -> dict:
         summary.update(check_run(cfg, logger, train, test))
         policy = load_run_policy(cfg, logger, ctx)
         if cfg.stages:  # one process, no resumable checkpoints (check_scalable)
-            summary.update(rl_stages(policy, train, test, cfg, run_dir, logger))
+            summary = summary_json({**summary, **rl_stages(policy, train, test, cfg, run_dir, logger)})
             write_json(run_dir / "summary.json", summary)
             return summary
         # in-process, threaded (rollout.mode=async) or rollout.servers.urls over HTTP; single- or multi-turn
@@ -97,9 +102,10 @@ def run_rl(cfg: RLConfig) -> dict:
                 evaluator = engine if not ctx.enabled or cfg.rollout.servers.urls else \
                     run_engine(cfg.rollout, eval_policy(policy, runtime, final, cfg), run_dir, logger, engine.samples)
                 summary.update({"rl": evaluate_stage(evaluator, test, cfg, logger, "final", validation=validation,
-                                            step=int(stats.get("steps", 0))), "train": stats})
+                                                     step=stats.steps), "train": stats})
         finally:
             close_engine(engine)
+        summary = summary_json(summary)
         if ctx.is_main:
             write_json(run_dir / "summary.json", summary)
     return summary
@@ -125,7 +131,7 @@ def rl_stages(policy: Policy, train: list[Sample], test: list[Sample], cfg: RLCo
                                                validate=validation)
             checkpoint = save_policy(policy, run_dir / "checkpoints" / stage.name, logger)
             summary[stage.name] = evaluate_stage(engine, held_out, cfg, logger, stage.name, validation=validation,
-                                        step=int(summary["train"][stage.name].get("steps", 0)))
+                                        step=summary["train"][stage.name].steps)
         finally:
             close_engine(engine)
         if k + 1 < len(cfg.stages):

@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from vlrl.check import CheckReport, PreflightError, preflight, sandbox_isolation
 from vlrl.config import RolloutConfig, RunConfig
@@ -28,6 +29,7 @@ from vlrl.rollout.types import WeightPublisher, capability
 from vlrl.train.checkpoint import export_hf, metrics_offset
 from vlrl.train.common import prepare_run_dir, seed_everything
 from vlrl.train.distributed import DistContext, shutdown_distributed
+from vlrl.train.result import StageResult
 from vlrl.train.runtime import Runtime
 from vlrl.train.validation import Validation
 
@@ -189,8 +191,8 @@ def save_policy(policy: Policy, target: Path, logger: MetricsLogger) -> Path:
 
 
 def evaluate_stage(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsLogger, stage: str, *,
-          validation: Validation | None = None, step: int = 0) -> dict:
-    """Evaluate on the held-out prompts, log ``eval/<stage>`` and return the result as summary.json holds it;
+          validation: Validation | None = None, step: int = 0) -> EvalResult:
+    """Evaluate on the held-out prompts, log ``eval/<stage>`` and return the typed result (`EvalResult`);
     ``validation`` (``eval.every``): the result is also its curve's point at ``step`` (the start or the end)."""
     with logger.progress.task(f"eval/{stage}"), engine.capture() as batches:
         result: EvalResult = evaluate(engine, test, cfg.eval)
@@ -199,7 +201,7 @@ def evaluate_stage(engine: WatchedEngine, test, cfg: RunConfig, logger: MetricsL
                show=("accuracy/mean", "greedy/mean", f"pass@{result.k}/mean", "strict/mean", "well_formed/mean"))
     if validation is not None:
         validation.log(step, result)
-    return result.to_dict()
+    return result
 
 
 def validation_for(cfg: RunConfig, engine, test, logger: MetricsLogger, stage: str, total_steps: int,
@@ -210,13 +212,23 @@ def validation_for(cfg: RunConfig, engine, test, logger: MetricsLogger, stage: s
     return Validation(engine, test, cfg.eval, logger, stage=stage, total_steps=total_steps, ctx=ctx)
 
 
-def log_last_step(logger: MetricsLogger, stage: str, stats: dict) -> None:
+def log_last_step(logger: MetricsLogger, stage: str, result: StageResult) -> None:
     """A stage stopped by its time budget between two ``log_every`` steps: log its last step, so the curves
-    (and metrics.jsonl) end where training ended. The loops return that step's metrics in ``stats``."""
+    (and metrics.jsonl) end where training ended (a run that trained no step — resumed from its last checkpoint —
+    logs nothing)."""
     logged = [r["step"] for r in logger.records if r["stage"] == stage]
-    resumed_at_end = not any("/" in k for k in stats)  # resumed from the last step's checkpoint: nothing new
-    if stats.get("steps") and not resumed_at_end and (not logged or logged[-1] != stats["steps"]):
-        logger.log(stage, stats["steps"], {k: v for k, v in stats.items() if "/" in k})
+    if result.steps and result.trained and (not logged or logged[-1] != result.steps):
+        logger.log(stage, result.steps, result.metrics)
+
+
+def summary_json(summary: dict[str, Any]) -> dict[str, Any]:
+    """A recipe's summary as ``summary.json`` holds it: each typed record (an `EvalResult`, a `StageResult`) in its
+    JSON layout (``to_dict``), nested dictionaries converted too."""
+    if hasattr(summary, "to_dict"):
+        return summary.to_dict()
+    if isinstance(summary, dict):
+        return {k: summary_json(v) for k, v in summary.items()}
+    return summary
 
 
 def sample_log(cfg: RunConfig, run_dir: Path) -> SampleLog:

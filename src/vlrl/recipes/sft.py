@@ -26,6 +26,7 @@ from vlrl.recipes.run import (
     run_engine,
     sample_log,
     save_policy,
+    summary_json,
     validation_for,
     with_lora,
 )
@@ -33,6 +34,7 @@ from vlrl.report import MetricsLogger
 from vlrl.train.checkpoint import resolve_resume
 from vlrl.train.common import write_json
 from vlrl.train.distributed import check_scalable, init_distributed
+from vlrl.train.result import StageResult
 from vlrl.train.runtime import Runtime, make_runtime
 from vlrl.train.sft import train_sft
 from vlrl.train.validation import Validation
@@ -40,12 +42,13 @@ from vlrl.train.validation import Validation
 
 def sft_stage(policy, train, stage, cfg: RunConfig, logger: MetricsLogger, *, seed: int, name: str = "sft",
          max_seconds: float | None = None, plan: PackingPlan | None = None, runtime: Runtime | None = None,
-         validate: Validation | None = None) -> dict:
+         validate: Validation | None = None) -> StageResult:
+    """One SFT stage (`vlrl.train.sft.train_sft`) under its progress bar; its last step logged if the budget cut it."""
     with logger.progress.task(name, total=None if max_seconds else stage.train.steps, stage=name):
-        stats = train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds,
-                          plan=plan, runtime=runtime, validate=validate)
-    log_last_step(logger, name, stats)
-    return stats
+        result = train_sft(policy, train, stage, logger=logger, seed=seed, stage_name=name, max_seconds=max_seconds,
+                           plan=plan, runtime=runtime, validate=validate)
+    log_last_step(logger, name, result)
+    return result
 
 
 def run_sft(cfg: SFTConfig) -> dict:
@@ -72,8 +75,9 @@ def run_sft(cfg: SFTConfig) -> dict:
         if ctx.is_main:
             engine = run_engine(RolloutConfig(), eval_policy(policy, runtime, final, cfg), run_dir, logger,
                              sample_log(cfg, run_dir))
-            summary = {"sft": evaluate_stage(engine, test, cfg, logger, "final", validation=validation,
-                                    step=int(stats.get("steps", 0))), "train": stats, **setup}
+            trained = stats[cfg.stages[-1].name] if cfg.stages else stats
+            summary = summary_json({"sft": evaluate_stage(engine, test, cfg, logger, "final", validation=validation,
+                                                          step=trained.steps), "train": stats, **setup})
             write_json(run_dir / "summary.json", summary)
     return summary
 
@@ -92,7 +96,7 @@ def sft_stages(policy: Policy, train: list[Sample], cfg: SFTConfig, run_dir: Pat
                 test: list[Sample] | None = None):
     """Staged SFT (LLaVA-OV-1.5: align → midtrain → instruct): each stage trains with its own data, optimizer
     and trainable modules, is saved to checkpoints/<name>, and the next stage starts from that checkpoint."""
-    stats = {}
+    stats: dict[str, StageResult] = {}
     for k, stage in enumerate(cfg.stages):
         data = stage.data or cfg.data
         samples = train if stage.data is None else load_split(stage.data, "train", logger)

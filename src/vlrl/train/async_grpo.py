@@ -64,6 +64,7 @@ from vlrl.train.loop import (
     trimmed,
 )
 from vlrl.train.metrics import step_metrics
+from vlrl.train.result import StageResult
 from vlrl.train.runtime import Runtime
 from vlrl.train.sampling import Group, flatten, sampling_params
 from vlrl.train.state import AlgorithmState, AsyncState, GroupRecord, Ledger, RolloutCut, expect_state
@@ -84,8 +85,8 @@ def train_async_grpo(
     max_seconds: float | None = None,
     state_out: dict[str, Any] | None = None,
     runtime: Runtime | None = None,
-) -> dict[str, float]:
-    """Run the asynchronous loop; returns the last step's metrics plus ``steps`` and ``seconds``. If
+) -> StageResult:
+    """Run the asynchronous loop; returns its `StageResult` (the last step's metrics, ``steps``, ``seconds``). If
     ``state_out`` is given it receives the final state (rank 0's under torchrun): data cursor, re-queued draws,
     undrained buffer (as `GroupRecord`s), and the draw tickets of every bucket (``trained``, ``discarded``,
     ``filtered``, ``buffered``, ``pending``).
@@ -150,7 +151,7 @@ def train_async_grpo(
             synthesis.close()
     if state_out is not None and rollout is not None:
         state_out.update(_final_state(rollout, buffer, ledger))
-    return {**last, "steps": step, "seconds": time.time() - start}
+    return StageResult(step, time.time() - start, last)
 
 
 def _start_rollout(engine: Engine, policy: Policy, rt: Runtime, step: int, cursor: PromptCursor,

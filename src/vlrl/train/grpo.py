@@ -44,6 +44,7 @@ from vlrl.train.loop import (
     trimmed,
 )
 from vlrl.train.metrics import step_metrics
+from vlrl.train.result import StageResult
 from vlrl.train.runtime import Runtime
 from vlrl.train.sampling import GroupSampler, flatten, sampling_params
 from vlrl.train.state import AlgorithmState, GroupRecord, SyncState, expect_state
@@ -64,8 +65,8 @@ def train_grpo(
     max_seconds: float | None = None,
     runtime: Runtime | None = None,
     validate: Callable[[int], None] | None = None,
-) -> dict[str, float]:
-    """Run the RL loop; returns the last step's metrics plus ``steps`` and ``seconds``. ``validate(step)`` runs
+) -> StageResult:
+    """Run the RL loop; returns its `StageResult` (the last step's metrics, ``steps``, ``seconds``). ``validate(step)`` runs
     after every step (``eval.every``: `vlrl.train.validation.Validation`).
 
     ``runtime`` (`vlrl.train.runtime`; default one process, no checkpoints): under torchrun each rank
@@ -126,7 +127,7 @@ def train_grpo(
         stack.close()
         if synthesis is not None:
             synthesis.close()
-    return {**last, "steps": step, "seconds": time.time() - start}
+    return StageResult(step, time.time() - start, last)
 
 
 def _restore(rt: Runtime, stage_name: str, parts: StageParts, cursor: PromptCursor, sampler: GroupSampler,

@@ -39,6 +39,7 @@ from vlrl.train.budget import PhaseMeter, compute_dtype
 from vlrl.train.common import make_optimizer, step_or_skip
 from vlrl.train.microbatch import CostModel, MicroBatch, RowSize, by_count, plan_ranks, rank_imbalance
 from vlrl.train.modules import stage_modules
+from vlrl.train.result import StageResult
 from vlrl.train.runtime import Runtime
 
 
@@ -88,9 +89,9 @@ def train_sft(
     plan: PackingPlan | None = None,
     runtime: Runtime | None = None,
     validate: Callable[[int], None] | None = None,
-) -> dict[str, float]:
+) -> StageResult:
     """Run the SFT loop on ``samples`` (or on the bins of ``plan``, a plan computed for ``samples``); returns
-    the last logged metrics plus ``steps``, ``seconds`` and ``epochs``. ``validate(step)`` runs after every step
+    the `StageResult` (the last step's metrics, ``steps``, ``seconds``, ``epochs``). ``validate(step)`` runs after every step
     (``eval.every``: `vlrl.train.validation.Validation`; the model is in eval mode meanwhile).
 
     ``runtime`` (`vlrl.train.runtime`): the ranks, the wrapped module and the checkpointer; default one
@@ -143,7 +144,7 @@ def train_sft(
                     model.train()
         finally:
             model.eval()
-    return {**last, "steps": step, "seconds": time.time() - start, "epochs": cursor.epoch}
+    return StageResult(step, time.time() - start, last, epochs=cursor.epoch)
 
 
 def sft_micro_batches(units: list[list[SFTExample]], ctx, train, cost: CostModel
