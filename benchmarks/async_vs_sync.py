@@ -7,9 +7,9 @@ similar time (both are measured and printed first): async can at best hide the s
 is bounded by (t_gen + t_train) / max(t_gen, t_train) — 2x when they are equal. (With 40 new tokens generation
 took 1.33 s against 0.98 s of training, a bound of ~1.7x; 30 tokens gave 1.05 s / 0.93 s.) Then, against the same server:
 
-- sync:  `train_grpo` with the HTTP engine — generate a batch, train on it, publish the weights, repeat;
+- sync:  `train_rl` (rollout.mode sync) with the HTTP engine — generate a batch, train on it, publish the weights, repeat;
          each partition idles while the other works.
-- async: `train_async_grpo` at each η given (1, 2 and the seed's 4 by default) — the server generates the next batches while the
+- async: `train_rl` (rollout.mode async) at each η given (1, 2 and the seed's 4 by default) — the server generates the next batches while the
          trainer trains, and loads each new version while the trainer trains on (`HTTPEngine.publish`).
          With η = 1 the server may run one batch ahead: it idles from the end of that batch until the trainer's next
          version is confirmed. η = 2 lets it keep one more batch queued, η = 4 (the seed's) three more.
@@ -65,8 +65,7 @@ def main() -> None:
     from vlrl.rollout import SamplingParams
     from vlrl.rollout.http_engine import HTTPEngine
     from vlrl.rollout.http_settings import ClientSettings, SyncSettings
-    from vlrl.train.async_grpo import train_async_grpo
-    from vlrl.train.grpo import train_grpo
+    from vlrl.train.loop import train_rl
 
     key = secrets.token_urlsafe(16)
     server, url, log = start_server(args, key)
@@ -74,9 +73,9 @@ def main() -> None:
     weights = Path(tempfile.mkdtemp(prefix="vlrl-bench-", dir=shm if shm.is_dir() else None))
     try:
         samples = generate("shapes", 256, tasks=["count", "color"])
-        def stage(eta: int) -> RLStage:
+        def stage(eta: int, mode: str) -> RLStage:
             return RLStage.model_validate({
-                "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens,
+                "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens, "mode": mode,
                             "servers": {"max_concurrent_rollouts": 2 * args.prompts}},
                 "train": {"steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": args.prompts * args.n},
                 "staleness": {"eta": eta}, "optim": {"lr": 5e-4},
@@ -116,10 +115,9 @@ def main() -> None:
                 policy, engine = fresh()
                 torch.manual_seed(0)
                 logger = MetricsLogger(None, quiet=True)
-                loop = train_grpo if mode == "sync" else train_async_grpo
                 load = os.getloadavg()[0]
                 before = server_info(url, key)
-                stats = loop(policy, engine, samples, stage(eta), logger=logger, seed=0)
+                stats = train_rl(policy, engine, samples, stage(eta, mode.split()[0]), logger=logger, seed=0)
                 engine.close()
                 after = server_info(url, key)
                 per_batch = (after["rows"] - before["rows"]) / max(1, after["batches"] - before["batches"])

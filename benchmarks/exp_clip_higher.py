@@ -42,7 +42,7 @@ from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import HFEngine
 from vlrl.train.common import seed_everything
-from vlrl.train.grpo import train_grpo
+from vlrl.train.loop import train_rl
 from vlrl.train.sft import train_sft
 
 RUNS = {
@@ -185,7 +185,7 @@ def main() -> None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 log_path.unlink(missing_ok=True)
             logger = MetricsLogger(log_path, quiet=True)
-            train_grpo(policy, HFEngine(policy), train, rl_stage(args, changes), logger=logger, seed=seed)
+            train_rl(policy, HFEngine(policy), train, rl_stage(args, changes), logger=logger, seed=seed)
             for r in logger.records:
                 r.setdefault("_samples_per_step", args.prompts * args.n)
             results[seed][name] = summarise(logger.records, args.window)

@@ -34,7 +34,7 @@ from vlrl.report import MetricsLogger
 from vlrl.rollout import HFEngine
 from vlrl.train.budget import FlopMeter
 from vlrl.train.common import seed_everything
-from vlrl.train.grpo import train_grpo
+from vlrl.train.loop import train_rl
 from vlrl.train.sft import train_sft
 
 DEMO = Path(__file__).resolve().parents[1] / "src" / "vlrl" / "configs" / "demo.yaml"
@@ -111,7 +111,7 @@ def main() -> None:
     if args.kind == "rl":
         stage = cfg.rl.model_copy(deep=True)
         stage.train.steps, stage.train.log_every = steps, 1
-        train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed)
+        train_rl(policy, engine, train, stage, logger=logger, seed=cfg.seed)
     else:
         stage = cfg.sft.model_copy(deep=True)
         stage.train.steps, stage.train.log_every = steps, 1

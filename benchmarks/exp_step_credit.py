@@ -34,7 +34,7 @@ from vlrl.report.watch import WatchedEngine
 from vlrl.rewards import score_trajectories
 from vlrl.rollout import HFEngine, SamplingParams
 from vlrl.train.common import prepare_run_dir, seed_everything, write_json
-from vlrl.train.grpo import train_grpo
+from vlrl.train.loop import train_rl
 from vlrl.train.sft import train_sft
 
 PROXY = {"signal": "forward_proxy", "teacher": "reference", "score_source": "semantic", "credit_target": "semantic"}
@@ -116,7 +116,7 @@ def run_variant(args, name: str, out: Path, checkpoint: Path, train, test) -> di
     engine = WatchedEngine(HFEngine(policy), logger, SampleLog(run_dir, per_task=2))
     start = time.time()
     with engine.training("rl", total_steps=args.rl_steps, snapshots=2):
-        stats = train_grpo(policy, engine, train, stage, logger=logger, seed=args.seed)
+        stats = train_rl(policy, engine, train, stage, logger=logger, seed=args.seed)
     rl_seconds = time.time() - start
     result = plan_eval(engine, test, samples_per_prompt=args.eval_samples, temperature=1.0, max_new_tokens=args.max_new_tokens)
     log_eval(logger, "eval/final", result)

@@ -118,7 +118,7 @@ def main() -> None:
     from vlrl.models import load_policy
     from vlrl.report import MetricsLogger
     from vlrl.rollout import HFEngine
-    from vlrl.train.grpo import train_grpo
+    from vlrl.train.loop import train_rl
 
     workdir = Path(tempfile.mkdtemp(prefix="vlrl-synth-bench-"))
     key = "bench-" + str(random.Random().getrandbits(64))
@@ -148,7 +148,7 @@ def main() -> None:
                 run_dir = workdir / f"{mode}-{repeat}"
                 logger = MetricsLogger(run_dir / "metrics.jsonl", quiet=True)
                 cpu0 = time.process_time()
-                stats = train_grpo(policy, TemplateEngine(HFEngine(policy), seed=repeat), samples, stage,
+                stats = train_rl(policy, TemplateEngine(HFEngine(policy), seed=repeat), samples, stage,
                                    logger=logger, seed=repeat)
                 cpu[mode].append((time.process_time() - cpu0) / max(stats.steps, 1))
                 rate = stats.steps * args.prompts * args.n / stats.seconds

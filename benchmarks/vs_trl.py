@@ -92,22 +92,23 @@ class VlrlArm:
         self.tokens: list[int] = []
 
     def step(self) -> None:
-        import vlrl.train.grpo as grpo
+        import vlrl.train.learner as learner
+        import vlrl.train.loop as loop
         import vlrl.train.update as update
         from vlrl.report import MetricsLogger
 
-        phases, saved = self.phases, (update.teacher_forced, update.step_or_skip, grpo.ppo_update)
+        phases, saved = self.phases, (update.teacher_forced, update.step_or_skip, learner.ppo_update)
         update.teacher_forced = phases.timed("forward", saved[0])
         update.step_or_skip = phases.timed("optimizer", saved[1])
-        grpo.ppo_update = phases.timed("update", saved[2])
+        learner.ppo_update = phases.timed("update", saved[2])
         before = copy.copy(self.engine.total_stats)
         logger = MetricsLogger(None, quiet=True)
         try:
             start = time.perf_counter()
-            grpo.train_grpo(self.policy, self.engine, self.samples, self.stage, logger=logger, seed=len(phases.steps))
+            loop.train_rl(self.policy, self.engine, self.samples, self.stage, logger=logger, seed=len(phases.steps))
             total = time.perf_counter() - start
         finally:
-            update.teacher_forced, update.step_or_skip, grpo.ppo_update = saved
+            update.teacher_forced, update.step_or_skip, learner.ppo_update = saved
         stats = self.engine.total_stats
         phases.current["prefill"] = stats.prefill_seconds - before.prefill_seconds
         phases.current["decode"] = stats.decode_seconds - before.decode_seconds

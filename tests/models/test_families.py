@@ -265,7 +265,7 @@ def test_token_counts_from_image_sizes_equal_the_encoding(name):
 
 @FAMILIES
 def test_one_sft_step_and_one_grpo_step_change_the_weights(name):
-    from vlrl.train.grpo import train_grpo
+    from vlrl.train.loop import train_rl
     from vlrl.train.sft import train_sft
 
     policy = load_policy(name)
@@ -282,7 +282,7 @@ def test_one_sft_step_and_one_grpo_step_change_the_weights(name):
         s.reward = "test_family_length_reward"
     rl = RLStage.model_validate({"optim": {"lr": 1e-3}, "rollout": {"n": 4, "max_new_tokens": 6},
                                  "train": {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 8}})
-    stats = train_grpo(policy, HFEngine(policy), samples, rl, logger=logger, seed=0)
+    stats = train_rl(policy, HFEngine(policy), samples, rl, logger=logger, seed=0)
     assert stats.steps == 1
     assert any(not torch.equal(v, after_sft[k]) for k, v in policy.model.state_dict().items())
     assert abs(logger.records[-1]["policy/logp_drift"]) < 1e-3

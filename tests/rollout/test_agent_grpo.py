@@ -1,6 +1,6 @@
 """A short multi-turn GRPO run on ``shapes_feedback`` with the tiny preset: the reward rises.
 
-The recipe (`train_grpo`) is used unchanged: `RolloutEngine` makes the configured multi-turn rollout look like
+The RL loop (`train_rl`, the synchronous feed) is used unchanged: `RolloutEngine` makes the configured multi-turn rollout look like
 an engine. The samples' verifier is a dense test reward (shorter final answers score higher; an answer of at
 most 3 characters counts as correct, which ends the episode early), so that a random tiny model has a
 learning signal within a few steps — the point is the multi-turn pipeline learning end to end, not the shapes
@@ -17,7 +17,7 @@ from vlrl.report import MetricsLogger
 from vlrl.rewards import RewardOutput, register_reward
 from vlrl.rollout import HFEngine
 from vlrl.rollout.agent import RolloutEngine, agent_metrics, build_rollout
-from vlrl.train.grpo import train_grpo
+from vlrl.train.loop import train_rl
 
 
 @register_reward("test_agent_short_answer")
@@ -42,7 +42,7 @@ def test_multi_turn_grpo_on_shapes_feedback_raises_the_reward(tiny_vlm):
     })
     engine = RolloutEngine(HFEngine(tiny_vlm), build_rollout(stage.rollout))
     logger = MetricsLogger(None, quiet=True)
-    train_grpo(tiny_vlm, engine, samples, stage, logger=logger, seed=0)
+    train_rl(tiny_vlm, engine, samples, stage, logger=logger, seed=0)
     rewards = [r["reward/mean"] for r in logger.records]
     lengths = [r["response/length_mean"] for r in logger.records]
     turns = [r["agent/turns_mean"] for r in logger.records]

@@ -92,8 +92,8 @@ def test_recipes_and_commands_build_engines_only_through_build_engine():
 
     root = Path(vlrl.__file__).parent
     pattern = re.compile(r"\b(HFEngine|ThreadedEngine|HTTPEngine|RolloutEngine|WatchedEngine)\(")
-    users = [*sorted(p.relative_to(root).as_posix() for p in (root / "recipes").glob("*.py")), "train/grpo.py",
-             "train/async_grpo.py", "train/async_rollout.py",
+    users = [*sorted(p.relative_to(root).as_posix() for p in (root / "recipes").glob("*.py")), "train/loop.py",
+             "train/learner.py", *sorted(p.relative_to(root).as_posix() for p in (root / "feed").glob("*.py")),
              *sorted(p.relative_to(root).as_posix() for p in (root / "cli").glob("*.py")), "eval/evaluate.py",
              "eval/select.py"]
     found = {name: pattern.findall((root / name).read_text()) for name in users}

@@ -1,4 +1,4 @@
-"""The asynchronous recipe on 2 ranks (and on 1): `train_async_grpo` at η = 0 with a scripted asynchronous engine
+"""The asynchronous recipe on 2 ranks (and on 1): `train_rl` (the asynchronous feed) at η = 0 with a scripted asynchronous engine
 (responses fixed per prompt) and the tiny policy, FSDP2 over gloo. Run by tests/train/test_async_ranks.py:
 
     torchrun --standalone --nproc_per_node 2 tests/train/dist_async_worker.py MODEL_DIR OUT_FILE [fail]
@@ -18,12 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist_dynamic_worker import TokenEngine  # noqa: E402
-from fakes import scripted_samples  # noqa: E402
+from fakes import scripted_samples, train_async  # noqa: E402
 
 from vlrl.config import DistConfig, RLStage  # noqa: E402
 from vlrl.models import load_policy  # noqa: E402
 from vlrl.report import MetricsLogger  # noqa: E402
-from vlrl.train.async_grpo import train_async_grpo  # noqa: E402
 from vlrl.train.distributed import init_distributed, shutdown_distributed, unwrap, wrap_model  # noqa: E402
 from vlrl.train.runtime import Runtime  # noqa: E402
 
@@ -78,7 +77,7 @@ def run(model_dir: str, ctx, engine=None) -> dict:
     cfg = DistConfig(strategy="fsdp")
     rt = Runtime(ctx, wrap_model(policy.model, ctx, cfg), cfg) if ctx is not None else None
     logger, state = MetricsLogger(None, quiet=True), {}
-    train_async_grpo(policy, engine or AsyncTokenEngine(), scripted_samples(SPECS), stage(), logger=logger, seed=0,
+    train_async(policy, engine or AsyncTokenEngine(), scripted_samples(SPECS), stage(), logger=logger, seed=0,
                      state_out=state, runtime=rt)
     tickets = state.get("trained", []) + state.get("discarded", []) + state.get("buffered", []) + state.get("pending", [])
     accounted = bool(state) and sorted(tickets) == list(range(state["drawn"]))

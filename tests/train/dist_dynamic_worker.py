@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling on 2 ranks (and on 1): `train_grpo` with a scripted engine (responses fixed per prompt, so
+"""DAPO dynamic sampling on 2 ranks (and on 1): `train_rl` (the synchronous feed) with a scripted engine (responses fixed per prompt, so
 both runs see the same rewards) and the tiny policy, FSDP2 over gloo. Run by tests/train/test_dynamic_ranks.py:
 
     torchrun --standalone --nproc_per_node 2 tests/train/dist_dynamic_worker.py MODEL_DIR OUT_FILE
@@ -19,7 +19,7 @@ from vlrl.config import DistConfig, RLStage  # noqa: E402
 from vlrl.models import load_policy  # noqa: E402
 from vlrl.report import MetricsLogger  # noqa: E402
 from vlrl.train.distributed import init_distributed, shutdown_distributed, unwrap, wrap_model  # noqa: E402
-from vlrl.train.grpo import train_grpo  # noqa: E402
+from vlrl.train.loop import train_rl  # noqa: E402
 from vlrl.train.runtime import Runtime  # noqa: E402
 
 # answer "a": prompts whose 4 responses all agree (all "a" or all "b") are uninformative and dropped; the others
@@ -52,7 +52,7 @@ def run(model_dir: str, runtime_for) -> tuple[list[dict], dict, int]:
     policy = load_policy(model_dir)
     rt = runtime_for(policy)
     logger = MetricsLogger(None, quiet=True)
-    train_grpo(policy, TokenEngine(), scripted_samples(SPECS), stage(), logger=logger, seed=0, runtime=rt)
+    train_rl(policy, TokenEngine(), scripted_samples(SPECS), stage(), logger=logger, seed=0, runtime=rt)
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()  # FSDP2: gathered
              for k, v in unwrap(rt.module).state_dict().items()}
     return logger.records, state, rt.ctx.rank

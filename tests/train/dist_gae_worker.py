@@ -1,4 +1,4 @@
-"""PPO with GAE (a critic) on 2 ranks (and on 1): `train_grpo` with a scripted engine (responses fixed per prompt,
+"""PPO with GAE (a critic) on 2 ranks (and on 1): `train_rl` (the synchronous feed) with a scripted engine (responses fixed per prompt,
 so both runs see the same rewards) and the tiny policy, over gloo. Run by tests/train/test_gae_ranks.py:
 
     torchrun --standalone --nproc_per_node 2 tests/train/dist_gae_worker.py MODEL_DIR OUT_FILE fsdp|ddp
@@ -21,7 +21,7 @@ from vlrl.config import RLConfig  # noqa: E402
 from vlrl.models import load_policy  # noqa: E402
 from vlrl.report import MetricsLogger  # noqa: E402
 from vlrl.train.distributed import init_distributed, shutdown_distributed, unwrap  # noqa: E402
-from vlrl.train.grpo import train_grpo  # noqa: E402
+from vlrl.train.loop import train_rl  # noqa: E402
 from vlrl.train.runtime import make_runtime  # noqa: E402
 
 # answer "a"; responses of different lengths (1–4 tokens), so GAE's per-token advantages and the whitening over
@@ -61,7 +61,7 @@ def run(model_dir: str, strategy: str, run_dir: str) -> tuple[list[dict], dict, 
     policy = load_policy(model_dir)
     rt = make_runtime(cfg, ctx, policy, run_dir)
     logger = MetricsLogger(None, quiet=True)
-    train_grpo(policy, TokenEngine(), scripted_samples(SPECS), cfg, logger=logger, seed=0, runtime=rt)
+    train_rl(policy, TokenEngine(), scripted_samples(SPECS), cfg, logger=logger, seed=0, runtime=rt)
     out = logger.records, full(rt.module), full(rt.critic), rt.ctx.rank
     shutdown_distributed(ctx)
     return out

@@ -62,3 +62,11 @@ def scripted_samples(specs, reward="string_match"):
     return [Sample(id=f"q{k}", task="scripted", messages=[{"role": "user", "content": "q"}], answer=answer,
                    reward=reward, metadata={"responses": list(responses), "greedy": greedy})
             for k, (answer, responses, greedy) in enumerate(specs)]
+
+
+def train_async(policy, engine, samples, stage, **kwargs):
+    """`vlrl.train.loop.train_rl` with ``rollout.mode=async`` (the asynchronous feed) on a stage built without it."""
+    from vlrl.train.loop import train_rl
+
+    stage = stage.model_copy(update={"rollout": stage.rollout.model_copy(update={"mode": "async"})})
+    return train_rl(policy, engine, samples, stage, **kwargs)

@@ -7,18 +7,19 @@ import time
 import pytest
 import torch
 
-import vlrl.train.async_grpo as async_grpo
+import vlrl.train.learner as learner
 import vlrl.train.update as update
 from vlrl.config import RLStage
 from vlrl.data import generate
+from vlrl.feed.records import GroupRecord
 from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
 from vlrl.rewards import register_reward
 from vlrl.rollout import HFEngine, Status
 from vlrl.rollout.threaded_engine import ThreadedEngine
-from vlrl.train.async_grpo import train_async_grpo
-from vlrl.train.grpo import train_grpo
-from vlrl.train.state import GroupRecord
+from vlrl.train.loop import train_rl
+
+from .fakes import train_async
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,7 +57,7 @@ def _run_async(stage, samples, *, engine_options=None, seed=0):
     engine = ThreadedEngine(policy, **(engine_options or {}))
     logger, state = MetricsLogger(None, quiet=True), {}
     try:
-        stats = train_async_grpo(policy, engine, samples, stage, logger=logger, seed=seed, state_out=state)
+        stats = train_async(policy, engine, samples, stage, logger=logger, seed=seed, state_out=state)
     finally:
         engine.close()
     return policy, logger.records, stats, state
@@ -65,7 +66,7 @@ def _run_async(stage, samples, *, engine_options=None, seed=0):
 # Metrics computed from the behaviour log-probs the sampler recorded (HFEngine in the sync run, ThreadedEngine's
 # private copy in the async run): same tokens, same weights, but float noise of ~1e-7 between the two samplers.
 SAMPLER_NUMERICS = ("policy/logp_drift", "policy/behaviour_weight_mean", "policy/behaviour_weight_max",
-                    "rollout/gen_prob")
+                    "rollout/gen_prob", "rollout/logprob_diff_mean", "rollout/logprob_diff_max")
 
 
 @pytest.mark.parametrize("apply_behaviour_weight", [False, True])
@@ -81,7 +82,7 @@ def test_eta_zero_with_one_batch_in_flight_equals_the_sync_recipe(apply_behaviou
     sync_policy = load_policy("tiny-qwen2-vl")
     torch.manual_seed(0)
     sync_logger = MetricsLogger(None, quiet=True)
-    train_grpo(sync_policy, HFEngine(sync_policy), samples, stage, logger=sync_logger, seed=0)
+    train_rl(sync_policy, HFEngine(sync_policy), samples, stage, logger=sync_logger, seed=0)
     async_policy, records, _, state = _run_async(stage, samples)
 
     assert len(records) == len(sync_logger.records) == 4
@@ -113,7 +114,7 @@ def test_no_sample_older_than_eta_reaches_a_loss_with_slow_training(monkeypatch)
     """Training is slowed down (0.25 s per optimizer step) so the rollout runs ahead; with η = 1 every
     batch that reaches the loss holds samples at most one version old, and some really are one version old."""
     seen = []
-    real_update, real_step = async_grpo.ppo_update, update.step_or_skip
+    real_update, real_step = learner.ppo_update, update.step_or_skip
 
     def spy_update(policy, batch, *args, step, **kwargs):
         seen.append([step - t.weight_version for t in batch.trajectories])
@@ -123,7 +124,7 @@ def test_no_sample_older_than_eta_reaches_a_loss_with_slow_training(monkeypatch)
         time.sleep(0.25)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(async_grpo, "ppo_update", spy_update)
+    monkeypatch.setattr(learner, "ppo_update", spy_update)
     monkeypatch.setattr(update, "step_or_skip", slow_step)
     _, records, stats, state = _run_async(_stage(train={"steps": 6}, staleness={"eta": 1}), _samples())
     assert len(seen) == 6
@@ -137,13 +138,13 @@ def test_abort_mode_requeues_in_flight_prompts_and_never_trains_on_them(monkeypa
     """Generation is slowed down so a batch is decoding at each weight update; with on_weight_update=abort
     it is answered as aborted, its prompts are re-queued (same tickets) and generated again."""
     seen_statuses = []
-    real_update = async_grpo.ppo_update
+    real_update = learner.ppo_update
 
     def spy_update(policy, batch, *args, **kwargs):
         seen_statuses.extend(t.status for t in batch.trajectories)
         return real_update(policy, batch, *args, **kwargs)
 
-    monkeypatch.setattr(async_grpo, "ppo_update", spy_update)
+    monkeypatch.setattr(learner, "ppo_update", spy_update)
     updated = threading.Event()
     real_generate, real_update_weights = HFEngine.generate, ThreadedEngine.update_weights
 
@@ -181,7 +182,7 @@ def test_state_exposes_cursor_requeue_and_buffer():
 def test_a_plain_engine_is_refused():
     policy = load_policy("tiny-qwen2-vl")
     with pytest.raises(TypeError, match="agenerate"):
-        train_async_grpo(policy, HFEngine(policy), _samples(4), _stage(), logger=MetricsLogger(None, quiet=True), seed=0)
+        train_async(policy, HFEngine(policy), _samples(4), _stage(), logger=MetricsLogger(None, quiet=True), seed=0)
 
 
 def test_config_fields_and_the_demo_refusing_async():
@@ -222,8 +223,8 @@ def test_stale_groups_give_their_quota_back_while_the_trainer_waits():
     """The buffer holds only groups older than η. `prepare_batch` must hand them to ``on_stale`` (which returns
     their admission quota) before it waits: the workers generate the replacement only then. Before this, the
     quota came back after the batch was complete — which it never was (a hang seen with a slow server)."""
-    from vlrl.train.async_rollout import GroupBuffer
-    from vlrl.train.sampling import Draw, Group
+    from vlrl.feed.async_rollout import GroupBuffer
+    from vlrl.feed.groups import Draw, Group
 
     from .fakes import fake_trajectories
 
@@ -260,9 +261,9 @@ def test_dropped_groups_give_their_quota_back_before_the_wait_and_a_starved_step
     spent with nothing informative: the step is starved and trains that last batch, whose quota stays taken and
     which is not counted as dropped."""
     from vlrl.config import DynamicSamplingConfig
-    from vlrl.train.async_rollout import GroupBuffer
-    from vlrl.train.informative import informative_filter
-    from vlrl.train.sampling import Draw, Group
+    from vlrl.feed.async_rollout import GroupBuffer
+    from vlrl.feed.groups import Draw, Group
+    from vlrl.feed.informative import informative_filter
 
     from .fakes import fake_trajectories
 

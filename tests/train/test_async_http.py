@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-import vlrl.train.async_grpo as async_grpo
+import vlrl.train.learner as learner
 from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout.batcher import ContinuousBatcher, private_copy
@@ -17,8 +17,8 @@ from vlrl.rollout.http_engine import HTTPEngine
 from vlrl.rollout.http_settings import ClientSettings, SyncSettings
 from vlrl.rollout.server import create_app
 from vlrl.serving import ServerThread
-from vlrl.train.async_grpo import train_async_grpo
 
+from .fakes import train_async
 from .test_async_grpo import _samples, _stage, accounted_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,13 +28,13 @@ KEY = "test-key"
 
 def _spy_staleness(monkeypatch):
     seen = []
-    real_update = async_grpo.ppo_update
+    real_update = learner.ppo_update
 
     def spy_update(policy, batch, *args, step, **kwargs):
         seen.append([step - t.weight_version for t in batch.trajectories])
         return real_update(policy, batch, *args, step=step, **kwargs)
 
-    monkeypatch.setattr(async_grpo, "ppo_update", spy_update)
+    monkeypatch.setattr(learner, "ppo_update", spy_update)
     return seen
 
 
@@ -59,7 +59,7 @@ def test_a_slow_servers_late_groups_are_discarded_not_trained(monkeypatch, tmp_p
     engine = HTTPEngine(policy, [s.url for s in servers], SyncSettings(tmp_path / "w"), ClientSettings(api_key=KEY))
     state = {}
     try:
-        stats = train_async_grpo(policy, engine, _samples(), _stage(train={"steps": 6}, staleness={"eta": 1}),
+        stats = train_async(policy, engine, _samples(), _stage(train={"steps": 6}, staleness={"eta": 1}),
                                  logger=MetricsLogger(None, quiet=True), seed=0, state_out=state)
     finally:
         finished.set()
@@ -116,7 +116,7 @@ def test_killing_one_of_two_servers_mid_run_loses_no_prompt(monkeypatch, tmp_pat
                             ClientSettings(api_key=KEY, request_timeout=30, max_server_failures=1))
         state = {}
         try:
-            stats = train_async_grpo(policy, engine, _samples(), _stage(train={"steps": 6}, staleness={"eta": 1}),
+            stats = train_async(policy, engine, _samples(), _stage(train={"steps": 6}, staleness={"eta": 1}),
                                      logger=KillingLogger(None, quiet=True), seed=0, state_out=state)
         finally:
             engine.close()
@@ -156,7 +156,7 @@ def test_the_trainer_trains_on_while_servers_load_and_versions_stay_exact(monkey
     logger = MetricsLogger(None, quiet=True)
     state = {}
     try:
-        stats = train_async_grpo(policy, engine, _samples(), _stage(train={"steps": 5}, staleness={"eta": 1}),
+        stats = train_async(policy, engine, _samples(), _stage(train={"steps": 5}, staleness={"eta": 1}),
                                  logger=logger, seed=0, state_out=state)
     finally:
         engine.close()

@@ -24,10 +24,11 @@ import torch
 
 from rollout.conftest import API_KEY, vlrl_serve  # tests/ is on sys.path (the test packages' root)
 from vlrl.data import generate, write_samples
+from vlrl.feed.records import AsyncFeedState
 from vlrl.models import load_policy
 from vlrl.rollout.weights import weight_checksum
 from vlrl.train.checkpoint import latest_checkpoint, read_checkpoint_carry_over
-from vlrl.train.state import AsyncState
+from vlrl.train.state import RLState
 
 from .dist_helpers import REPO, kill_process_tree, quiet_env, run_checked, torchrun
 
@@ -75,7 +76,7 @@ def _check_steps(records):
 
 def _accounted(cut_or_state):
     """Every draw ticket 0..drawn-1 in exactly one place: trained, discarded, filtered, buffered, re-queued or in flight."""
-    carry = cut_or_state
+    carry = cut_or_state.feed if isinstance(cut_or_state, RLState) else cut_or_state
     cut = carry.rollout
     tickets = [*carry.ledger.trained, *carry.ledger.discarded, *carry.ledger.filtered, *(g.ticket for g in cut.buffer),
                *(d.ticket for d in cut.requeue), *(d.ticket for d in cut.in_flight)]
@@ -138,8 +139,8 @@ def test_async_on_two_ranks_with_two_servers_one_killed_mid_run(tiny_vlm_dir, tm
     # its requests failed or its weight update did: dropped, and the run went on with server 0
     assert f"droppingrolloutserver{urls[1]}fromthepool" in "".join(text.split()), text[-4000:]
     carry = read_checkpoint_carry_over(latest_checkpoint(out / "checkpoints"))
-    assert isinstance(carry, AsyncState) and _accounted(carry)  # no prompt lost to the dead server
-    assert len(carry.ledger.trained) == steps * P
+    assert isinstance(carry, RLState) and isinstance(carry.feed, AsyncFeedState) and _accounted(carry)  # none lost
+    assert len(carry.feed.ledger.trained) == steps * P
     assert json.loads((out / "summary.json").read_text())["train"]["steps"] == steps
 
 
@@ -166,8 +167,8 @@ def test_async_two_ranks_killed_and_resumed(tiny_vlm_dir, tmp_path):
             kill_process_tree(proc.pid)
             proc.wait(60)
         killed_at = latest_checkpoint(out / "checkpoints")
-        killed = read_checkpoint_carry_over(killed_at)
-        assert isinstance(killed, AsyncState) and _accounted(killed)
+        killed = read_checkpoint_carry_over(killed_at).feed
+        assert isinstance(killed, AsyncFeedState) and _accounted(killed)
         resumed = subprocess.run([*_cmd(tiny_vlm_dir, urls, out, data, *extra), "--resume", "auto"], capture_output=True,
                                  text=True, timeout=900, cwd=REPO, env=quiet_env(VLRL_API_KEY=API_KEY))
         assert resumed.returncode == 0, f"{resumed.stdout[-3000:]}\n{resumed.stderr[-6000:]}"
@@ -184,8 +185,8 @@ def test_async_two_ranks_killed_and_resumed(tiny_vlm_dir, tmp_path):
     records = _records(out)
     assert [r["step"] for r in records] == list(range(1, steps + 1))  # metrics.jsonl cut back to step k, then k+1…
     _check_steps(records)
-    final = read_checkpoint_carry_over(latest_checkpoint(out / "checkpoints"))
-    assert isinstance(final, AsyncState) and _accounted(final)
+    final = read_checkpoint_carry_over(latest_checkpoint(out / "checkpoints")).feed
+    assert isinstance(final, AsyncFeedState) and _accounted(final)
     # the resumed run continued rank 0's ledger and tickets (not a fresh rollout): its groups were trained after the
     # killed checkpoint's, and its draws continued the ticket counter
     assert final.ledger.trained[: len(killed.ledger.trained)] == killed.ledger.trained
@@ -223,7 +224,7 @@ def test_async_two_ranks_log_what_one_process_logs(tiny_vlm_dir, tmp_path):
 
 
 class _Quota:
-    """The rollout side `_take_batch` talks to: counts the admission quota given back."""
+    """The rollout side `take_batch` talks to: counts the admission quota given back."""
 
     requeued = 0
 
@@ -242,11 +243,11 @@ def test_a_short_dynamic_batch_is_trimmed_to_split_evenly_and_the_rest_put_back(
     (max_extra_rounds = 0: the cap is 1 × P = 4 drops). 3 groups do not split over 2 ranks: rank 0 trains the first 2
     and puts the third back at the front of the buffer (not filtered, not lost: the next step takes it first)."""
     from vlrl.config import RLStage
-    from vlrl.train.async_grpo import _take_batch
-    from vlrl.train.async_rollout import GroupBuffer, hand_out
+    from vlrl.feed.async_rollout import GroupBuffer, hand_out
+    from vlrl.feed.asynchronous import take_batch
+    from vlrl.feed.groups import Draw, Group
+    from vlrl.feed.records import Ledger
     from vlrl.train.distributed import DistContext
-    from vlrl.train.sampling import Draw, Group
-    from vlrl.train.state import Ledger
 
     from .fakes import fake_trajectories
 
@@ -261,7 +262,7 @@ def test_a_short_dynamic_batch_is_trimmed_to_split_evenly_and_the_rest_put_back(
         buffer.put(g)
     stage = RLStage.model_validate({"train": {"prompts_per_step": 4}, "rollout": {"n": 2}, "staleness": {"eta": 1},
                                     "algo": {"dynamic_sampling": {"enabled": True, "max_extra_rounds": 0}}})
-    taken, info = _take_batch(buffer, rollout, stage, step=0, ledger=ledger, check=lambda: None, world_size=2)
+    taken, info = take_batch(buffer, rollout, stage, step=0, ledger=ledger, check=lambda: None, world_size=2)
     assert [g.draw.ticket for g in taken] == [0, 1] and info["tickets"] == [0, 1]
     assert info["sampling/prompts_used"] == 2 and info["sampling/groups_dropped"] == 4
     assert ledger.trained == [0, 1] and ledger.filtered == [3, 4, 5, 6] and rollout.released == 4
@@ -270,7 +271,7 @@ def test_a_short_dynamic_batch_is_trimmed_to_split_evenly_and_the_rest_put_back(
     buffer, ledger = GroupBuffer(capacity=16), Ledger()
     for g in groups:
         buffer.put(g)
-    taken, info = _take_batch(buffer, _Quota(), stage, step=0, ledger=ledger, check=lambda: None, world_size=1)
+    taken, info = take_batch(buffer, _Quota(), stage, step=0, ledger=ledger, check=lambda: None, world_size=1)
     assert [g.draw.ticket for g in taken] == [0, 1, 2] and buffer.tickets() == []
     assert hand_out(DistContext(), taken, info) == (taken, info)  # one process: the batch itself
     with pytest.raises(RuntimeError, match="every server gone"):

@@ -15,17 +15,16 @@ import time
 import pytest
 import torch
 
-import vlrl.train.async_grpo as async_grpo
-import vlrl.train.loop as loop
+import vlrl.train.learner as learner
 import vlrl.train.update as update
 from vlrl.config import CheckpointConfig, RLConfig, load_config
 from vlrl.data.cursor import PromptCursor
+from vlrl.feed.async_rollout import AsyncRollout, GroupBuffer
+from vlrl.feed.records import AsyncFeedState, SyncFeedState
 from vlrl.models import load_policy
 from vlrl.report import MetricsLogger
 from vlrl.rollout import SamplingParams
 from vlrl.rollout.threaded_engine import ThreadedEngine
-from vlrl.train.async_grpo import train_async_grpo
-from vlrl.train.async_rollout import AsyncRollout, GroupBuffer
 from vlrl.train.checkpoint import (
     Checkpointer,
     latest_checkpoint,
@@ -35,9 +34,9 @@ from vlrl.train.checkpoint import (
 )
 from vlrl.train.distributed import DistContext, check_scalable
 from vlrl.train.runtime import Runtime
-from vlrl.train.state import AsyncState, SyncState
+from vlrl.train.state import RLState
 
-from .fakes import ScriptedEngine, scripted_samples
+from .fakes import ScriptedEngine, scripted_samples, train_async
 from .test_async_grpo import _samples, _stage
 
 P, N, ETA = 4, 4, 1  # prompts per step, responses per prompt, staleness bound of every run here
@@ -61,7 +60,7 @@ def _run(root, steps, *, resume_from=None, spy=None):
     torch.manual_seed(0)
     engine = ThreadedEngine(policy)
     logger, state, made = MetricsLogger(None, quiet=True), {}, []
-    real_make, real_update, real_step = loop.make_optimizer, async_grpo.ppo_update, update.step_or_skip
+    real_make, real_update, real_step = learner.make_optimizer, learner.ppo_update, update.step_or_skip
 
     def make_optimizer(*args, **kwargs):
         made.append(real_make(*args, **kwargs))  # (optimizer, scheduler)
@@ -78,11 +77,11 @@ def _run(root, steps, *, resume_from=None, spy=None):
 
     stage = _stage(train={"steps": steps, "prompts_per_step": P}, rollout={"n": N}, staleness={"eta": ETA})
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "make_optimizer", make_optimizer)  # the recipes' shared set-up (`enter_stage`)
-        patch.setattr(async_grpo, "ppo_update", ppo_update)
+        patch.setattr(learner, "make_optimizer", make_optimizer)  # the learner's set-up
+        patch.setattr(learner, "ppo_update", ppo_update)
         patch.setattr(update, "step_or_skip", slow_step)
         try:
-            stats = train_async_grpo(policy, engine, _samples(), stage, logger=logger, seed=0, state_out=state,
+            stats = train_async(policy, engine, _samples(), stage, logger=logger, seed=0, state_out=state,
                                      runtime=_runtime(policy, root, resume_from=resume_from))
         finally:
             engine.close()
@@ -112,9 +111,9 @@ def first_run(tmp_path_factory):
 
 def test_a_resumed_run_continues_steps_optimizer_buffer_and_ledger(first_run, tmp_path):
     checkpoint, carry, weights, exp_avg = first_run
-    assert isinstance(carry, AsyncState)  # the typed record of this recipe, not a dict of magic keys
-    cut = carry.rollout
-    assert carry.ledger.trained == list(range(2 * P))  # steps 0 and 1 trained the first 8 draws
+    assert isinstance(carry, RLState) and isinstance(carry.feed, AsyncFeedState)  # typed records, not magic keys
+    cut = carry.feed.rollout
+    assert carry.feed.ledger.trained == list(range(2 * P))  # steps 0 and 1 trained the first 8 draws
     assert len(cut.buffer) >= 1  # the rollout ran ahead: the checkpoint holds undrained groups
     first_batch = []
 
@@ -133,7 +132,7 @@ def test_a_resumed_run_continues_steps_optimizer_buffer_and_ledger(first_run, tm
     assert state["version"] == 4
     # the restored groups are trained first (FIFO), with the versions and tokens they were generated with
     restored = cut.buffer[:P]
-    assert state["trained"][: 2 * P + len(restored)] == carry.ledger.trained + [g.ticket for g in restored]
+    assert state["trained"][: 2 * P + len(restored)] == carry.feed.ledger.trained + [g.ticket for g in restored]
     saved = [r for g in restored for r in g.responses]
     assert [t.weight_version for t in first_batch[: len(saved)]] == [r.weight_version for r in saved]
     assert all(torch.equal(a.response_ids, b.response_ids) for a, b in zip(first_batch, saved, strict=False))
@@ -150,7 +149,7 @@ def test_a_restored_group_older_than_eta_is_discarded_not_trained(first_run, tmp
     checkpoint, carry, _, _ = first_run
     target = tmp_path / checkpoint.name
     shutil.copytree(checkpoint, target)
-    old = carry.rollout.buffer[0]
+    old = carry.feed.rollout.buffer[0]
     for r in old.responses:
         r.weight_version = 0  # staleness 2 at step 2
     write_checkpoint_carry_over(target, carry)
@@ -170,16 +169,16 @@ def test_the_two_recipes_refuse_each_others_checkpoints(first_run, tmp_path):
     """An async checkpoint holds buffered groups and in-flight prompts the synchronous loop has no place for
     (and a sync checkpoint lacks the rollout state): resuming across recipes stops, naming the field."""
     from vlrl.rollout import HFEngine
-    from vlrl.train.grpo import train_grpo
+    from vlrl.train.loop import train_rl
 
     checkpoint, carry, _, _ = first_run
     policy = load_policy("tiny-qwen2-vl")
     with pytest.raises(ValueError, match="checkpoint.resume: .* asynchronous recipe; resume it with rollout.mode=async"):
-        train_grpo(policy, HFEngine(policy), _samples(), _stage(), logger=MetricsLogger(None, quiet=True), seed=0,
+        train_rl(policy, HFEngine(policy), _samples(), _stage(), logger=MetricsLogger(None, quiet=True), seed=0,
                    runtime=_runtime(policy, tmp_path, resume_from=checkpoint))
     synchronous = tmp_path / checkpoint.name
     shutil.copytree(checkpoint, synchronous)
-    write_checkpoint_carry_over(synchronous, SyncState(carry.algorithm, drawn=0, carry=[]))
+    write_checkpoint_carry_over(synchronous, RLState(carry.algorithm, SyncFeedState(drawn=0, carry=[])))
     write_manifest(synchronous)
     with pytest.raises(ValueError, match="checkpoint.resume: .* synchronous recipe"):
         _run(tmp_path, 3, resume_from=synchronous)
@@ -258,10 +257,10 @@ def test_check_scalable_allows_async_checkpoints_and_several_ranks():
         check_scalable(cfg, 2)  # and under torchrun: rank 0 drives the rollout (tests/train/test_async_ranks.py)
     many_ranks = Runtime(DistContext(world_size=2), torch.nn.Linear(1, 1))  # refused before any collective:
     with pytest.raises(ValueError, match="train.prompts_per_step: 3 does not split evenly over 2 ranks"):
-        train_async_grpo(None, GatedEngine(), [], _stage(train={"prompts_per_step": 3}), logger=None, seed=0,
+        train_async(None, GatedEngine(), [], _stage(train={"prompts_per_step": 3}), logger=None, seed=0,
                          runtime=many_ranks)
     with pytest.raises(ValueError, match="synth.enabled: Syn-GRPO with rollout.mode=async runs in one process"):
-        train_async_grpo(None, GatedEngine(), [], _stage(synth={"enabled": True}), logger=None, seed=0,
+        train_async(None, GatedEngine(), [], _stage(synth={"enabled": True}), logger=None, seed=0,
                          runtime=many_ranks)
 
 

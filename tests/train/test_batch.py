@@ -103,8 +103,8 @@ def test_an_estimator_needing_a_greedy_baseline_refuses_a_batch_without_one():
 
 
 def test_step_metrics_diversity_and_generation_probability():
+    from vlrl.feed.groups import Draw, Group
     from vlrl.train.metrics import step_metrics
-    from vlrl.train.sampling import Draw, Group
     from vlrl.train.update import UpdateStats
 
     # accuracies: group 0 → 1, 0 (V = .25), group 1 → 1, 1 (V = 0): batch mean V(q) = .125

@@ -123,7 +123,7 @@ def test_every_sft_and_grpo_step_logs_its_mfu(tiny_vlm):
     from vlrl.config import RLStage, SFTStage
     from vlrl.report import MetricsLogger
     from vlrl.report.perf import device_peak
-    from vlrl.train.grpo import train_grpo
+    from vlrl.train.loop import train_rl
     from vlrl.train.sft import train_sft
 
     sft = SFTStage.model_validate({"train": {"steps": 1, "batch_size": 4, "micro_batch_size": 4}})
@@ -131,7 +131,7 @@ def test_every_sft_and_grpo_step_logs_its_mfu(tiny_vlm):
     rl = RLStage.model_validate({"rollout": {"n": 2, "max_new_tokens": 4},
                                  "train": {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 4}})
     logger = MetricsLogger(None, quiet=True)
-    train_grpo(tiny_vlm, HFEngine(tiny_vlm), generate("shapes", 2), rl, logger=logger, seed=0)
+    train_rl(tiny_vlm, HFEngine(tiny_vlm), generate("shapes", 2), rl, logger=logger, seed=0)
     (record,) = logger.records
     peak = device_peak("cpu").tflops  # this process's measured CPU matmul peak, the one the loops divide by
     for metrics, phases in ((stats.metrics, [""]), (record, ["", "gen_"])):

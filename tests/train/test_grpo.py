@@ -7,7 +7,7 @@ from vlrl.data import generate
 from vlrl.report import MetricsLogger
 from vlrl.rewards import register_reward
 from vlrl.rollout import HFEngine
-from vlrl.train.grpo import train_grpo
+from vlrl.train.loop import train_rl
 
 
 def _stage(**overrides):
@@ -40,7 +40,7 @@ def test_one_step_changes_weights_and_logs_metrics(tiny_vlm, tmp_path):
     before = {k: v.clone() for k, v in tiny_vlm.model.state_dict().items()}
     engine = HFEngine(tiny_vlm)
     logger = MetricsLogger(tmp_path / "metrics.jsonl", quiet=True)
-    stats = train_grpo(tiny_vlm, engine, _samples(), _stage(), logger=logger, seed=0)
+    stats = train_rl(tiny_vlm, engine, _samples(), _stage(), logger=logger, seed=0)
     assert any(not torch.equal(v, before[k]) for k, v in tiny_vlm.model.state_dict().items())
     assert engine.weight_version == 1
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
@@ -57,14 +57,14 @@ def test_zero_advantage_batch_leaves_weights_unchanged(tiny_vlm):
     for s in samples:
         s.reward = "test_constant_reward"
     before = {k: v.clone() for k, v in tiny_vlm.model.state_dict().items()}
-    stats = train_grpo(tiny_vlm, HFEngine(tiny_vlm), samples, _stage(), logger=MetricsLogger(None, quiet=True), seed=0)
+    stats = train_rl(tiny_vlm, HFEngine(tiny_vlm), samples, _stage(), logger=MetricsLogger(None, quiet=True), seed=0)
     assert stats.metrics["policy/zero_adv_groups_frac"] == 1.0
     assert all(torch.equal(v, before[k]) for k, v in tiny_vlm.model.state_dict().items())
 
 
 def test_kl_term_and_several_minibatches_run(tiny_vlm):
     stage = _stage(algo={"kl_coef": 0.1}, train={"steps": 2, "minibatches": 2, "ppo_epochs": 2, "micro_batch_size": 3})
-    stats = train_grpo(tiny_vlm, HFEngine(tiny_vlm), _samples(), stage, logger=MetricsLogger(None, quiet=True), seed=0)
+    stats = train_rl(tiny_vlm, HFEngine(tiny_vlm), _samples(), stage, logger=MetricsLogger(None, quiet=True), seed=0)
     assert stats.steps == 2
     assert stats.metrics["policy/kl_ref"] > 0  # the policy moved away from the frozen reference
     assert stats.metrics["policy/approx_kl_old"] > 0  # later minibatches are off-policy w.r.t. π_old
@@ -76,6 +76,6 @@ def test_rl_raises_a_dense_reward(tiny_vlm):
     stage = _stage(rollout={"n": 8, "max_new_tokens": 12}, train={"steps": 25, "prompts_per_step": 8, "micro_batch_size": 64},
                    optim={"lr": 3e-3})
     logger = MetricsLogger(None, quiet=True)
-    train_grpo(tiny_vlm, engine, _samples(16), stage, logger=logger, seed=0)
+    train_rl(tiny_vlm, engine, _samples(16), stage, logger=logger, seed=0)
     rewards = [r["reward/mean"] for r in logger.records]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.05, rewards

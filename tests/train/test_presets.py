@@ -15,8 +15,9 @@ from vlrl.report import MetricsLogger
 from vlrl.rewards import register_reward
 from vlrl.rollout import HFEngine
 from vlrl.rollout.threaded_engine import ThreadedEngine
-from vlrl.train.async_grpo import train_async_grpo
-from vlrl.train.grpo import train_grpo
+from vlrl.train.loop import train_rl
+
+from .fakes import train_async
 
 CONFIGS = Path(vlrl.__file__).parent / "configs"
 PRESETS = ["grpo", "dapo", "ppo", "rloo", "reinforce_pp", "dr_grpo", "remax"]
@@ -64,7 +65,7 @@ def test_preset_trains_without_nans(name, fresh_policy):
     policy = fresh_policy()
     before = [p.detach().clone() for p in policy.model.parameters()]
     logger = MetricsLogger(None, quiet=True)
-    stats = train_grpo(policy, HFEngine(policy), _samples(), cfg, logger=logger, seed=0)
+    stats = train_rl(policy, HFEngine(policy), _samples(), cfg, logger=logger, seed=0)
     assert stats.steps == 2 and len(logger.records) == 2
     assert all(_finite(r) for r in logger.records), logger.records
     assert any(not torch.equal(p, b) for p, b in zip(policy.model.parameters(), before, strict=True))
@@ -91,13 +92,13 @@ def test_critic_kl_reward_and_minibatches_work_in_the_async_recipe(fresh_policy)
     sync_policy = fresh_policy()
     torch.manual_seed(0)
     sync_logger = MetricsLogger(None, quiet=True)
-    train_grpo(sync_policy, HFEngine(sync_policy), samples, cfg, logger=sync_logger, seed=0)
+    train_rl(sync_policy, HFEngine(sync_policy), samples, cfg, logger=sync_logger, seed=0)
     async_policy = load_policy("tiny-qwen2-vl")  # a second instance: the sync run trained the first
     torch.manual_seed(0)
     engine = ThreadedEngine(async_policy)
     async_logger = MetricsLogger(None, quiet=True)
     try:
-        train_async_grpo(async_policy, engine, samples, cfg, logger=async_logger, seed=0)
+        train_async(async_policy, engine, samples, cfg, logger=async_logger, seed=0)
     finally:
         engine.close()
     for sync, asynchronous in zip(sync_logger.records, async_logger.records, strict=True):
@@ -122,7 +123,7 @@ def test_dynamic_sampling_and_greedy_baseline_in_the_async_recipe():
     engine = ThreadedEngine(policy)
     logger, state = MetricsLogger(None, quiet=True), {}
     try:
-        train_async_grpo(policy, engine, samples, cfg, logger=logger, seed=0, state_out=state)
+        train_async(policy, engine, samples, cfg, logger=logger, seed=0, state_out=state)
     finally:
         engine.close()
     assert state["filtered"]  # some flat groups were drawn and dropped
@@ -147,7 +148,7 @@ def test_async_dynamic_sampling_with_no_informative_group_trains_the_last_batch(
     engine = ThreadedEngine(policy)
     logger, state = MetricsLogger(None, quiet=True), {}
     try:
-        train_async_grpo(policy, engine, samples, cfg, logger=logger, seed=0, state_out=state)
+        train_async(policy, engine, samples, cfg, logger=logger, seed=0, state_out=state)
     finally:
         engine.close()
     for record in logger.records:

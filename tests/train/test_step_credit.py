@@ -223,7 +223,7 @@ class ScriptedEngine:
 def _rl(policy, tmp_path, options, steps=2):
     from vlrl.config import RLStage
     from vlrl.report import MetricsLogger
-    from vlrl.train.grpo import train_grpo
+    from vlrl.train.loop import train_rl
 
     samples = generate("embodied", 4, seed=2, tasks=["pick_place"], list_actions=False, history_prob=0.0)
     stage = RLStage.model_validate({
@@ -233,7 +233,7 @@ def _rl(policy, tmp_path, options, steps=2):
     })
     logger = MetricsLogger(tmp_path / "metrics.jsonl", quiet=True)
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
-    train_grpo(policy, ScriptedEngine(policy), samples, stage, logger=logger, seed=0)
+    train_rl(policy, ScriptedEngine(policy), samples, stage, logger=logger, seed=0)
     logger.close()
     changed = any(not torch.equal(before[k], v) for k, v in policy.model.state_dict().items())
     return [r for r in logger.records if r["stage"] == "rl"], changed

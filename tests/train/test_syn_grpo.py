@@ -21,8 +21,9 @@ from vlrl.synth.app import create_app
 from vlrl.synth.client import AsyncSynthesizer
 from vlrl.synth.schema import SynthSettings
 from vlrl.synth.server import SynthService
-from vlrl.train.async_grpo import train_async_grpo
-from vlrl.train.grpo import train_grpo
+from vlrl.train.loop import train_rl
+
+from .fakes import train_async
 
 KEY = "syn-grpo-test-key"
 
@@ -97,7 +98,7 @@ def test_synthesised_samples_replace_their_sources_in_later_batches(tiny_vlm, tm
     samples = generate("shapes", 4, tasks=["count"])
     logger = MetricsLogger(tmp_path / "metrics.jsonl", quiet=True)
     engine = TemplateEngine(HFEngine(tiny_vlm))
-    stats = train_grpo(tiny_vlm, engine, samples, _stage(server=synth_url, mode="sync"), logger=logger, seed=0)
+    stats = train_rl(tiny_vlm, engine, samples, _stage(server=synth_url, mode="sync"), logger=logger, seed=0)
     records = _records(tmp_path / "metrics.jsonl")
     assert stats.steps == 3 and [r["step"] for r in records] == [1, 2, 3]
     # epoch 0 (steps 1-2) draws the 4 originals and synthesises each (sync mode: done before the next step);
@@ -156,7 +157,7 @@ def test_killing_the_synthesis_server_mid_run_costs_no_step_and_is_counted(tiny_
         engine = TemplateEngine(HFEngine(tiny_vlm), on_update=kill)
         stage = _stage(server=url, deadline=2.0)
         stage.train.steps = 6
-        stats = train_grpo(tiny_vlm, engine, generate("shapes", 8, tasks=["count"]), stage, logger=logger, seed=0)
+        stats = train_rl(tiny_vlm, engine, generate("shapes", 8, tasks=["count"]), stage, logger=logger, seed=0)
     finally:
         if process.poll() is None:
             process.kill()
@@ -179,7 +180,7 @@ def test_the_asynchronous_recipe_swaps_synthesised_samples_too(tiny_vlm, tmp_pat
     engine = TemplateEngine(ThreadedEngine(tiny_vlm))
     logger = MetricsLogger(tmp_path / "metrics.jsonl", quiet=True)
     try:
-        stats = train_async_grpo(tiny_vlm, engine, generate("shapes", 4, tasks=["count"]), stage, logger=logger, seed=0)
+        stats = train_async(tiny_vlm, engine, generate("shapes", 4, tasks=["count"]), stage, logger=logger, seed=0)
     finally:
         engine.close()
     records = _records(tmp_path / "metrics.jsonl")

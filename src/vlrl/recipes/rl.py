@@ -36,11 +36,10 @@ from vlrl.report import MetricsLogger
 from vlrl.report.watch import WatchedEngine
 from vlrl.rollout import close_engine
 from vlrl.synth.workflow import syn_eval_samples
-from vlrl.train.async_grpo import train_async_grpo
 from vlrl.train.checkpoint import resolve_resume
 from vlrl.train.common import write_json
 from vlrl.train.distributed import check_scalable, init_distributed
-from vlrl.train.grpo import train_grpo
+from vlrl.train.loop import train_rl
 from vlrl.train.result import StageResult
 from vlrl.train.runtime import Runtime, make_runtime
 from vlrl.train.validation import Validation
@@ -59,12 +58,8 @@ def rl_stage(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger
                                               run_dir=logger.path.parent if logger.path else None, model=cfg.model.path)
     with logger.progress.task(name, total=stage.train.steps, stage=name), \
             engine.training(name, total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
-        if stage.rollout.mode == "async":
-            stats = train_async_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name,
-                                     runtime=runtime)
-        else:
-            stats = train_grpo(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name,
-                               runtime=runtime, validate=validate)
+        stats = train_rl(policy, engine, train, stage, logger=logger, seed=cfg.seed, stage_name=name,
+                         runtime=runtime, validate=validate)
     stats.select = selected
     log_last_step(logger, name, stats)
     return stats

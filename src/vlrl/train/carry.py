@@ -9,7 +9,7 @@ explicit allow-list (`RECORD_TYPES`, extended with `register_record`), each from
 Encoded forms: JSON scalars and lists as themselves; a dict with only string keys none of which starts with
 ``$`` as a JSON object; otherwise a one-key object naming the kind — ``{"$tensor": "t3"}``, ``{"$tuple": [...]}``,
 ``{"$dict": [[key, value], ...]}``, ``{"$bytes": base64}``, ``{"$png": base64}``,
-``{"$record": "SyncState", "fields": {...}}``.
+``{"$record": "RLState", "fields": {...}}``.
 """
 
 from __future__ import annotations
@@ -47,14 +47,15 @@ def _record_types() -> dict[str, type]:
     """The allow-list: every record a recipe's carry-over is made of, by class name."""
     from vlrl.algos.diversity import DiversityState
     from vlrl.data import Sample
+    from vlrl.feed import records
     from vlrl.models.adapters import VisionInputs
     from vlrl.rollout.types import Turn
     from vlrl.synth.workflow import SynthState
     from vlrl.train import state
 
-    types = [state.ResponseRecord, state.GroupRecord, state.DrawRecord, state.ShaperStates, state.AlgorithmState,
-             state.SyncState, state.Ledger, state.RolloutCut, state.AsyncState, Sample, Turn, VisionInputs,
-             DiversityState, SynthState]
+    types = [records.ResponseRecord, records.GroupRecord, records.DrawRecord, records.Ledger, records.RolloutCut,
+             records.SyncFeedState, records.AsyncFeedState, state.ShaperStates, state.AlgorithmState, state.RLState,
+             Sample, Turn, VisionInputs, DiversityState, SynthState]
     return {t.__name__: t for t in types} | _EXTRA_RECORDS
 
 

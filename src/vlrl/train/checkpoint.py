@@ -9,7 +9,7 @@ Layout of ``OUT/checkpoints/step_00000012/``:
     trainer_state.json   stage, step, data cursor, scheduler, the RNG states of every rank, the position of
                          metrics.jsonl
     carry_over/          each rank's loop state beyond the weights, the recipe's typed record
-                         (`vlrl.train.state.SyncState` / `AsyncState`) as rank_N.json + rank_N.safetensors
+                         (`vlrl.train.state.RLState`: the learner's and the feed's) as rank_N.json + rank_N.safetensors
                          (`vlrl.train.carry`): the RL shapers' states (e.g. an EMA baseline), dynamic-sampling
                          leftovers, the critic; the async recipe's undrained groups, re-queued and in-flight draws
                          and ticket ledger
@@ -490,8 +490,8 @@ class Checkpointer:
                         "is not the uninterrupted run's", path, state["world_size"], self.ctx.world_size)
         if self.ctx.rank < len(rngs):
             set_rng_state(rngs[self.ctx.rank])
-        # Every rank writes the same loop state (the recipes hold the whole round on every rank: `SyncState`'s
-        # shapers, critic and dynamic sampling's carried groups are identical copies; `AsyncState`'s rollout cut
+        # Every rank writes the same loop state (the feeds hold the whole round on every rank: the shapers, the
+        # critic and the synchronous feed's carried groups are identical copies; the asynchronous feed's rollout cut
         # is rank 0's, and only the rank-0 driver reads it), so a rank the checkpoint did not have (resumed on more
         # ranks) reads rank 0's — without it that rank would start its critic and shapers afresh while rank 0
         # restored them, and their collectives would no longer match (a hang).

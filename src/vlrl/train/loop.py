@@ -1,96 +1,110 @@
-"""The set-up both RL recipes share (`vlrl.train.grpo`, `vlrl.train.async_grpo`), and the metrics and log line
-that close each of their steps. Each recipe calls these in its own order:
+"""One RL loop over two values — a feed of scored groups and a learner — for synchronous and asynchronous RL alike
+(slime's ``train.py`` / ``train_async.py``; AReaL's ``rl_trainer.py``). Read it top to bottom:
 
-    trimmed        train.max_samples
-    rl_algorithm   `build_algorithm` once, its estimator and reward shapers over every rank's responses
-    enter_stage    train.trainable and gradient checkpointing, the phase meter (perf/mfu), optimizer + scheduler,
-                   the step's warnings (`StepWatches`: zero-advantage groups, answers no longer well-formed)
-    perf_metrics   perf/step_seconds, the recipe's own timings, policy/lr, perf/tokens_per_s, perf/mfu …
-    log_step       the warnings read every step's metrics; logged every train.log_every steps and at the last
+    restore                      weights, optimizer, cursor, RNG; the learner's and the feed's states (`RLState`)
+    feed.start                   the rollout starts from the trainer's weights
+    each step:
+      feed.next_batch            1-3. prompts → n responses each → rewards, as groups (`vlrl.feed`: sync generates
+                                      them now; async dequeues what its workers generated, older than η dropped)
+      learner.step               4-5. shaped rewards → advantages, the minibatch updates (`vlrl.train.learner`)
+      feed.publish               6.   the engine samples from the new weights (the feed is its only publisher)
+      feed.finish_step           Syn-GRPO's swaps, sampling/…, staleness/…; then log, checkpoint, validate
+
+Which feed and learner a stage gets is `train_rl`'s business (``rollout.mode``); the loop never asks.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from vlrl.algos import advantage_needs, get_advantage
 from vlrl.config import RLStage
 from vlrl.data import Sample
+from vlrl.feed.build import build_feed
+from vlrl.feed.types import Feed
 from vlrl.models import Policy
 from vlrl.report import MetricsLogger
-from vlrl.train.batch import Algorithm, build_algorithm
-from vlrl.train.budget import PhaseMeter, compute_dtype
-from vlrl.train.common import make_optimizer
-from vlrl.train.distributed import GlobalAdvantage, GlobalRewardShaping
-from vlrl.train.modules import StageModules, stage_modules
+from vlrl.rollout import Engine
+from vlrl.train.learner import Learner
+from vlrl.train.result import StageResult
 from vlrl.train.runtime import Runtime
-from vlrl.train.update import UpdateBatch
-from vlrl.train.watches import StepWatches
+from vlrl.train.state import RLState, expect_state
 
 
-@dataclass
-class StageParts:
-    """What a stage trains with, set up by `enter_stage`: the trainable modules, the phase meter, the optimizer and
-    its learning-rate scheduler, and the warnings its steps' metrics can raise."""
-
-    modules: StageModules
-    perf: PhaseMeter
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    watches: StepWatches
-
-
-def trimmed(samples: list[Sample], stage: RLStage) -> list[Sample]:
-    """The first ``train.max_samples`` samples (all of them when unset)."""
-    return samples[: stage.train.max_samples] if stage.train.max_samples is not None else samples
-
-
-def rl_algorithm(stage: RLStage, policy: Policy, rt: Runtime, *, apply_behaviour_weight: bool) -> Algorithm:
-    """``stage.algo`` bound once (`build_algorithm`), its estimator over all ranks' responses and its batch-level
-    reward shapers (e.g. syn_diversity's EMA) over the whole batch."""
-    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=apply_behaviour_weight, reference=rt.reference,
-                                critic_model=rt.critic, ctx=rt.ctx)
-    algorithm.advantage_fn = GlobalAdvantage(algorithm.advantage_fn, rt.ctx)  # over all ranks' responses
-    algorithm.reward_shaping = GlobalRewardShaping.over(algorithm.reward_shaping, rt.ctx)  # batch-level shapers
-    return algorithm
-
-
-def enter_stage(stack: ExitStack, policy: Policy, stage: RLStage, rt: Runtime, logger: MetricsLogger,
-                stage_name: str) -> StageParts:
-    """train.trainable and gradient checkpointing (undone when ``stack`` closes), the phase meter of perf/mfu
-    (generation and update), then the optimizer and scheduler over the stage's trainable parameters, and the
-    step's warnings (said by rank 0)."""
-    modules = stack.enter_context(stage_modules(policy, stage.train))
-    model = policy.model
-    perf = stack.enter_context(PhaseMeter(model, rt.ctx.device, compute_dtype(model, rt.cfg.mixed_precision), rt.ctx))
-    optimizer, scheduler = make_optimizer(model, stage.optim, policy.adapter.module_groups,
-                                          total_steps=stage.train.steps)
-    return StageParts(modules, perf, optimizer, scheduler, StepWatches(logger, stage_name, enabled=rt.ctx.is_main))
+def rl_loop(feed: Feed, learner: Learner, rt: Runtime, logger: MetricsLogger, stage: RLStage, *, stage_name: str,
+            budget: float | None, validate: Callable[[int], None] | None = None) -> StageResult:
+    """Train ``stage.train.steps`` steps (or until ``budget`` seconds): see the module docstring."""
+    step = restore(rt, stage_name, feed, learner)
+    feed.start(step, learner.weights)
+    start, last, drained = time.time(), {}, False
+    try:
+        while step < stage.train.steps and not rt.out_of_time(time.time() - start, budget):
+            t0 = time.time()
+            learner.perf.begin()
+            batch = feed.next_batch(step)  # 1-3. this rank's share of the step's scored groups
+            learner.perf.phase("gen_")
+            learned = learner.step(batch, step)  # 4-5. advantages, the update (and the critic's)
+            step += 1
+            feed.publish(step, learner.weights)  # 6. the engine samples from the new weights from now on
+            last = {**learned.metrics, **feed.finish_step(batch, step, learned.reward_shaping),
+                    **learner.perf_metrics(t0, learned)}
+            learner.watches.update(step, last)  # the step's warnings read every step's metrics
+            if step % stage.train.log_every == 0 or step == stage.train.steps:
+                logger.log(stage_name, step, last, show=feed.shown)
+            if rt.checkpoint_due(step):
+                save(rt, step, stage_name, feed, learner)
+            if validate is not None:
+                validate(step)
+        drained = True
+    finally:
+        feed.close(drained)
+        learner.close()
+    return StageResult(step, time.time() - start, last)
 
 
-def perf_metrics(parts: StageParts, batch: UpdateBatch, t0: float, seconds: dict[str, float]) -> dict[str, float]:
-    """The step's closing metrics: its seconds since ``t0``, the recipe's own timings (``seconds``), the trainable
-    parameters, the learning rate, gradient checkpointing, trained tokens per second and the phases' perf/…"""
-    return {"perf/step_seconds": time.time() - t0, **seconds,
-            "policy/trainable_params": parts.modules.trainable_params, "policy/lr": parts.scheduler.get_last_lr()[0],
-            "perf/gradient_checkpointing": float(parts.modules.gradient_checkpointing),
-            "perf/tokens_per_s": float(batch.loss_mask.sum()) / max(time.time() - t0, 1e-9),
-            **parts.perf.metrics()}
+def restore(rt: Runtime, stage_name: str, feed: Feed, learner: Learner) -> int:
+    """Load the checkpoint ``rt`` resumes from, if any, into the optimizer, scheduler, the feed's data cursor, the
+    learner (shapers, critic) and the feed (its carried groups or rollout cut, Syn-GRPO). Returns the step to
+    continue from (0 for a fresh start)."""
+    step, carry = rt.restore(stage_name, learner.optimizer, learner.scheduler, feed.cursor)
+    state = expect_state(carry, feed.state_type, rt.resume_from)
+    if state is not None:
+        learner.load_state(state.algorithm)
+        feed.load_state(state.feed, rt.resume_from)
+    return step
 
 
-def analysis_dir(logger: MetricsLogger, rt: Runtime):
-    """Where shapers write their analysis files: the run directory on rank 0, else None."""
-    return logger.path.parent if logger.path is not None and rt.ctx.is_main else None
+def save(rt: Runtime, step: int, stage_name: str, feed: Feed, learner: Learner) -> None:
+    """Checkpoint ``step``: weights, optimizer, RNG and the feed's cursor (`Runtime.after_step`) plus the `RLState`."""
+    cursor, feed_state = feed.state()
+    rt.after_step(step, stage_name, learner.optimizer, learner.scheduler, cursor,
+                  carry_over=RLState(learner.state(), feed_state))
 
 
-def log_step(logger: MetricsLogger, stage: RLStage, stage_name: str, step: int, last: dict[str, float],
-             show: tuple[str, ...], parts: StageParts) -> None:
-    """Let the stage's warnings read ``last`` (every step), then log it every ``train.log_every`` steps and at the
-    last step, showing ``show`` on the console."""
-    parts.watches.update(step, last)
-    if step % stage.train.log_every == 0 or step == stage.train.steps:
-        logger.log(stage_name, step, last, show=show)
+def train_rl(policy: Policy, engine: Engine, samples: list[Sample], stage: RLStage, *, logger: MetricsLogger,
+             seed: int, stage_name: str = "rl", max_seconds: float | None = None, runtime: Runtime | None = None,
+             validate: Callable[[int], None] | None = None, state_out: dict[str, Any] | None = None) -> StageResult:
+    """An RL stage: its learner and its feed (`vlrl.feed.build.build_feed`, by ``rollout.mode``), then `rl_loop`.
+
+    ``runtime`` (`vlrl.train.runtime`; default one process, no checkpoints): under torchrun each rank trains on its
+    share of every step's groups, advantages and logged metrics are those of the whole batch, and checkpoints resume
+    the loop (weights, optimizer, cursor, RNG, shaper states, the feed's state — an asynchronous run's is not
+    bitwise the uninterrupted one's: what is in flight when depends on timing). ``validate(step)`` runs after every
+    step (``eval.every``: `vlrl.train.validation.Validation`). ``state_out`` receives the feed's final accounting
+    (`Feed.final_state`: an asynchronous feed's draw tickets of every bucket, rank 0's under torchrun)."""
+    rt = runtime or Runtime.single(policy.model)
+    feed = build_feed(engine, samples, stage, seed=seed, logger=logger, ranks=rt.ctx,  # (refuses what it cannot run)
+                      greedy_baseline="baseline_rewards" in advantage_needs(get_advantage(stage.algo.advantage)))
+    try:
+        learner = Learner(policy, stage, rt, logger, stage_name, seed=seed,
+                          decoupled=stage.rollout.mode == "async" and stage.staleness.apply_behaviour_weight)
+    except BaseException:
+        feed.close(False)
+        raise
+    result = rl_loop(feed, learner, rt, logger, stage, stage_name=stage_name, validate=validate,
+                     budget=max_seconds if max_seconds is not None else stage.train.max_seconds)
+    if state_out is not None:
+        state_out.update(feed.final_state())
+    return result

@@ -23,11 +23,11 @@ import torch
 
 from vlrl.algos.advantages import group_variance
 from vlrl.data import Sample
+from vlrl.feed.groups import Group
 from vlrl.report.watch import generation_prob
 from vlrl.rollout import Status, Trajectory
 from vlrl.rollout.agent import agent_metrics
 from vlrl.train.distributed import DistContext
-from vlrl.train.sampling import Group
 from vlrl.train.update import UpdateBatch, UpdateStats
 
 

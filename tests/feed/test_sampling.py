@@ -3,14 +3,14 @@ ReMax's greedy baseline, on a scripted engine whose responses are fixed per prom
 
 import torch
 
+from train.fakes import ScriptedEngine, scripted_samples
 from vlrl.config import DynamicSamplingConfig
 from vlrl.data.cursor import PromptCursor
+from vlrl.feed.groups import flatten
+from vlrl.feed.informative import is_informative, starved_warning
+from vlrl.feed.records import GroupRecord
+from vlrl.feed.sync import GroupSampler
 from vlrl.rollout import SamplingParams
-from vlrl.train.informative import is_informative, starved_warning
-from vlrl.train.sampling import GroupSampler, flatten
-from vlrl.train.state import GroupRecord
-
-from .fakes import ScriptedEngine, scripted_samples
 
 ALL_RIGHT = ("a", ["a", "a"], "a")
 ALL_WRONG = ("a", ["b", "c"], "b")

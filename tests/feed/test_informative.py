@@ -3,11 +3,10 @@ starved rule and the world-size trim, and the ``sampling/…`` metrics each cap 
 
 import pytest
 
+from train.fakes import fake_trajectories
 from vlrl.config import DynamicSamplingConfig
-from vlrl.train.informative import Cap, InformativeFilter, informative_filter, is_informative
-from vlrl.train.sampling import Draw, Group
-
-from .fakes import fake_trajectories
+from vlrl.feed.groups import Draw, Group
+from vlrl.feed.informative import Cap, InformativeFilter, informative_filter, is_informative
 
 _tickets = iter(range(10_000))
 

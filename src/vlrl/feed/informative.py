@@ -1,6 +1,6 @@
 """DAPO's informative-group filter (dynamic sampling, DAPO §3.2.2, eq. 11; verl ``filter_groups``): one object both
-RL recipes use where groups reach them, so that no training loop knows DAPO exists — as in slime, where the filter
-runs inside the rollout.
+feeds use where groups reach them, so that no training loop knows DAPO exists — as in slime, where the filter runs
+inside the rollout (its producer-side filter, ``rollout/sglang_rollout.py``).
 
     is_informative     a group whose rewards (or accuracies) all agree has zero advantage: it is not informative
     Cap                how far one step's search for informative groups may go, and what it counts
@@ -9,15 +9,16 @@ runs inside the rollout.
     informative_filter the filter a recipe's ``algo.dynamic_sampling`` asks for (None when it is off)
     starved_warning    the line a recipe prints when a step found no informative group
 
-Who feeds it: the synchronous sampler (`vlrl.train.sampling.GroupSampler.next_batch`) the rounds it generates; the
-asynchronous rollout's buffer (`vlrl.train.async_rollout.GroupBuffer.take_batch`) the batches it dequeues, returning
-the dropped groups' admission quota as it goes. Each recipe receives a batch and its ``sampling/…`` metrics.
+Who feeds it: the synchronous feed's sampler (`vlrl.feed.sync.GroupSampler.next_batch`) the rounds it generates;
+the asynchronous rollout's buffer (`vlrl.feed.async_rollout.GroupBuffer.take_batch`) the batches it dequeues,
+returning the dropped groups' admission quota as it goes. Each feed hands the loop a batch and its ``sampling/…``
+metrics.
 
 A step: `InformativeFilter.begin` (with the informative groups carried over from the last step, if any), `offer`
 groups until `done`, then `finish` — the batch, the informative surplus beyond it, the dropped groups and the
 metrics. With nothing informative within the cap the step is *starved*: it trains ``prompts_per_step`` groups of
 the last round offered — zero advantage, no policy gradient, the run goes on — logs ``sampling/starved`` = 1 and
-the recipe warns with `starved_warning`. (verl raises at its cap ``max_num_gen_batches``, stopping the run; a
+the feed warns with `starved_warning`. (verl raises at its cap ``max_num_gen_batches``, stopping the run; a
 starved step here costs one step and says which knobs to turn.) A batch left short at the cap is cut to a multiple
 of the number of ranks, so that it splits evenly; the rest is surplus. With fewer informative groups than ranks (and
 several ranks) the step trains them together with the last groups offered, cut the same way — none is also carried
@@ -40,8 +41,7 @@ from vlrl.rollout import Trajectory
 
 
 class Group(Protocol):
-    """What the filter reads of a group (`vlrl.train.sampling.Group`, which imports this module): its scored
-    responses."""
+    """What the filter reads of a group (`vlrl.feed.groups.Group`): its scored responses."""
 
     trajectories: list[Trajectory]
 
