@@ -229,7 +229,9 @@ class EvalConfig(Section):
         0, ge=0, description="Validate during training: evaluate the held-out prompts every N steps of each SFT / RL "
         "stage (verl trainer.test_freq, EasyR1 trainer.val_freq, TRL eval_steps), logged as val/<stage> in "
         "metrics.jsonl, the report's curves and the trackers, with the initial (RL) and final evaluations at its ends. "
-        "0: evaluate only before (RL) and after training. Not with rollout.mode=async or in `vlrl demo`.",
+        "0: evaluate only before (RL) and after training. With rollout.mode=async the evaluation waits for the "
+        "step's weights to reach the engine and pauses the rollout's admissions meanwhile (one process). Not in "
+        "`vlrl demo`.",
     )
     samples_table: int = Field(
         0, ge=0, description="With `every`: this many held-out prompts per validation, with their greedy responses, "

@@ -281,10 +281,6 @@ class RLConfig(RunConfig, RLStage):
     def _check_stages(self) -> RLConfig:
         _check_stages(self, ("rollout", "algo", "optim", "train", "staleness", "select"),
                       "rollout, algo, optim, train, staleness and select")
-        if self.eval.every and any(stage.rollout.mode == "async" for stage in [self, *self.stages]):
-            raise ValueError(f"eval.every={self.eval.every} with rollout.mode=async: the background rollout shares the "
-                             "engine with the evaluation; validate with rollout.mode=sync, or set eval.every=0 (the run "
-                             "still evaluates before and after training)")
         return self
 
 

@@ -9,6 +9,8 @@ runtime — as slime's ``train.py`` / ``train_async.py`` do; synchronous and asy
                                 producer-side filter), staleness — sync generates them now, async takes them from
                                 its buffer
     publish(version, weights)   the new weights reach the engine (AReaL: pause → update → set version → resume)
+    aside()                     held around an evaluation within the run (``eval.every``): async waits for the
+                                step's weights to reach the engine and pauses its admissions
     finish_step(batch, step, shaping)   Syn-GRPO's descriptions and swaps, the feed's ``sampling/…``,
                                 ``staleness/…`` and timing metrics of the step
     state() / load_state(...)   what a checkpoint carries (`vlrl.feed.records`)

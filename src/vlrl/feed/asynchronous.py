@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -116,6 +118,19 @@ class AsyncFeed:
             self.rollout.pause()
             self.syncing = publish_in_background(self.engine, self.rollout, version, weights())
         self.t_sync = time.time() - start
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """An evaluation within the run (``eval.every``, one process): it starts once the last weight update reached
+        the engine and the rollout adopted it (its error stops the run), so it samples from the trainer's weights;
+        the rollout admits no prompt meanwhile (those in flight finish) and resumes after it."""
+        if self.syncing is not None:
+            self.syncing.result()
+        self.rollout.pause()
+        try:
+            yield
+        finally:
+            self.rollout.resume()
 
     def finish_step(self, batch: FeedBatch, step: int, shaping: Any) -> dict[str, float]:
         """``staleness/…`` of the samples that entered the loss, the rollout's counters as they are now (after the

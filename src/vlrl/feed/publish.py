@@ -44,7 +44,8 @@ def publish_in_background(engine: Engine, rollout: Any, version: int,
     (`HTTPEngine`) saves the weights now and has the servers load them in the background: the trainer starts its next
     step meanwhile, and the rollout moves to ``version`` only when every server confirmed. Nothing is mis-tagged by
     the overlap: a token carries the version its server reports having sampled it with, and staleness is counted from
-    the trainer's own version. Other engines load at once. Returns a future of the update (its error stops the run)."""
+    the trainer's own version. Other engines load at once. Returns a future of the update (its error stops the run),
+    done once the rollout adopted ``version`` too."""
     publisher = capability(engine, WeightPublisher)
     if publisher is None:
         engine.update_weights(version=version, state_dict=state_dict)
@@ -53,10 +54,16 @@ def publish_in_background(engine: Engine, rollout: Any, version: int,
     else:
         done = publisher.publish(version=version, state_dict=state_dict)
 
+    adopted: concurrent.futures.Future = concurrent.futures.Future()
+
     def adopt(update: concurrent.futures.Future) -> None:
-        if not update.cancelled() and update.exception() is None:
-            rollout.set_version(version)
-            rollout.resume()
+        if update.cancelled() or update.exception() is not None:
+            adopted.set_exception(update.exception() if not update.cancelled()
+                                  else concurrent.futures.CancelledError())
+            return
+        rollout.set_version(version)
+        rollout.resume()
+        adopted.set_result(version)
 
     done.add_done_callback(adopt)
-    return done
+    return adopted

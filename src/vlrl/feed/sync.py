@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,10 @@ class SyncFeed:
 
     def publish(self, version: int, weights: Weights) -> None:
         update_in_place(self.engine, version)
+
+    def aside(self) -> AbstractContextManager[None]:
+        """An evaluation within the run: the engine already samples from the trainer's weights; nothing to hold."""
+        return nullcontext()
 
     def finish_step(self, batch: FeedBatch, step: int, shaping: Any) -> dict[str, float]:
         """Syn-GRPO: send the chosen descriptions, swap finished images in (never waits); the sampling metrics."""

@@ -5,6 +5,7 @@ reads), and what a feed is given — `FeedLogger`, `Ranks`, the trainer's `Weigh
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -78,6 +79,8 @@ class Feed(Protocol):
     def next_batch(self, step: int) -> FeedBatch: ...
 
     def publish(self, version: int, weights: Weights) -> None: ...
+
+    def aside(self) -> AbstractContextManager[None]: ...
 
     def finish_step(self, batch: FeedBatch, step: int, shaping: Any) -> dict[str, float]: ...
 

@@ -31,6 +31,7 @@ from vlrl.train.learner import Learner
 from vlrl.train.result import StageResult
 from vlrl.train.runtime import Runtime
 from vlrl.train.state import RLState, expect_state
+from vlrl.train.validation import Validation
 
 
 def rl_loop(feed: Feed, learner: Learner, rt: Runtime, logger: MetricsLogger, stage: RLStage, *, stage_name: str,
@@ -95,8 +96,13 @@ def train_rl(policy: Policy, engine: Engine, samples: list[Sample], stage: RLSta
     step (``eval.every``: `vlrl.train.validation.Validation`). ``state_out`` receives the feed's final accounting
     (`Feed.final_state`: an asynchronous feed's draw tickets of every bucket, rank 0's under torchrun)."""
     rt = runtime or Runtime.single(policy.model)
+    if validate is not None and stage.rollout.mode == "async" and rt.ctx.enabled:
+        raise ValueError("eval.every with rollout.mode=async runs in one process (rank 0 alone holds the rollout's "
+                         "weights); under torchrun set eval.every=0 or rollout.mode=sync")
     feed = build_feed(engine, samples, stage, seed=seed, logger=logger, ranks=rt.ctx,  # (refuses what it cannot run)
                       greedy_baseline="baseline_rewards" in advantage_needs(get_advantage(stage.algo.advantage)))
+    if isinstance(validate, Validation):
+        validate.hold = feed.aside  # an asynchronous feed: the step's weights in the engine, the rollout paused
     try:
         learner = Learner(policy, stage, rt, logger, stage_name, seed=seed,
                           decoupled=stage.rollout.mode == "async" and stage.staleness.apply_behaviour_weight)

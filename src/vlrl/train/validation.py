@@ -15,6 +15,8 @@ logs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from vlrl.config import EvalConfig
@@ -43,6 +45,9 @@ class Validation:
         self.engine, self.test, self.settings, self.logger = engine, test, settings, logger
         self.stage, self.total_steps, self.ctx = stage, total_steps, ctx
         self.done: list[int] = []  # the steps evaluated by the loop
+        # held around each evaluation the loop runs: an asynchronous feed's `aside` (the step's weights reach the
+        # engine, the rollout admits no prompt meanwhile); set by `vlrl.train.loop.train_rl`
+        self.hold: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
     @property
     def enabled(self) -> bool:
@@ -57,7 +62,7 @@ class Validation:
             return
         is_main = self.ctx is None or self.ctx.is_main
         watched = self.engine if isinstance(self.engine, WatchedEngine) else None
-        with watched.aside() if watched is not None else contextlib.nullcontext():  # not the loop's rollout
+        with self.hold(), watched.aside() if watched is not None else contextlib.nullcontext():  # not the rollout
             if watched is not None and is_main:
                 with watched.capture() as batches:
                     result = evaluate(self.engine, self.test, self.settings, ctx=self.ctx)
