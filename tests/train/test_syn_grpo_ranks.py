@@ -135,7 +135,7 @@ def test_two_ranks_share_one_synthesis_client_and_equal_one_rank(syn_model, tmp_
             if not key.startswith("perf/") and key not in TIMINGS and isinstance(a[key], float | int):
                 assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
     carry = json.loads((two / "checkpoints" / f"step_{STEPS:08d}" / "carry_over" / "rank_00001.json").read_text())
-    assert carry["value"]["fields"]["synth"]["fields"]["holder"] is False  # rank 0 alone stores the pool
+    assert carry["value"]["fields"]["feed"]["fields"]["synth"]["fields"]["holder"] is False  # rank 0 alone stores the pool
 
 
 def test_reward_shaping_on_two_ranks_sees_the_whole_batch(tmp_path):
