@@ -135,7 +135,7 @@ def test_data_pack_reports_bad_input(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"id": "a", "task": "t", "prompt": "<image>hi", "images": ["nope.png"], "reward": "number", "response": "1"}\n')
     result = runner.invoke(app, ["data", "pack", "--data", str(tmp_path / "bad.jsonl"), "--capacity", "64",
                                  "--out", str(tmp_path / "p.npz")])
-    assert result.exit_code == 2 and "bad.jsonl:1: cannot count the tokens of sample 'a': image file not found" in result.output
+    assert result.exit_code == 2 and "bad.jsonl:1: field 'images[0]': image file not found" in result.output
 
 
 def test_sft_stages_option_names_unknown_stages(tmp_path):

@@ -253,7 +253,10 @@ def demo(run: Run) -> None:
 def ppo(run: Run) -> None:
     records = rl_trained(run)
     learns(records)
-    assert all(r["critic/value_loss"] > 0 and r["critic/grad_norm"] >= 0 for r in records)  # the critic trains
+    # the critic trains wherever the returns vary (its head starts at 0: with every reward 0 its loss is exactly 0)
+    assert all(r["critic/value_loss"] >= 0 and r["critic/grad_norm"] >= 0 for r in records)
+    assert any(r["critic/value_loss"] > 0 for r in records)
+    assert all(r["critic/value_loss"] > 0 and r["critic/grad_norm"] > 0 for r in records if r["reward/std"] > 0)
     assert all("policy/kl_ref" in r for r in records)  # the KL penalty in the reward
 
 

@@ -1,14 +1,16 @@
-"""The demo's quick configuration end to end, through `vlrl demo` and the shipped demo.yaml, at two training seeds:
-SFT → eval → RL → eval → FLOP-matched control, summary.json complete, and RL improves held-out reward over SFT at
-both seeds.
+"""The demo's quick configuration end to end, through `vlrl demo` and the shipped demo.yaml: SFT → eval → RL → eval →
+FLOP-matched control, summary.json complete, and RL improves held-out *strict* accuracy over SFT (right, one ended
+`<answer>…</answer>` and nothing after it) while keeping its answers well-formed.
 
 The quick configuration keeps the demo's SFT stage and RL recipe (700 SFT steps on 200 labels — smaller SFT stages
-leave the model on its chance plateau, where RL lowered held-out reward at every size tried: docs/experiments/demo.md
-— then GRPO at 64 prompts x 8 samples, T = 1.3) and shortens the rest: 80 RL steps instead of 250, 100
-held-out prompts x 16 samples. `vlrl demo` runs as a user runs it, in a process of its own at one torch thread with
-demo.yaml's `numerics: auto`: portable kernels (capped at AVX2, the same bits on any Intel CPU with AVX2) on an
-Intel CPU, the CPU's own kernels elsewhere (MKL has its reproducible AVX2 branch only on Intel CPUs). The numbers
-below therefore differ by CPU vendor; the margins are those both vendors' runs clear.
+leave the model on its chance plateau: docs/experiments/demo.md — then GRPO at 64 prompts x 8 samples, T = 2.0,
+strict reward) and shortens the rest: 80 RL steps instead of 250, 100 held-out prompts x 16 samples. One training
+seed, seed 0: the seed at which the former recipe (T = 1.3, lenient verifier) ended no held-out answer after RL on an
+AMD CPU; the claims at seeds 0-2 and against the control are the full demo's (benchmarks/demo_seeds.py, README).
+`vlrl demo` runs as a user runs it, in a process of its own at one torch thread with demo.yaml's `numerics: auto`:
+portable kernels (capped at AVX2, the same bits on any Intel CPU with AVX2) on an Intel CPU, the CPU's own kernels
+elsewhere (MKL has its reproducible AVX2 branch only on Intel CPUs). The numbers below therefore differ by CPU
+vendor; the margins are set well inside what was measured.
 """
 
 import json
@@ -25,9 +27,9 @@ QUICK = ["data.n_test=100", f"rl.train.steps={QUICK_RL_STEPS}", "eval.samples=16
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(2400)  # ~4 min per seed on a quiet core; several times that beside the rest of the suite
-@pytest.mark.parametrize("seed", [0, 1])
-def test_quick_demo_rl_beats_sft(tmp_path, seed):
+@pytest.mark.timeout(2400)  # ~4 min on a quiet core; several times that beside the rest of the suite
+@pytest.mark.parametrize("seed", [0])
+def test_quick_demo_rl_beats_sft_strictly(tmp_path, seed):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, "-m", "vlrl.cli", "demo", "--out", str(tmp_path), f"seed={seed}", *QUICK],
                           env=env, capture_output=True, text=True, timeout=2300)
@@ -42,17 +44,20 @@ def test_quick_demo_rl_beats_sft(tmp_path, seed):
     for name in ("sft", "rl", "sft_control"):
         assert (tmp_path / "checkpoints" / name / "model.safetensors").exists()
     # SFT taught the answer format and some counting: the untrained model almost never answers right (1 of 400 at
-    # the full demo's test size), the SFT checkpoint a third of the time or more (0.34-0.51 at seeds 0-2)
-    assert saved["base"]["reward"]["mean"] < 0.05
-    assert saved["sft"]["reward"]["mean"] > 0.2
-    # RL on the 4,000 unlabelled prompts improves held-out reward over its SFT checkpoint by ≥ 3 points. Measured
-    # (one thread), SFT → RL: Intel Xeon, portable (2026-11-27) 0.421 → 0.570 at seed 0, 0.512 → 0.764 at seed 1;
-    # AMD EPYC (Zen 3, AVX2), native (2026-11-28) 0.471 → 0.566 and 0.524 → 0.711 — +9.5 the least of the four;
-    # Intel, portable, at seeds 2 and 3 +11.1 and −2.7 points (seed 3's SFT checkpoint samples one answer per prompt: pass@16
-    # 0.69 vs pass@1 0.66, 98 % of the RL groups scored alike — nothing for RL to sharpen); with an AVX-512 CPU's
-    # own kernels (numerics=native) +13.4 / +8.4 / +23.2 / +9.6 at seeds 0-3. The former quick recipe (32 × 4 at
-    # T = 1) gained −1.3 at seed 1 there.
-    assert saved["rl"]["reward"]["mean"] >= saved["sft"]["reward"]["mean"] + 0.03
+    # the full demo's test size, never well-formed), the SFT checkpoint strictly right a third of the time or more
+    assert saved["base"]["strict"]["mean"] < 0.05
+    assert saved["sft"]["strict"]["mean"] > 0.2
+    # RL on the 4,000 unlabelled prompts improves held-out strict accuracy over its SFT checkpoint by ≥ 5 points, and
+    # keeps ≥ 95 % of its answers well-formed (sampled and greedy). Measured (Intel Xeon, portable, one thread,
+    # 2026-12-06), strict SFT → RL: 0.421 → 0.515 at seed 0 (+9.4; greedy 0.46 → 0.51), 0.512 → 0.811 at seed 1;
+    # well-formed 1.0 after RL at both. Not measured on an AMD CPU with this recipe (no AMD machine this round).
+    # The FLOP-matched control is not asserted here: at 80 steps seed 0's RL and control tie (0.515 vs 0.514
+    # strict); at the full demo's 250 steps RL leads it by 7.8 points (README).
+    sft, rl = saved["sft"], saved["rl"]
+    assert sft["well_formed"]["mean"] >= 0.95  # SFT taught the form
+    assert rl["strict"]["mean"] >= sft["strict"]["mean"] + 0.05, (sft["strict"], rl["strict"])
+    assert rl["well_formed"]["mean"] >= 0.95 and rl["well_formed_greedy"]["mean"] >= 0.95, rl["well_formed"]
+    assert rl["strict"]["mean"] <= rl["accuracy"]["mean"]  # strict = right and well-formed
     # the control got the RL stage's FLOPs, not its wall time: it ran exactly the FLOP-matched step count
     # (round(RL FLOPs / the SFT stage's mean FLOPs per step)), and its counted FLOPs equal the RL stage's to within
     # 2 % (the rounding to whole steps and its batches' lengths against the SFT stage's mean: 0.2-0.8 % measured at

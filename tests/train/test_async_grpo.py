@@ -65,7 +65,7 @@ def _run_async(stage, samples, *, engine_options=None, seed=0):
 # Metrics computed from the behaviour log-probs the sampler recorded (HFEngine in the sync run, ThreadedEngine's
 # private copy in the async run): same tokens, same weights, but float noise of ~1e-7 between the two samplers.
 SAMPLER_NUMERICS = ("policy/logp_drift", "policy/behaviour_weight_mean", "policy/behaviour_weight_max",
-                    "rollout/gen_prob")
+                    "rollout/gen_prob", "rollout/logprob_diff_mean", "rollout/logprob_diff_max")
 
 
 @pytest.mark.parametrize("apply_behaviour_weight", [False, True])

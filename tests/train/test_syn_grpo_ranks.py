@@ -127,7 +127,7 @@ def test_two_ranks_share_one_synthesis_client_and_equal_one_rank(syn_model, tmp_
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)), f"killed after step {kill_after}"
     assert_swaps_happened(got)
     for a, b in zip(expected, got, strict=True):
-        assert sorted(a) == sorted(b), a["step"]
+        assert sorted(a) == sorted(set(b) - {"perf/rank_imbalance"}), a["step"]  # logged where there are ranks
         for key in ("synth/dataset_version", "synth/dataset_checksum", "synth/batch_synthetic_frac",
                     "synth/submitted", "synth/swapped", "synth/skipped_no_description", "diversity/template_frac"):
             assert a[key] == b[key], (a["step"], key)  # rank 0's swaps, applied by both ranks at the same step

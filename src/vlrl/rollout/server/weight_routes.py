@@ -244,7 +244,7 @@ class WeightRoutes:
 
     async def flush_cache(self, request: Any):
         """SGLang's ``/flush_cache`` (its plain-text answer): vlrl serve keeps no cache across requests."""
-        from starlette.responses import PlainTextResponse
+        from fastapi.responses import PlainTextResponse
 
         return PlainTextResponse("Cache flushed.\n")
 
