@@ -57,10 +57,9 @@ def pytest_collection_modifyitems(config, items):
         if _starts_ranks(item.path):
             item.add_marker(pytest.mark.ranks)
     cost = {path: file_cost(path, path in heavy) for path in {item.path for item in items}}
-    for path in cost:  # a file run test by test (`PER_TEST`): each of its tests is a unit of that size
-        if _key(path) in PER_TEST:
-            cost[path] /= max(1, sum(item.path == path for item in items))
-    items.sort(key=lambda item: (-cost[item.path], str(item.path)))  # stable: a file's tests keep their order
+    # The tests of `PER_TEST` files first, one to each worker: xdist gives a worker its next unit while it has 2 tests
+    # or fewer pending, so a single-test unit behind a long file (or a second one behind the first) would wait for it.
+    items.sort(key=lambda item: (_key(item.path) not in PER_TEST, -cost[item.path], str(item.path)))  # stable
 
 
 # Files whose tests are independent runs of minutes each, sharing no fixture worth keeping: `make test` hands out
@@ -69,6 +68,7 @@ def pytest_collection_modifyitems(config, items):
 PER_TEST = frozenset({"tests/e2e/test_demo.py"})
 
 
+@functools.cache
 def _key(path: Path) -> str:
     resolved = path.resolve()
     return resolved.relative_to(ROOT).as_posix() if resolved.is_relative_to(ROOT) else str(path)
