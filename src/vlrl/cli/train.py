@@ -18,10 +18,11 @@ def demo(
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
     """The main job: tiny VLM, shapes data, SFT warm start, eval, GRPO, eval, and an SFT control with the RL stage's FLOPs."""
-    from vlrl.train.recipes import run_demo
-
     default = Path(__file__).parent.parent / "configs" / "demo.yaml"
     cfg = load_run(DemoConfig, config or default, overrides, [f"out={out or 'runs/demo'}"])
+    # imported after the config: a bad config or override is refused without importing torch and transformers
+    from vlrl.train.recipes import run_demo
+
     run_recipe("demo", run_demo, cfg)
 
 
@@ -37,9 +38,10 @@ def sft(
 ) -> None:
     """Supervised fine-tuning on reference responses (one stage, or the stages of the config in order; one
     process, or every rank under torchrun)."""
+    cfg = load_run(SFTConfig, config, overrides, extra_overrides(data, resume, test))
+    # imported after the config: a bad config or override is refused without importing torch and transformers
     from vlrl.train.recipes import run_sft
 
-    cfg = load_run(SFTConfig, config, overrides, extra_overrides(data, resume, test))
     if stages is not None:
         wanted = [s.strip() for s in stages.split(",") if s.strip()]
         known = [s.name for s in cfg.stages]
@@ -61,6 +63,8 @@ def rl(
     overrides: list[str] | None = OVERRIDES,
 ) -> None:
     """GRPO-family RL with verifiable rewards (synchronous, or asynchronous with rollout.mode=async)."""
+    cfg = load_run(RLConfig, config, overrides, extra_overrides(data, resume, test))
+    # imported after the config: a bad config or override is refused without importing torch and transformers
     from vlrl.train.recipes import run_rl
 
-    run_recipe("rl", run_rl, load_run(RLConfig, config, overrides, extra_overrides(data, resume, test)))
+    run_recipe("rl", run_rl, cfg)
