@@ -41,7 +41,7 @@ def file_costs() -> dict[str, float]:
 
 def file_cost(path: Path, e2e: bool) -> float:
     """A file's measured CPU-seconds (`DURATIONS`); a file not measured yet: by its kind (the demo's directory, a file
-    with an end-to-end test, the rest)."""
+    with an end-to-end test or torch.distributed ranks, the rest)."""
     key = _key(path)
     if key in file_costs():
         return file_costs()[key]
@@ -56,6 +56,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # `make test-floor` / `make test-latest` leave these files out (-m "not ranks")
         if _starts_ranks(item.path):
             item.add_marker(pytest.mark.ranks)
+            heavy.add(item.path)
     cost = {path: file_cost(path, path in heavy) for path in {item.path for item in items}}
     # The tests of `PER_TEST` files first, one to each worker: xdist gives a worker its next unit while it has 2 tests
     # or fewer pending, so a single-test unit behind a long file (or a second one behind the first) would wait for it.
