@@ -151,3 +151,25 @@ def test_vlrl_rl_selects_its_prompts_with_one_switch(tmp_path):
     assert len(selected) == 1 and (selected[0]["select/items"], selected[0]["select/kept"]) == (6, 6)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["train"]["select"]["verdicts"] == {"keep": 6} and summary["train"]["select"]["n"] == 2
+
+
+def test_selection_counts_a_right_answer_in_a_broken_form_as_wrong_unless_lenient(tmp_path):
+    """Strict (RL's algo.strict_reward, the default): `<answer>3</answer>3</answer>` is right by the verifier but not
+    well-formed, so it scores 0 and is not correct — the prompt looks as hard as training will find it."""
+
+    class Broken(ScriptedEngine):
+        def generate(self, requests, sampling):
+            out = super().generate(requests, sampling)
+            for t in out:
+                t.response_text = t.response_text.replace("<answer>3</answer>", "<answer>3</answer>3</answer>")
+            return out
+
+    samples = [_sample("e")]
+    samples[0].answer_format = "answer"  # one ended <answer>…</answer> and nothing after it
+    sampling = SamplingParams(n=8, temperature=1.0, max_new_tokens=8)
+    strict, _, _ = rollout_and_score(Broken(), samples, sampling, RolloutStore(tmp_path / "a.jsonl"), model="m")
+    lenient, _, _ = rollout_and_score(Broken(), samples, sampling, RolloutStore(tmp_path / "b.jsonl"), model="m",
+                                      strict=False)
+    assert strict["e"].correct == [0.0] * 8 and strict["e"].rewards == [0.0] * 8
+    assert lenient["e"].correct == [1.0] * 4 + [0.0] * 4 and lenient["e"].rewards[:4] == [1.0] * 4
+

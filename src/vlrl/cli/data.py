@@ -231,6 +231,9 @@ def data_select(
     servers: str | None = typer.Option(None, "--servers", help="Comma-separated rollout servers (vlrl serve / SGLang) already serving --model."),
     batch_prompts: int = typer.Option(64, "--batch-prompts", help="Prompts per generate call."),
     seed: int = typer.Option(0, "--seed"),
+    strict: bool = typer.Option(True, "--strict/--lenient", help="Score as RL's algo.strict_reward does (default): a "
+                                "right answer that is cut off or not in its answer form counts as wrong; --lenient: "
+                                "the verifier alone."),
     on_error: str = typer.Option("raise", "--on-error", help="Bad records: raise, or skip them."),
     attn_implementation: str | None = ATTN,
     revision: str | None = REVISION,
@@ -270,7 +273,7 @@ def data_select(
         with progress.task(f"roll out {len(samples)} prompts × {n}", total=len(samples)) as task:
             rollouts, generated, failures = rollout_and_score(
                 engine, samples, sampling, rollout_store, model=model, batch_prompts=batch_prompts,
-                on_progress=lambda done: task.update(completed=done))
+                on_progress=lambda done: task.update(completed=done), strict=strict)
         kept, stats = select(samples, rollouts, band)
     except (DataError, ValueError, OSError) as err:
         typer.secho(f"vlrl data select: {err}", fg="red", err=True)

@@ -157,16 +157,18 @@ class RolloutStore:
 # ----------------------------------------------------------------------------------------------- selection
 def rollout_and_score(
     engine: Engine, samples: Sequence[Sample], sampling: SamplingParams, store: RolloutStore, *, model: str,
-    batch_prompts: int = 64, on_progress: Callable[[int], None] | None = None,
+    batch_prompts: int = 64, on_progress: Callable[[int], None] | None = None, strict: bool = True,
 ) -> tuple[dict[str, Rollouts], int, int]:
-    """n scored rollouts per sample: from the store when it holds at least n for (model, sampling), else
+    """n scored rollouts per sample: from the store when it holds at least n for (model, sampling, strict), else
     generated with ``engine`` in batches, scored with the reward library, and appended to the store.
-    Returns (rollouts by id, items generated, reward failures)."""
-    from vlrl.eval.evaluate import correct
+    ``strict`` (the RL stage's ``algo.strict_reward``): a response counts as correct only when it is also
+    well-formed (ended, in its sample's answer form), and its reward is the strict one — the prompts are judged
+    as training will score them. Returns (rollouts by id, items generated, reward failures)."""
+    from vlrl.eval.evaluate import correct, formed
     from vlrl.rewards import score_trajectories
 
     key = {"n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-           "max_new_tokens": sampling.max_new_tokens, "stop": list(sampling.stop)}
+           "max_new_tokens": sampling.max_new_tokens, "stop": list(sampling.stop), "strict": strict}
     out: dict[str, Rollouts] = {}
     todo = []
     for sample in samples:
@@ -179,13 +181,13 @@ def rollout_and_score(
     for start in range(0, len(todo), batch_prompts):
         chunk = todo[start : start + batch_prompts]
         trajectories = engine.generate([engine.encode(s) for s in chunk], sampling)
-        failures += len(score_trajectories(trajectories).failures)
+        failures += len(score_trajectories(trajectories, strict=strict).failures)
         records = [Rollouts(id=s.id, model=model, sampling=key, weight_version=engine.weight_version) for s in chunk]
         for t in trajectories:
             record = records[t.group_index]
             record.responses.append(t.response_text)
             record.rewards.append(float(t.reward))
-            record.correct.append(float(correct(t)))
+            record.correct.append(correct(t) * formed(t) if strict else correct(t))
         store.add(records)
         for s in chunk:
             out[s.id] = store.get(model, key, s.id)

@@ -242,7 +242,8 @@ def _rl(policy, engine: WatchedEngine, train, stage, cfg: RunConfig, logger: Met
             raise ValueError("select.enabled runs in one process; under torchrun run `vlrl data select` first and "
                              "train on its selected.jsonl")
         train, selected = select_for_training(engine, train, stage.select, stage.rollout, logger=logger, stage=name,
-                                              run_dir=logger.path.parent if logger.path else None, model=cfg.model.path)
+                                              run_dir=logger.path.parent if logger.path else None, model=cfg.model.path,
+                                              strict=stage.algo.strict_reward)
     with logger.progress.task(name, total=stage.train.steps, stage=name), \
             engine.training(name, total_steps=stage.train.steps, snapshots=cfg.report.rl_snapshots):
         if stage.rollout.mode == "async":

@@ -18,14 +18,15 @@ if TYPE_CHECKING:
 
 
 def select_for_training(engine: Engine, samples: Sequence[Sample], cfg: SelectConfig, rollout: RolloutConfig, *,
-                        logger: MetricsLogger, run_dir: Path | None, model: str, stage: str = "rl"
-                        ) -> tuple[list[Sample], dict]:
+                        logger: MetricsLogger, run_dir: Path | None, model: str, stage: str = "rl",
+                        strict: bool = True) -> tuple[list[Sample], dict]:
     """``select.enabled`` of an RL stage: score the training prompts with ``engine`` (the starting policy) at the
     stage's sampling settings, keep those inside the band, log ``select/…`` metrics; returns (kept, summary).
 
     The rollouts go to ``cfg.cache`` (reused across runs, keyed by ``model``, the run's model.path) or, unset, to
     a fresh ``RUN_DIR/select_rollouts.jsonl``. Dropped prompts are not trained on; unscored ones
-    (``cfg.max_prompts``) neither."""
+    (``cfg.max_prompts``) neither. ``strict``: the stage's ``algo.strict_reward`` (a right answer that is not
+    well-formed counts as wrong, as training will score it)."""
     from vlrl.rollout import SamplingParams
 
     pool = list(samples[: cfg.max_prompts] if cfg.max_prompts else samples)
@@ -41,7 +42,8 @@ def select_for_training(engine: Engine, samples: Sequence[Sample], cfg: SelectCo
     band = Band(min_mean_reward=cfg.min_mean_reward, max_mean_reward=cfg.max_mean_reward, min_gap=cfg.min_gap,
                 k=cfg.k or cfg.n)
     with logger.progress.task(f"{stage}: select {len(pool)} prompts × {cfg.n}"):
-        rollouts, generated, failures = rollout_and_score(engine, pool, sampling, store, model=model)
+        rollouts, generated, failures = rollout_and_score(engine, pool, sampling, store, model=model,
+                                                                 strict=strict)
     kept, stats = select(pool, rollouts, band)
     summary = {**summarise(stats), "generated": generated, "reward_failures": failures, "n": cfg.n,
                "band": asdict(band), "store": str(store.path)}
