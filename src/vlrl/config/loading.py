@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, get_args
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -18,17 +19,15 @@ from vlrl.config.base import ConfigError, Section
 def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[BaseModel] | None = None,
                     base: Path | None = None) -> dict[str, Any]:
     """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place; a number indexes a
-    list already there (``stages.0.train.steps=10``). Given the config class and a ``base`` directory, input
+    list already there (``stages.0.train.steps=10``). Given the config class, a field typed as a string takes the
+    text as typed where YAML reads something else or nothing (`_value`); given a ``base`` directory as well, input
     paths among the values are resolved against it (`resolve_paths`)."""
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.clip_high=0.28")
         parts = key.strip().split(".")
-        try:
-            value = safe_yaml.load(text, f"override {item!r}") if text.strip() else ""
-        except safe_yaml.YamlRefused as err:  # an unclosed bracket, a tag, a billion laughs: one line
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err.reason})") from None
+        value = _value(item, text, _field_annotation(cls, parts) if cls is not None else None)
         if cls is not None and base is not None:  # resolve the value where it sits in a config of its own
             alone: dict[str, Any] = {}
             node = alone
@@ -54,6 +53,62 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], *, cls: type[Base
                               f"it{_moved_hint(parts[:-1])}")
         node[parts[-1]] = value
     return raw
+
+
+def _value(item: str, text: str, annotation: Any) -> Any:
+    """The value of one override's text: YAML's reading of it — except for a field typed as a string, where text
+    YAML cannot read (``{{ content }} Answer.``) or reads as a mapping, list, number or bool (``Q: {x}``) is the
+    string as typed, since nothing else could be meant (``null`` still unsets an optional one). Any other field
+    refuses text that is not YAML, naming the override."""
+    text_field = annotation is not None and _takes_text(annotation)
+    try:
+        value = safe_yaml.load(text, f"override {item!r}") if text.strip() else ""
+    except safe_yaml.YamlRefused as err:  # an unclosed bracket, a tag, a billion laughs: one line
+        if text_field:
+            return text
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({err.reason})") from None
+    if text_field and value is not None and not isinstance(value, str) and _only_text(annotation):
+        return text
+    return value
+
+
+def _alternatives(annotation: Any) -> list[Any]:
+    """The types a field's annotation admits, unions and ``Annotated`` unwrapped (``str | None`` → [str, None])."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _alternatives(get_args(annotation)[0])
+    if origin in (Union, UnionType):
+        return [alt for arg in get_args(annotation) for alt in _alternatives(arg)]
+    return [annotation]
+
+
+def _takes_text(annotation: Any) -> bool:
+    return str in _alternatives(annotation)
+
+
+def _only_text(annotation: Any) -> bool:
+    return all(alt in (str, type(None)) for alt in _alternatives(annotation))
+
+
+def _field_annotation(cls: type[BaseModel], parts: list[str]) -> Any:
+    """The annotation of the field an override's dotted key names (sections, list indices and mapping keys
+    followed); None where the key names no field (the validation then says so)."""
+    annotation: Any = cls
+    for part in parts:
+        for alt in _alternatives(annotation):
+            if isinstance(alt, type) and issubclass(alt, BaseModel):
+                if part in alt.model_fields:
+                    annotation = alt.model_fields[part].annotation
+                    break
+            elif get_origin(alt) is dict:
+                annotation = get_args(alt)[1]
+                break
+            elif get_origin(alt) is list and part.isdigit():
+                annotation = get_args(alt)[0]
+                break
+        else:
+            return None
+    return annotation
 
 
 def _moved_hint(path: list[str]) -> str:

@@ -298,12 +298,12 @@ def starts_servers(config: Path | None, overrides: list[str]) -> str | None:
     """``rollout.servers.urls=[…]``, a stand-in for the URLs of the servers ``launch.rollout_servers`` will start, so
     the config validates (rollout.weight_sync.method=distributed needs servers); None when the launch starts none.
     `LaunchRefused` when rollout.servers.urls is set as well (one or the other)."""
-    from vlrl.config import apply_overrides
+    from vlrl.config import RLConfig, apply_overrides
     from vlrl.safe_yaml import load_file
 
     try:
         raw = load_file(config) if config is not None and config.is_file() else {}
-        raw = apply_overrides(raw if isinstance(raw, dict) else {}, list(overrides))
+        raw = apply_overrides(raw if isinstance(raw, dict) else {}, list(overrides), cls=RLConfig)
         count, servers = (raw.get("launch") or {}).get("rollout_servers"), (raw.get("rollout") or {}).get("servers")
         servers = servers.get("urls") if isinstance(servers, dict) else None  # a list: an old key, reported at load
     except Exception:  # noqa: BLE001 - malformed input: the full load reports it with its own message

@@ -91,12 +91,16 @@ def gpu_peak(name: str, dtype: torch.dtype, *, tf32: bool = False) -> float:
     return 0.0
 
 
-@cache
 def measured_cpu_peak(dtype: torch.dtype = torch.float32, threads: int | None = None, n: int = 512) -> float:
     """The best FLOP/s of ``n × n × n`` matmuls in ``dtype`` on this CPU at ``threads`` torch threads (default: the
-    current count), measured once per process: two warm-ups, then the fastest of 5 timed rounds of 4 products
+    current count), measured once per process and thread count (the default resolved first, so ``threads=None``
+    and the same count given are one measurement): two warm-ups, then the fastest of 5 timed rounds of 4 products
     (2·n³ FLOPs each). ~0.1 s at 100 GFLOP/s per thread."""
-    threads = threads or torch.get_num_threads()
+    return _measured_cpu_peak(dtype, threads or torch.get_num_threads(), n)
+
+
+@cache
+def _measured_cpu_peak(dtype: torch.dtype, threads: int, n: int) -> float:
     previous = torch.get_num_threads()
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=generator).to(dtype)
