@@ -152,7 +152,6 @@ def test_a_generated_figure_is_never_typed_by_hand():
 
 # The pages of measurements: every table of measured figures names, in its section, how it was measured.
 MEASUREMENT_PAGES = ("docs/benchmarks/*.md", "docs/experiments/*.md", "docs/gpu.md")
-LEAD_PAGES = {"docs/experiments/demo.md"}  # the demo's write-up, rewritten by issue 52 with its own provenance
 _PROVENANCE = {
     "date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
     "machine": re.compile(r"AMD|Intel|EPYC|Xeon|H100|H200|vendor not recorded"),
@@ -202,8 +201,6 @@ def test_every_measured_table_names_its_command_date_machine_and_commit():
     problems, commits = [], set()
     for path in pages:
         page = str(path.relative_to(ROOT))
-        if page in LEAD_PAGES:
-            continue
         text = path.read_text()
         problems += missing_provenance(page, text)
         commits |= {c for line in text.splitlines() if "**Provenance" in line or "commit" in line

@@ -58,7 +58,7 @@ def all_commands(measured: bool = False) -> list[list[str]]:
 
 # A README or docs command (its start, after joining continuation lines and dropping comments) → why it is not run here.
 NOT_RUN = {
-    "make demo": "the full demo takes 7–11 minutes on 2 cores (docs/guides/demo.md); the same recipe runs tiny in tests/report/test_html.py and tests/test_numerics.py, its quick configuration in tests/e2e/test_demo.py",
+    "make demo": "the full demo takes 14–48 minutes on 2 shared cores (docs/experiments/demo.md, 2026-12-07); the same recipe runs tiny in tests/report/test_html.py and tests/test_numerics.py, its quick configuration in tests/e2e/test_demo.py",
     "make test": "runs this test suite",
     "pip install -e .[docs] && mkdocs serve": "a web server; tests/test_docs.py builds the same site strictly",
     "vlrl plan configs/recipes/qwen2_5_vl_7b_lora_grpo.yaml": "reads Qwen2.5-VL-7B's config.json from the hub (no "
