@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 
 PAUSE_MODES = ("abort", "retract", "in_place", "partial")
+REJOIN_SECONDS = 0.1  # partial rollout: how long continued answers wait for new prompts to decode with (`_gather`)
 """What `ContinuousBatcher.pause` does with the decoding batch (SGLang's three, and vlrl's partial rollout)."""
 
 
@@ -415,7 +416,7 @@ class ContinuousBatcher:
                     return None
                 self._gather()
                 self._drop_expired()
-                if self._pending:  # (an abort may have emptied the queue meanwhile)
+                if self._pending and not self.paused:  # (an abort may have emptied the queue, a pause come, meanwhile)
                     break
             if self._standby is not None:  # batch boundary: swap in the new weights; the old ones become the spare
                 self._spare = self._active.policy
@@ -441,7 +442,14 @@ class ContinuousBatcher:
 
     def _gather(self) -> None:
         """Dynamic batching: while less than a full batch is queued, wait for more requests as long as they
-        keep arriving less than ``batch_window`` seconds apart (requests of one client burst join one batch)."""
+        keep arriving less than ``batch_window`` seconds apart (requests of one client burst join one batch). Partial
+        rollout: when only answers continued after an update are queued, wait up to ``REJOIN_SECONDS`` for the
+        prompts the client sends on the new version, so the long answers decode in one batch with them instead of
+        alone ahead of them."""
+        deadline = time.monotonic() + REJOIN_SECONDS
+        while (self._pending and all(job.kept is not None for job in self._pending) and not self._closed
+               and (left := deadline - time.monotonic()) > 0):
+            self._cond.wait(left)
         while self.batch_window > 0 and not self._closed:
             queued = len(self._pending)
             if not queued or sum(job.rows for job in self._pending) >= self.max_batch_size:
