@@ -119,3 +119,25 @@ def _check_partial_run(tmp_path):
         versions = [v for v, _ in r["token_versions"]]
         assert sum(count for _, count in r["token_versions"]) == r["length"]
         assert versions == sorted(versions) and r["weight_version"] == versions[0]
+
+
+def test_a_checkpointed_group_keeps_the_versions_of_its_tokens(tmp_path):
+    """An undrained group goes into a checkpoint as a `GroupRecord` (carry-over file, no pickle) and comes back with
+    each response's per-token versions, so a resumed run counts its staleness from the same oldest token."""
+    from vlrl.data import generate
+    from vlrl.feed.groups import Draw, Group
+    from vlrl.feed.records import GroupRecord
+    from vlrl.rollout import Trajectory
+    from vlrl.train.carry import read_carry_over, write_carry_over
+
+    sample = generate("shapes", 1)[0]
+    mixed = Trajectory(sample=sample, prompt_ids=torch.tensor([1, 2]), response_ids=torch.tensor([5, 6, 7]),
+                       loss_mask=torch.ones(3, dtype=torch.long), behaviour_logp=torch.zeros(3), weight_version=3,
+                       token_versions=torch.tensor([3, 3, 4]))
+    plain = Trajectory(sample=sample, prompt_ids=torch.tensor([1, 2]), response_ids=torch.tensor([5]),
+                       loss_mask=torch.ones(1, dtype=torch.long), behaviour_logp=torch.zeros(1), weight_version=4)
+    record = GroupRecord.of(Group([mixed, plain], Draw(7, sample, 0)))
+    write_carry_over(record, tmp_path / "c.json", tmp_path / "c.safetensors")
+    back = read_carry_over(tmp_path / "c.json", tmp_path / "c.safetensors").restore()
+    assert back.trajectories[0].versions.tolist() == [3, 3, 4] and back.trajectories[0].weight_version == 3
+    assert back.trajectories[1].token_versions is None and back.trajectories[1].versions.tolist() == [4]
