@@ -77,7 +77,7 @@ def test_generations_straddling_updates_carry_per_token_versions_through_vlrl_rl
     that updates land mid-generation: some trained samples span two versions (``staleness/mixed_frac`` > 0), the
     token-level staleness is at most the oldest token's, and samples.jsonl's training snapshots record each
     response's versions as runs ``[version, count]`` covering its tokens, oldest first, tagged with the oldest."""
-    _slow_decode(monkeypatch, 0.02)
+    _slow_decode(monkeypatch, 0.05)
     _vlrl(*PARTIAL_RUN, f"out={tmp_path}")
     _check_partial_run(tmp_path)
 
@@ -90,7 +90,7 @@ def test_generations_straddling_updates_on_a_vlrl_serve_server_through_vlrl_rl(t
     from vlrl.rollout.server import create_app
     from vlrl.serving import ServerThread
 
-    _slow_decode(monkeypatch, 0.02)
+    _slow_decode(monkeypatch, 0.05)
     monkeypatch.setenv("VLRL_API_KEY", "partial-test")
     batcher = ContinuousBatcher(private_copy(load_policy("tiny-qwen2-vl")), batch_window=0.01)
     modes, real_pause = [], batcher.pause
