@@ -21,7 +21,7 @@ def _traj(group, text, logp, task="t/a", reward=None):
     return SimpleNamespace(sample=sample, group_index=group, response_text=text, behaviour_logp=torch.tensor(logp),
                            loss_mask=torch.ones(len(logp), dtype=torch.long), response_ids=torch.zeros(len(logp)),
                            images=list(sample.images), reward=reward, reward_parts={}, status="completed", weight_version=0,
-                           well_formed=None)
+                           well_formed=None, versions=torch.zeros(len(logp), dtype=torch.long))
 
 
 def test_generation_probability_and_diversity_by_hand():

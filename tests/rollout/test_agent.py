@@ -437,3 +437,22 @@ def test_malformed_env_output_fails_the_episode_not_the_run():
     assert (t.status, t.stop_reason) == (Status.FAILED, "env_failed") and "(observation, done, info)" in t.error
     (t,), _ = run(["wrong"], env=lambda: MalformedEnv(bad="observation"))
     assert (t.status, t.stop_reason) == (Status.FAILED, "observation_error") and "type int" in t.error
+
+
+def test_an_episode_spanning_a_weight_update_carries_each_tokens_version():
+    """The engine moves to version 1 after the first turn: the first turn's tokens (and the observation after it) are
+    version 0's, the second turn's version 1's; the episode is tagged with its oldest token's version. An episode of
+    one version carries no per-token tensor (`Trajectory.versions` fills it)."""
+    engine = ScriptedEngine(["wrong", "right"])
+    real = engine.generate
+
+    def generate_then_update(requests, sampling):
+        out = real(requests, sampling)
+        engine.update_weights(version=engine.weight_version + 1)
+        return out
+
+    engine.generate = generate_then_update
+    (t,) = multi_turn(engine, [engine.encode(sample())], SamplingParams(max_new_tokens=32), agent=settings())
+    assert t.token_versions.tolist() == [0] * 6 + [0] * 3 + [1] * 6 and t.weight_version == 0
+    (same,), _ = run(["wrong", "right"])
+    assert same.token_versions is None and same.versions.tolist() == [0] * 15

@@ -464,3 +464,52 @@ def test_the_trainer_computes_a_checksum_only_for_servers_that_report_one(tiny_v
     monkeypatch.setattr(publish, "weight_checksum", lambda *a, **k: calls.append(1) or real(*a, **k))
     engine.update_weights(version=1)
     assert len(calls) == computed and servers[0].batcher.version[0] == 1 and engine.weight_version == 1
+
+
+def test_partial_rollout_on_vlrl_serve_continues_from_the_kept_tokens(tiny_vlm, http_engine_factory):
+    """``on_weight_update=partial`` against vlrl serve: the client sends vlrl's own pause mode ``partial``; the batch
+    decoding 40 tokens when version 1 is published keeps its tokens and goes on from them on version 1 (no token
+    sampled twice). The answer reports its spans (``meta_info.weight_versions``) and the client's trajectory carries
+    them as per-token versions — the first tokens 0, the rest 1, tagged 0 — each token's log-prob that of a
+    teacher-forced pass of its own version's weights."""
+    import concurrent.futures
+    import time
+
+    from .test_engine_contract import _teacher_forced
+    from .test_server_hardening import never_ends
+
+    engine, servers = http_engine_factory(tiny_vlm, sync_options={"on_weight_update": "partial"})
+    batcher = servers[0].batcher
+    never_ends(batcher)
+    old = private_copy(tiny_vlm)
+    sampling = SamplingParams(n=2, max_new_tokens=40)
+    modes, real_pause = [], batcher.pause
+    batcher.pause = lambda mode: modes.append(mode) or real_pause(mode)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(engine.generate, _requests(engine, 1), sampling)
+        deadline = time.time() + 30
+        while batcher.decode_steps < 3 and time.time() < deadline:
+            time.sleep(0.005)
+        with torch.no_grad():
+            for p in tiny_vlm.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.publish(version=1).result(60)
+        out = in_flight.result(60)
+    assert modes == ["partial"]
+    for t in out:
+        versions = t.versions.tolist()
+        kept = versions.count(0)
+        assert len(t.response_ids) == 40 and t.weight_version == 0 and t.status is not Status.ABORTED
+        assert 3 <= kept < 40 and versions == [0] * kept + [1] * (40 - kept)
+        assert torch.allclose(_teacher_forced(old, [t], 1.0)[0, :kept], t.behaviour_logp[:kept], atol=1e-4)
+        assert torch.allclose(_teacher_forced(tiny_vlm, [t], 1.0)[0, kept:40], t.behaviour_logp[kept:], atol=1e-4)
+
+
+def test_token_versions_are_read_from_spans_and_written_back():
+    from vlrl.rollout.versions import token_versions, version_spans
+
+    spans = [{"version": "4", "start": 0, "end": 3}, {"version": "5", "start": 3, "end": 5}]
+    assert token_versions({"weight_versions": spans}, 5, 0).tolist() == [4, 4, 4, 5, 5]
+    assert version_spans(torch.tensor([4, 4, 4, 5, 5])) == spans
+    assert token_versions({"weight_version": "4"}, 5, 0) is None  # no spans: every token is the answer's version
+    assert token_versions({"weight_versions": spans[:1]}, 5, 0) is None  # spans that leave tokens out: not trusted

@@ -352,3 +352,42 @@ def test_logit_bias_and_stop_token_ids_are_honoured(served, tiny_vlm):
         assert bad.status_code == 400 and f"sampling_params.{field}" in bad.json()["error"]
     bad = client.post("/generate", json={**body, "sampling_params": {"stop_token_ids": [-1]}})
     assert bad.status_code == 400 and "stop_token_ids" in bad.json()["error"]
+
+
+def test_partial_pause_keeps_the_tokens_and_continues_them_on_the_new_weights(tiny_vlm):
+    """Partial rollout (pause mode ``partial``): a batch decoding 40 tokens is caught mid-way, version 1 is loaded,
+    generation resumes. Every row keeps the tokens it had (tagged 0) and goes on from there on version 1 — no token is
+    sampled twice, the answer spans both versions and is tagged with the oldest (0). The behaviour log-prob of every
+    token equals a teacher-forced pass of the weights of its own version."""
+    from .test_engine_contract import _teacher_forced
+    from .test_server_hardening import never_ends
+
+    batcher = ContinuousBatcher(private_copy(tiny_vlm))
+    never_ends(batcher)
+    request = HFEngine(tiny_vlm).encode(generate("shapes", 1)[0])
+    sampling = SamplingParams(n=2, max_new_tokens=40)
+    new_weights = _moved(tiny_vlm)
+    try:
+        decoding = batcher.submit([request], sampling)
+        deadline = time.time() + 30
+        while batcher.decode_steps < 3 and time.time() < deadline:
+            time.sleep(0.005)
+        batcher.pause("partial")
+        batcher.load(new_weights, version=1)
+        batcher.resume()
+        out = decoding.result(30)
+    finally:
+        batcher.close()
+    assert [t.group_index for t in out] == [0, 0]
+    stop = next(s for s in batcher.early_stops if s.why == "interrupted")
+    for t in out:
+        versions = t.versions.tolist()
+        kept = versions.count(0)
+        assert len(t.response_ids) == 40 and t.status is Status.TRUNCATED and t.weight_version == 0
+        assert 3 <= kept < 40 and versions == [0] * kept + [1] * (40 - kept)  # the old tokens first, then the new
+        assert kept <= stop.stopped_step
+        old_logp = _teacher_forced(tiny_vlm, [t], 1.0)[0, :kept]
+        new_logp = _teacher_forced(new_weights, [t], 1.0)[0, kept:40]
+        assert torch.allclose(t.behaviour_logp[:kept], old_logp, atol=1e-4)
+        assert torch.allclose(t.behaviour_logp[kept:], new_logp, atol=1e-4)
+        assert t.response_text == tiny_vlm.tokenizer.decode(t.response_ids, skip_special_tokens=True)

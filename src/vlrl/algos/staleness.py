@@ -95,13 +95,14 @@ def staleness_histogram(s: torch.Tensor, *, eta: int) -> torch.Tensor:
 def logp_drift(
     behaviour_logp: torch.Tensor, logp: torch.Tensor, loss_mask: torch.Tensor, same_version: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Train–inference drift on samples whose weights equal the trainer's (s = 0):
+    """Train–inference drift on the tokens sampled by the trainer's weights (s = 0): ``same_version`` (B,) per
+    sample, or (B, T) per token (a response continued across a weight update holds tokens of several versions):
 
         drift = mean over their masked tokens of |log π_behave − log π_θ|
 
     Returns ``(drift, n_tokens)``; drift is 0 when no token qualifies (check ``n_tokens``).
     """
-    mask = loss_mask.bool() & same_version.bool().unsqueeze(-1)  # (B, T)
+    mask = loss_mask.bool() & _per_token(same_version)  # (B, T)
     n = mask.sum()
     gap = (behaviour_logp.detach() - logp.detach()).abs()
     drift = (gap * mask).sum() / n.clamp(min=1)
@@ -117,6 +118,12 @@ def logp_drift_max(
 
     — the number verl users watch to catch a broken inference engine (a wrong weight load shows here first, while the
     mean may stay small). 0 when no token qualifies."""
-    mask = loss_mask.bool() & same_version.bool().unsqueeze(-1)  # (B, T)
+    mask = loss_mask.bool() & _per_token(same_version)  # (B, T)
     gap = (behaviour_logp.detach() - logp.detach()).abs()
     return torch.where(mask, gap, torch.zeros_like(gap)).amax() if mask.any() else gap.new_zeros(())
+
+
+def _per_token(same_version: torch.Tensor) -> torch.Tensor:
+    """``same_version`` (B,) → (B, 1), broadcast over the tokens; (B, T) as it is."""
+    same = same_version.bool()
+    return same.unsqueeze(-1) if same.dim() == 1 else same

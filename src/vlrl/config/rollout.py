@@ -139,7 +139,7 @@ class ServersConfig(Section):
         None, ge=1, description="Async mode (with or without servers): prompts (each with n samples) in flight at once. "
         "Unset: 2 × train.prompts_per_step."
     )
-    on_weight_update: Literal["finish", "abort", "retract", "in_place"] = Field(
+    on_weight_update: Literal["finish", "abort", "retract", "in_place", "partial"] = Field(
         "finish", description="Requests in flight during a weight update (async mode; servers are sent SGLang's "
         "/pause_generation with this mode before each update and /continue_generation after, and this client holds "
         "new requests meanwhile): 'finish' them on the old weights, tagged with the old version (a disk update waits "
@@ -148,7 +148,11 @@ class ServersConfig(Section):
         "their tokens span two versions and the answer is tagged with the older; vlrl serve decodes them again from "
         "the prompt on the new weights); 'in_place' (SGLang: held with their KV cache and continued on the new "
         "weights, the prefix cache not flushed — prompts cached before the update are reused; vlrl serve finishes "
-        "them on the old weights). The in-process async engine (no servers) honours it too. Docs: \"Rollout servers\"."
+        "them on the old weights); 'partial' (partial rollout: each unfinished generation is interrupted at the update, "
+        "keeps its tokens and goes on from where it stopped on the new weights — no token sampled again; every token "
+        "carries the version that sampled it (Trajectory.token_versions), the answer is tagged with its oldest, which "
+        "staleness.eta bounds; vlrl serve and the in-process engine continue from the kept tokens, SGLang is sent "
+        "'retract', vLLM 'keep'). The in-process async engine (no servers) honours it too. Docs: \"Rollout servers\"."
     )
     prompt_check: Literal["error", "warn", "off"] = Field(
         "error", description="Compare each answer's meta_info.prompt_tokens with the prompt the "

@@ -37,7 +37,7 @@ from vlrl.feed.informative import informative_filter, starved_warning
 from vlrl.feed.publish import publish_in_background, update_over_ranks
 from vlrl.feed.records import AsyncFeedState, GroupRecord, Ledger, RolloutCut
 from vlrl.feed.types import FeedBatch, FeedLogger, Ranks, Weights
-from vlrl.rollout.types import AsyncEngine, Engine, capability
+from vlrl.rollout.types import AsyncEngine, BatchObserver, Engine, capability
 from vlrl.synth.workflow import restore_synthesis, start_synthesis
 
 
@@ -98,8 +98,11 @@ class AsyncFeed:
                 self.logger.warn(starved_warning(step + 1, info, prompts_per_step=self.stage.train.prompts_per_step))
         groups, self.info = hand_out(self.ranks, picked, info)
         trajectories, baselines = flatten(groups)
-        versions = torch.tensor([t.weight_version for t in trajectories])
+        versions = torch.tensor([t.weight_version for t in trajectories])  # each response's oldest token's
         assert_fresh(versions, step, eta=self.eta)  # no sample older than η reaches the loss
+        observer = capability(self.engine, BatchObserver)  # (the report's training snapshots: generated out of its sight)
+        if observer is not None:
+            observer.observe(trajectories, f"t={self.stage.rollout.temperature:g}", step)
         return FeedBatch(groups, trajectories, baselines, staleness(versions, step),
                          {"perf/wait_seconds": time.time() - start})
 
@@ -139,7 +142,8 @@ class AsyncFeed:
         info = self.info
         if self.rollout is not None:
             info.update({"rollout/requeued_total": self.rollout.requeued, "rollout/buffered": len(self.buffer)})
-        metrics = staleness_metrics(batch.staleness, step - 1, self.eta, info, batch.groups, self.ranks)
+        metrics = staleness_metrics(batch.staleness, step - 1, self.eta, info, batch.groups, self.ranks,
+                                    tokens=token_staleness(batch.trajectories, step - 1))
         metrics.update({k: v for k, v in info.items() if k.startswith("sampling/")})
         if self.synthesis is not None:  # Syn-GRPO: send the chosen descriptions, swap finished images in
             metrics.update(self.synthesis.after_step(batch.trajectories, step, shaping=shaping))
@@ -238,23 +242,39 @@ def take_batch(buffer: GroupBuffer, rollout: Any, stage: Any, *, step: int, ledg
     return groups, info
 
 
+def token_staleness(trajectories: list[Any], version: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token staleness of a batch: (tokens,) ``version`` − the version that sampled each model token (loss mask 1)
+    of every response, and (B,) bool: the response's tokens span several versions (continued across a weight
+    update, ``rollout.servers.on_weight_update=partial``)."""
+    tokens = [version - t.versions[t.loss_mask.bool()] for t in trajectories]
+    mixed = torch.tensor([bool(len(s)) and int(s.max()) != int(s.min()) for s in tokens], dtype=torch.bool)
+    return (torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)), mixed
+
+
 def staleness_metrics(s: torch.Tensor, version: int, eta: int, info: dict[str, Any], groups: list[Group],
-                      ranks: Ranks) -> dict[str, float]:
-    """``staleness/…`` of the samples that entered the step's loss (every rank's share under torchrun: ``s``
-    gathered), rank 0's rollout counters (``info``), and under several ranks ``dist/…``: how many ranks trained
-    this step, and ``dist/lockstep`` = 1 when every rank trained at the same weight version and the shares are
-    exactly rank 0's batch, each group on one rank."""
+                      ranks: Ranks, *, tokens: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    """``staleness/…`` of the samples that entered the step's loss (every rank's share under torchrun: ``s`` — the
+    staleness of each sample's oldest token — gathered, and the per-token ``tokens`` of `token_staleness`): the
+    sample-level mean, max and histogram, ``staleness/token_mean`` over every model token by the version that sampled
+    it, ``staleness/mixed_frac`` the share of samples whose tokens span several versions; rank 0's rollout counters
+    (``info``), and under several ranks ``dist/…``: how many ranks trained this step, and ``dist/lockstep`` = 1 when
+    every rank trained at the same weight version and the shares are exactly rank 0's batch, each group on one rank."""
     metrics: dict[str, float] = {}
+    per_token, mixed = tokens
     if ranks.enabled:
-        parts = ranks.gather_objects({"version": version, "staleness": s, "tickets": [g.draw.ticket for g in groups]})
+        parts = ranks.gather_objects({"version": version, "staleness": s, "tickets": [g.draw.ticket for g in groups],
+                                      "tokens": per_token, "mixed": mixed})
         s = torch.cat([p["staleness"] for p in parts])
+        per_token, mixed = torch.cat([p["tokens"] for p in parts]), torch.cat([p["mixed"] for p in parts])
         tickets = [t for p in parts for t in p["tickets"]]
         metrics.update({"dist/ranks": len(parts), "dist/groups_per_rank": min(len(p["tickets"]) for p in parts),
                         "dist/lockstep": float(all(p["version"] == version for p in parts)
                                                and len({len(p["tickets"]) for p in parts}) == 1
                                                and tickets == info.get("tickets"))})
     hist = staleness_histogram(s, eta=eta).float() / len(s)
-    metrics.update({"staleness/mean": float(s.float().mean()), "staleness/max": float(s.max())})
+    metrics.update({"staleness/mean": float(s.float().mean()), "staleness/max": float(s.max()),
+                    "staleness/token_mean": float(per_token.float().mean()) if len(per_token) else 0.0,
+                    "staleness/mixed_frac": float(mixed.float().mean()) if len(mixed) else 0.0})
     metrics.update({k: info[k] for k in ("staleness/discarded", "staleness/discarded_total", "rollout/requeued_total",
                                          "rollout/buffered")})
     metrics.update({f"staleness/frac_{k}": float(hist[k]) for k in range(eta + 1)})

@@ -46,6 +46,7 @@ class ResponseRecord:
     turns: list[Turn]
     stop_reason: str = ""
     error: str = ""
+    token_versions: torch.Tensor | None = None  # (R,) the version of each token (partial rollout); None: weight_version
 
 
 @dataclass
@@ -75,7 +76,7 @@ class GroupRecord:
                 prompt_ids=t.prompt_ids, response_ids=t.response_ids, loss_mask=t.loss_mask,
                 behaviour_logp=t.behaviour_logp, vision=index, weight_version=t.weight_version, status=t.status.value,
                 response_text=t.response_text, reward=t.reward, accuracy=t.accuracy, reward_parts=dict(t.reward_parts),
-                turns=list(t.turns), stop_reason=t.stop_reason, error=t.error))
+                turns=list(t.turns), stop_reason=t.stop_reason, error=t.error, token_versions=t.token_versions))
         return cls(group.draw.ticket, group.draw.epoch, group.draw.sample, responses, visions, group.baseline_reward,
                    list(group.reward_failures))
 
@@ -86,7 +87,7 @@ class GroupRecord:
             behaviour_logp=r.behaviour_logp, vision=self.visions[r.vision] if r.vision >= 0 else None,
             weight_version=r.weight_version, status=Status(r.status), response_text=r.response_text, reward=r.reward,
             accuracy=r.accuracy, reward_parts=dict(r.reward_parts), turns=list(r.turns), stop_reason=r.stop_reason,
-            error=r.error) for r in self.responses]
+            error=r.error, token_versions=r.token_versions) for r in self.responses]
         return Group(trajectories, self.draw(), list(self.reward_failures), self.baseline_reward)
 
     def draw(self) -> Draw:

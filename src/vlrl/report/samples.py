@@ -5,7 +5,11 @@ One line per response::
     {"stage": "eval/rl", "step": 0, "sampling": "t=1.0", "task": "shapes/count", "sample_id": "...",
      "group": 3, "prompt": "<image>How many shapes ...", "images": ["samples/shapes-count-3_0.png"],
      "answer": "2", "response": "<answer>2</answer>", "reward": 1.0, "reward_parts": {"accuracy": 1.0},
-     "well_formed": true, "status": "completed", "length": 5, "weight_version": 150}
+     "well_formed": true, "status": "completed", "length": 5, "weight_version": 150,
+     "token_versions": [[150, 3], [151, 2]]}
+
+``token_versions``: the versions that sampled the response's tokens, as runs ``[version, count]`` in order — one run
+unless the generation was continued across a weight update (``rollout.servers.on_weight_update=partial``).
 
 Images are written once per sample under ``RUN_DIR/samples/`` (PNG), paths relative to the run directory.
 """
@@ -64,7 +68,7 @@ class SampleLog:
             "answer": t.sample.answer, "response": t.response_text,
             "reward": t.reward, "reward_parts": dict(t.reward_parts), "well_formed": t.well_formed,
             "status": getattr(t.status, "value", str(t.status)), "length": int(len(t.response_ids)),
-            "weight_version": t.weight_version,
+            "weight_version": t.weight_version, "token_versions": version_runs(t.versions),
         }
 
     def _images(self, t: Trajectory) -> list[str]:
@@ -78,6 +82,17 @@ class SampleLog:
                 load_image(source).save(target)
             paths.append(relative)
         return paths
+
+
+def version_runs(versions: Any) -> list[list[int]]:
+    """(R,) versions as runs ``[version, count]`` in order (``[[3, 5]]``: five tokens of version 3)."""
+    runs: list[list[int]] = []
+    for version in versions.tolist():
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += 1
+        else:
+            runs.append([version, 1])
+    return runs
 
 
 def _choose_prompts(trajectories: Sequence[Trajectory], per_task: int) -> set[int]:

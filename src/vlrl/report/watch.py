@@ -98,12 +98,22 @@ class WatchedEngine:
             self.logger.note(self.stage, rollout_metrics(out))
         return out
 
+    def observe(self, trajectories, label: str, step: int) -> None:
+        """The batch step ``step`` trains on, generated out of this watcher's sight (the asynchronous feed's, through
+        the inner engine's ``agenerate``; `vlrl.rollout.types.BatchObserver`): recorded as the snapshot of version
+        ``step + 1`` when that is one (rollout servers load it behind the watcher's back)."""
+        if self.stage is None:
+            return
+        self._last, self._last_label = list(trajectories), f"train {label}"
+        if step + 1 in self._snapshots:
+            self._record(step + 1)
+
     def update_weights(self, *, version: int, state_dict=None) -> None:
         self.engine.update_weights(version=version, state_dict=state_dict)
         if self.stage is None:
             return
         self.logger.progress.stage_step(self.stage, version)
-        if version in self._snapshots:
+        if version in self._snapshots and self._recorded != version:  # (`observe` may have recorded it)
             self._record(version)
 
     def offer(self, protocol: type[C]) -> C | None:

@@ -307,6 +307,7 @@ class Episode:
         self.response: list[int] = []
         self.mask: list[int] = []
         self.logp: list[float] = []
+        self.versions: list[int] = []  # the weight version of each response token (an observation: its turn's last)
         self.vision_buffer: list[VisionInputs | None] = [request.vision]  # training side: concatenated once
         self.images = list(request.images)
         self.turns: list[Turn] = []
@@ -368,6 +369,7 @@ class Episode:
         self.response += ids
         self.mask += [1] * len(ids)
         self.logp += logp
+        self.versions += out.versions[:budget].tolist()
         self.turns.append(Turn(action_start=start, action_end=len(self.response), observation_end=len(self.response),
                                text=text))
         self.actions.append(text)
@@ -421,6 +423,8 @@ class Episode:
         self.response += encoded.input_ids
         self.mask += [0] * len(encoded.input_ids)
         self.logp += [0.0] * len(encoded.input_ids)
+        last = self.versions[-1] if self.versions else self.weight_version or 0  # (not sampled: its turn's version)
+        self.versions += [last] * len(encoded.input_ids)
         self.vision_buffer.append(encoded.vision)
         new_images = [p["image"] for m in messages for p in _parts(m) if p.get("type") == "image"]
         self.images += new_images
@@ -483,13 +487,15 @@ class Episode:
             behaviour_logp=torch.tensor(self.logp, dtype=torch.float),
             vision=VisionInputs.concat(self.vision_buffer),
             images=self.images,
-            weight_version=self.weight_version if self.weight_version is not None else self.engine.weight_version,
+            weight_version=(min([self.weight_version, *self.versions]) if self.weight_version is not None
+                            else self.engine.weight_version),  # the oldest token's (the first turn's, unless continued)
             status=self.status,
             response_text=self.turns[-1].text if self.turns else "",
             group_index=self.group_index,
             turns=self.turns,
             stop_reason=self.stop_reason,
             error=self.error,
+            token_versions=torch.tensor(self.versions, dtype=torch.long) if len(set(self.versions)) > 1 else None,
         )
 
 

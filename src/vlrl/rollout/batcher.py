@@ -5,7 +5,10 @@ reference server (`vlrl.rollout.server`) and of the in-process asynchronous engi
 Requests that arrive while a batch decodes join the next batch. A weight load never waits for a batch: the new
 weights are loaded beside the old ones and swapped in at the next batch boundary, so a batch that was decoding
 finishes on the old weights and is tagged with the old version. With ``abort`` the queued requests and the decoding
-batch are answered as ABORTED instead (the client re-queues them).
+batch are answered as ABORTED instead (the client re-queues them). A pause in mode ``partial`` (partial rollout,
+`ContinuousBatcher.pause`) interrupts the decoding batch instead: every unfinished row keeps its tokens and goes on
+after the pause from where it stopped, on the weights loaded meanwhile; each token carries the version that sampled it
+(`Trajectory.token_versions`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ from vlrl.rollout.weights import WeightLoadError, copy_weights, weight_checksum
 log = logging.getLogger(__name__)
 
 
+PAUSE_MODES = ("abort", "retract", "in_place", "partial")
+REJOIN_SECONDS = 0.1  # partial rollout: how long continued answers wait for new prompts to decode with (`_gather`)
+"""What `ContinuousBatcher.pause` does with the decoding batch (SGLang's three, and vlrl's partial rollout)."""
+
+
 class QueueFullError(RuntimeError):
     """The server's bounded queue (or its budget of tokens in flight) is full; retry later."""
 
@@ -48,16 +56,55 @@ class _Job:
     deadline: float | None = None  # time.monotonic() past which the job is aborted at the next decode step
     aborted: bool = False  # by a weight update with abort, or at shutdown
     retracted: bool = False  # by /pause_generation with mode retract: stops, then decodes again from its prompt
+    interrupted: bool = False  # by a pause with mode partial: stops, its rows keep their tokens and go on after it
+    kept: list[Trajectory] | None = None  # partial: every row's response so far (None until first interrupted)
+    continuing: list[int] = dataclasses.field(default_factory=list)  # partial: the rows of ``kept`` still to decode
+    continuations: list[Request] = dataclasses.field(default_factory=list)  # ... each as prompt + its kept tokens
     cancel_step: int | None = None  # the batcher's decode step at which the future was cancelled (client gone)
     stop_step: int | None = None  # the decode step at which its rows stopped decoding early
 
     @property
     def rows(self) -> int:
-        return len(self.requests) * self.sampling.n
+        """Sequences its next decode holds: prompts × n, or the rows an interruption left unfinished."""
+        return len(self.continuations) if self.kept is not None else len(self.requests) * self.sampling.n
+
+    def decode_rows(self) -> list[Request]:
+        """One request per sequence its next decode holds: each prompt n times (prefilled once: a group's rows are
+        one object), or each unfinished row's continuation."""
+        if self.kept is not None:
+            return self.continuations
+        return [r for r in self.requests for _ in range(self.sampling.n)]
 
     def should_stop(self, now: float) -> bool:
-        return (self.aborted or self.retracted or self.future.cancelled()
+        return (self.aborted or self.retracted or self.interrupted or self.future.cancelled()
                 or (self.deadline is not None and now > self.deadline))
+
+    def past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def keep(self, rows: list[Trajectory], tokenizer: Any) -> bool:
+        """Partial rollout: this decode's ``rows`` joined to what the job kept; True when some row is unfinished
+        (stopped by the interruption before its end), which is then to decode again from its prompt and the tokens
+        it kept, with the budget it has left."""
+        kept = self.joined(rows, tokenizer)
+        budget = self.sampling.max_new_tokens
+        unfinished = [i for i, t in enumerate(kept) if t.status is Status.TRUNCATED and len(t.response_ids) < budget]
+        self.kept, self.continuing, self.interrupted, self.stop_step = kept, unfinished, False, None
+        self.continuations = [continuation(self.requests[i // self.sampling.n], kept[i], budget) for i in unfinished]
+        return bool(unfinished)
+
+    def joined(self, rows: list[Trajectory], tokenizer: Any) -> list[Trajectory]:
+        """Every row of the job: this decode's ``rows`` (all of them, or the continued ones joined to their kept
+        tokens), each with its index in the job's group (``group_index``: its prompt among the job's)."""
+        if self.kept is None:
+            out = list(rows)
+        else:
+            out = list(self.kept)
+            for row, after in zip(self.continuing, rows, strict=True):
+                out[row] = join(out[row], after, tokenizer)
+        for i, t in enumerate(out):
+            t.group_index = i // self.sampling.n
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +113,7 @@ class EarlyStop:
     ``deadline`` or ``aborted``), the decode step at which that was asked (for a cancel) and the one at which
     its rows stopped (`ContinuousBatcher.decode_steps` counts steps)."""
 
-    why: str  # cancelled | deadline | aborted | retracted
+    why: str  # cancelled | deadline | aborted | retracted | interrupted
     asked_step: int | None
     stopped_step: int
 
@@ -86,6 +133,27 @@ def settle(future: concurrent.futures.Future, result: Any = None, *, error: Base
             future.set_result(result)
     except concurrent.futures.InvalidStateError:
         pass
+
+
+def continuation(request: Request, kept: Trajectory, max_new_tokens: int) -> Request:
+    """What a row interrupted by a weight update decodes next: its prompt followed by the tokens it kept (prefilled on
+    the new weights — no token is sampled again), with the budget it has left."""
+    return Request(sample=request.sample, prompt_ids=[*request.prompt_ids, *kept.response_ids.tolist()],
+                   vision=request.vision, images=request.images,
+                   max_new_tokens=max_new_tokens - len(kept.response_ids))
+
+
+def join(before: Trajectory, after: Trajectory, tokenizer: Any) -> Trajectory:
+    """A row's kept tokens (``before``) followed by what its continuation sampled (``after``): every response tensor
+    concatenated, each token with the version that sampled it, tagged with the oldest; the continuation's status."""
+    ids = torch.cat([before.response_ids, after.response_ids])
+    return Trajectory(
+        sample=before.sample, prompt_ids=before.prompt_ids, response_ids=ids,
+        loss_mask=torch.cat([before.loss_mask, after.loss_mask]),
+        behaviour_logp=torch.cat([before.behaviour_logp, after.behaviour_logp]),
+        vision=before.vision, images=before.images, weight_version=min(before.weight_version, after.weight_version),
+        status=after.status, response_text=tokenizer.decode(ids, skip_special_tokens=True),
+        group_index=before.group_index, token_versions=torch.cat([before.versions, after.versions]))
 
 
 def aborted_trajectories(requests: Sequence[Request], n: int, version: int) -> list[Trajectory]:
@@ -241,9 +309,12 @@ class ContinuousBatcher:
         decode step and its jobs go back to the head of the queue, to be decoded again from their prompts after
         `resume` (on the weights loaded meanwhile, so each answer still comes from one version); ``in_place`` — it
         waits at its next decode step and, after `resume`, finishes on the weights it started with (vlrl swaps
-        weights only between batches), tagged with their version. Queued jobs wait (their deadline still runs)."""
-        if mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause mode {mode!r}: abort, retract or in_place")
+        weights only between batches), tagged with their version; ``partial`` (vlrl's; partial rollout) — it stops at
+        its next decode step, every unfinished row keeps its tokens, and its jobs go back to the head of the queue to
+        go on after `resume` from where they stopped, on the weights loaded meanwhile (each token tagged with the
+        version that sampled it: `Trajectory.token_versions`). Queued jobs wait (their deadline still runs)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: {', '.join(PAUSE_MODES)}")
         dropped: list[_Job] = []
         with self._cond:
             self.paused = mode
@@ -252,6 +323,9 @@ class ContinuousBatcher:
             elif mode == "retract":
                 for job in self._running:
                     job.retracted = True
+            elif mode == "partial":
+                for job in self._running:
+                    job.interrupted = True
             version = self._active.weight_version
             self._cond.notify_all()
         for job in dropped:
@@ -342,7 +416,7 @@ class ContinuousBatcher:
                     return None
                 self._gather()
                 self._drop_expired()
-                if self._pending:  # (an abort may have emptied the queue meanwhile)
+                if self._pending and not self.paused:  # (an abort may have emptied the queue, a pause come, meanwhile)
                     break
             if self._standby is not None:  # batch boundary: swap in the new weights; the old ones become the spare
                 self._spare = self._active.policy
@@ -368,7 +442,14 @@ class ContinuousBatcher:
 
     def _gather(self) -> None:
         """Dynamic batching: while less than a full batch is queued, wait for more requests as long as they
-        keep arriving less than ``batch_window`` seconds apart (requests of one client burst join one batch)."""
+        keep arriving less than ``batch_window`` seconds apart (requests of one client burst join one batch). Partial
+        rollout: when only answers continued after an update are queued, wait up to ``REJOIN_SECONDS`` for the
+        prompts the client sends on the new version, so the long answers decode in one batch with them instead of
+        alone ahead of them."""
+        deadline = time.monotonic() + REJOIN_SECONDS
+        while (self._pending and all(job.kept is not None for job in self._pending) and not self._closed
+               and (left := deadline - time.monotonic()) > 0):
+            self._cond.wait(left)
         while self.batch_window > 0 and not self._closed:
             queued = len(self._pending)
             if not queued or sum(job.rows for job in self._pending) >= self.max_batch_size:
@@ -414,10 +495,11 @@ class ContinuousBatcher:
         jobs = [job for job in jobs if not job.future.cancelled()]  # (cancelled while the batch was formed)
         if not jobs:
             return
-        requests = [r for job in jobs for r in job.requests]
-        owners = {id(r): job for job in jobs for r in job.requests}
+        rows = {id(job): job.decode_rows() for job in jobs}  # each job's sequences, one request per row (n = 1)
+        owners = {id(r): job for job in jobs for r in rows[id(job)]}
         try:
-            out = engine.generate(requests, jobs[0].sampling, on_step=self._on_step(owners))
+            out = engine.generate([r for job in jobs for r in rows[id(job)]], dataclasses.replace(jobs[0].sampling, n=1),
+                                  on_step=self._on_step(owners))
         except Exception as err:  # a bad batch fails its own requests, never the server
             if len(jobs) > 1:  # one bad job must not fail the others: each is decoded again on its own
                 log.warning("a batch of %d jobs failed (%s: %s); retrying them one by one", len(jobs),
@@ -429,33 +511,36 @@ class ContinuousBatcher:
             log.exception("generation failed")
             settle(jobs[0].future, error=err)
             return
-        n, start = jobs[0].sampling.n, 0
-        retracted = [job for job in jobs if job.retracted and not job.aborted and not job.future.cancelled()]
+        requeue, start, tokenizer = [], 0, engine.policy.tokenizer
         for job in jobs:
-            count = len(job.requests) * n
-            if job in retracted:  # decoded again from its prompt after the pause
+            mine = out[start : start + len(rows[id(job)])]
+            start += len(rows[id(job)])
+            live = not job.aborted and not job.future.cancelled()
+            if job.retracted and live:  # decoded again from its prompt after the pause
                 self.early_stops.append(EarlyStop("retracted", None, job.stop_step or self.decode_steps))
                 job.retracted, job.stop_step = False, None
-                start += count
-                continue
-            if job.stop_step is not None:
-                why = "cancelled" if job.future.cancelled() else "aborted" if job.aborted else "deadline"
-                self.early_stops.append(EarlyStop(why, job.cancel_step, job.stop_step))
-            if job.stop_step is not None or job.aborted:
-                settle(job.future, aborted_trajectories(job.requests, n, engine.weight_version))
+                requeue.append(job)
+            elif job.interrupted and live and not job.past_deadline():  # partial: its rows go on from their tokens
+                if job.stop_step is not None:
+                    self.early_stops.append(EarlyStop("interrupted", None, job.stop_step))
+                if job.keep(mine, tokenizer):
+                    requeue.append(job)
+                else:  # every row had ended before the interruption reached it
+                    settle(job.future, job.kept)
+            elif job.stop_step is not None or job.aborted:
+                if job.stop_step is not None:
+                    why = "cancelled" if job.future.cancelled() else "aborted" if job.aborted else "deadline"
+                    self.early_stops.append(EarlyStop(why, job.cancel_step, job.stop_step))
+                settle(job.future, aborted_trajectories(job.requests, job.sampling.n, engine.weight_version))
             else:
-                trajectories = out[start : start + count]
-                for t in trajectories:
-                    t.group_index -= start // n  # index within the job
-                settle(job.future, trajectories)
-            start += count
-        if retracted:
+                settle(job.future, job.joined(mine, tokenizer))
+        if requeue:
             with self._cond:
                 closed = self._closed
                 if not closed:
-                    self._pending.extendleft(reversed(retracted))
+                    self._pending.extendleft(reversed(requeue))
                     self._cond.notify_all()
-            for job in retracted if closed else ():
+            for job in requeue if closed else ():
                 settle(job.future, error=RuntimeError("the batcher was closed"))
 
 

@@ -173,29 +173,14 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
     eos = torch.tensor(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)), dtype=torch.long, device=device)
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     tail = max((len(s.encode()) for s in sampling.stop), default=0) + 2
-    tokens: list[list[int]] = [[] for _ in range(N)]
-    logps: list[list[torch.Tensor]] = [[] for _ in range(N)]
-    ended_eos, ended_stop = [False] * N, [False] * N
+    sampled = _Rows.of(rows, T)
     live = torch.arange(N, device=device)  # the rows still in the batch (the cache's rows, in order)
     done = torch.zeros(N, dtype=torch.bool, device=device)  # over all rows
     ranks = _sharded_ranks(model)
     for step in range(T):
         new = next_tokens(logits, sampling, suppress_ids)  # (live,)
         logp = F.log_softmax(logits.float() / temperature, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        new_cpu, logp_cpu, live_cpu = new.tolist(), logp.cpu(), live.tolist()
-        for j, row in enumerate(live_cpu):
-            if done[row]:
-                continue
-            tokens[row].append(new_cpu[j])
-            logps[row].append(logp_cpu[j])
-        finished = torch.isin(new, eos) & ~done[live]
-        for j in finished.nonzero().flatten().tolist():
-            ended_eos[live_cpu[j]] = True
-        done[live] |= finished
-        if sampling.stop:
-            for row in live_cpu:
-                if not done[row] and _stopped_by_string(adapter.tokenizer, tokens[row], sampling.stop, tail):
-                    ended_stop[row], done[row] = True, True
+        sampled.record(live, new, logp, done, eos, sampling.stop, adapter.tokenizer, tail)
         stats.steps = step + 1
         if on_step is not None:
             done |= on_step().to(device)
@@ -217,8 +202,49 @@ def sample(model: torch.nn.Module, adapter: TextAdapter, rows: Sequence[Request]
         kwargs.update({k: torch.zeros_like(kwargs["input_ids"], dtype=torch.int32) for k in type_keys})
         logits, cache = kv_cache.forward_last(model, kwargs, cache)
     stats.decode_seconds = time.perf_counter() - start
-    return Decoded(tokens=tokens, logp=[torch.stack(lp) if lp else torch.zeros(0) for lp in logps],
-                   eos=ended_eos, stop_string=ended_stop)
+    return Decoded(tokens=sampled.tokens, logp=[torch.stack(lp) if lp else torch.zeros(0) for lp in sampled.logps],
+                   eos=sampled.eos, stop_string=sampled.stop_string)
+
+
+@dataclass
+class _Rows:
+    """What `sample` has sampled so far, per row, and each row's budget of new tokens (the sampling's
+    ``max_new_tokens``, or less for a request that says so: a generation continued after a weight update)."""
+
+    tokens: list[list[int]]
+    logps: list[list[torch.Tensor]]
+    eos: list[bool]
+    stop_string: list[bool]
+    budgets: list[int]
+    budgeted: bool  # some row's budget is below the sampling's (checked at every step then)
+
+    @classmethod
+    def of(cls, rows: Sequence[Request], max_new_tokens: int) -> _Rows:
+        budgets = [max_new_tokens if r.max_new_tokens is None else min(max_new_tokens, r.max_new_tokens) for r in rows]
+        N = len(rows)
+        return cls([[] for _ in range(N)], [[] for _ in range(N)], [False] * N, [False] * N, budgets,
+                   any(b < max_new_tokens for b in budgets))
+
+    def record(self, live: torch.Tensor, new: torch.Tensor, logp: torch.Tensor, done: torch.Tensor, eos: torch.Tensor,
+               stop: Sequence[str], tokenizer, tail: int) -> None:
+        """One step: the ``live`` rows' ``new`` tokens and their log-probs appended (rows already ``done`` skipped),
+        and ``done`` set where a row ends here — EOS or a stop token, a stop string, its own budget (truncated)."""
+        new_cpu, logp_cpu, live_cpu = new.tolist(), logp.cpu(), live.tolist()
+        for j, row in enumerate(live_cpu):
+            if not done[row]:
+                self.tokens[row].append(new_cpu[j])
+                self.logps[row].append(logp_cpu[j])
+        finished = torch.isin(new, eos) & ~done[live]
+        for j in finished.nonzero().flatten().tolist():
+            self.eos[live_cpu[j]] = True
+        done[live] |= finished
+        if not (stop or self.budgeted):
+            return
+        for row in live_cpu:
+            if not done[row] and stop and _stopped_by_string(tokenizer, self.tokens[row], stop, tail):
+                self.stop_string[row], done[row] = True, True
+            elif not done[row] and len(self.tokens[row]) >= self.budgets[row]:
+                done[row] = True
 
 
 def _sharded_ranks(model: torch.nn.Module) -> torch.device | None:

@@ -52,7 +52,7 @@ from vlrl.rollout.prompt_check import PromptCheck
 from vlrl.rollout.publish import ServerWeights, SyncStats
 from vlrl.rollout.server_pool import RolloutRequestError, ServerPool, ServerState
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
-from vlrl.rollout.versions import answer_version
+from vlrl.rollout.versions import answer_version, token_versions
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class HTTPEngine:
             from vlrl.rollout.vllm_weights import VLLMServerWeights
 
             self.vllm = VLLMServers(self.pool, checksum=client.checksum,
-                                    keep_on_update=sync.on_weight_update in ("retract", "in_place"))
+                                    keep_on_update=sync.on_weight_update in ("retract", "in_place", "partial"))
             self.pool.call(self.vllm.read_facts())
             self.weights: ServerWeights = VLLMServerWeights(self.pool, policy, sync, self.vllm)
         else:
@@ -404,6 +404,7 @@ class HTTPEngine:
                 behaviour_logp=torch.tensor([float(p[0]) for p in pairs], dtype=torch.float),
                 vision=request.vision, images=request.images,
                 weight_version=answer_version(meta, version_at_start),
+                token_versions=token_versions(meta, len(ids), version_at_start),
                 status=_FINISH[finish], response_text=text, group_index=k // sampling.n,
             ))
         return out

@@ -9,9 +9,19 @@ from pathlib import Path
 
 PROMPT_CHECKS = ("error", "warn", "off")
 ENGINES = ("auto", "vlrl", "sglang", "vllm")
-PAUSE_MODES = {"finish": "retract", "abort": "abort", "retract": "retract", "in_place": "in_place"}
+PAUSE_MODES = {"finish": "retract", "abort": "abort", "retract": "retract", "in_place": "in_place", "partial": "retract"}
 """`rollout.servers.on_weight_update` → the ``/pause_generation`` mode sent before each update (``finish``: none before a disk
-update; before a distributed one, once this client's requests in flight ended — nothing of its own is retracted)."""
+update; before a distributed one, once this client's requests in flight ended — nothing of its own is retracted).
+``partial`` is SGLang's ``retract`` (its retracted requests keep their tokens and go on after the update); vlrl serve
+is sent its own ``partial`` (`pause_mode`), its ``retract`` decoding again from the prompt."""
+
+
+def pause_mode(on_weight_update: str, engines: set[str | None]) -> str:
+    """The ``/pause_generation`` mode for ``on_weight_update`` on servers of ``engines`` (`PAUSE_MODES`; vlrl serve
+    alone gets ``partial`` as itself)."""
+    if on_weight_update == "partial" and engines == {"vlrl"}:
+        return "partial"
+    return PAUSE_MODES[on_weight_update]
 
 
 @dataclasses.dataclass(frozen=True)

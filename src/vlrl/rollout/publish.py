@@ -45,7 +45,7 @@ import torch
 
 from vlrl.models.policy import DTYPES, Policy
 from vlrl.rollout import dist_sync
-from vlrl.rollout.http_settings import PAUSE_MODES, SyncSettings
+from vlrl.rollout.http_settings import SyncSettings, pause_mode
 from vlrl.rollout.server_pool import NoServersLeft, RolloutRequestError, ServerPool
 from vlrl.rollout.weight_group import BucketPlan, SessionRefused, WeightGroup, sent_state
 from vlrl.rollout.weights import ChecksumCheck, WeightSyncError, quiet_transformers, weight_checksum
@@ -97,7 +97,7 @@ class ServerWeights:
     async def pause(self, method: str) -> None:
         """Before a weight update by ``method`` (``disk`` / ``distributed``): hold the engine's new requests back
         (the pool's ``gate``: they wait there, not in a server's queue against their timeout), then pause every live
-        server (SGLang's ``/pause_generation``, mode by `PAUSE_MODES`) — so no request runs on half-updated weights
+        server (SGLang's ``/pause_generation``, mode by `pause_mode`) — so no request runs on half-updated weights
         (SGLang releases its writer lock between the buckets of a distributed update) and a paused SGLang loads at
         once. ``on_weight_update=finish``: a disk update pauses nothing (SGLang's load waits for the requests in
         flight, which end on the old weights, and holds new ones behind it; vlrl serve loads beside them); a
@@ -116,7 +116,8 @@ class ServerWeights:
             while any(s.in_flight for s in self.pool.servers) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         self._paused_servers = True
-        await self._weight_call("/pause_generation", {"mode": PAUSE_MODES[self.on_weight_update]})
+        engines = {s.engine for s in self.pool.servers}
+        await self._weight_call("/pause_generation", {"mode": pause_mode(self.on_weight_update, engines)})
         if self.on_weight_update != "in_place":  # (requests held in place keep their cache: SGLang cannot flush)
             self.flushed = await self.flush_caches()
 

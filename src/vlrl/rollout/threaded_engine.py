@@ -23,7 +23,9 @@ class ThreadedEngine:
     event loop (e.g. one per prompt, started together) are submitted as one job, so they decode as one batch
     exactly as `HFEngine.generate` would decode the same requests. `update_weights` copies the trainer's
     weights into the batcher's spare copy (`ContinuousBatcher.load_in_place`), checks its checksum and swaps
-    it in at the next batch boundary.
+    it in at the next batch boundary. With ``on_weight_update="partial"`` the decoding batch is interrupted at its
+    next decode step instead of finishing on the old weights: its unfinished rows keep their tokens and go on, on the
+    new weights, from where they stopped (each token tagged with the version that sampled it).
     """
 
     def __init__(self, policy: Policy, *, max_batch_size: int = 256, abort_on_update: bool = False,
@@ -76,7 +78,7 @@ class ThreadedEngine:
     def update_weights(self, *, version: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         weights = state_dict if state_dict is not None else self.policy.model.state_dict()
         expected = weight_checksum(weights)
-        pause = self.on_weight_update in ("retract", "in_place")  # (`ContinuousBatcher.pause` says what each does)
+        pause = self.on_weight_update in ("retract", "in_place", "partial")  # (`ContinuousBatcher.pause`: what each does)
         if pause:
             self._batcher.pause(self.on_weight_update)
         try:

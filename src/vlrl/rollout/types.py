@@ -12,6 +12,8 @@ recipe asks for it with `capability` — never by looking for a method or walkin
                         the other trainer ranks
     `EngineWrapper`     an engine around another (the rollout function's `RolloutEngine`, the report's watcher):
                         it says which of the inner engine's capabilities it passes on (`EngineWrapper.offer`)
+    `BatchObserver`     is shown the trajectories a step trains on when they were generated out of its sight      WatchedEngine
+                        (asynchronously, through the inner engine's ``agenerate``)
 """
 
 from __future__ import annotations
@@ -52,12 +54,16 @@ class SamplingParams:
 
 @dataclass
 class Request:
-    """One prompt to sample from: the sample, its prompt token ids and its vision inputs."""
+    """One prompt to sample from: the sample, its prompt token ids and its vision inputs. ``max_new_tokens``: this
+    request's own budget of new tokens when it is below ``SamplingParams.max_new_tokens`` — a generation continued
+    after a weight update (its prompt then ends with the tokens it kept) has only what it had left; None: the
+    sampling's."""
 
     sample: Sample
     prompt_ids: list[int]
     vision: VisionInputs | None = None
     images: list[Image.Image] = field(default_factory=list)
+    max_new_tokens: int | None = None
 
 
 @dataclass
@@ -92,7 +98,8 @@ class Trajectory:
             sampling time (temperature applied); 0 where ``loss_mask`` is 0.
         vision: processor outputs of every image of the sequence, all turns, in order.
         images: the decoded images (for reports and for re-encoding by another engine).
-        weight_version: version of the weights that produced the trajectory.
+        weight_version: version of the weights that produced the trajectory — of its oldest token when its tokens
+            span several versions (``token_versions``), so staleness and the η bound count from the oldest.
         status: see `Status`.
         response_text: the decoded response (model tokens only, special tokens skipped).
         group_index: index of the prompt within its batch; the n samples of a prompt share it.
@@ -110,6 +117,10 @@ class Trajectory:
             exhausted, FAILED), ``env_timeout`` (FAILED after hangs), ``observation_error`` (an observation
             that cannot be encoded, FAILED) or ``aborted``.
         error: what went wrong, for a FAILED trajectory.
+        token_versions: (R,) long, the weight version that sampled each response token: a generation interrupted
+            by a weight update and continued on the new weights with its tokens kept
+            (``rollout.servers.on_weight_update=partial``) holds two or more. None: every token is
+            ``weight_version``'s (`versions` gives the tensor either way).
     """
 
     sample: Sample
@@ -130,6 +141,14 @@ class Trajectory:
     turns: list[Turn] = field(default_factory=list)
     stop_reason: str = ""
     error: str = ""
+    token_versions: torch.Tensor | None = None
+
+    @property
+    def versions(self) -> torch.Tensor:
+        """(R,) long: the weight version of each response token (``token_versions``, else ``weight_version``'s)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.full((len(self.response_ids),), self.weight_version, dtype=torch.long)
 
     @property
     def num_turns(self) -> int:
@@ -207,6 +226,17 @@ class WeightPublisher(Protocol):
 
     def join_trainer_ranks(self, rank: int, world_size: int) -> None:
         """This engine is rank ``rank``'s of ``world_size`` trainer ranks (the default torch.distributed group)."""
+        ...
+
+
+@runtime_checkable
+class BatchObserver(Protocol):
+    """An engine wrapper that records what is trained on (the report's watcher: samples.jsonl's training snapshots)
+    and must be shown the batches an asynchronous feed generated through the inner engine."""
+
+    def observe(self, trajectories: Sequence[Trajectory], label: str, step: int) -> None:
+        """The trajectories step ``step`` trains on (its weights become version ``step + 1``), sampled as ``label``
+        says (``t=1``)."""
         ...
 
 

@@ -148,7 +148,7 @@ class VLLMServers:
         aborted sample: it is never trained on); the weight version: the oldest span that sampled it
         (`vlrl.rollout.versions.answer_version`)."""
         from vlrl.rollout.types import Status, Trajectory
-        from vlrl.rollout.versions import answer_version
+        from vlrl.rollout.versions import answer_version, token_versions
 
         out = []
         for i, (request, answer) in enumerate(zip(requests, answers, strict=True)):
@@ -163,6 +163,8 @@ class VLLMServers:
                     behaviour_logp=torch.tensor(choice.logprobs, dtype=torch.float), vision=request.vision,
                     images=request.images, weight_version=answer_version({"weight_versions": choice.weight_versions},
                                                                          version_at_start),
+                    token_versions=token_versions({"weight_versions": choice.weight_versions}, len(choice.token_ids),
+                                                  version_at_start),
                     status=Status(choice.status), response_text=decode(choice.token_ids), group_index=i))
         return out
 

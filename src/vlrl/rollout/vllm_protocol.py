@@ -46,11 +46,12 @@ import torch
 VLLM_VERSION = "0.32.0"
 GENERATE_PATH = "/inference/v1/generate"
 SUPPRESS_BIAS = -100.0  # vLLM clamps a logit bias to [-100, 100]; exp(-100) ≈ 4e-44: never sampled
-PAUSE_MODES = {"finish": "wait", "abort": "abort", "retract": "keep", "in_place": "keep"}
+PAUSE_MODES = {"finish": "wait", "abort": "abort", "retract": "keep", "in_place": "keep", "partial": "keep"}
 """`rollout.servers.on_weight_update` → vLLM's ``/pause`` mode: ``wait`` (requests in flight finish on the old weights,
 then the update), ``abort`` (they end at once, ``finish_reason`` abort, and are re-queued by vlrl), ``keep`` (they are
 frozen with their KV cache and continue on the new weights — SGLang's ``in_place``; vLLM has no ``retract``, which
-would recompute them)."""
+would recompute them); ``partial`` is ``keep``: the tokens of a request span the versions its choice's
+``weight_versions`` report)."""
 FINISH_REASONS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # a parameter vLLM's CPU kernels repacked: it reports no bytes
 CHECKSUM_PREFIX = "dp0:pp0:pcp0:tp0:"  # one worker: data-parallel index, pipeline, context and tensor ranks 0

@@ -21,6 +21,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from vlrl.config import RLStage
 from vlrl.feed.types import FeedBatch
@@ -73,7 +74,9 @@ class Learner:
     def step(self, batch: FeedBatch, step: int) -> StepStats:
         """Advantages over the whole batch (B sequences, R response columns), the updates (and the critic's), the
         step's metrics. The phase meter's update phase closes here (the loop opened it)."""
-        same_version = batch.staleness == 0 if batch.staleness is not None else None  # drift metrics' tokens
+        same_version = None  # the drift metrics' tokens: those sampled by the trainer's weights (async; each its own)
+        if batch.staleness is not None:
+            same_version = pad_sequence([t.versions == step for t in batch.trajectories], batch_first=True)  # (B, R)
         prepared = prepare_batch(self.algorithm, self.policy, batch.trajectories, step=step,
                                  max_new_tokens=self.stage.rollout.max_new_tokens, same_version=same_version,
                                  baseline_rewards=batch.baselines, run_dir=self.run_dir)

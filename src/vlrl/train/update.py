@@ -58,7 +58,7 @@ class UpdateBatch:
     group_index: torch.Tensor  # (B,)
     rewards: torch.Tensor  # (B,) shaped scalar rewards the estimator saw
     token_rewards: torch.Tensor  # (B, R)
-    same_version: torch.Tensor  # (B,) bool: sampled by the trainer's current weights (train–inference drift)
+    same_version: torch.Tensor  # (B,) or (B, R) bool: sampled by the trainer's current weights (train–inference drift)
     metrics: dict[str, float] = field(default_factory=dict)  # from the shapers (logged with the step)
     old_values: torch.Tensor | None = None  # (B, R) critic values when the batch was prepared (gae)
     returns: torch.Tensor | None = None  # (B, R) the critic's regression targets
@@ -301,7 +301,7 @@ def _micro_loss(policy: Policy, rt: Runtime, batch: UpdateBatch, micro: list[int
         stats.add_tokens(f"policy/{name}", values, mask)
     stats.behaviour_weights.append(w[mask.bool()].detach())
     stats.behaviour_capped += int((capped & mask.bool()).sum())
-    same = batch.same_version[micro].to(logp.device)
+    same = rows_of(batch.same_version) if batch.same_version.dim() == 2 else batch.same_version[micro].to(logp.device)
     drift, n = logp_drift(behaviour, old, mask, same)
     stats.drift_sum += float(drift) * int(n)
     stats.drift_tokens += int(n)

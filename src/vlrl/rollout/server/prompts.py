@@ -18,6 +18,7 @@ from vlrl.data.sample import Sample, SampleError, image_size, load_image
 from vlrl.models.policy import Policy
 from vlrl.rollout.server.schema import BadRequest, GenerateBody, ImageItem, PromptBounds, ServeLimits
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
+from vlrl.rollout.versions import version_spans
 
 
 def model_context(policy: Policy) -> int | None:
@@ -340,6 +341,8 @@ def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, re
             text = text[: text.rfind(matched)]  # SGLang trims the stop string from the text
     meta: dict[str, Any] = {"id": t.sample.id, "finish_reason": finish, "prompt_tokens": len(t.prompt_ids),
                             "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": str(t.weight_version)}
+    if t.token_versions is not None:  # continued across a weight update (pause mode partial): each span's version
+        meta["weight_versions"] = version_spans(t.token_versions)
     if return_logprob:
         meta["output_token_logprobs"] = [[float(lp), int(i), None] for lp, i in zip(t.behaviour_logp.tolist(), ids, strict=True)]
     out = {"text": text, "output_ids": ids, "meta_info": meta}

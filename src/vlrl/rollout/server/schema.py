@@ -165,7 +165,7 @@ class PauseBody(BaseModel):
     """SGLang's ``PauseGenerationReqInput`` (`ContinuousBatcher.pause` says what each mode does here)."""
 
     model_config = ConfigDict(extra="forbid")
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: Literal["abort", "retract", "in_place", "partial"] = "abort"  # partial: vlrl's own (partial rollout)
 
 
 class ContinueBody(BaseModel):
