@@ -9,6 +9,10 @@ Three kinds of run, each appending one JSON record per evaluation to ``--out`` (
     control  more SFT on the same labels from a saved SFT checkpoint (fresh optimizer, seed + 1 — what
              `vlrl demo`'s control does), evaluated at ``--eval-at`` steps
 
+An ``rl`` run with ``--set rl.algo.distill.teacher=DIR`` distils from that teacher (on-policy distillation,
+docs/experiments/opd.md): ``flops`` stays the student's (its forward hooks), the teacher's passes are counted
+apart under ``teacher_flops``.
+
 Every run starts from ``src/vlrl/configs/demo.yaml`` with dotted overrides (``--set rl.optim.lr=1e-4``), so
 its settings are the demo's unless stated. Evaluations save and restore the torch RNG: the training run is
 the one it would be without them. One torch thread unless ``--threads``.
@@ -80,6 +84,7 @@ def main() -> None:
 
     meter = FlopMeter(policy.model).__enter__()  # training + generation FLOPs of the run, evaluations excluded
     excluded = [0.0]
+    teacher_meters = count_teacher_flops()  # algo.distill's teacher: its passes apart from the student's
 
     def record(step: int, metrics: dict) -> None:
         if step in save_at:
@@ -96,10 +101,11 @@ def main() -> None:
                "strict": result["strict"]["mean"], "strict_greedy": result["strict_greedy"]["mean"],
                "well_formed": result["well_formed"]["mean"], "well_formed_greedy": result["well_formed_greedy"]["mean"],
                "train_seconds": round(time.time() - start, 1), "eval_seconds": round(time.time() - t0, 1),
-               "flops": meter.flops.total - excluded[0], "threads": args.threads, "init": args.init, "set": args.set,
+               "flops": meter.flops.total - excluded[0],
+               "teacher_flops": sum(m.flops.total for m in teacher_meters), "threads": args.threads, "init": args.init, "set": args.set,
                **{k: round(float(v), 4) for k, v in metrics.items()
                   if k in ("sft/loss", "reward/mean", "response/well_formed_frac", "response/truncated_frac",
-                           "policy/entropy", "policy/zero_adv_groups_frac",
+                           "policy/entropy", "policy/zero_adv_groups_frac", "distill/reverse_kl", "distill/teacher_logprob",
                            "policy/skipped_rows_frac", "perf/step_seconds", "perf/gen_seconds")}}
         with open(out, "a") as handle:
             handle.write(json.dumps(row) + "\n")
@@ -116,6 +122,23 @@ def main() -> None:
         stage = cfg.sft.model_copy(deep=True)
         stage.train.steps, stage.train.log_every = steps, 1
         train_sft(policy, train, stage, logger=logger, seed=cfg.seed + (1 if args.kind == "control" else 0))
+
+
+def count_teacher_flops() -> list[FlopMeter]:
+    """Install a `FlopMeter` on every distillation teacher the RL stage loads (`vlrl.train.batch.load_teacher`);
+    the returned list fills as teachers load."""
+    import vlrl.train.batch as batch
+
+    meters: list[FlopMeter] = []
+    load = batch.load_teacher
+
+    def load_and_count(spec, policy):
+        teacher = load(spec, policy)
+        meters.append(FlopMeter(teacher.model).__enter__())
+        return teacher
+
+    batch.load_teacher = load_and_count
+    return meters
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import subprocess
@@ -381,6 +382,7 @@ CASES: dict[str, Case] = {
     "shapes_lora_grpo.yaml": Case("rl", lambda run: lora(run), start="shapes_sft"),
     "shapes_feedback_grpo.yaml": Case("rl", shapes_feedback, start="shapes_sft"),
     "shapes_grpo.yaml": Case("rl", lambda run: plain_rl(run, "grpo"), start="shapes_sft"),
+    "shapes_opd.yaml": Case("rl", lambda run: opd(run), ("algo.distill.teacher={sft}",)),
     "shapes_ppo.yaml": Case("rl", ppo, start="shapes_sft"),
     "shapes_reinforce_pp.yaml": Case("rl", lambda run: _kl_in_reward(rl_trained(run)), start="shapes_sft"),
     "shapes_remax.yaml": Case("rl", remax, start="shapes_sft"),
@@ -452,6 +454,16 @@ def _no_step_credit(run: Run) -> None:
     assert any(k.startswith("reward/embodied/") for k in run.stage("rl")[-1])
 
 
+def opd(run: Run) -> None:
+    """On-policy distillation from the shapes_sft checkpoint (the teacher) into the untrained preset (the student):
+    the sampled reverse KL and the teacher's log-probs are logged every step, finite, and the KL is not 0."""
+    records = rl_trained(run)
+    assert run.config["algo"]["distill"]["teacher"].endswith("final")
+    for r in records:
+        assert math.isfinite(r["distill/reverse_kl"]) and r["distill/teacher_logprob"] < 0, r
+    assert any(r["distill/reverse_kl"] != 0 for r in records)
+
+
 def _kl_in_reward(records: list[dict]) -> None:
     assert all("policy/kl_ref" in r for r in records)
 
@@ -492,7 +504,10 @@ def test_shipped_config_runs_with_its_feature_on(name, models, request, tmp_path
                 "report.html=false"]
     else:
         tiny = () if case.staged else (RL_TINY if case.recipe == "rl" else SFT_TINY)
-        overrides = [o.format(lm=models["lm"]) for o in case.overrides]
+        overrides = [o.format(lm=models["lm"], sft="{sft}") for o in case.overrides]
+        if any("{sft}" in o for o in overrides):  # a second model: the shapes_sft checkpoint (OPD's teacher)
+            sft = request.getfixturevalue("shapes_sft").path / "checkpoints" / "final"
+            overrides = [o.replace("{sft}", str(sft)) for o in overrides]
         if case.recipe == "rl" and warm:  # enough held-out answers to see their form fall (keeps_form)
             overrides += ["data.n_test=8", "eval.samples=2"]
         args = [case.recipe, "--config", str(config), f"model.path={model}", *tiny, *overrides, f"out={out}"]

@@ -272,3 +272,26 @@ def test_the_plan_per_phase_with_a_token_budget_matches_measured_cpu_peaks(prese
     for phase, got in measured.items():
         assert estimate[phase] == pytest.approx(got, rel=0.15), phase
     assert measured["forward + backward"] > measured["optimizer step"] > measured["old/ref log-probs"]
+
+
+def test_a_distillation_teacher_is_counted_whole_with_its_own_pass(tiny_vlm_dir):
+    """algo.distill: the teacher's own size is read from its config (nothing loaded), held whole on every device
+    (it is not sharded), and its no-grad pass is a scoring term of its own; π_old's pass runs too (the student's
+    log-probs the reverse KL needs)."""
+    from vlrl.launch.memory import model_state
+    from vlrl.launch.planner import train_seconds
+
+    cfg = load_config(RLConfig, None, [f"model.path={tiny_vlm_dir}", "algo.distill.teacher=tiny-qwen2-vl"])
+    model, adapter = meta_model(str(tiny_vlm_dir))
+    w = workload(cfg, adapter, model=model)
+    params = model_shape(model).params
+    assert w.teacher_params == params > 0 and w.old_pass  # the preset teacher: the student's size
+    state = {t.name: t.value for t in model_state(model_shape(model), w, d=4)}
+    assert state["teacher parameters"] == params * 4  # Ψ_T·b_w, not ÷ d
+    assert state["actor parameters"] == params * 4 / 4
+    dev = Device(1, 80.0, tflops=1.0, mfu=0.5)
+    small = Workload("rl", prompt_tokens=100, response_tokens=10, patches=0, sequences=32, micro_batch=8,
+                     teacher_params=500)
+    terms = {t.name: t.value for t in train_seconds(SHAPE, small, dev, 1)}
+    # 2Ψ_T·T/(F·η) = 2·500·(32·110)/(1e12·0.5) = 7.04e-6 s
+    assert terms["teacher pass"] == pytest.approx(2 * 500 * 3520 / 0.5e12)

@@ -13,6 +13,7 @@ from .fakes import FakeJudgeEngine
 # One valid (response, answer, meta) per registered verifier: the contract test covers every entry, so
 # registering a new verifier without adding it here fails loudly.
 CONTRACT = {
+    "none": ("anything", None, {}),  # no verifier (OPD alone): 0 always, its range [0, 0]
     "number": ("<answer>3</answer>", "3", {}),
     "multiple_choice": ("<answer>B</answer>", "B", {"options": OPTIONS}),
     "bool": ("<answer>yes</answer>", "yes", {}),

@@ -56,6 +56,7 @@ from vlrl.config.runs import (
 from vlrl.config.train import (
     AlgoConfig,
     CriticConfig,
+    DistillConfig,
     OptimConfig,
     RLStage,
     RLTrainConfig,
@@ -68,7 +69,7 @@ from vlrl.config.train import (
 )
 
 __all__ = [
-    "MOVED_KEYS", "SEED_MAX", "AgentConfig", "AlgoConfig", "CheckConfig", "CheckpointConfig", "ConfigError",
+    "MOVED_KEYS", "SEED_MAX", "AgentConfig", "AlgoConfig", "DistillConfig", "CheckConfig", "CheckpointConfig", "ConfigError",
     "CriticConfig", "DataConfig", "DemoConfig", "DistConfig", "DynamicSamplingConfig", "EngineConfig", "EvalConfig",
     "LaunchConfig", "LaunchServersConfig", "LoraConfig", "MlflowOptions", "ModelConfig", "OptimConfig", "RLConfig", "RLStage", "RLStageSpec",
     "RLTrainConfig", "ReportConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SFTConfig", "SFTStage",

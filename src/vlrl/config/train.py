@@ -133,6 +133,30 @@ class RolloutCorrectionConfig(Section):
         return self.tis_cap is not None or self.mis_cap is not None
 
 
+class DistillConfig(Section):
+    """On-policy distillation (OPD; `vlrl.algos.distill`, docs/guides/algorithms.md "On-policy distillation"): the
+    student samples, a frozen teacher scores every sampled token, and the student minimises the per-token reverse
+    KL(π_θ ‖ π_teacher) on its own samples (Agarwal et al. 2024, GKD; Thinking Machines, "On-Policy Distillation",
+    2025). Dense, verifier-free supervision at RL's on-policy state distribution, alone or beside GRPO."""
+
+    teacher: str = Field(description="The teacher, in-process: a model path, hub id or tiny preset (as model.path). "
+                         "Frozen, scored without gradient once per step like π_ref. It must share the student's "
+                         "tokenizer (it scores the student's token ids): another tokenizer is refused, naming both.",
+                         json_schema_extra={"path": "model"})
+    coef: float = Field(1.0, ge=0, description="Weight β of the distillation term: Â_t ← w · Â_t − β · "
+                        "(log π_old(y_t) − log π_teacher(y_t)) (slime --use-opd's opd_kl_coef; Thinking Machines: 1).")
+    estimator: Literal["sampled"] = Field(
+        "sampled", description="sampled: the reverse KL's single-sample estimate on the sampled token, "
+        "log π_old(y_t) − log π_teacher(y_t), put into every model token's advantage (slime --use-opd; Thinking "
+        "Machines' per-token advantage), so it trains through algo.policy_loss like any advantage.",
+    )
+    reward_weight: float = Field(
+        1.0, ge=0, description="w: the weight of the outcome advantage (algo.advantage over the verifiers' "
+        "rewards) beside the distillation term. 1: OPD + GRPO; 0: OPD alone — the rewards are still scored and "
+        "logged but teach nothing.",
+    )
+
+
 class AlgoConfig(Section):
     advantage: str = Field("grpo", description="Advantage estimator: a registered name (see README) or 'pkg.mod:fn'.")
     advantage_options: dict[str, Any] = Field(
@@ -188,6 +212,10 @@ class AlgoConfig(Section):
     advantage_shaping: list[ShapingSpec] = Field(
         default_factory=list, description="Advantage shapers applied in order to the (B, T) token advantages after the "
         "estimator (vlrl.algos.shaping), e.g. step-level credit of embodied plans.",
+    )
+    distill: DistillConfig | None = Field(
+        None, description="On-policy distillation from a frozen teacher (off when unset), alone (reward_weight: 0) "
+        "or added to the outcome advantage, with any policy loss; e.g. {teacher: runs/demo/rl, coef: 1.0}.",
     )
 
 

@@ -190,12 +190,15 @@ def frozen(s: ModelShape, w: Workload, d: int, role: str) -> list[Term]:
 def model_state(s: ModelShape, w: Workload, d: int) -> list[Term]:
     """Per device: the actor's parameters, gradients and AdamW moments, the critic's, and a frozen reference copy
     (not under LoRA: its reference is the base with the adapters off), each sharded d ways — what FSDP2's
-    ``dist.cpu_offload`` keeps in host memory instead."""
+    ``dist.cpu_offload`` keeps in host memory instead —, and a distillation teacher's parameters, whole."""
     state = trained_state(s, w, d, "actor")
     if w.critic:
         state += trained_state(s, w, d, "critic")
     if w.reference and not w.adapter_params:
         state += frozen(s, w, d, "reference")
+    if w.teacher_params:  # algo.distill: not sharded (each rank holds the whole teacher)
+        state.append(Term("teacher parameters", w.teacher_params * w.weight_bytes, "Ψ_T·b_w",
+                          f"{count_text(w.teacher_params)}·{w.weight_bytes}"))
     return state
 
 

@@ -146,6 +146,9 @@ def train_seconds(s: ModelShape, w: Workload, dev: Device, n: int) -> list[Term]
         terms.append(Term("scoring passes", 2 * s.params * tokens / rate, "2Ψ·(passes·T + critic·rows·L)/(n·F·η)",
                           f"2·{count_text(s.params)}·({shared_passes}·{T_shared} + {critic}·{T})/({n}·{dev.tflops:g}T·"
                           f"{dev.mfu:g})"))
+    if w.teacher_params:  # algo.distill: the teacher's no-grad pass over the step's rows
+        terms.append(Term("teacher pass", 2 * w.teacher_params * T_shared / rate, "2Ψ_T·T/(n·F·η)",
+                          f"2·{count_text(w.teacher_params)}·{T_shared}/({n}·{dev.tflops:g}T·{dev.mfu:g})"))
     return terms
 
 

@@ -55,6 +55,7 @@ class Workload:
     old_pass: bool = False  # a π_old scoring pass (several optimizer steps per RL step)
     reference: bool = False  # a frozen reference model (kl_coef > 0); under LoRA a pass only (adapters disabled)
     critic: bool = False  # a value model (advantage gae)
+    teacher_params: int = 0  # Ψ_T: algo.distill's frozen teacher, whole on every rank (0: no teacher)
     gen_batch: int = 256  # B: rollout.engine.max_batch_size
     asynchronous: bool = False
     weight_bytes: int = 4  # b_w
@@ -194,6 +195,9 @@ def memory_options(cfg, model: torch.nn.Module, adapter, w: Workload) -> Workloa
         return tower is not None and name.startswith(tower)
 
     options: dict[str, Any] = {"checkpointing": checkpointing_wanted(model, cfg.train.gradient_checkpointing)}
+    distill = getattr(getattr(cfg, "algo", None), "distill", None)
+    if distill is not None:  # the teacher's own size, read from its config (nothing loaded)
+        options["teacher_params"] = _count(meta_model(distill.teacher)[0])
     lora = cfg.model.lora
     if lora is not None:
         targets, adapters, vision = lora.target_modules, 0, 0
@@ -245,7 +249,7 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
         return Workload(
             "rl", prompt, cfg.rollout.max_new_tokens, patches, rows, min(cfg.train.micro_batch_size, rows),
             prompts=cfg.train.prompts_per_step, epochs=cfg.train.ppo_epochs, minibatches=cfg.train.minibatches,
-            old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1,
+            old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1 or cfg.algo.distill is not None,
             reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.engine.max_batch_size,
             asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute,
             shared_prefix=cfg.train.shared_prefix, cpu_offload=cfg.dist.cpu_offload,

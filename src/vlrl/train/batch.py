@@ -7,6 +7,7 @@
     KL in reward     r_t − β · KL_t(π_old ‖ π_ref)                        (algo.kl_mode = reward)
     advantages       algo.advantage                                      (the estimator; returns for the critic)
     adv. shaping     algo.advantage_shaping, in order                    (token-level post-processing)
+    distillation     Â_t ← w · Â_t − β · (log π_old − log π_teacher)(y_t) (algo.distill; π_teacher: one no-grad pass)
 
 `Algorithm` binds everything the step needs from config once (estimator, loss, shapers, reference model);
 nothing here branches on an algorithm's name.
@@ -48,6 +49,7 @@ from vlrl.rollout import Status, Trajectory
 from vlrl.train import step_credit  # noqa: F401  (registers the training room's shaper, step_credit)
 from vlrl.train.common import frozen_copy
 from vlrl.train.critic import Critic
+from vlrl.train.distill import Teacher, load_teacher
 from vlrl.train.update import UpdateBatch, UpdateSettings
 
 EXCLUDED = (Status.FAILED, Status.ABORTED)  # never trained on
@@ -105,6 +107,7 @@ class Algorithm:
     mask_truncated: bool  # DAPO overlong filtering
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     ctx: Any = None  # the ranks (`DistContext`): budgeted scoring passes run as many micro-batches on each
+    teacher: Teacher | None = None  # on-policy distillation's frozen teacher (algo.distill; None: off)
 
 
 def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_weight: bool,
@@ -160,6 +163,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         mask_truncated=algo.mask_truncated,
         rollout_correction=algo.rollout_correction,
         ctx=ctx,
+        teacher=load_teacher(algo.distill, policy) if algo.distill is not None else None,
     )
 
 
@@ -204,11 +208,12 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
     # π_old (= π_prox in async) is needed if the weights move before the last minibatch, or for a KL reward
     # penalty; otherwise the update uses logp.detach() of its own forward pass. π_ref only with a KL term.
     # The covariance losses select from π_old before the forward pass, and the rollout correction compares π_old
-    # (the trainer's) with the sampler's log-probs: both need the pass.
+    # (the trainer's) with the sampler's log-probs: both need the pass; so does distillation (log π_old − log π_T).
     n_updates = settings.ppo_epochs * settings.minibatches
     correction = algorithm.rollout_correction
+    teacher = algorithm.teacher
     need_old = (n_updates > 1 or (algorithm.kl_in_reward > 0 and algorithm.reference is not None)
-                or settings.cov_selection is not None or correction.enabled)
+                or settings.cov_selection is not None or correction.enabled or teacher is not None)
     passes = ScoringPasses(algorithm, policy, trajectories)  # whole, or in micro-batches of the token budget
     token_sums = passes.token_sums  # per-token metrics (and perf/shared_prefix_frac's rows), over ranks
     layout = settings.layout
@@ -226,6 +231,8 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
                                                     layout=layout, sums=sums))
                 if algorithm.reference is not None else None)
     values = passes.run(lambda part, _: algorithm.critic.values(part)) if algorithm.critic is not None else None  # (B, R)
+    teacher_logp = (teacher.logprobs(policy, passes.run, temperature=settings.temperature, layout=layout)
+                    if teacher is not None else None)  # (B, R) log π_T of the sampled tokens
     context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step,
                           run_dir=run_dir)
     # reward shaping (per response, per group), then the reward sits on the last model token
@@ -251,6 +258,8 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         advantages=estimate.advantages, loss_mask=loss_mask, group_index=tensors["group_index"],
         rewards=rewards, token_rewards=token_rewards, trajectories=trajectories, step=step, context=context,
     ))  # (B, R)
+    if teacher is not None:  # on-policy distillation: Â_t ← w · Â_t − β · (log π_old(y_t) − log π_T(y_t))
+        advantages = teacher.advantages(advantages, old_logp, teacher_logp, loss_mask, token_sums)
     metrics.update(shaping_metrics)
     metrics.update(corrected)
     return UpdateBatch(
