@@ -248,8 +248,6 @@ def test_requests_decoding_through_a_paused_update_are_tagged_with_the_weights_t
     it again from its prompt after the update — every token from version 1, tagged 1. ``in_place``: it waits at its
     decode step through the update and finishes on the weights it started with — tagged 0. The log-probs of each
     equal a teacher-forced pass of the weights of its tag."""
-    import concurrent.futures
-    import time
 
     from .test_engine_contract import _teacher_forced
     from .test_server_hardening import never_ends
@@ -261,16 +259,7 @@ def test_requests_decoding_through_a_paused_update_are_tagged_with_the_weights_t
     sampling = SamplingParams(n=2, max_new_tokens=40)
     steps_at_load, real_load = [], batcher.load_in_place
     batcher.load_in_place = lambda weights, **kw: steps_at_load.append(batcher.decode_steps) or real_load(weights, **kw)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        in_flight = pool.submit(engine.generate, _requests(engine, 1), sampling)
-        deadline = time.time() + 30
-        while batcher.decode_steps < 3 and time.time() < deadline:
-            time.sleep(0.005)
-        with torch.no_grad():
-            for p in tiny_vlm.model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        engine.publish(version=1).result(60)
-        out = in_flight.result(60)
+    out = _update_mid_generation(engine, batcher, tiny_vlm, sampling)
     assert 3 <= steps_at_load[0] < 40 <= batcher.decode_steps  # the batch was mid-way through its 40 steps
     assert {t.weight_version for t in out} == {tag} and all(t.status is not Status.ABORTED for t in out)
     assert any(stop.why == "retracted" for stop in batcher.early_stops) == (mode == "retract")
@@ -472,8 +461,6 @@ def test_partial_rollout_on_vlrl_serve_continues_from_the_kept_tokens(tiny_vlm, 
     sampled twice). The answer reports its spans (``meta_info.weight_versions``) and the client's trajectory carries
     them as per-token versions — the first tokens 0, the rest 1, tagged 0 — each token's log-prob that of a
     teacher-forced pass of its own version's weights."""
-    import concurrent.futures
-    import time
 
     from .test_engine_contract import _teacher_forced
     from .test_server_hardening import never_ends
@@ -485,16 +472,7 @@ def test_partial_rollout_on_vlrl_serve_continues_from_the_kept_tokens(tiny_vlm, 
     sampling = SamplingParams(n=2, max_new_tokens=40)
     modes, real_pause = [], batcher.pause
     batcher.pause = lambda mode: modes.append(mode) or real_pause(mode)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        in_flight = pool.submit(engine.generate, _requests(engine, 1), sampling)
-        deadline = time.time() + 30
-        while batcher.decode_steps < 3 and time.time() < deadline:
-            time.sleep(0.005)
-        with torch.no_grad():
-            for p in tiny_vlm.model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        engine.publish(version=1).result(60)
-        out = in_flight.result(60)
+    out = _update_mid_generation(engine, batcher, tiny_vlm, sampling)
     assert modes == ["partial"]
     for t in out:
         versions = t.versions.tolist()
@@ -513,3 +491,21 @@ def test_token_versions_are_read_from_spans_and_written_back():
     assert version_spans(torch.tensor([4, 4, 4, 5, 5])) == spans
     assert token_versions({"weight_version": "4"}, 5, 0) is None  # no spans: every token is the answer's version
     assert token_versions({"weight_versions": spans[:1]}, 5, 0) is None  # spans that leave tokens out: not trusted
+
+
+def _update_mid_generation(engine, batcher, model, sampling):
+    """Generate one request's group; once the batch is 3 decode steps in, perturb ``model``'s weights and publish them
+    as version 1. Returns the trajectories."""
+    import concurrent.futures
+    import time
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(engine.generate, _requests(engine, 1), sampling)
+        deadline = time.time() + 30
+        while batcher.decode_steps < 3 and time.time() < deadline:
+            time.sleep(0.005)
+        with torch.no_grad():
+            for p in model.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.publish(version=1).result(60)
+        return in_flight.result(60)
