@@ -219,3 +219,34 @@ def test_the_rest_of_the_whole_vocabulary_is_empty_and_its_gradient_finite():
     two = rest_logprob(log_probs.detach(), torch.tensor([[0, 1], [2, 3]]))  # the other 3 tokens' mass
     expected = torch.log(log_probs.detach().exp()[[[0], [1]], [[2, 3, 4], [0, 1, 4]]].sum(-1))
     torch.testing.assert_close(two, expected)
+
+
+def test_head_query_from_a_model_s_own_logits(monkeypatch):
+    """A model that rescales its logits after the head (`vlrl.models.traits.POST_HEAD`) is scored from its own
+    logits: a query's columns there equal the head-swapped pass's (the same model, taken to rescale)."""
+    import dataclasses
+
+    from vlrl.models import logprobs
+    from vlrl.models.forward import PassLayout, teacher_forced
+    from vlrl.models.logprobs import HeadQuery
+
+    policy = _policy("tiny-qwen2")
+    trajectories = _rollout(policy, 2)
+    prompts, responses = [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories]
+    at = torch.randint(0, 50, (len(trajectories), 8, 2), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        query = HeadQuery(top_k=3, at=at, argmax=True)
+        with torch.no_grad():
+            teacher_forced(policy.model, policy.adapter, prompts, responses, [None] * len(prompts),
+                           pad_token_id=policy.pad_token_id, layout=PassLayout(shared_prefix=False), query=query)
+        return query.result
+
+    swapped = run()
+    real = logprobs.model_traits
+    monkeypatch.setattr(logprobs, "model_traits",
+                        lambda model: dataclasses.replace(real(model), rescales_logits=True))
+    own = run()
+    assert swapped.keys() == own.keys() == {"topk_logp", "topk_ids", "topk_rest", "at_logp", "at_rest", "argmax"}
+    for name, value in swapped.items():
+        torch.testing.assert_close(own[name], value, rtol=1e-5, atol=1e-5, msg=name)
