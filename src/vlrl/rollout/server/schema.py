@@ -74,7 +74,7 @@ class SamplingBody(BaseModel):
     temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(-1, ge=-1)
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(128, ge=0)  # 0: prefill only (SGLang's scoring request: input_token_logprobs)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=4096)
     logit_bias: dict[str, float] | None = Field(None, max_length=1 << 20)
@@ -114,7 +114,7 @@ class GenerateBody(BaseModel):
     return_prompt_token_ids: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
-    logprob_start_len: int = -1
+    logprob_start_len: int | list[int] = -1  # (a batch: one per prompt, as SGLang takes it)
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
 
