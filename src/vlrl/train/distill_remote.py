@@ -1,0 +1,138 @@
+"""On-policy distillation's teacher on servers (``algo.distill.teacher_urls``): `RemoteTeacher`, the same contract as
+the in-process `vlrl.train.distill.Teacher` — (B, R) log π_T of the step's sampled tokens, on the host — computed by
+servers that score input tokens (`vlrl serve --model TEACHER`, or SGLang; `vlrl.rollout.teacher_client`).
+
+Each trajectory is one prefill-only request: its prompt (image tokens expanded, as the student encoded it) followed by
+its response, its images, ``logprob_start_len`` the prompt's last token — so the answer's
+``input_token_logprobs[1:]`` are the response tokens' log-probs (SGLang gives the first token of the slice ``None``).
+A server scores at temperature 1 (SGLang's input log-probs use the raw logits): the config refuses a rollout
+temperature other than 1 with a server teacher (`vlrl.config.RLStage`), and so does `RemoteTeacher.logprobs`.
+
+The tokenizer is checked at start against what each server reports (``/server_info``): its ``vocab_size`` (vlrl
+serve) against the student's embedding rows, and — where the ``tokenizer_path`` / ``model_path`` it names can be
+read here (a local directory, a preset, a cached hub id; no weights) — its vocabulary against the student's, and for
+a vision-language student its model family. A mismatch is refused naming both; a server whose tokenizer cannot be
+read here is checked on its vocabulary size alone (a warning says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from vlrl.algos.distill import distill_advantages, sampled_reverse_kl
+from vlrl.config import DistillConfig
+from vlrl.models import Policy
+from vlrl.models.forward import PassLayout
+from vlrl.rollout.http_engine import encode_image
+from vlrl.rollout.http_settings import ClientSettings
+from vlrl.rollout.teacher_client import ScoreRequest, ScoringClient
+from vlrl.rollout.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RemoteTeacher:
+    """``algo.distill`` with ``teacher_urls``: the scoring client and the term's knobs."""
+
+    client: ScoringClient
+    name: str  # the teacher_urls, as configured
+    coef: float  # β
+    reward_weight: float  # w of the outcome advantage
+    estimator: str  # sampled (the config refuses another for a server teacher)
+
+    def logprobs(self, policy: Policy, run: Callable, *, temperature: float, layout: PassLayout) -> torch.Tensor:
+        """(B, R) log π_T of the step's sampled tokens, on the host: one request per trajectory with a response,
+        sent together (``teacher_max_concurrent`` in flight), over ``run``'s parts (`ScoringPasses.run`)."""
+        if temperature != 1.0:
+            raise ValueError(f"algo.distill.teacher_urls: the rollout temperature is {temperature}; a teacher server "
+                             "scores at temperature 1 (set rollout.temperature=1, or use an in-process teacher)")
+        return run(lambda part, _: self._score(part))
+
+    def _score(self, part: Sequence[Trajectory]) -> torch.Tensor:
+        width = max(1, max((len(t.response_ids) for t in part), default=1))
+        out = torch.zeros(len(part), width)
+        encoded: dict[int, str] = {}  # a group's n trajectories share their images: each encoded once
+        rows, requests = [], []
+        for i, t in enumerate(part):
+            if len(t.response_ids) == 0:
+                continue
+            if any(image is None for image in t.images):
+                raise ValueError(f"algo.distill.teacher_urls: trajectory {i} ({t.sample.id}) has lost its decoded "
+                                 "images; a teacher server needs them to read the prompt")
+            images = [encoded.setdefault(id(image), encode_image(image)) for image in t.images]
+            prompt = [int(x) for x in t.prompt_ids]
+            requests.append(ScoreRequest(prompt + [int(x) for x in t.response_ids], images, len(prompt) - 1))
+            rows.append(i)
+        for i, values in zip(rows, self.client.score(requests), strict=True):
+            out[i, : len(values)] = torch.tensor(values)
+        return out
+
+    def advantages(self, advantages: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                   loss_mask: torch.Tensor, token_sums: dict[str, list[float]]) -> torch.Tensor:
+        """As `vlrl.train.distill.Teacher.advantages`: Â_t ← w · Â_t − β · (log π_old(y_t) − log π_T(y_t))."""
+        term = sampled_reverse_kl(student_logp, teacher_logp, loss_mask)
+        token_sums.update(term.token_sums)
+        return distill_advantages(advantages, term.reverse_kl, loss_mask, coef=self.coef,
+                                  reward_weight=self.reward_weight)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def load_remote_teacher(spec: DistillConfig, policy: Policy) -> RemoteTeacher:
+    """The teacher servers of ``spec`` (``teacher_urls``), each answering ``/server_info`` and its tokenizer checked
+    against ``policy``'s (module docstring)."""
+    settings = ClientSettings(api_key=os.environ.get(spec.teacher_api_key_env, ""),
+                              request_timeout=spec.teacher_request_timeout)
+    client = ScoringClient(spec.teacher_urls, settings, max_concurrent=spec.teacher_max_concurrent)
+    try:
+        for url, info in client.info.items():
+            check_server_tokenizer(policy, url, info)
+    except Exception:
+        client.close()
+        raise
+    return RemoteTeacher(client, ",".join(spec.teacher_urls), spec.coef, spec.reward_weight, spec.estimator)
+
+
+def check_server_tokenizer(student: Policy, url: str, info: dict[str, Any]) -> None:
+    """Refuse a teacher server whose tokenizer differs from the student's, naming both (module docstring)."""
+    from vlrl.models.policy import load_processor
+
+    if "vllm_config" in info:
+        raise ValueError(f"algo.distill.teacher_urls: {url} is a vLLM server; vlrl scores a teacher on vlrl serve or "
+                         "SGLang (input_token_logprobs), not on vLLM's prompt_logprobs yet")
+    path = str(info.get("tokenizer_path") or info.get("model_path") or "")
+    rows = student.model.get_input_embeddings().num_embeddings
+    student_vocab = student.tokenizer.get_vocab()
+    named = f"{url} ({path or 'no tokenizer_path reported'}"
+    vocab = info.get("vocab_size")
+    if isinstance(vocab, int) and vocab != rows:
+        raise ValueError(f"algo.distill.teacher_urls: the teacher server {named}, vocabulary of {vocab}) differs from "
+                         f"the student, {student.source} (vocabulary of {rows}); the teacher scores the student's "
+                         "token ids, so it must share the student's tokenizer")
+    try:
+        teacher = load_processor(path) if path else None
+    except Exception as err:  # noqa: BLE001  (a path on the server's machine, a hub id not cached here, ...)
+        log.warning("algo.distill.teacher_urls: cannot read the tokenizer of %s here (%s: %s); checked its vocabulary "
+                    "size only", named + ")", type(err).__name__, str(err)[:200])
+        return
+    if teacher is None:
+        log.warning("algo.distill.teacher_urls: %s reports no tokenizer_path; checked its vocabulary size only", url)
+        return
+    if teacher.tokenizer.get_vocab() != student_vocab:
+        raise ValueError(f"algo.distill.teacher_urls: the teacher server's tokenizer, {named}, vocabulary of "
+                         f"{len(teacher.tokenizer.get_vocab())}) differs from the student's, {student.source} "
+                         f"(vocabulary of {len(student_vocab)}); the teacher scores the student's token ids, so it "
+                         "must share the student's tokenizer")
+    kinds = (student.model.config.model_type, teacher.model.config.model_type)
+    if student.is_vision and kinds[0] != kinds[1]:
+        raise ValueError(f"algo.distill.teacher_urls: the teacher server {named}, {kinds[1]}) is of another family "
+                         f"than the student, {student.source} ({kinds[0]}); the teacher reads the student's encoded "
+                         "images, so a vision-language student needs a teacher of its own family")
