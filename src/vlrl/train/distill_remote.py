@@ -101,38 +101,64 @@ def load_remote_teacher(spec: DistillConfig, policy: Policy) -> RemoteTeacher:
     return RemoteTeacher(client, ",".join(spec.teacher_urls), spec.coef, spec.reward_weight, spec.estimator)
 
 
+@dataclasses.dataclass(frozen=True)
+class StudentVocabulary:
+    """What a teacher's tokenizer is compared with: the student's source, vocabulary, embedding rows, family."""
+
+    source: str
+    vocab: dict[str, int]
+    rows: int | None  # embedding rows (token ids the model takes); None: unknown
+    model_type: str
+    vision: bool
+
+    @classmethod
+    def of(cls, policy: Policy) -> StudentVocabulary:
+        return cls(str(policy.source), policy.tokenizer.get_vocab(), policy.model.get_input_embeddings().num_embeddings,
+                   policy.model.config.model_type, policy.is_vision)
+
+
 def check_server_tokenizer(student: Policy, url: str, info: dict[str, Any]) -> None:
     """Refuse a teacher server whose tokenizer differs from the student's, naming both (module docstring)."""
+    problem, warning = server_tokenizer_problem(StudentVocabulary.of(student), url, info)
+    if problem:
+        raise ValueError(f"algo.distill.teacher_urls: {problem}")
+    if warning:
+        log.warning("algo.distill.teacher_urls: %s", warning)
+
+
+def server_tokenizer_problem(student: StudentVocabulary, url: str,
+                             info: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(why the teacher server at ``url`` — its ``/server_info`` is ``info`` — cannot teach ``student``, or None;
+    what could not be checked, or None). Its ``vocab_size`` against the student's embedding rows, and the
+    vocabulary (and, for a vision-language student, the family) of the ``tokenizer_path`` / ``model_path`` it
+    reports, read here without weights where it can be."""
     from vlrl.models.policy import load_processor
 
     if "vllm_config" in info:
-        raise ValueError(f"algo.distill.teacher_urls: {url} is a vLLM server; vlrl scores a teacher on vlrl serve or "
-                         "SGLang (input_token_logprobs), not on vLLM's prompt_logprobs yet")
+        return (f"{url} is a vLLM server; vlrl scores a teacher on vlrl serve or SGLang (input_token_logprobs), not "
+                "on vLLM's prompt_logprobs yet"), None
     path = str(info.get("tokenizer_path") or info.get("model_path") or "")
-    rows = student.model.get_input_embeddings().num_embeddings
-    student_vocab = student.tokenizer.get_vocab()
     named = f"{url} ({path or 'no tokenizer_path reported'}"
     vocab = info.get("vocab_size")
-    if isinstance(vocab, int) and vocab != rows:
-        raise ValueError(f"algo.distill.teacher_urls: the teacher server {named}, vocabulary of {vocab}) differs from "
-                         f"the student, {student.source} (vocabulary of {rows}); the teacher scores the student's "
-                         "token ids, so it must share the student's tokenizer")
+    if isinstance(vocab, int) and student.rows is not None and vocab != student.rows:
+        return (f"the teacher server {named}, vocabulary of {vocab}) differs from the student, {student.source} "
+                f"(vocabulary of {student.rows}); the teacher scores the student's token ids, so it must share the "
+                "student's tokenizer"), None
+    if not path:
+        return None, f"{url} reports no tokenizer_path; checked its vocabulary size only"
     try:
-        teacher = load_processor(path) if path else None
+        teacher = load_processor(path)
     except Exception as err:  # noqa: BLE001  (a path on the server's machine, a hub id not cached here, ...)
-        log.warning("algo.distill.teacher_urls: cannot read the tokenizer of %s here (%s: %s); checked its vocabulary "
-                    "size only", named + ")", type(err).__name__, str(err)[:200])
-        return
-    if teacher is None:
-        log.warning("algo.distill.teacher_urls: %s reports no tokenizer_path; checked its vocabulary size only", url)
-        return
-    if teacher.tokenizer.get_vocab() != student_vocab:
-        raise ValueError(f"algo.distill.teacher_urls: the teacher server's tokenizer, {named}, vocabulary of "
-                         f"{len(teacher.tokenizer.get_vocab())}) differs from the student's, {student.source} "
-                         f"(vocabulary of {len(student_vocab)}); the teacher scores the student's token ids, so it "
-                         "must share the student's tokenizer")
-    kinds = (student.model.config.model_type, teacher.model.config.model_type)
-    if student.is_vision and kinds[0] != kinds[1]:
-        raise ValueError(f"algo.distill.teacher_urls: the teacher server {named}, {kinds[1]}) is of another family "
-                         f"than the student, {student.source} ({kinds[0]}); the teacher reads the student's encoded "
-                         "images, so a vision-language student needs a teacher of its own family")
+        return None, (f"cannot read the tokenizer of {named}) here ({type(err).__name__}: {str(err)[:200]}); "
+                      "checked its vocabulary size only")
+    theirs = teacher.tokenizer.get_vocab()
+    if theirs != student.vocab:
+        return (f"the teacher server's tokenizer, {named}, vocabulary of {len(theirs)}) differs from the student's, "
+                f"{student.source} (vocabulary of {len(student.vocab)}); the teacher scores the student's token ids, "
+                "so it must share the student's tokenizer"), None
+    kind = teacher.model.config.model_type
+    if student.vision and kind != student.model_type:
+        return (f"the teacher server {named}, {kind}) is of another family than the student, {student.source} "
+                f"({student.model_type}); the teacher reads the student's encoded images, so a vision-language "
+                "student needs a teacher of its own family"), None
+    return None, None
