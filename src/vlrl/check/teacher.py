@@ -72,7 +72,7 @@ def _check_server(report: CheckReport, where: str, url: str, key: str, student: 
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        answer = httpx.get(f"{url}/server_info", headers=headers, timeout=SERVER_TIMEOUT)
+        answer = httpx.get(f"{url}/server_info?config_format=json", headers=headers, timeout=SERVER_TIMEOUT)
         if answer.status_code == 404:
             answer = httpx.get(f"{url}/get_model_info", headers=headers, timeout=SERVER_TIMEOUT)
     except httpx.HTTPError as err:
@@ -92,6 +92,7 @@ def _check_server(report: CheckReport, where: str, url: str, key: str, student: 
         return
     if warning:
         report.warn(where, warning)
-    path = info.get("tokenizer_path") or info.get("model_path")
+    config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
+    path = info.get("tokenizer_path") or info.get("model_path") or (config.get("model_config") or {}).get("model")
     report.facts.append(f"{where}: {url} answers ({path}" + (", the student's tokenizer)" if not warning and
                                                              student is not None else ")"))

@@ -146,7 +146,8 @@ class DistillConfig(Section):
         json_schema_extra={"path": "model"})
     teacher_urls: list[str] | None = Field(
         None, min_length=1, description="The teacher on rollout servers that score input tokens (SGLang's /generate "
-        "with return_logprob, logprob_start_len and max_new_tokens 0: `vlrl serve --model TEACHER`, or SGLang), "
+        "with return_logprob, logprob_start_len and max_new_tokens 0: `vlrl serve --model TEACHER`, or SGLang; "
+        "vLLM's prompt_logprobs for a text teacher), "
         "e.g. [http://127.0.0.1:30001]: one prefill-only request per trajectory (prompt + response, its images), "
         "spread over the servers; the server's tokenizer is checked against the student's (/server_info). SGLang "
         "scores input tokens at temperature 1, so rollout.temperature must be 1. Give this or teacher, not both.")

@@ -134,9 +134,9 @@ def server_tokenizer_problem(student: StudentVocabulary, url: str,
     reports, read here without weights where it can be."""
     from vlrl.models.policy import load_processor
 
-    if "vllm_config" in info:
-        return (f"{url} is a vLLM server; vlrl scores a teacher on vlrl serve or SGLang (input_token_logprobs), not "
-                "on vLLM's prompt_logprobs yet"), None
+    model = (info.get("vllm_config") or {}).get("model_config") if isinstance(info.get("vllm_config"), dict) else None
+    if isinstance(model, dict):  # vLLM (/server_info?config_format=json): its tokenizer and model paths
+        info = {"tokenizer_path": model.get("tokenizer") or model.get("model")}
     path = str(info.get("tokenizer_path") or info.get("model_path") or "")
     named = f"{url} ({path or 'no tokenizer_path reported'}"
     vocab = info.get("vocab_size")
