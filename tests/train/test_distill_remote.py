@@ -35,16 +35,16 @@ def world(request, tmp_path_factory):
     for k, t in enumerate(trajectories):
         t.reward = 0.1 * k
     with running_server(load_policy(str(teacher))) as served:
-        yield student, teacher, trajectories, served.url
+        yield student, teacher, trajectories, served.url, served.batcher
 
 
-def _stage(distill: dict) -> RLStage:
+def _stage(distill: dict, **train) -> RLStage:
     return RLStage.model_validate({"algo": {"distill": distill}, "rollout": {"n": 3, "max_new_tokens": 6},
-                                   "train": {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 6}})
+                                   "train": {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 6, **train}})
 
 
 def test_a_served_teacher_gives_the_in_process_teachers_logprobs_kl_and_advantages(world, monkeypatch):
-    student, teacher, trajectories, url = world
+    student, teacher, trajectories, url, batcher = world
     monkeypatch.setenv("VLRL_API_KEY", API_KEY)
     policy = load_policy(str(student))
     local = load_teacher(_stage({"teacher": str(teacher)}).algo.distill, policy)
@@ -63,24 +63,30 @@ def test_a_served_teacher_gives_the_in_process_teachers_logprobs_kl_and_advantag
         worst = float(((served - mine) * mask).abs().max())
         assert worst <= 1e-4, worst
         print(f"worst |served − in-process| over {int(mask.sum())} tokens: {worst:.2e}")
-        # through the step: distill/reverse_kl and the advantages as with the in-process teacher
-        batches = []
-        for spec in ({"teacher": str(teacher)}, {"teacher_urls": [url]}):
-            stage = _stage(spec)
+        # through the step: distill/reverse_kl and the advantages as with the in-process teacher — also under a token
+        # budget (the step's passes in micro-batches, one of them a no-op): every trajectory is still asked once
+        longest = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+        batches, rows = [], batcher.rows
+        budget = {"max_tokens_per_micro_batch": longest}
+        for spec, train in (({"teacher": str(teacher)}, {}), ({"teacher_urls": [url]}, {}),
+                            ({"teacher_urls": [url]}, budget)):
+            stage = _stage(spec, **train)
             algorithm = build_algorithm(stage, load_policy(str(student)), apply_behaviour_weight=False)
             batches.append(prepare_batch(algorithm, load_policy(str(student)), trajectories, step=0, max_new_tokens=6))
             if hasattr(algorithm.teacher, "close"):
                 algorithm.teacher.close()
-        (kl_in, n_in), (kl_out, n_out) = (b.token_sums["distill/reverse_kl"] for b in batches)
-        assert n_in == n_out > 0 and kl_in / n_in != 0.0  # another teacher: the KL is not 0
-        assert abs(kl_in / n_in - kl_out / n_out) <= 1e-4, (kl_in / n_in, kl_out / n_out)
-        assert torch.allclose(batches[0].advantages, batches[1].advantages, rtol=0, atol=1e-4)
+        assert batcher.rows - rows == 2 * sum(len(t.response_ids) > 0 for t in trajectories)
+        (kl_in, n_in), *served_kl = (b.token_sums["distill/reverse_kl"] for b in batches)
+        assert n_in > 0 and kl_in / n_in != 0.0  # another teacher: the KL is not 0
+        for (kl_out, n_out), batch in zip(served_kl, batches[1:], strict=True):
+            assert n_out == n_in and abs(kl_in / n_in - kl_out / n_out) <= 1e-4, (kl_in / n_in, kl_out / n_out)
+            assert torch.allclose(batches[0].advantages, batch.advantages, rtol=0, atol=1e-4)
     finally:
         remote.close()
 
 
 def test_a_served_teacher_with_another_tokenizer_is_refused_naming_both(world, tmp_path, monkeypatch):
-    student, teacher, _, _ = world
+    student, teacher, *_ = world
     monkeypatch.setenv("VLRL_API_KEY", API_KEY)
     other = load_policy(str(teacher))
     other.tokenizer.add_tokens(["<teacher_only>"])  # one token more: another vocabulary

@@ -48,31 +48,33 @@ class RemoteTeacher:
     estimator: str  # sampled (the config refuses another for a server teacher)
 
     def logprobs(self, policy: Policy, run: Callable, *, temperature: float, layout: PassLayout) -> torch.Tensor:
-        """(B, R) log π_T of the step's sampled tokens, on the host: one request per trajectory with a response,
-        sent together (``teacher_max_concurrent`` in flight), over ``run``'s parts (`ScoringPasses.run`)."""
+        """(B, R) log π_T of the step's sampled tokens, on the host: one request per trajectory with a response, all
+        of them sent together (``teacher_max_concurrent`` in flight) — the token budget's micro-batches
+        (`ScoringPasses.run`) bound the trainer's memory, not a server's, so ``run`` only lays the answers out."""
         if temperature != 1.0:
             raise ValueError(f"algo.distill.teacher_urls: the rollout temperature is {temperature}; a teacher server "
                              "scores at temperature 1 (set rollout.temperature=1, or use an in-process teacher)")
-        return run(lambda part, _: self._score(part))
+        parts: list[list[Trajectory]] = []
+        run(lambda part, _: parts.append(list(part)) or torch.zeros(len(part), 1))  # (the trajectories, as run cuts them)
+        scores = self._score(list({id(t): t for part in parts for t in part}.values()))
+        return run(lambda part, _: _rows(part, scores))
 
-    def _score(self, part: Sequence[Trajectory]) -> torch.Tensor:
-        width = max(1, max((len(t.response_ids) for t in part), default=1))
-        out = torch.zeros(len(part), width)
+    def _score(self, trajectories: Sequence[Trajectory]) -> dict[int, torch.Tensor]:
+        """id(trajectory) → (R,) log π_T of its response tokens, for every trajectory with a response."""
         encoded: dict[int, str] = {}  # a group's n trajectories share their images: each encoded once
-        rows, requests = [], []
-        for i, t in enumerate(part):
+        kept, requests = [], []
+        for t in trajectories:
             if len(t.response_ids) == 0:
                 continue
             if any(image is None for image in t.images):
-                raise ValueError(f"algo.distill.teacher_urls: trajectory {i} ({t.sample.id}) has lost its decoded "
+                raise ValueError(f"algo.distill.teacher_urls: a trajectory of sample {t.sample.id} has lost its decoded "
                                  "images; a teacher server needs them to read the prompt")
             images = [encoded.setdefault(id(image), encode_image(image)) for image in t.images]
             prompt = [int(x) for x in t.prompt_ids]
             requests.append(ScoreRequest(prompt + [int(x) for x in t.response_ids], images, len(prompt) - 1))
-            rows.append(i)
-        for i, values in zip(rows, self.client.score(requests), strict=True):
-            out[i, : len(values)] = torch.tensor(values)
-        return out
+            kept.append(t)
+        return {id(t): torch.tensor(values, dtype=torch.float32)
+                for t, values in zip(kept, self.client.score(requests), strict=True)}
 
     def advantages(self, advantages: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
                    loss_mask: torch.Tensor, token_sums: dict[str, list[float]]) -> torch.Tensor:
@@ -84,6 +86,16 @@ class RemoteTeacher:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _rows(part: Sequence[Trajectory], scores: dict[int, torch.Tensor]) -> torch.Tensor:
+    """(b, R_b) of ``part``'s scores, right-padded with 0 (a trajectory without a response: all 0)."""
+    out = torch.zeros(len(part), max(1, max((len(t.response_ids) for t in part), default=1)))
+    for i, t in enumerate(part):
+        values = scores.get(id(t))
+        if values is not None:
+            out[i, : len(values)] = values
+    return out
 
 
 def load_remote_teacher(spec: DistillConfig, policy: Policy) -> RemoteTeacher:
