@@ -103,7 +103,9 @@ ImageItem = str | bytes  # a data URL, base64, or a server path; bytes: already 
 
 class GenerateBody(BaseModel):
     """SGLang's ``GenerateReqInput``: one prompt, or a batch (``text`` / ``input_ids`` a list of prompts, then
-    ``image_data`` and ``rid`` one item per prompt) sharing one ``sampling_params``."""
+    ``image_data`` and ``rid`` one item per prompt) sharing one ``sampling_params``. With ``return_logprob``,
+    ``logprob_start_len`` ≥ 0 scores the prompt's tokens from there on (``meta_info.input_token_logprobs``;
+    `vlrl.rollout.prompt_logprobs`), and ``max_new_tokens`` 0 prefills only — SGLang's scoring request."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # (SGLang's schema coerces nothing either: "1" is no id)
     text: str | list[str] | None = None
