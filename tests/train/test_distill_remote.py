@@ -13,6 +13,7 @@ from vlrl.data import generate
 from vlrl.models import load_policy
 from vlrl.models.forward import PassLayout
 from vlrl.rollout import HFEngine, SamplingParams
+from vlrl.rollout.http_engine import encode_image
 from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.distill import load_teacher
 
@@ -106,3 +107,28 @@ def test_a_served_teacher_with_another_tokenizer_is_refused_naming_both(world, t
 def test_the_config_takes_one_teacher_and_a_temperature_a_server_scores_at(distill, rollout, message):
     with pytest.raises(ValueError, match=message):
         RLStage.model_validate({"algo": {"distill": distill}, "rollout": rollout})
+
+
+def test_the_scoring_client_retries_on_another_server_and_names_a_refusal(world):
+    """Two teacher servers, one stopped after the start: every request is answered by the other (the failure counted,
+    the server dropped after 2); a request the server refuses (400) raises with its message, naming the server."""
+    from vlrl.rollout.http_settings import ClientSettings
+    from vlrl.rollout.server_pool import RolloutRequestError
+    from vlrl.rollout.teacher_client import ScoreRequest, ScoringClient
+
+    student, teacher, trajectories, url, _ = world
+    t = trajectories[0]
+    ids = [int(x) for x in t.prompt_ids] + [int(x) for x in t.response_ids]
+    images = [encode_image(im) for im in t.images]
+    with running_server(load_policy(str(teacher))) as doomed:
+        client = ScoringClient([doomed.url, url], ClientSettings(api_key=API_KEY, max_server_failures=2))
+        doomed.thread.stop()
+    try:
+        scored = client.score([ScoreRequest(ids, images, len(t.prompt_ids) - 1) for _ in range(4)])
+        assert len(scored) == 4 and all(len(s) == len(t.response_ids) for s in scored)
+        assert [s.url for s in client.pool.live()] == [url] and doomed.url in client.pool.dropped[0]
+        with pytest.raises(RolloutRequestError, match="logprob_start_len") as err:
+            client.score([ScoreRequest(ids, images, len(ids) + 5)])
+        assert url in str(err.value)
+    finally:
+        client.close()
