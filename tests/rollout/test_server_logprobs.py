@@ -113,6 +113,7 @@ def test_an_image_prompt_is_scored_with_its_images(served, policy):
     ({"logprob_start_len": -2}, "logprob_start_len"),
     ({"logprob_start_len": [0, 1]}, "logprob_start_len"),  # a list for one prompt
     ({"sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"top_logprobs_num": 5}, "top_logprobs_num"),  # not computed: refused, not answered without them
 ])
 def test_malformed_scoring_requests_are_refused_naming_the_field(served, policy, body, field):
     ids = policy.tokenizer.encode("one two three")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vlrl.rollout import dist_sync
 from vlrl.rollout.types import SamplingParams
@@ -119,6 +119,14 @@ class GenerateBody(BaseModel):
     logprob_start_len: int | list[int] = -1  # (a batch: one per prompt, as SGLang takes it)
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+
+    @field_validator("top_logprobs_num")
+    @classmethod
+    def _no_top_logprobs(cls, value: int) -> int:
+        if value != 0:  # refused, never answered without them
+            raise ValueError("vlrl's server does not compute each position's top log-probs (SGLang's "
+                             "input/output_top_logprobs); send 0")
+        return value
 
 
 class UpdateWeightsBody(BaseModel):
