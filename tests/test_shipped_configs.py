@@ -455,10 +455,12 @@ def _no_step_credit(run: Run) -> None:
 
 
 def opd(run: Run) -> None:
-    """On-policy distillation from the shapes_sft checkpoint (the teacher) into the untrained preset (the student):
-    the sampled reverse KL and the teacher's log-probs are logged every step, finite, and the KL is not 0."""
+    """On-policy distillation from the shapes_sft checkpoint (the teacher, in-process or on a `vlrl serve` server)
+    into the untrained preset (the student): the sampled reverse KL and the teacher's log-probs are logged every
+    step, finite, and the KL is not 0."""
     records = rl_trained(run)
-    assert run.config["algo"]["distill"]["teacher"].endswith("final")
+    distill = run.config["algo"]["distill"]
+    assert (distill["teacher"] or "").endswith("final") or distill["teacher_urls"]
     for r in records:
         assert math.isfinite(r["distill/reverse_kl"]) and r["distill/teacher_logprob"] < 0, r
     assert any(r["distill/reverse_kl"] != 0 for r in records)
@@ -554,6 +556,34 @@ def test_the_multi_turn_preset_asynchronous_against_a_vlrl_serve_server(request,
     shapes_feedback(run)
     asynchronous(run)
     assert (tmp_path / "rollout_weights").is_dir()  # the weights the server loaded
+
+
+@pytest.mark.e2e
+def test_shapes_opd_with_its_teacher_on_a_vlrl_serve_server(request, models, tmp_path):
+    """``vlrl rl --config configs/shapes_opd.yaml algo.distill.teacher=null algo.distill.teacher_urls=[URL]``: the
+    teacher (the shapes_sft checkpoint) served by ``vlrl serve`` on loopback scores every trajectory (prefill-only
+    requests: the server counts their rows; nothing else talks to it), and the run logs OPD's metrics as with the
+    teacher in-process."""
+    import httpx
+
+    teacher = request.getfixturevalue("shapes_sft").path / "checkpoints" / "final"
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "vlrl.cli", "serve", "--model", str(teacher), "--port", str(port),
+                               "--no-auth", "--threads", "1"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_port(port, server)
+        cli("rl", "--config", str(CONFIGS / "shapes_opd.yaml"), f"model.path={models['vlm']}", *RL_TINY,
+            "algo.distill.teacher=null", f"algo.distill.teacher_urls=[http://127.0.0.1:{port}]", f"out={tmp_path}")
+        served = httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=30).json()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    run = Run.read(tmp_path)
+    opd(run)
+    assert run.config["algo"]["distill"]["teacher"] is None
+    # 2 steps × 2 prompts × 4 responses, each with tokens scored once (a response may be empty); nothing sampled
+    assert served["rows"] >= 8 and served["decode_steps"] == 0, served
 
 
 def _free_port() -> int:

@@ -48,8 +48,14 @@ class Teacher:
 
 def load_teacher(spec: DistillConfig, policy: Policy) -> Teacher:
     """The teacher of ``spec`` for ``policy`` (the student): loaded in the student's dtype, on its device, frozen.
-    Refuses a teacher whose tokenizer (or, for a vision-language student, whose model family) differs."""
+    Refuses a teacher whose tokenizer (or, for a vision-language student, whose model family) differs. With
+    ``teacher_urls``: a `vlrl.train.distill_remote.RemoteTeacher` (the same contract, scored on those servers)."""
     from vlrl.models import load_policy
+
+    if spec.teacher_urls is not None:
+        from vlrl.train.distill_remote import load_remote_teacher
+
+        return load_remote_teacher(spec, policy)  # type: ignore[return-value]  (Teacher's contract)
 
     parameter = next(policy.model.parameters())
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[parameter.dtype]
