@@ -38,6 +38,7 @@ import pytest
 import yaml
 
 import vlrl
+from cli_runner import in_process  # tests/ is on sys.path (the test packages' root)
 from vlrl.numerics import portable_obstacle
 
 CONFIGS = Path(vlrl.__file__).parent / "configs"  # = the repository's configs/ (a symlink to it)
@@ -86,38 +87,6 @@ def cli(*args: str, env: dict | None = None, timeout: float = 600) -> None:
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
                           cwd=REPO)
     assert done.returncode == 0, f"vlrl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}"
-
-
-def in_process(*args: str) -> str:
-    """``vlrl ARGS`` run by the ``vlrl`` app in this process (typer's runner, the way tests/test_readme_commands.py runs
-    the README's commands) at one torch thread, as the subprocess ran it: a process of its own paid ~5 CPU-s for its
-    imports of torch, transformers and vlrl before the run's own ~3 (measured: 8.4 CPU-s a run as a process) — the
-    imports are now paid once per worker. The run writes the same files; the checks read them. Returns what it
-    printed, stdout and stderr, its whitespace collapsed."""
-    import torch
-    from typer.testing import CliRunner
-
-    from vlrl.cli import app
-
-    threads, cwd, offline = torch.get_num_threads(), os.getcwd(), os.environ.get("HF_HUB_OFFLINE")
-    torch.set_num_threads(1)
-    os.environ["HF_HUB_OFFLINE"] = "1"  # the recipes name hub models; model.path points at their tiny presets
-    os.chdir(REPO)
-    try:
-        result = CliRunner().invoke(app, list(args))
-    finally:
-        os.chdir(cwd)
-        torch.set_num_threads(threads)
-        if offline is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = offline
-    if result.exit_code != 0:
-        import traceback
-
-        trace = "".join(traceback.format_exception(result.exception)) if result.exception else ""
-        raise AssertionError(f"vlrl {' '.join(args)} failed ({result.exit_code}):\n{result.output[-4000:]}\n{trace[-4000:]}")
-    return " ".join(result.output.split())  # stdout and stderr as printed (rich wraps long lines)
 
 
 def shrunk(name: str, tmp: Path) -> Path:
