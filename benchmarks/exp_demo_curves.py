@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default="runs/explore/ckpt")
     parser.add_argument("--out", default="runs/explore/curves.jsonl")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokenizer", help="use this preset's tokenizer instead of the checkpoint's (--init) and "
+                        "the teacher's: a saved tiny-qwen2 text checkpoint reloads with transformers' Qwen2Tokenizer, "
+                        "which splits numbers into digits where the preset's tokenizer.json does not (docs/experiments/opd.md)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -75,6 +78,8 @@ def main() -> None:
     train, test = load_split(cfg.data, "train"), load_split(cfg.data, "test")
     seed_everything(cfg.seed)
     policy = load_policy(args.init or cfg.model.path, seed=cfg.model.init_seed)
+    if args.tokenizer:
+        use_tokenizer(policy, load_policy(args.tokenizer).tokenizer)
     engine = HFEngine(policy, max_batch_size=cfg.rl.rollout.engine.max_batch_size)
     steps = args.steps or max(args.eval_at)
     eval_at, save_at = set(args.eval_at), set(args.save_at)
@@ -106,6 +111,7 @@ def main() -> None:
                **{k: round(float(v), 4) for k, v in metrics.items()
                   if k in ("sft/loss", "reward/mean", "response/well_formed_frac", "response/truncated_frac",
                            "policy/entropy", "policy/zero_adv_groups_frac", "distill/reverse_kl", "distill/teacher_logprob",
+                           "distill/agreement",
                            "policy/skipped_rows_frac", "perf/step_seconds", "perf/gen_seconds")}}
         with open(out, "a") as handle:
             handle.write(json.dumps(row) + "\n")
@@ -133,12 +139,19 @@ def count_teacher_flops() -> list[FlopMeter]:
     load = batch.load_teacher
 
     def load_and_count(spec, policy):
-        teacher = load(spec, policy)
+        teacher = load(spec, policy)  # it scores the student's token ids: its own tokenizer is only compared
         meters.append(FlopMeter(teacher.model).__enter__())
         return teacher
 
     batch.load_teacher = load_and_count
     return meters
+
+
+def use_tokenizer(policy, tokenizer) -> None:
+    """``policy`` encodes and decodes with ``tokenizer`` (the same vocabulary, another pre-tokenizer)."""
+    if tokenizer.get_vocab() != policy.tokenizer.get_vocab():
+        raise ValueError("--tokenizer: another vocabulary than the checkpoint's")
+    policy.tokenizer = policy.adapter.tokenizer = tokenizer
 
 
 if __name__ == "__main__":

@@ -425,13 +425,16 @@ def _no_step_credit(run: Run) -> None:
 
 def opd(run: Run) -> None:
     """On-policy distillation from the shapes_sft checkpoint (the teacher, in-process or on a `vlrl serve` server)
-    into the untrained preset (the student): the sampled reverse KL and the teacher's log-probs are logged every
-    step, finite, and the KL is not 0."""
+    into the untrained preset (the student): the sampled reverse KL, the teacher's log-probs and (in-process) the
+    argmax agreement are logged every step, finite, and the KL is not 0 (the top-k estimator through the CLI:
+    tests/train/test_distill.py)."""
     records = rl_trained(run)
     distill = run.config["algo"]["distill"]
     assert (distill["teacher"] or "").endswith("final") or distill["teacher_urls"]
     for r in records:
         assert math.isfinite(r["distill/reverse_kl"]) and r["distill/teacher_logprob"] < 0, r
+        if distill["teacher"]:  # a teacher on a server gives no argmax (its scores are the sampled tokens')
+            assert 0 <= r["distill/agreement"] <= 1, r
     assert any(r["distill/reverse_kl"] != 0 for r in records)
 
 

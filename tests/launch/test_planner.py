@@ -295,3 +295,22 @@ def test_a_distillation_teacher_is_counted_whole_with_its_own_pass(tiny_vlm_dir)
     terms = {t.name: t.value for t in train_seconds(SHAPE, small, dev, 1)}
     # 2Ψ_T·T/(F·η) = 2·500·(32·110)/(1e12·0.5) = 7.04e-6 s
     assert terms["teacher pass"] == pytest.approx(2 * 500 * 3520 / 0.5e12)
+
+
+def test_a_topk_distillation_drops_the_old_pass_and_counts_a_fourth_logits_buffer(tiny_vlm_dir):
+    """algo.distill.estimator=topk: no π_old pass (its term is a loss of π_θ), k on the workload, and the update's
+    fp32 logits term 4·m·(R+1)·V·4 (the log-softmax with the teacher's top-k masked, for the rest mass) where the
+    sampled estimator's is 3·…"""
+    from vlrl.launch.memory import activations
+
+    base = [f"model.path={tiny_vlm_dir}", "algo.distill.teacher=tiny-qwen2-vl", "train.logprob_chunk=0"]
+    model, adapter = meta_model(str(tiny_vlm_dir))
+    sampled = workload(load_config(RLConfig, None, base), adapter, model=model)
+    topk = workload(load_config(RLConfig, None, [*base, "algo.distill.estimator=topk", "algo.distill.top_k=8"]),
+                    adapter, model=model)
+    assert sampled.old_pass and sampled.distill_topk == 0
+    assert not topk.old_pass and topk.distill_topk == 8
+    shape = model_shape(model)
+    logits = {name: {t.name: t.value for t in activations(shape, w)}["logits (fp32)"]
+              for name, w in (("sampled", sampled), ("topk", topk))}
+    assert logits["topk"] == pytest.approx(logits["sampled"] * 4 / 3)

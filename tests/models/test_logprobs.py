@@ -155,3 +155,67 @@ def test_chunked_scores_and_gradients_equal_the_whole_pass(name, monkeypatch):
         assert grads.keys() == chunked_grads.keys() and (not grad or max(float(g.abs().max()) for g in grads.values()) > 1e-3)
         for key, g in grads.items():
             assert torch.allclose(chunked_grads[key], g, rtol=0, atol=1e-6), (layout, key)
+
+
+# ----------------------------------------------------------------------------------------------- head queries
+# (`vlrl.models.logprobs.HeadQuery`): on-policy distillation's top-k, log-probs at given ids and argmax, computed
+# in the head beside the scores — every layout and chunk size returns the full logits' values (B, R, ·).
+def _full_log_probs(policy, trajectories, temperature):
+    """(B, R, V) log softmax(logits / T) of every response position from the model's own logits (no head swap)."""
+    tokens = collate([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+                     [t.vision for t in trajectories], pad_token_id=policy.pad_token_id)
+    kwargs = policy.adapter.forward_inputs(policy.model, tokens.input_ids, tokens.attention_mask, tokens.vision)
+    with torch.no_grad():
+        logits = policy.model(**kwargs, use_cache=False).logits[:, tokens.prompt_len - 1 : -1]
+    return torch.log_softmax(logits.float() / temperature, dim=-1), tokens.response_mask.bool()
+
+
+@pytest.mark.parametrize("chunk", [0, CHUNK])
+def test_head_query_equals_the_full_logits_in_every_layout(chunk):
+    from vlrl.models.forward import PassLayout, teacher_forced
+    from vlrl.models.logprobs import HeadQuery
+
+    policy = _policy("tiny-qwen2-vl")
+    trajectories = _rollout(policy, 3)
+    full, mask = _full_log_probs(policy, trajectories, 0.9)  # (B, R, V), (B, R)
+    B, R, V = full.shape
+    top = full.topk(4, dim=-1)
+    at = torch.randint(0, V, (B, R, 3), generator=torch.Generator().manual_seed(0))
+    at[0, 0] = top.indices[0, 0, :3]  # a repeat of the top ids
+    expected_rest = torch.log1p(-full.gather(-1, at).exp().sum(-1))
+    prompts, responses = [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories]
+    visions = [t.vision for t in trajectories]
+    for name, layout, grad in [("padded", PassLayout(logprob_chunk=chunk), True),
+                               ("packed", PassLayout(padding_free=True, logprob_chunk=chunk), True),
+                               ("grouped", PassLayout(shared_prefix=True, logprob_chunk=chunk), True),
+                               ("cached", PassLayout(shared_prefix=True, logprob_chunk=chunk), False)]:
+        query = HeadQuery(top_k=4, at=at, argmax=True)
+        with torch.set_grad_enabled(grad):
+            teacher_forced(policy.model, policy.adapter, prompts, responses, visions,
+                           pad_token_id=policy.pad_token_id, temperature=0.9, layout=layout, query=query)
+        got = query.result
+        m = mask
+        torch.testing.assert_close(got["topk_logp"][m], top.values[m], rtol=1e-5, atol=1e-5, msg=name)
+        assert torch.equal(got["topk_ids"][m], top.indices[m]), name
+        assert torch.equal(got["argmax"][m], top.indices[..., 0][m]), name
+        rest = torch.log1p(-top.values.exp().sum(-1))
+        torch.testing.assert_close(got["topk_rest"][m], rest[m], rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(got["at_logp"][m], full.gather(-1, at)[m], rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(got["at_rest"][m], expected_rest[m], rtol=1e-4, atol=1e-4, msg=name)
+        assert bool((got["topk_logp"][~m] == 0).all()) and bool((got["argmax"][~m] == 0).all())  # padding: 0
+        assert got["at_logp"].requires_grad == grad, name
+
+
+def test_the_rest_of_the_whole_vocabulary_is_empty_and_its_gradient_finite():
+    """``rest_logprob`` of every id is `NO_MASS` (exp → 0), and a loss through it has a finite (0) gradient."""
+    from vlrl.models.logprobs import NO_MASS, rest_logprob
+
+    logits = torch.randn(2, 5, requires_grad=True)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    rest = rest_logprob(log_probs, torch.arange(5).expand(2, 5))
+    assert bool((rest == NO_MASS).all())
+    (rest.exp() * 3.0).sum().backward()
+    assert torch.equal(logits.grad, torch.zeros(2, 5))
+    two = rest_logprob(log_probs.detach(), torch.tensor([[0, 1], [2, 3]]))  # the other 3 tokens' mass
+    expected = torch.log(log_probs.detach().exp()[[[0], [1]], [[2, 3, 4], [0, 1, 4]]].sum(-1))
+    torch.testing.assert_close(two, expected)

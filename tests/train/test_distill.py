@@ -1,20 +1,24 @@
 """On-policy distillation (``algo.distill``; `vlrl.algos.distill`, `vlrl.train.distill`): the sampled reverse KL in
 closed form, the exactness of a teacher equal to the student (KL 0, GRPO's update), the refusal of a teacher with
-another tokenizer, and OPD alone training where GRPO's advantages are all 0."""
+another tokenizer, and OPD alone training where GRPO's advantages are all 0; the top-k estimator (a loss term) in
+closed form, exact for a teacher equal to the student, the same in every pass layout, and through ``vlrl rl``."""
+
+import math
 
 import pytest
 import torch
 
-from vlrl.algos.distill import distill_advantages, sampled_reverse_kl
+from vlrl.algos.distill import distill_advantages, sampled_reverse_kl, topk_reverse_kl
 from vlrl.config import RLStage
 from vlrl.data import generate
 from vlrl.models import load_policy
+from vlrl.models.logprobs import NO_MASS, rest_logprob
 from vlrl.report import MetricsLogger
 from vlrl.rollout import HFEngine, SamplingParams
 from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.common import make_optimizer
 from vlrl.train.loop import train_rl
-from vlrl.train.update import ppo_update
+from vlrl.train.update import minibatch_gradient, ppo_update
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,16 +55,19 @@ def rollout(tmp_path_factory):
     return path, trajectories
 
 
-def _update(path, trajectories, algo, *, shared_prefix=True):
-    """One `prepare_batch` + `ppo_update` of a fresh copy of the saved student under ``algo``; (policy, batch)."""
+def _update(path, trajectories, algo, *, shared_prefix=True, train=None, stats=None):
+    """One `prepare_batch` + `ppo_update` of a fresh copy of the saved student under ``algo``; (policy, batch)
+    (and the update's `UpdateStats` appended to ``stats``)."""
     policy = load_policy(str(path))
     stage = RLStage.model_validate({"algo": algo, "rollout": {"n": 3, "max_new_tokens": 6},
                                     "train": {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 6,
-                                              "shared_prefix": shared_prefix}})
+                                              "shared_prefix": shared_prefix, **(train or {})}})
     algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)
     batch = prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
     optimizer, scheduler = make_optimizer(policy.model, stage.optim, policy.adapter.module_groups, total_steps=1)
-    ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=0, step=0)
+    out = ppo_update(policy, batch, algorithm.settings, optimizer, scheduler, seed=0, step=0)
+    if stats is not None:
+        stats.append(out)
     return policy, batch
 
 
@@ -80,6 +87,7 @@ def test_a_teacher_equal_to_the_student_gives_zero_kl_and_grpo_s_update(rollout,
     kl_sum, tokens = opd_batch.token_sums["distill/reverse_kl"]
     assert tokens == float(opd_batch.loss_mask.sum()) > 0
     assert opd_batch.token_sums["distill/teacher_logprob"][0] < 0
+    assert opd_batch.token_sums["distill/agreement"] == [tokens, tokens]  # π_old's argmax is the teacher's
     if shared_prefix:
         assert abs(kl_sum) / tokens <= 1e-6
         assert torch.allclose(opd_batch.advantages, grpo_batch.advantages, rtol=0, atol=1e-6)
@@ -123,3 +131,130 @@ def test_opd_alone_trains_without_a_verifier(rollout):
     result = train_rl(student, HFEngine(student), samples, stage, logger=MetricsLogger(None, quiet=True), seed=0)
     assert result.metrics["distill/reverse_kl"] != 0.0 and result.metrics["distill/teacher_logprob"] < 0
     assert any(not torch.equal(v, before[k]) for k, v in student.model.state_dict().items())
+
+
+# ----------------------------------------------------------------------------------------------- topk
+def _topk_term(student_logits, teacher_logits, k):
+    """D (b, R) of `topk_reverse_kl` over the teacher's top-k of two (b, R, V) logit tensors, as the update has it."""
+    s, t = torch.log_softmax(student_logits, -1), torch.log_softmax(teacher_logits, -1)
+    ids = t.topk(k, dim=-1).indices
+    return topk_reverse_kl(s.gather(-1, ids), rest_logprob(s, ids), t.gather(-1, ids), rest_logprob(t, ids))
+
+
+def test_topk_reverse_kl_in_closed_form():
+    """k = 1 of a 2-way split (the docstring's 0.1308); k = V: the exact reverse KL and its exact gradient; k < V:
+    the (k+1)-way KL by hand, below the exact one, its gradient autograd's of Σ p (log p − log q) (no stop-grad);
+    a teacher equal to the student: 0 and a gradient of exactly 0."""
+    half = torch.log(torch.tensor([[[0.5]]]))
+    two_way = topk_reverse_kl(torch.log(torch.tensor([[[0.25]]])), torch.log(torch.tensor([[0.75]])), half, half[..., 0])
+    assert float(two_way) == pytest.approx(0.25 * math.log(0.5) + 0.75 * math.log(1.5), abs=1e-6)
+    g = torch.Generator().manual_seed(0)
+    student_logits = torch.randn(2, 3, 7, generator=g, requires_grad=True)
+    teacher_logits = torch.randn(2, 3, 7, generator=g)
+    s, t = torch.log_softmax(student_logits, -1), torch.log_softmax(teacher_logits, -1)
+    exact = (s.exp() * (s - t)).sum(-1)  # KL(π_S ‖ π_T) over the whole vocabulary, (2, 3)
+    exact_grad = torch.autograd.grad(exact.sum(), student_logits, retain_graph=True)[0]
+    whole = _topk_term(student_logits, teacher_logits, 7)
+    torch.testing.assert_close(whole, exact, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(whole.sum(), student_logits)[0], exact_grad, rtol=1e-5, atol=1e-6)
+    ids = t.topk(3, dim=-1).indices  # k = 3: buckets = 3 tokens + the other 4
+    p_s = torch.cat([s.exp().gather(-1, ids), 1 - s.exp().gather(-1, ids).sum(-1, keepdim=True)], -1)
+    p_t = torch.cat([t.exp().gather(-1, ids), 1 - t.exp().gather(-1, ids).sum(-1, keepdim=True)], -1)
+    by_hand = (p_s * (p_s.log() - p_t.log())).sum(-1)
+    three = _topk_term(student_logits, teacher_logits, 3)
+    torch.testing.assert_close(three, by_hand, rtol=1e-5, atol=1e-6)
+    assert bool((three <= exact + 1e-6).all()) and bool((three > 0).all())  # a coarser partition: a lower bound
+    torch.testing.assert_close(torch.autograd.grad(three.sum(), student_logits)[0],
+                               torch.autograd.grad(by_hand.sum(), student_logits)[0], rtol=1e-4, atol=1e-6)
+    same = _topk_term(student_logits, student_logits.detach(), 3)
+    assert bool((same.abs() <= 1e-7).all())
+    assert torch.equal(torch.autograd.grad(same.sum(), student_logits)[0], torch.zeros(2, 3, 7))
+    assert NO_MASS == torch.finfo(torch.float32).min
+
+
+def test_topk_teacher_equal_to_the_student_gives_zero_and_grpo_s_update(rollout):
+    """fp32, the plain pass: the top-k term is 0 on every token (its gradient exactly 0: log π_θ − log π_T is 0
+    there), the student's argmax is the teacher's everywhere, and the weights after the step equal GRPO's to 1e-6."""
+    path, trajectories = rollout
+    grpo, _ = _update(path, trajectories, {}, shared_prefix=False)
+    stats = []
+    opd, batch = _update(path, trajectories, {"distill": {"teacher": str(path), "estimator": "topk", "top_k": 4}},
+                         shared_prefix=False, stats=stats)
+    assert batch.old_logp is None  # no π_old pass: the term is a loss of π_θ itself
+    assert batch.teacher_topk_ids.shape == (*batch.loss_mask.shape, 4)
+    assert batch.teacher_topk_ids.dtype == torch.int32 and batch.teacher_topk_logp.shape[-1] == 5
+    kl_sum, tokens = stats[0].token_sums["distill/reverse_kl"]
+    assert tokens == float(batch.loss_mask.sum()) > 0 and abs(kl_sum) / tokens <= 1e-7
+    assert stats[0].token_sums["distill/agreement"] == [tokens, tokens]
+    assert batch.token_sums["distill/teacher_logprob"][0] < 0
+    before = load_policy(str(path)).model.state_dict()
+    after_grpo, after_opd = grpo.model.state_dict(), opd.model.state_dict()
+    assert any(not torch.equal(after_grpo[k], before[k]) for k in before)
+    worst = max(float((after_opd[k] - after_grpo[k]).abs().max()) for k in before)
+    assert worst <= 1e-6, worst
+
+
+@pytest.fixture(scope="module")
+def other_teacher(rollout):
+    """The preset at another init seed, saved: a teacher that disagrees with the student."""
+    path = rollout[0].parent / "teacher_seed1"
+    if not path.exists():
+        load_policy("tiny-qwen2-vl", seed=1).save(path)
+    return path
+
+
+def _topk_gradient(path, trajectories, teacher, train):
+    """The update's gradient and batch under ``train`` (the pass layout; unset: the plain padded pass), OPD topk
+    alone."""
+    policy = load_policy(str(path))
+    stage = RLStage.model_validate({
+        "algo": {"distill": {"teacher": str(teacher), "estimator": "topk", "top_k": 3, "reward_weight": 0.0}},
+        "rollout": {"n": 3, "max_new_tokens": 6},
+        "train": {"steps": 1, "prompts_per_step": 2, "shared_prefix": False, **train}})
+    algorithm = build_algorithm(stage, policy, apply_behaviour_weight=False)
+    batch = prepare_batch(algorithm, policy, trajectories, step=0, max_new_tokens=6)
+    assert bool((batch.advantages == 0).all())  # OPD alone: the term is all there is
+    rows = list(range(len(trajectories)))
+    grads = minibatch_gradient(policy, batch, rows, algorithm.settings, normaliser=float(batch.loss_mask.sum()))
+    return grads, batch
+
+
+@pytest.mark.parametrize("train", [{"padding_free": True}, {"shared_prefix": True, "micro_batch_size": 6},
+                                   {"logprob_chunk": 2}, {"max_tokens_per_micro_batch": 60}],
+                         ids=["padding_free", "shared_prefix", "logprob_chunk", "token_budget"])
+def test_topk_is_the_same_in_every_pass_layout(rollout, other_teacher, train):
+    """OPD topk alone from another teacher: the teacher's top-k and the update's gradient (the loss term only) under
+    each layout equal the plain padded pass's (fp32; gradients to 1e-6, the layouts' float summation order apart);
+    shared_prefix: the teacher's cached pass and the update's grouped one (perf/shared_prefix_frac 1)."""
+    path, trajectories = rollout
+    plain, plain_batch = _topk_gradient(path, trajectories, other_teacher, {})
+    grads, batch = _topk_gradient(path, trajectories, other_teacher, train)
+    if train.get("shared_prefix"):
+        assert batch.token_sums["perf/shared_prefix_frac"][0] > 0  # the teacher's pass shared its prompts
+    assert torch.equal(batch.teacher_topk_ids, plain_batch.teacher_topk_ids)
+    torch.testing.assert_close(batch.teacher_topk_logp, plain_batch.teacher_topk_logp, rtol=1e-5, atol=1e-6)
+    assert max(float(g.abs().max()) for g in plain.values()) > 1e-3  # the term pulls the student
+    assert grads.keys() == plain.keys()
+    for key, g in plain.items():
+        torch.testing.assert_close(grads[key], g, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_topk_through_the_cli_logs_its_kl_and_agreement(rollout, other_teacher, tmp_path):
+    """``vlrl rl --config configs/shapes_opd.yaml algo.distill.estimator=topk`` (OPD alone from another teacher):
+    every step logs distill/reverse_kl > 0, distill/agreement in [0, 1] and the teacher's log-probs, and the report
+    draws them."""
+    from test_shipped_configs import CONFIGS, RL_TINY, Run, cli
+
+    path, _ = rollout
+    cli("rl", "--config", str(CONFIGS / "shapes_opd.yaml"), f"model.path={path}", *RL_TINY,
+        f"algo.distill.teacher={other_teacher}", "algo.distill.estimator=topk", "algo.distill.top_k=4",
+        "algo.distill.reward_weight=0", f"out={tmp_path}")
+    records = Run.read(tmp_path).stage("rl")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["distill/reverse_kl"] > 0 and 0 <= r["distill/agreement"] <= 1 and r["distill/teacher_logprob"] < 0, r
+        assert r["policy/grad_norm"] > 0  # the term alone trains (every advantage is 0)
+    from vlrl.report.html import build_report
+
+    page = build_report([tmp_path])  # `vlrl report`: the distill group's charts
+    assert all(name in page for name in ("distill/reverse_kl", "distill/agreement", "distill/teacher_logprob"))

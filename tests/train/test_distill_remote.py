@@ -57,8 +57,8 @@ def test_a_served_teacher_gives_the_in_process_teachers_logprobs_kl_and_advantag
         mask = torch.zeros(len(trajectories), max(len(t.response_ids) for t in trajectories))
         for i, t in enumerate(trajectories):
             mask[i, : len(t.response_ids)] = 1
-        mine = local.logprobs(policy, whole, temperature=1.0, layout=PassLayout())
-        served = remote.logprobs(policy, whole, temperature=1.0, layout=PassLayout())
+        mine = local.score(policy, whole, temperature=1.0, layout=PassLayout()).logp
+        served = remote.score(policy, whole, temperature=1.0, layout=PassLayout()).logp
         assert mask.sum() > 0 and served.shape == mine.shape
         assert (served * (1 - mask)).abs().max() == 0  # nothing off the responses
         worst = float(((served - mine) * mask).abs().max())

@@ -32,3 +32,16 @@ def test_no_warning_when_half_or_fewer_carry_no_signal():
         watch.update(step, {"policy/zero_adv_groups_frac": frac})
     watch.update(5, {})  # a step without the metric is ignored
     assert logger.warnings == []
+
+
+def test_no_zero_advantage_warning_beside_a_distillation_loss_term():
+    """algo.distill's topk term trains every row whatever its advantage: OPD alone has Â = 0 everywhere and no
+    zero-advantage warning (`StepWatches(loss_beside_advantage=True)`); without the term the same steps warn."""
+    from vlrl.train.watches import StepWatches
+
+    for beside, expected in ((True, 0), (False, 1)):
+        logger = Recorder()
+        watches = StepWatches(logger, "rl", loss_beside_advantage=beside)
+        for step in range(1, 12):
+            watches.update(step, {"policy/zero_adv_groups_frac": 1.0})
+        assert len(logger.warnings) == expected, (beside, logger.warnings)

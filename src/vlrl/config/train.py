@@ -160,13 +160,21 @@ class DistillConfig(Section):
     teacher_max_concurrent: int = Field(
         64, ge=1, description="Teacher requests in flight at once (over all teacher_urls); the servers' own "
         "admission bounds the rest (a full server answers 503 and is waited for).")
-    coef: float = Field(1.0, ge=0, description="Weight β of the distillation term: Â_t ← w · Â_t − β · "
-                        "(log π_old(y_t) − log π_teacher(y_t)) (slime --use-opd's opd_kl_coef; Thinking Machines: 1).")
-    estimator: Literal["sampled"] = Field(
+    coef: float = Field(1.0, ge=0, description="Weight β of the distillation term: sampled, Â_t ← w · Â_t − β · "
+                        "(log π_old(y_t) − log π_teacher(y_t)) (slime --use-opd's opd_kl_coef; Thinking Machines: 1); "
+                        "topk, loss += β · aggregate(D_t) by algo.loss_agg.")
+    estimator: Literal["sampled", "topk"] = Field(
         "sampled", description="sampled: the reverse KL's single-sample estimate on the sampled token, "
         "log π_old(y_t) − log π_teacher(y_t), put into every model token's advantage (slime --use-opd; Thinking "
-        "Machines' per-token advantage), so it trains through algo.policy_loss like any advantage.",
+        "Machines' per-token advantage), so it trains through algo.policy_loss like any advantage. topk: the full "
+        "reverse KL D_t = Σ π_θ(i)·(log π_θ(i) − log π_teacher(i)) over the teacher's top_k tokens and one bucket "
+        "for the rest of the vocabulary (TRL's GKD), a loss term beside the policy loss, differentiated through "
+        "π_θ: no sampling noise, and the teacher's top-k (ids and log-probs, B×R×top_k) held on the host.",
     )
+    top_k: int = Field(16, ge=1, description="k of estimator=topk: the teacher's most likely tokens per position "
+                       "the reverse KL is summed over (the rest of the vocabulary is one bucket). The teacher's "
+                       "pass keeps 8·k + 4 bytes per response token on the host (ids and fp32 log-probs). "
+                       "Ignored by sampled.")
     reward_weight: float = Field(
         1.0, ge=0, description="w: the weight of the outcome advantage (algo.advantage over the verifiers' "
         "rewards) beside the distillation term. 1: OPD + GRPO; 0: OPD alone — the rewards are still scored and "

@@ -16,7 +16,8 @@ each phase adds, and where each GiB goes — every term with its formula and the
                contiguous copies ≈ 6h_v, attention output and its concatenation over images 2h_v, quick-GELU
                MLP 3I_v; the pixel patches themselves C)
         logits 3 · min(m·(R + 1), c)·V · 4        (fp32 logits of the response, log-softmax, its gradient; c the
-               tokens of one chunk under ``train.logprob_chunk``, `vlrl.models.logprobs.chunk_tokens`)
+               tokens of one chunk under ``train.logprob_chunk``, `vlrl.models.logprobs.chunk_tokens`; 4 with
+               algo.distill's topk estimator: the log-softmax's copy its rest mass is summed over)
     KV cache (generation) 2 · n_layers · k · (P + R) · B · b_c; B = sequences generated at once (the engine keeps
         one log-prob per sampled token, not the step logits)
 
@@ -164,10 +165,12 @@ def activations(s: ModelShape, w: Workload, role: str = "actor", *, ranks: int =
 
     R = w.response_tokens
     chunk = chunk_tokens(w.logprob_chunk, math.ceil(m * (R + 1)), s.vocab)  # None: the whole logits
+    n = 4 if w.distill_topk else 3  # topk: + the log-softmax with the teacher's top-k masked (its rest mass)
     if chunk is None:
-        terms.append(Term("logits (fp32)", 3 * m * (R + 1) * s.vocab * 4, "3·m·(R+1)·V·4", f"3·{m}·{R + 1}·{s.vocab}·4"))
+        terms.append(Term("logits (fp32)", n * m * (R + 1) * s.vocab * 4, f"{n}·m·(R+1)·V·4",
+                          f"{n}·{m}·{R + 1}·{s.vocab}·4"))
     else:
-        terms.append(Term("logits (fp32)", 3 * chunk * s.vocab * 4, "3·c·V·4  [chunked]", f"3·{chunk}·{s.vocab}·4"))
+        terms.append(Term("logits (fp32)", n * chunk * s.vocab * 4, f"{n}·c·V·4  [chunked]", f"{n}·{chunk}·{s.vocab}·4"))
     return terms
 
 

@@ -56,6 +56,7 @@ class Workload:
     reference: bool = False  # a frozen reference model (kl_coef > 0); under LoRA a pass only (adapters disabled)
     critic: bool = False  # a value model (advantage gae)
     teacher_params: int = 0  # Ψ_T: algo.distill's frozen teacher, whole on every rank (0: no teacher)
+    distill_topk: int = 0  # k of algo.distill's topk estimator (0: none); its B·R·(8k + 4) bytes stay on the host
     gen_batch: int = 256  # B: rollout.engine.max_batch_size
     asynchronous: bool = False
     weight_bytes: int = 4  # b_w
@@ -73,6 +74,12 @@ class Workload:
     @property
     def length(self) -> int:  # L
         return self.prompt_tokens + self.response_tokens
+
+
+def distill_topk(cfg) -> int:
+    """k of ``algo.distill`` with ``estimator: topk`` (0: no top-k term)."""
+    distill = cfg.algo.distill
+    return distill.top_k if distill is not None and distill.estimator == "topk" else 0
 
 
 @dataclass(frozen=True)
@@ -250,11 +257,12 @@ def _workload(cfg, adapter, *, samples: int = 16) -> Workload:
         return Workload(
             "rl", prompt, cfg.rollout.max_new_tokens, patches, rows, min(cfg.train.micro_batch_size, rows),
             prompts=cfg.train.prompts_per_step, epochs=cfg.train.ppo_epochs, minibatches=cfg.train.minibatches,
-            old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1 or cfg.algo.distill is not None,
+            old_pass=cfg.train.ppo_epochs * cfg.train.minibatches > 1 or (cfg.algo.distill is not None
+                                                                       and cfg.algo.distill.estimator == "sampled"),
             reference=cfg.algo.kl_coef > 0, critic=cfg.algo.advantage == "gae", gen_batch=cfg.rollout.engine.max_batch_size,
             asynchronous=cfg.rollout.mode == "async", weight_bytes=weight, compute_bytes=compute,
             shared_prefix=cfg.train.shared_prefix, cpu_offload=cfg.dist.cpu_offload,
-            logprob_chunk=cfg.train.logprob_chunk, **budget)
+            logprob_chunk=cfg.train.logprob_chunk, distill_topk=distill_topk(cfg), **budget)
     return Workload("sft", prompt, response, patches, cfg.train.batch_size,
                     min(cfg.train.micro_batch_size, cfg.train.batch_size), weight_bytes=weight, compute_bytes=compute,
                     cpu_offload=cfg.dist.cpu_offload, **budget)

@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from vlrl.models.adapters import TextAdapter
-from vlrl.models.logprobs import LogprobChunk, collate, response_logprobs
+from vlrl.models.logprobs import HeadQuery, LogprobChunk, collate, response_logprobs
 from vlrl.models.packed import default_rows, first_fit_rows, pack_sequences, packed_response_logprobs
 from vlrl.models.policy import Policy
 from vlrl.models.shared_prefix import shared_prefix_logprobs, tally
@@ -61,15 +61,16 @@ def teacher_forced(model: torch.nn.Module, adapter: TextAdapter, prompts: Sequen
                    visions: Sequence[VisionInputs | None], *, pad_token_id: int, temperature: float = 1.0,
                    with_entropy: bool = False, layout: PassLayout = PassLayout(),
                    sums: dict[str, list[float]] | None = None,
-                   groups: Sequence[Sequence[int]] | None = None) -> Scores:
+                   groups: Sequence[Sequence[int]] | None = None, query: HeadQuery | None = None) -> Scores:
     """(B, R) response log-probs (and entropy) of one micro-batch, through the pass ``layout`` and the gradient mode
     call for (module docstring). ``sums``: where the rows are counted under ``perf/shared_prefix_frac``
     (`vlrl.models.shared_prefix.tally`); ``groups``: padding-free rows (e.g. the bins of a packing plan; unset: the
-    sequences first-fit into rows as long as the longest)."""
+    sequences first-fit into rows as long as the longest); ``query``: what else the head returns per position,
+    in its ``result`` (`vlrl.models.logprobs.HeadQuery`: every layout carries it)."""
     if layout.shared_prefix:
         shared = shared_prefix_logprobs(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
                                         temperature=temperature, with_entropy=with_entropy,
-                                        logprob_chunk=layout.logprob_chunk)
+                                        logprob_chunk=layout.logprob_chunk, query=query)
         if shared is not None:
             tally(sums, shared=True, rows=len(prompts))
             return Scores(*shared, kind="grouped" if torch.is_grad_enabled() else "cached")
@@ -77,7 +78,7 @@ def teacher_forced(model: torch.nn.Module, adapter: TextAdapter, prompts: Sequen
     if not layout.padding_free:
         tokens = collate(prompts, responses, visions, pad_token_id=pad_token_id)
         logp, entropy = response_logprobs(model, adapter, tokens, temperature=temperature, with_entropy=with_entropy,
-                                          logprob_chunk=layout.logprob_chunk)
+                                          logprob_chunk=layout.logprob_chunk, query=query)
         return Scores(logp, entropy, "padded", tokens.input_ids.numel())
     if groups is None:
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
@@ -85,7 +86,7 @@ def teacher_forced(model: torch.nn.Module, adapter: TextAdapter, prompts: Sequen
     batch = pack_sequences(model, adapter, prompts, responses, visions, pad_token_id=pad_token_id,
                            rows=default_rows(model, groups, len(prompts)))
     logp, entropy = packed_response_logprobs(model, adapter, batch, temperature=temperature,
-                                             with_entropy=with_entropy, logprob_chunk=layout.logprob_chunk)
+                                             with_entropy=with_entropy, logprob_chunk=layout.logprob_chunk, query=query)
     return Scores(logp, entropy, "packed", batch.num_tokens)
 
 
@@ -112,14 +113,17 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
 def score(model: torch.nn.Module, policy: Policy, rows: Sequence[Scored], temperature: float, *,
           layout: PassLayout = PassLayout(), prompts: Sequence[Ids] | None = None,
           visions: Sequence[VisionInputs | None] | None = None,
-          sums: dict[str, list[float]] | None = None) -> torch.Tensor:
+          sums: dict[str, list[float]] | None = None, query: HeadQuery | None = None) -> torch.Tensor:
     """(B, R) log-probs of the rows' responses under ``model`` (the policy's, a frozen reference, a teacher; encoded
     as ``policy`` encodes) — no gradient, eval mode, on the host — after their own prompts or the given ``prompts`` /
     ``visions`` (a teacher's context): `teacher_forced` (the cached pass with ``layout.shared_prefix``, else packed
-    or padded)."""
+    or padded). ``query``: its ``result`` filled, on the host too (`vlrl.models.logprobs.HeadQuery`)."""
     prompts = [r.prompt_ids for r in rows] if prompts is None else prompts
     visions = [r.vision for r in rows] if visions is None else visions
     with evaluating(model):
         scores = teacher_forced(model, policy.adapter, prompts, [r.response_ids for r in rows], visions,
-                                pad_token_id=policy.pad_token_id, temperature=temperature, layout=layout, sums=sums)
+                                pad_token_id=policy.pad_token_id, temperature=temperature, layout=layout, sums=sums,
+                                query=query)
+    if query is not None:
+        query.result = {name: value.cpu() for name, value in query.result.items()}
     return scores.logp.cpu()  # a step's batch lives on the host; the update moves its micro-batches

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from vlrl import compat
 from vlrl.models.adapters import TextAdapter, VisionInputs
-from vlrl.models.logprobs import LogprobChunk, head_scores
+from vlrl.models.logprobs import HeadQuery, LogprobChunk, head_scores
 
 GROUPED_ATTENTION = "vlrl_grouped"  # the AttentionInterface name of `grouped_attention`
 _ACTIVE = threading.local()  # .layout: the `GroupedLayout` of the forward (or recomputation) running in this thread
@@ -302,10 +302,12 @@ def image_blocks(model: torch.nn.Module, adapter: TextAdapter, input_ids: torch.
 
 def grouped_response_logprobs(model: torch.nn.Module, adapter: TextAdapter, batch: GroupedBatch, *,
                               temperature: float = 1.0, with_entropy: bool = False,
-                              logprob_chunk: LogprobChunk = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+                              logprob_chunk: LogprobChunk = "auto", query: HeadQuery | None = None,
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, R) response log-probs (and entropy), right-padded with 0, as `vlrl.models.logprobs.response_logprobs`
     lays them out — from one forward of ``batch`` with `grouped_attention`. Gradients flow when grad is enabled;
-    under gradient checkpointing the recomputed layers attend as the forward did."""
+    under gradient checkpointing the recomputed layers attend as the forward did. ``query``: its ``result``
+    filled (`vlrl.models.logprobs.HeadQuery`)."""
     _register()
     device = next(model.parameters()).device
     kwargs = adapter.packed_forward_inputs(batch.input_ids.to(device), batch.position_ids.to(device),
@@ -318,12 +320,16 @@ def grouped_response_logprobs(model: torch.nn.Module, adapter: TextAdapter, batc
     def select(hidden: torch.Tensor) -> torch.Tensor:  # kept (K, H) → one row per scored token (T, H)
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, source)
 
-    with _attending(configs, layout), _checkpointing_within(decoder, configs, layout):
-        logp_t, entropy_t = head_scores(model, lambda: model(**kwargs, logits_to_keep=keep, use_cache=False), select,
-                                        batch.targets.to(device), temperature=temperature, with_entropy=with_entropy,
-                                        chunk=logprob_chunk)  # (T,) each
     B, R = batch.response_mask.shape
     index = batch.out_index.to(device)
+    with _attending(configs, layout), _checkpointing_within(decoder, configs, layout):
+        out = head_scores(model, lambda: model(**kwargs, logits_to_keep=keep, use_cache=False), select,
+                          batch.targets.to(device), temperature=temperature, with_entropy=with_entropy,
+                          chunk=logprob_chunk, query=query,
+                          at=query.ids_at(index, B, R) if query is not None else None)  # (T,) each
+    logp_t, entropy_t = out[0], out[1]
+    if query is not None:
+        query.place(out[2], index, B, R)
     logp = torch.zeros(B * R, device=device, dtype=logp_t.dtype).index_put((index,), logp_t).view(B, R)
     entropy = None
     if entropy_t is not None:

@@ -18,13 +18,17 @@ DDP / FSDP2 module's hooks see one forward whose output is the scores (FSDP2 has
 there). For comparison: TRL's ``selective_log_softmax`` and chunked ``entropy_from_logits`` save the log-softmax
 buffer but start from the logits the model already returned; verl's ``use_fused_kernels`` and Liger's fused
 linear cross-entropy take the hidden states and the head's weight, as here, in fused (GPU) kernels.
+
+A pass may ask the head for more per position than the target's log-prob (`HeadQuery`: on-policy distillation's
+top-k and argmax, `vlrl.algos.distill`): the extra columns are computed from the same chunk's log-softmax and
+leave the forward beside the scores, so every layout and chunk size carries them at no extra ``[tokens, vocab]``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -38,6 +42,82 @@ LogprobChunk = int | Literal["auto"]  # train.logprob_chunk: tokens per chunk, 0
 AUTO_CHUNK_ELEMENTS = 1 << 26  # auto: chunk when a pass's fp32 logits would exceed 2^26 values (256 MiB), in
 # chunks of ⌊2^26 / V⌋ tokens (441 at Qwen's V = 151,936: a chunk's backward holds ~5 such buffers, 1.3 GiB,
 # benchmarks/logprob_memory.py)
+
+
+NO_MASS = torch.finfo(torch.float32).min  # the log-prob of an empty "rest" bucket (k = the whole vocabulary):
+# finite, so a gradient through it is 0, never NaN (exp(NO_MASS) = 0)
+MAX_EXACT_ID = 1 << 24  # token ids travel as fp32 columns of the head's output: exact below 2^24
+
+
+@dataclass
+class HeadQuery:
+    """What a teacher-forced pass asks of the LM head at every scored position besides the target's log-prob —
+    computed from the same (chunk's) fp32 log-softmax at the pass's temperature, and laid out (B, R, ·) like the
+    log-probs in ``result`` after the pass (0 at padding):
+
+        top_k   the k most likely tokens: ``topk_logp`` (B, R, k), ``topk_ids`` (B, R, k), and ``topk_rest``
+                (B, R), log(1 − Σ_topk p), the mass outside them (`NO_MASS` when k is the whole vocabulary)
+        at      (B, R', k) token ids (R' ≥ R): ``at_logp`` (B, R, k), the log-probs there, and ``at_rest`` (B, R),
+                the log of the mass outside them — with gradient (the student's update pass)
+        argmax  ``argmax`` (B, R), the most likely token
+
+    (on-policy distillation's top-k estimator and agreement, `vlrl.algos.distill`)."""
+
+    top_k: int = 0
+    at: torch.Tensor | None = None
+    argmax: bool = False
+    result: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def width(self, vocab: int) -> int:
+        """Columns the head adds to each position's scores."""
+        k = min(self.top_k, vocab)
+        return (2 * k + 1 if k else 0) + (self.at.shape[-1] + 1 if self.at is not None else 0) + int(self.argmax)
+
+    def ids_at(self, index: torch.Tensor, B: int, R: int) -> torch.Tensor | None:
+        """(K, k) of ``at`` at the flat (B·R) positions ``index`` (K,), on index's device; None without ``at``."""
+        if self.at is None:
+            return None
+        return self.at[:, :R].reshape(B * R, -1).to(index.device, torch.long)[index]
+
+    def columns(self, log_probs: torch.Tensor, at: torch.Tensor | None) -> torch.Tensor:
+        """(K, width) from fp32 log-probs (K, V) and the rows' ``at`` ids (K, k)."""
+        parts = []
+        if self.top_k:
+            if log_probs.shape[-1] > MAX_EXACT_ID:
+                raise ValueError(f"a vocabulary of {log_probs.shape[-1]} tokens: top-k ids travel as fp32, exact "
+                                 f"below {MAX_EXACT_ID}")
+            values, ids = log_probs.topk(min(self.top_k, log_probs.shape[-1]), dim=-1)
+            parts += [values, ids.to(log_probs.dtype), rest_logprob(log_probs, ids).unsqueeze(-1)]
+        if self.at is not None:
+            parts += [log_probs.gather(-1, at), rest_logprob(log_probs, at).unsqueeze(-1)]
+        if self.argmax:
+            parts.append(log_probs.argmax(-1, keepdim=True).to(log_probs.dtype))
+        return torch.cat(parts, dim=-1)
+
+    def place(self, values: torch.Tensor, index: torch.Tensor | None, B: int, R: int) -> None:
+        """``result`` from a pass's (K, width) columns at the flat (B·R) positions ``index`` (None: all of them, in
+        order), 0 elsewhere."""
+        if index is not None:
+            values = values.new_zeros(B * R, values.shape[-1]).index_put((index,), values)
+        values = values.view(B, R, -1)
+        self.result, start = {}, 0
+        if self.top_k:
+            k = (values.shape[-1] - (self.at.shape[-1] + 1 if self.at is not None else 0) - int(self.argmax) - 1) // 2
+            self.result.update(topk_logp=values[..., :k], topk_ids=values[..., k : 2 * k].long(),
+                               topk_rest=values[..., 2 * k])
+            start = 2 * k + 1
+        if self.at is not None:
+            k = self.at.shape[-1]
+            self.result.update(at_logp=values[..., start : start + k], at_rest=values[..., start + k])
+            start += k + 1
+        if self.argmax:
+            self.result["argmax"] = values[..., start].long()
+
+
+def rest_logprob(log_probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log Σ_{v ∉ ids} p(v) (K,) of log-probs (K, V) and ids (K, k): a log-sum-exp over the tokens outside ``ids``
+    (exact where 1 − Σ_ids p would round), `NO_MASS` when they are the whole vocabulary."""
+    return log_probs.scatter(-1, ids, NO_MASS).logsumexp(-1).clamp_min(NO_MASS)
 
 
 @dataclass
@@ -102,11 +182,12 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     logprob_chunk: LogprobChunk = "auto",
+    query: HeadQuery | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every response token under ``model`` (logits / temperature), and optionally the entropy.
 
     Returns ``(logp, entropy)``, each (B, R); padded positions hold 0. Gradients flow when called with
-    grad enabled. ``logprob_chunk``: `chunk_tokens`."""
+    grad enabled. ``logprob_chunk``: `chunk_tokens`; ``query``: its ``result`` filled (`HeadQuery`)."""
     B, R = batch.response_ids.shape
     device = next(model.parameters()).device
     kwargs = adapter.forward_inputs(
@@ -117,12 +198,17 @@ def response_logprobs(
     def select(hidden: torch.Tensor) -> torch.Tensor:  # (B, R + 1, H) → (B·R, H): the last column predicts nothing
         return hidden[:, :-1].reshape(-1, hidden.shape[-1])
 
-    logp, entropy = head_scores(model, lambda: model(**kwargs, logits_to_keep=R + 1, use_cache=False), select,
-                                targets, temperature=temperature, with_entropy=with_entropy, chunk=logprob_chunk)
+    every = torch.arange(B * R, device=device)
+    out = head_scores(model, lambda: model(**kwargs, logits_to_keep=R + 1, use_cache=False), select, targets,
+                      temperature=temperature, with_entropy=with_entropy, chunk=logprob_chunk, query=query,
+                      at=query.ids_at(every, B, R) if query is not None else None)
+    logp, entropy = out[0], out[1]
     mask = batch.response_mask.to(device).to(logp.dtype)
     logp = logp.view(B, R) * mask
     if entropy is not None:
         entropy = entropy.view(B, R) * mask
+    if query is not None:
+        query.place(out[2] * mask.view(-1, 1), None, B, R)
     return logp, entropy
 
 
@@ -140,36 +226,39 @@ def chunk_tokens(setting: LogprobChunk, tokens: int, vocab: int) -> int | None:
     return size if 0 < size < tokens else None
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / T) at ``targets`` (K,) and the entropy of that distribution (K,), from logits (K, V)
-    in fp32 — the arithmetic of every teacher-forced pass."""
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, with_entropy: bool,
+                   query: HeadQuery | None = None, at: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """log softmax(logits / T) at ``targets`` (K,), the entropy of that distribution (K,) and a ``query``'s columns
+    (K, width) (``at``: its rows' ids, `HeadQuery.ids_at`), from logits (K, V) in fp32 — the arithmetic of every
+    teacher-forced pass."""
     log_probs = F.log_softmax(logits.float() / max(temperature, 1e-6), dim=-1)  # (K, V)
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (K,)
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # (K,)
-    return logp, entropy
+    return logp, entropy, query.columns(log_probs, at) if query is not None else None
 
 
 def score_tokens(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, *,
-                 temperature: float, with_entropy: bool, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 temperature: float, with_entropy: bool, chunk: int | None, query: HeadQuery | None = None,
+                 at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`token_logprobs` of ``head(hidden)`` — hidden (K, H) final hidden states, targets (K,) — whole, or
     ``chunk`` tokens at a time: a chunk's logits live only while it is scored, and with gradients each chunk is
     a ``torch.utils.checkpoint`` unit (its head, log-softmax and entropy recomputed in the backward), so the
     forward keeps only the hidden states and the backward holds one chunk's ``[chunk, V]`` at a time."""
-    def piece(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logp, entropy = token_logprobs(head(h), t, temperature=temperature, with_entropy=with_entropy)
-        return (logp,) if entropy is None else (logp, entropy)
+    def piece(h: torch.Tensor, t: torch.Tensor, a: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        out = token_logprobs(head(h), t, temperature=temperature, with_entropy=with_entropy, query=query, at=a)
+        return tuple(x for x in out if x is not None)
 
     if chunk is None:
-        parts = [piece(hidden, targets)]
+        parts = [piece(hidden, targets, at)]
     else:
         recompute = torch.is_grad_enabled()
-        parts = [checkpoint(piece, h, t, use_reentrant=False) if recompute else piece(h, t)
-                 for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)]
-    logp = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-    if not with_entropy:
-        return logp, None
-    return logp, torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        ats = at.split(chunk) if at is not None else [None] * len(targets.split(chunk))
+        parts = [checkpoint(piece, h, t, a, use_reentrant=False) if recompute else piece(h, t, a)
+                 for h, t, a in zip(hidden.split(chunk), targets.split(chunk), ats, strict=True)]
+    joined = [torch.cat(column) if len(parts) > 1 else column[0] for column in zip(*parts, strict=True)]
+    logp, entropy = joined[0], joined[1] if with_entropy else None
+    return logp, entropy, joined[-1] if query is not None else None
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -202,18 +291,21 @@ def _head_replaced(head: torch.nn.Module, forward: Callable[[torch.Tensor], torc
 
 def head_scores(model: torch.nn.Module, run: Callable[[], object], select: Callable[[torch.Tensor], torch.Tensor],
                 targets: torch.Tensor, *, temperature: float, with_entropy: bool, chunk: LogprobChunk = "auto",
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (K,) and entropies (K,) (or None) of ``targets`` (K,) from one forward of ``model``.
+                query: HeadQuery | None = None, at: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Per-token log-probs (K,) and entropies (K,) (or None) of ``targets`` (K,) from one forward of ``model`` —
+    and, with a ``query``, its columns (K, width) third (``at``: the rows' ids, `HeadQuery.ids_at`).
 
     ``run()`` calls the model (the only call made); inside it the LM head is handed the final hidden states the
-    model keeps (``logits_to_keep``) and, instead of the logits, returns the scores (K, 1 or 2), which come back as
-    the output's ``.logits`` — so DDP / FSDP2 see them as the forward's output. ``select`` maps the hidden states
-    the head receives to the (K, H) rows that predict ``targets``, in order (an index may repeat: a shared prompt's
-    last position predicts the first token of each of its responses). ``chunk``: `chunk_tokens`. A model that
-    rescales its logits after the head (`vlrl.models.traits.POST_HEAD`) is scored from its own logits, whole."""
+    model keeps (``logits_to_keep``) and, instead of the logits, returns the scores (K, 1, 2 or more), which come
+    back as the output's ``.logits`` — so DDP / FSDP2 see them as the forward's output. ``select`` maps the hidden
+    states the head receives to the (K, H) rows that predict ``targets``, in order (an index may repeat: a shared
+    prompt's last position predicts the first token of each of its responses). ``chunk``: `chunk_tokens`. A model
+    that rescales its logits after the head (`vlrl.models.traits.POST_HEAD`) is scored from its own logits, whole."""
     if model_traits(model).rescales_logits:
         logits = run().logits
-        return token_logprobs(select(logits), targets, temperature=temperature, with_entropy=with_entropy)
+        out = token_logprobs(select(logits), targets, temperature=temperature, with_entropy=with_entropy,
+                             query=query, at=at)
+        return out if query is not None else out[:2]
     head = output_head(model)
     original = head.forward
     vocab = _vocab(head)
@@ -221,11 +313,14 @@ def head_scores(model: torch.nn.Module, run: Callable[[], object], select: Calla
     def scores(hidden: torch.Tensor) -> torch.Tensor:
         rows = select(hidden)  # (K, H)
         size = chunk_tokens(chunk, rows.shape[0], vocab)
-        logp, entropy = score_tokens(original, rows, targets, temperature=temperature, with_entropy=with_entropy,
-                                     chunk=size)
-        return torch.stack([logp, entropy], dim=-1) if entropy is not None else logp.unsqueeze(-1)  # (K, 1 | 2)
+        parts = score_tokens(original, rows, targets, temperature=temperature, with_entropy=with_entropy,
+                             chunk=size, query=query, at=at)
+        columns = [parts[0].unsqueeze(-1)] + ([parts[1].unsqueeze(-1)] if with_entropy else [])
+        return torch.cat(columns + ([parts[2]] if query is not None else []), dim=-1)  # (K, 1 | 2 [+ width])
 
     with _head_replaced(head, scores):
         out = run().logits
     out = out.reshape(-1, out.shape[-1])
-    return out[:, 0], (out[:, 1] if with_entropy else None)
+    first = 2 if with_entropy else 1
+    scored = (out[:, 0], (out[:, 1] if with_entropy else None))
+    return (*scored, out[:, first:]) if query is not None else scored

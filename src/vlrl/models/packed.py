@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from vlrl.models.adapters import TextAdapter, VisionInputs
-from vlrl.models.logprobs import LogprobChunk, head_scores
+from vlrl.models.logprobs import HeadQuery, LogprobChunk, head_scores
 
 
 @dataclass
@@ -159,10 +159,11 @@ def packed_response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     logprob_chunk: LogprobChunk = "auto",
+    query: HeadQuery | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every response token (logits / temperature) from one packed forward pass, laid out (B, R)
     right-padded with 0 at padding, exactly as `response_logprobs` returns it; optionally the entropy.
-    ``logprob_chunk``: `vlrl.models.logprobs.chunk_tokens`."""
+    ``logprob_chunk``: `vlrl.models.logprobs.chunk_tokens`; ``query``: its ``result`` filled (`HeadQuery`)."""
     device = next(model.parameters()).device
     kwargs = adapter.packed_forward_inputs(
         batch.input_ids.to(device), batch.position_ids.to(device),
@@ -173,11 +174,14 @@ def packed_response_logprobs(
     def select(hidden: torch.Tensor) -> torch.Tensor:  # (K, H) or (1, K, H): the kept positions, row-major
         return hidden.reshape(-1, hidden.shape[-1])
 
-    logp_k, entropy_k = head_scores(model, lambda: model(**kwargs, logits_to_keep=keep, use_cache=False), select,
-                                    batch.targets.to(device), temperature=temperature, with_entropy=with_entropy,
-                                    chunk=logprob_chunk)  # (K,) each
     B, R = batch.batch_size, batch.response_len
     index = batch.out_index.to(device)
+    out = head_scores(model, lambda: model(**kwargs, logits_to_keep=keep, use_cache=False), select,
+                      batch.targets.to(device), temperature=temperature, with_entropy=with_entropy, chunk=logprob_chunk,
+                      query=query, at=query.ids_at(index, B, R) if query is not None else None)  # (K,) each
+    logp_k, entropy_k = out[0], out[1]
+    if query is not None:
+        query.place(out[2], index, B, R)
     logp = torch.zeros(B * R, device=device, dtype=logp_k.dtype).index_put((index,), logp_k).view(B, R)
     entropy = None
     if entropy_k is not None:

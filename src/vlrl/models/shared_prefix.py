@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from vlrl.models import kv_cache
 from vlrl.models.adapters import TextAdapter, VisionInputs
 from vlrl.models.grouped import group_sequences, grouped_response_logprobs
-from vlrl.models.logprobs import LogprobChunk, head_scores
+from vlrl.models.logprobs import HeadQuery, LogprobChunk, head_scores
 from vlrl.models.traits import model_traits
 
 log = logging.getLogger(__name__)
@@ -86,10 +86,11 @@ def shared_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter,
                            prompts: Sequence[Sequence[int] | torch.Tensor], responses: Sequence[Sequence[int] | torch.Tensor],
                            visions: Sequence[VisionInputs | None], *, pad_token_id: int, temperature: float = 1.0,
                            with_entropy: bool = False, logprob_chunk: LogprobChunk = "auto",
-                           ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                           query: HeadQuery | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(B, R) response log-probs (and entropy), right-padded with 0, as `response_logprobs` lays them out —
     computed with each distinct prompt run once: in one grouped forward when grad is enabled, against an expanded
-    KV cache otherwise; None when that does not apply (see the module docstring)."""
+    KV cache otherwise; None when that does not apply (see the module docstring). ``query``: its ``result`` filled
+    (`vlrl.models.logprobs.HeadQuery`)."""
     first, index = prompt_groups(prompts, visions)
     B = len(prompts)
     if len(first) == B:
@@ -110,16 +111,16 @@ def shared_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter,
             return None
         batch = group_sequences(model, adapter, prompts, responses, visions, index, pad_token_id=pad_token_id)
         return grouped_response_logprobs(model, adapter, batch, temperature=temperature, with_entropy=with_entropy,
-                                         logprob_chunk=logprob_chunk)
+                                         logprob_chunk=logprob_chunk, query=query)
     return _cached_prefix_logprobs(model, adapter, prompts, responses, visions, first, index,
                                    pad_token_id=pad_token_id, temperature=temperature, with_entropy=with_entropy,
-                                   logprob_chunk=logprob_chunk)
+                                   logprob_chunk=logprob_chunk, query=query)
 
 
 def _cached_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter, prompts: Sequence, responses: list[torch.Tensor],
                             visions: Sequence[VisionInputs | None], first: list[int], index: list[int], *,
                             pad_token_id: int, temperature: float, with_entropy: bool, logprob_chunk: LogprobChunk,
-                            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                            query: HeadQuery | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The no-grad pass: one prefill per distinct prompt, its KV cache expanded to its rows, the responses run
     against it (None: the cache cannot be expanded)."""
     family = adapter.family
@@ -143,6 +144,8 @@ def _cached_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter, prompt
     log_probs = F.log_softmax(logits.float() / max(temperature, 1e-6), dim=-1)  # (G, V)
     logp = log_probs[rows, response_ids[:, 0]].unsqueeze(1)  # (B, 1)
     entropy = (-(log_probs.exp() * log_probs).sum(-1))[rows].unsqueeze(1) if with_entropy else None  # (B, 1)
+    positions = torch.arange(B, device=device).unsqueeze(1) * R + torch.arange(R, device=device)  # (B, R) flat
+    columns = [query.columns(log_probs[rows], query.ids_at(positions[:, 0], B, R)).unsqueeze(1)] if query else []
     if R > 1:
         inputs = response_ids[:, : R - 1]  # (B, R − 1): the last response token is never an input
         kwargs = {"input_ids": inputs,
@@ -150,14 +153,19 @@ def _cached_prefix_logprobs(model: torch.nn.Module, adapter: TextAdapter, prompt
                   "position_ids": last_position[..., rows, :] + 1 + torch.arange(R - 1, device=device)}
         kwargs.update({k: torch.zeros_like(inputs, dtype=torch.int32) for k in type_keys})  # response tokens: text
         key = model_traits(model).cache_key
-        rest_logp, rest_entropy = head_scores(
+        rest = head_scores(
             model, lambda: model(**kwargs, use_cache=True, **{key: cache}),
             lambda hidden: hidden.reshape(-1, hidden.shape[-1]), response_ids[:, 1:].reshape(-1),
-            temperature=temperature, with_entropy=with_entropy, chunk=logprob_chunk)  # (B·(R − 1),) each
+            temperature=temperature, with_entropy=with_entropy, chunk=logprob_chunk, query=query,
+            at=query.ids_at(positions[:, 1:].reshape(-1), B, R) if query else None)  # (B·(R − 1),) each
+        rest_logp, rest_entropy = rest[0], rest[1]
+        columns += [rest[2].view(B, R - 1, -1)] if query else []
         logp = torch.cat([logp, rest_logp.view(B, R - 1)], dim=1)
         if with_entropy:
             entropy = torch.cat([entropy, rest_entropy.view(B, R - 1)], dim=1)
     mask = response_mask.to(logp.dtype)
+    if query is not None:
+        query.place((torch.cat(columns, dim=1) * mask.unsqueeze(-1)).view(B * R, -1), None, B, R)
     return logp * mask, entropy * mask if with_entropy else None
 
 

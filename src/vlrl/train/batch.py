@@ -7,7 +7,8 @@
     KL in reward     r_t − β · KL_t(π_old ‖ π_ref)                        (algo.kl_mode = reward)
     advantages       algo.advantage                                      (the estimator; returns for the critic)
     adv. shaping     algo.advantage_shaping, in order                    (token-level post-processing)
-    distillation     Â_t ← w · Â_t − β · (log π_old − log π_teacher)(y_t) (algo.distill; π_teacher: one no-grad pass)
+    distillation     Â_t ← w · Â_t − β · (log π_old − log π_teacher)(y_t) (algo.distill; π_teacher: one no-grad pass;
+                     estimator topk: w · Â_t, the teacher's top-k to the update's loss term)
 
 `Algorithm` binds everything the step needs from config once (estimator, loss, shapers, reference model);
 nothing here branches on an algorithm's name.
@@ -45,6 +46,7 @@ from vlrl.algos.shaping import (
 from vlrl.config import RLStage, RolloutCorrectionConfig, ShapingSpec
 from vlrl.models import Policy
 from vlrl.models.forward import score
+from vlrl.models.logprobs import HeadQuery
 from vlrl.rollout import Status, Trajectory
 from vlrl.train import step_credit  # noqa: F401  (registers the training room's shaper, step_credit)
 from vlrl.train.common import frozen_copy
@@ -146,6 +148,7 @@ def build_algorithm(stage: RLStage, policy: Policy | None, *, apply_behaviour_we
         max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
         loss_agg_max_length=loss_agg_max_length(stage),
         cov_selection=minibatch_selection(loss_fn),
+        distill_coef=algo.distill.coef if algo.distill is not None and algo.distill.estimator == "topk" else 0.0,
     )
     if train.skip_zero_advantage:
         check_zero_at_zero_advantage(loss_fn, algo.policy_loss)
@@ -212,13 +215,13 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
     n_updates = settings.ppo_epochs * settings.minibatches
     correction = algorithm.rollout_correction
     teacher = algorithm.teacher
+    sampled_distill = teacher is not None and teacher.needs_old
     need_old = (n_updates > 1 or (algorithm.kl_in_reward > 0 and algorithm.reference is not None)
-                or settings.cov_selection is not None or correction.enabled or teacher is not None)
+                or settings.cov_selection is not None or correction.enabled or sampled_distill)
     passes = ScoringPasses(algorithm, policy, trajectories)  # whole, or in micro-batches of the token budget
     token_sums = passes.token_sums  # per-token metrics (and perf/shared_prefix_frac's rows), over ranks
     layout = settings.layout
-    old_logp = passes.run(lambda part, sums: score(policy.model, policy, part, settings.temperature, layout=layout,
-                                                   sums=sums)) if need_old else None
+    old_logp, old_argmax = old_pass(passes, policy, settings, argmax=sampled_distill) if need_old else (None, None)
     rollout_weights, corrected = None, {}
     if correction.enabled:  # TIS weights on the loss, MIS-rejected tokens out of the loss and its normaliser
         corr = rollout_correction(old_logp, tensors["behaviour_logp"], loss_mask, tis_cap=correction.tis_cap,
@@ -231,8 +234,8 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
                                                     layout=layout, sums=sums))
                 if algorithm.reference is not None else None)
     values = passes.run(lambda part, _: algorithm.critic.values(part)) if algorithm.critic is not None else None  # (B, R)
-    teacher_logp = (teacher.logprobs(policy, passes.run, temperature=settings.temperature, layout=layout)
-                    if teacher is not None else None)  # (B, R) log π_T of the sampled tokens
+    scored = (teacher.score(policy, passes.run, temperature=settings.temperature, layout=layout)
+              if teacher is not None else None)  # (B, R) log π_T of the sampled tokens (and its top-k / argmax)
     context = StepContext(policy=policy, reference=algorithm.reference, temperature=settings.temperature, step=step,
                           run_dir=run_dir)
     # reward shaping (per response, per group), then the reward sits on the last model token
@@ -259,7 +262,7 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         rewards=rewards, token_rewards=token_rewards, trajectories=trajectories, step=step, context=context,
     ))  # (B, R)
     if teacher is not None:  # on-policy distillation: Â_t ← w · Â_t − β · (log π_old(y_t) − log π_T(y_t))
-        advantages = teacher.advantages(advantages, old_logp, teacher_logp, loss_mask, token_sums)
+        advantages = teacher.advantages(advantages, old_logp, old_argmax, scored, loss_mask, token_sums)
     metrics.update(shaping_metrics)
     metrics.update(corrected)
     return UpdateBatch(
@@ -268,8 +271,21 @@ def prepare_batch(algorithm: Algorithm, policy: Policy | None, trajectories: Seq
         group_index=tensors["group_index"], rewards=rewards, token_rewards=token_rewards,
         same_version=same_version if same_version is not None else torch.ones(B, dtype=torch.bool), metrics=metrics,
         old_values=values, returns=estimate.returns if values is not None else None, rollout_weights=rollout_weights,
-        token_sums=token_sums,
+        token_sums=token_sums, **(scored.batch_fields() if scored is not None else {}),
     )
+
+
+def old_pass(passes: ScoringPasses, policy: Policy, settings: UpdateSettings, *, argmax: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """π_old's no-grad pass: (B, R) log-probs on the host — and its argmax (B, R) when asked (the sampled
+    distillation's ``distill/agreement``, from the same head, `vlrl.models.logprobs.HeadQuery`)."""
+    def one(part: list, sums: dict | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        query = HeadQuery(argmax=True) if argmax else None
+        logp = score(policy.model, policy, part, settings.temperature, layout=settings.layout, sums=sums, query=query)
+        return (logp, query.result["argmax"].int()) if query is not None else logp
+
+    out = passes.run(one)
+    return out if argmax and out is not None else (out, None)
 
 
 class ScoringPasses:
@@ -290,19 +306,24 @@ class ScoringPasses:
                      for t in trajectories]
             self.plan = local_plan(range(len(sizes)), sizes.__getitem__, cost, budget, ctx=algorithm.ctx)
 
-    def run(self, fn: Callable[[list[Trajectory], dict | None], torch.Tensor]) -> torch.Tensor:
-        """``fn(trajectories, sums)`` → (b, R_b) host values, over the whole batch or its micro-batches."""
+    def run(self, fn: Callable[[list[Trajectory], dict | None], Any]) -> Any:
+        """``fn(trajectories, sums)`` → (b, R_b, …) host values (or a tuple of them), over the whole batch or its
+        micro-batches."""
         if self.plan is None:
             return fn(self.trajectories, self.token_sums)
         width = max(1, max(len(t.response_ids) for t in self.trajectories))
-        out = None
+        out, several = None, False
         for micro in self.plan:
             part = fn([self.trajectories[i] for i in micro.rows], None if micro.noop else self.token_sums)
             if micro.noop:
                 continue
-            out = part.new_zeros(len(self.trajectories), width) if out is None else out
-            out[list(micro.rows), : part.shape[1]] = part
-        return out
+            several = isinstance(part, tuple)
+            parts = part if several else (part,)
+            if out is None:
+                out = [p.new_zeros(len(self.trajectories), width, *p.shape[2:]) for p in parts]
+            for whole, p in zip(out, parts, strict=True):
+                whole[list(micro.rows), : p.shape[1]] = p
+        return out if out is None or several else out[0]
 
 
 def batch_tensors(trajectories: Sequence[Trajectory]) -> dict[str, torch.Tensor]:

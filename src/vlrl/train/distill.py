@@ -1,7 +1,9 @@
 """On-policy distillation's teacher (``algo.distill``; the maths in `vlrl.algos.distill`): loaded once, frozen, in
 the student's dtype and on its device; scored once per step, without gradient, through the same passes as π_ref
 (`vlrl.train.batch.ScoringPasses`: the token budget's micro-batches, ``train.padding_free`` /
-``train.shared_prefix`` / ``train.logprob_chunk``), its log-probs on the host.
+``train.shared_prefix`` / ``train.logprob_chunk``), its log-probs on the host — of the sampled tokens, and for
+``estimator: topk`` of its k most likely tokens at every position (B × R × k ids and log-probs, 8·k + 4 bytes a
+token), which the update's loss term reads.
 
 The teacher scores the student's token ids, prompts encoded by the student's processor: it must share the student's
 tokenizer (a teacher of another family is accepted when its vocabulary is the same, for a text model) — another is
@@ -15,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vlrl.algos.distill import distill_advantages, sampled_reverse_kl
+from vlrl.algos.distill import TeacherScores, agreement_sums, distill_advantages, sampled_reverse_kl
 from vlrl.config import DistillConfig
 from vlrl.models import Policy
 from vlrl.models.forward import PassLayout, score
+from vlrl.models.logprobs import HeadQuery
 
 
 @dataclass
@@ -29,19 +32,47 @@ class Teacher:
     name: str  # algo.distill.teacher, as configured
     coef: float  # β
     reward_weight: float  # w of the outcome advantage
-    estimator: str  # sampled
+    estimator: str  # sampled | topk
+    top_k: int = 16  # k of topk
 
-    def logprobs(self, policy: Policy, run: Callable, *, temperature: float, layout: PassLayout) -> torch.Tensor:
-        """(B, R) log π_T of the step's sampled tokens, on the host: one no-grad pass over the step's trajectories
-        through ``run`` (`ScoringPasses.run`: whole, or in the token budget's micro-batches)."""
-        return run(lambda part, sums: score(self.model, policy, part, temperature, layout=layout, sums=sums))
+    @property
+    def needs_old(self) -> bool:
+        """The sampled term is log π_old − log π_T: it needs π_old's pass (topk's is a loss of π_θ itself)."""
+        return self.estimator == "sampled"
 
-    def advantages(self, advantages: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
-                   loss_mask: torch.Tensor, token_sums: dict[str, list[float]]) -> torch.Tensor:
-        """Â_t ← w · Â_t − β · (log π_old(y_t) − log π_T(y_t)) on model tokens (`vlrl.algos.distill`); the term's
-        token sums (distill/reverse_kl, distill/teacher_logprob) go to ``token_sums``."""
-        term = sampled_reverse_kl(student_logp, teacher_logp, loss_mask)
+    def score(self, policy: Policy, run: Callable, *, temperature: float, layout: PassLayout) -> TeacherScores:
+        """One no-grad pass over the step's trajectories through ``run`` (`ScoringPasses.run`: whole, or in the token
+        budget's micro-batches), every layout: log π_T of the sampled tokens, and the top-k (topk) or the argmax
+        (sampled) from the same head (`vlrl.models.logprobs.HeadQuery`)."""
+        topk = self.estimator == "topk"
+
+        def one(part: list, sums: dict | None) -> tuple[torch.Tensor, ...]:
+            query = HeadQuery(top_k=self.top_k) if topk else HeadQuery(argmax=True)
+            logp = score(self.model, policy, part, temperature, layout=layout, sums=sums, query=query)
+            got = query.result
+            if not topk:
+                return logp, got["argmax"].int()
+            return logp, torch.cat([got["topk_logp"], got["topk_rest"].unsqueeze(-1)], dim=-1), got["topk_ids"].int()
+
+        out = run(one)
+        return TeacherScores(out[0], out[1], out[2]) if topk else TeacherScores(out[0], argmax=out[1])
+
+    def advantages(self, advantages: torch.Tensor, student_logp: torch.Tensor | None,
+                   student_argmax: torch.Tensor | None, teacher: TeacherScores, loss_mask: torch.Tensor,
+                   token_sums: dict[str, list[float]]) -> torch.Tensor:
+        """sampled: Â_t ← w · Â_t − β · (log π_old(y_t) − log π_T(y_t)) on model tokens (`vlrl.algos.distill`), the
+        term's token sums (distill/reverse_kl, distill/teacher_logprob, distill/agreement of π_old's argmax) into
+        ``token_sums``. topk: Â_t ← w · Â_t (its term is a loss, `vlrl.train.update`, which logs its reverse KL and
+        agreement); distill/teacher_logprob."""
+        if self.estimator == "topk":
+            mask = loss_mask.float()
+            token_sums["distill/teacher_logprob"] = [float((teacher.logp[:, : mask.shape[1]] * mask).sum()),
+                                                     float(mask.sum())]
+            return distill_advantages(advantages, torch.zeros_like(advantages), loss_mask, coef=0.0,
+                                      reward_weight=self.reward_weight)
+        term = sampled_reverse_kl(student_logp, teacher.logp, loss_mask)
         token_sums.update(term.token_sums)
+        token_sums["distill/agreement"] = agreement_sums(student_argmax, teacher.argmax, loss_mask)
         return distill_advantages(advantages, term.reverse_kl, loss_mask, coef=self.coef,
                                   reward_weight=self.reward_weight)
 
@@ -62,7 +93,7 @@ def load_teacher(spec: DistillConfig, policy: Policy) -> Teacher:
     loaded = load_policy(spec.teacher, dtype=dtype, device=str(parameter.device))
     check_same_tokenizer(policy, loaded, spec.teacher)
     teacher = loaded.model.eval().requires_grad_(False)  # frozen (loaded for this run alone: no copy needed)
-    return Teacher(teacher, spec.teacher, spec.coef, spec.reward_weight, spec.estimator)
+    return Teacher(teacher, spec.teacher, spec.coef, spec.reward_weight, spec.estimator, spec.top_k)
 
 
 def check_same_tokenizer(student: Policy, teacher: Policy, teacher_name: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vlrl.algos.distill import distill_advantages, sampled_reverse_kl
+from vlrl.algos.distill import TeacherScores, distill_advantages, sampled_reverse_kl
 from vlrl.config import DistillConfig
 from vlrl.models import Policy
 from vlrl.models.forward import PassLayout
@@ -46,6 +46,16 @@ class RemoteTeacher:
     coef: float  # β
     reward_weight: float  # w of the outcome advantage
     estimator: str  # sampled (the config refuses another for a server teacher)
+
+    @property
+    def needs_old(self) -> bool:
+        """The sampled term is log π_old − log π_T: it needs π_old's pass (as `vlrl.train.distill.Teacher`)."""
+        return True
+
+    def score(self, policy: Policy, run: Callable, *, temperature: float, layout: PassLayout) -> TeacherScores:
+        """As `vlrl.train.distill.Teacher.score`, the sampled tokens' log-probs only: a server answers no argmax (nor
+        top-k), so ``distill/agreement`` is not logged."""
+        return TeacherScores(self.logprobs(policy, run, temperature=temperature, layout=layout))
 
     def logprobs(self, policy: Policy, run: Callable, *, temperature: float, layout: PassLayout) -> torch.Tensor:
         """(B, R) log π_T of the step's sampled tokens, on the host: one request per trajectory with a response, all
@@ -76,10 +86,11 @@ class RemoteTeacher:
         return {id(t): torch.tensor(values, dtype=torch.float32)
                 for t, values in zip(kept, self.client.score(requests), strict=True)}
 
-    def advantages(self, advantages: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
-                   loss_mask: torch.Tensor, token_sums: dict[str, list[float]]) -> torch.Tensor:
-        """As `vlrl.train.distill.Teacher.advantages`: Â_t ← w · Â_t − β · (log π_old(y_t) − log π_T(y_t))."""
-        term = sampled_reverse_kl(student_logp, teacher_logp, loss_mask)
+    def advantages(self, advantages: torch.Tensor, student_logp: torch.Tensor, student_argmax: torch.Tensor | None,
+                   teacher: TeacherScores, loss_mask: torch.Tensor, token_sums: dict[str, list[float]]) -> torch.Tensor:
+        """As `vlrl.train.distill.Teacher.advantages` for ``sampled``: Â_t ← w · Â_t − β · (log π_old(y_t) −
+        log π_T(y_t)); no agreement (no teacher argmax)."""
+        term = sampled_reverse_kl(student_logp, teacher.logp, loss_mask)
         token_sums.update(term.token_sums)
         return distill_advantages(advantages, term.reverse_kl, loss_mask, coef=self.coef,
                                   reward_weight=self.reward_weight)

@@ -71,7 +71,8 @@ class Learner:
                                                         rt.ctx))  # perf/mfu of the update and of generation
         self.optimizer, self.scheduler = make_optimizer(model, stage.optim, policy.adapter.module_groups,
                                                         total_steps=stage.train.steps)
-        self.watches = StepWatches(logger, stage_name, enabled=rt.ctx.is_main)  # zero-advantage, well-formed
+        self.watches = StepWatches(logger, stage_name, enabled=rt.ctx.is_main,  # zero-advantage, well-formed
+                                   loss_beside_advantage=self.algorithm.settings.distill_coef > 0)
         self.run_dir = logger.path.parent if logger.path is not None and rt.ctx.is_main else None  # shapers' files
 
     def step(self, batch: FeedBatch, step: int) -> StepStats:

@@ -400,9 +400,9 @@ def gather_rows(batch: Any, ctx: Any, offsets: Sequence[int], needs: Sequence[se
     merged = {}
     for name in tensors:
         values = [part[name] for part in parts]
-        width = max(v.shape[1] for v in values) if values[0].dim() == 2 else 0
-        merged[name] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1])) if v.dim() == 2 else v
-                                  for v in values])
+        width = max(v.shape[1] for v in values) if values[0].dim() >= 2 else 0  # (B, R, …): padded along R
+        merged[name] = torch.cat([torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]))
+                                  if v.dim() >= 2 else v for v in values])
     start = offsets[ctx.rank]
     mine = {start + i: t for i, t in enumerate(batch.trajectories)}
     outgoing = [[] if dst == ctx.rank else [(g, _light(t)) for g, t in mine.items() if g in needs[dst]]

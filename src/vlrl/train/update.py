@@ -14,6 +14,7 @@
                 L_t ← w_t · L_t   (async: w = min(π_prox / π_behave, cap))     when enabled
                 L_t ← ρ̃_t · L_t   (TIS: ρ̃ = min(π_old / π_sampler, C))         algo.rollout_correction.tis_cap
                 loss = aggregate(L, N) (+ β · aggregate(KL(πθ ‖ π_ref), N))
+                       (+ β_d · aggregate(D(πθ ‖ π_teacher), N): algo.distill's topk term, `vlrl.algos.distill`)
                 loss.backward()
             clip grad norm → optimizer step
             critic (gae): Σ micro ½·max((V − R)², (V_clip − R)²) → backward → its own step
@@ -32,10 +33,12 @@ from typing import Any
 import torch
 
 from vlrl.algos import PolicyLossInputs, aggregate, kl_estimate, normaliser_for
+from vlrl.algos.distill import topk_reverse_kl
 from vlrl.algos.losses import behaviour_weight
 from vlrl.algos.staleness import logp_drift, logp_drift_max
 from vlrl.models import Policy
 from vlrl.models.forward import PassLayout, teacher_forced
+from vlrl.models.logprobs import HeadQuery
 from vlrl.models.shared_prefix import rows_by_prompt
 from vlrl.train.common import step_or_skip
 from vlrl.train.distributed import DistContext
@@ -65,6 +68,9 @@ class UpdateBatch:
     rollout_weights: torch.Tensor | None = None  # (B, R) TIS weights min(π_old / π_sampler, C), no grad; None: off
     token_sums: dict[str, list[float]] = field(default_factory=dict)  # per-token metrics of the batch (the KL
     # reward penalty's): name -> [Σ value·mask, Σ mask], logged as token means over every rank's tokens
+    teacher_topk_logp: torch.Tensor | None = None  # (B, R, k + 1) algo.distill topk: the teacher's log-probs of its
+    # top-k tokens at each position, the log of the rest mass last; None: no top-k term
+    teacher_topk_ids: torch.Tensor | None = None  # (B, R, k) int32: those tokens' ids
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class UpdateSettings:
     skip_zero_advantage: bool = False  # leave rows with Â = 0 everywhere out of the forward/backward (loss 0 there)
     on_nonfinite: str = "stop"  # train.on_nonfinite: a NaN/Inf loss or grad norm stops the run, or its update is skipped
     max_tokens_per_micro_batch: int | None = None  # micro-batches by cost, rows rebalanced over ranks (vlrl.train.microbatch)
+    distill_coef: float = 0.0  # β of algo.distill's topk loss term (the batch carries the teacher's top-k)
 
     @property
     def layout(self) -> PassLayout:
@@ -201,7 +208,8 @@ def zero_advantage_rows(batch: UpdateBatch, settings: UpdateSettings, *, world_s
     process: data-parallel ranks must run the same number of backward passes."""
     mask = batch.loss_mask.bool()
     zero = ~((batch.advantages != 0) & mask).any(dim=1)
-    if not settings.skip_zero_advantage or world_size > 1 or (batch.ref_logp is not None and settings.kl_coef > 0):
+    if (not settings.skip_zero_advantage or world_size > 1 or (batch.ref_logp is not None and settings.kl_coef > 0)
+            or batch.teacher_topk_ids is not None):  # a loss term beside Â · f(ratio): every row counts
         return torch.zeros_like(zero)
     return zero
 
@@ -260,11 +268,14 @@ def _micro_loss(policy: Policy, rt: Runtime, batch: UpdateBatch, micro: list[int
     """The loss of one micro-batch ``micro`` (rows of ``batch``) over the minibatch's ``normaliser``, its
     statistics added to ``stats`` (None: a no-op micro-batch, nothing counted)."""
     trajectories = [batch.trajectories[i] for i in micro]
+    topk = batch.teacher_topk_ids  # algo.distill topk: the student's log-probs at the teacher's top-k, with grad
+    query = HeadQuery(at=topk[micro], argmax=True) if topk is not None else None
     with rt.autocast():
         scores = teacher_forced(
             rt.module, policy.adapter, [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
             [t.vision for t in trajectories], pad_token_id=policy.pad_token_id, temperature=settings.temperature,
-            with_entropy=True, layout=settings.layout, sums=stats.token_sums if stats is not None else None)
+            with_entropy=True, layout=settings.layout, sums=stats.token_sums if stats is not None else None,
+            query=query)
     logp, entropy = scores.logp, scores.entropy  # (b, R) each, 0 at padding
     R = logp.shape[1]
 
@@ -291,6 +302,9 @@ def _micro_loss(policy: Policy, rt: Runtime, batch: UpdateBatch, micro: list[int
     if batch.ref_logp is not None and settings.kl_coef > 0:
         kl = kl_estimate(logp, rows_of(batch.ref_logp), settings.kl_estimator)
         loss = loss + settings.kl_coef * aggregate(kl, mask, settings.loss_agg, normaliser=normaliser)
+    if query is not None:
+        loss = loss + _distill_term(query.result, rows_of(batch.teacher_topk_logp), rows_of(topk), mask, settings,
+                                    normaliser=normaliser, stats=stats)
     if stats is None:
         return loss
     if kl is not None:
@@ -307,6 +321,20 @@ def _micro_loss(policy: Policy, rt: Runtime, batch: UpdateBatch, micro: list[int
     stats.drift_tokens += int(n)
     stats.drift_max = max(stats.drift_max, float(logp_drift_max(behaviour, old, mask, same)))  # rollout/logprob_diff_max
     return loss
+
+
+def _distill_term(student: dict[str, torch.Tensor], teacher_logp: torch.Tensor, teacher_ids: torch.Tensor,
+                  mask: torch.Tensor, settings: UpdateSettings, *, normaliser: float,
+                  stats: UpdateStats | None) -> torch.Tensor:
+    """β · aggregate(D_t) of algo.distill's topk estimator (`vlrl.algos.distill.topk_reverse_kl`) of a micro-batch:
+    the student's log-probs at the teacher's top-k and its rest mass (``student``, the pass's `HeadQuery` result),
+    the teacher's (b, R, k + 1) and ids (b, R, k); ``distill/reverse_kl`` and ``distill/agreement`` (the student's
+    argmax is the teacher's top-1) into ``stats``."""
+    term = topk_reverse_kl(student["at_logp"], student["at_rest"], teacher_logp[..., :-1], teacher_logp[..., -1])
+    if stats is not None:
+        stats.add_tokens("distill/reverse_kl", term, mask)
+        stats.add_tokens("distill/agreement", (student["argmax"] == teacher_ids[..., 0]).to(mask.dtype), mask)
+    return settings.distill_coef * aggregate(term, mask, settings.loss_agg, normaliser=normaliser)
 
 
 def minibatch_gradient(policy: Policy, batch: UpdateBatch, rows: Sequence[int], settings: UpdateSettings, *,

@@ -9,10 +9,15 @@ from vlrl.train.zero_advantage import ZeroAdvantageWatch
 
 
 class StepWatches:
-    """``update(step, metrics)`` after every step; ``enabled=False`` (ranks other than 0) says nothing."""
+    """``update(step, metrics)`` after every step; ``enabled=False`` (ranks other than 0) says nothing;
+    ``loss_beside_advantage`` (algo.distill's topk term): a zero-advantage group still trains, so no
+    zero-advantage warning."""
 
-    def __init__(self, logger: MetricsLogger, stage: str, *, enabled: bool = True) -> None:
-        self.watches = [ZeroAdvantageWatch(logger, stage), FormatWatch(logger, stage)] if enabled else []
+    def __init__(self, logger: MetricsLogger, stage: str, *, enabled: bool = True,
+                 loss_beside_advantage: bool = False) -> None:
+        watches = [FormatWatch(logger, stage)] if loss_beside_advantage else [ZeroAdvantageWatch(logger, stage),
+                                                                              FormatWatch(logger, stage)]
+        self.watches = watches if enabled else []
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         for watch in self.watches:
