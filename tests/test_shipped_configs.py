@@ -38,6 +38,7 @@ import pytest
 import yaml
 
 import vlrl
+from cli_runner import in_process  # tests/ is on sys.path (the test packages' root)
 from vlrl.numerics import portable_obstacle
 
 CONFIGS = Path(vlrl.__file__).parent / "configs"  # = the repository's configs/ (a symlink to it)
@@ -86,38 +87,6 @@ def cli(*args: str, env: dict | None = None, timeout: float = 600) -> None:
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
                           cwd=REPO)
     assert done.returncode == 0, f"vlrl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}"
-
-
-def in_process(*args: str) -> str:
-    """``vlrl ARGS`` run by the ``vlrl`` app in this process (typer's runner, the way tests/test_readme_commands.py runs
-    the README's commands) at one torch thread, as the subprocess ran it: a process of its own paid ~5 CPU-s for its
-    imports of torch, transformers and vlrl before the run's own ~3 (measured: 8.4 CPU-s a run as a process) — the
-    imports are now paid once per worker. The run writes the same files; the checks read them. Returns what it
-    printed, stdout and stderr, its whitespace collapsed."""
-    import torch
-    from typer.testing import CliRunner
-
-    from vlrl.cli import app
-
-    threads, cwd, offline = torch.get_num_threads(), os.getcwd(), os.environ.get("HF_HUB_OFFLINE")
-    torch.set_num_threads(1)
-    os.environ["HF_HUB_OFFLINE"] = "1"  # the recipes name hub models; model.path points at their tiny presets
-    os.chdir(REPO)
-    try:
-        result = CliRunner().invoke(app, list(args))
-    finally:
-        os.chdir(cwd)
-        torch.set_num_threads(threads)
-        if offline is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = offline
-    if result.exit_code != 0:
-        import traceback
-
-        trace = "".join(traceback.format_exception(result.exception)) if result.exception else ""
-        raise AssertionError(f"vlrl {' '.join(args)} failed ({result.exit_code}):\n{result.output[-4000:]}\n{trace[-4000:]}")
-    return " ".join(result.output.split())  # stdout and stderr as printed (rich wraps long lines)
 
 
 def shrunk(name: str, tmp: Path) -> Path:
@@ -455,14 +424,17 @@ def _no_step_credit(run: Run) -> None:
 
 
 def opd(run: Run) -> None:
-    """On-policy distillation from the shapes_sft checkpoint (the teacher) into the untrained preset (the student):
-    the sampled reverse KL, the teacher's log-probs and the argmax agreement are logged every step, finite, and the
-    KL is not 0 (the top-k estimator through the CLI: tests/train/test_distill.py)."""
+    """On-policy distillation from the shapes_sft checkpoint (the teacher, in-process or on a `vlrl serve` server)
+    into the untrained preset (the student): the sampled reverse KL, the teacher's log-probs and (in-process) the
+    argmax agreement are logged every step, finite, and the KL is not 0 (the top-k estimator through the CLI:
+    tests/train/test_distill.py)."""
     records = rl_trained(run)
-    assert run.config["algo"]["distill"]["teacher"].endswith("final")
+    distill = run.config["algo"]["distill"]
+    assert (distill["teacher"] or "").endswith("final") or distill["teacher_urls"]
     for r in records:
         assert math.isfinite(r["distill/reverse_kl"]) and r["distill/teacher_logprob"] < 0, r
-        assert 0 <= r["distill/agreement"] <= 1, r
+        if distill["teacher"]:  # a teacher on a server gives no argmax (its scores are the sampled tokens')
+            assert 0 <= r["distill/agreement"] <= 1, r
     assert any(r["distill/reverse_kl"] != 0 for r in records)
 
 
@@ -556,6 +528,34 @@ def test_the_multi_turn_preset_asynchronous_against_a_vlrl_serve_server(request,
     shapes_feedback(run)
     asynchronous(run)
     assert (tmp_path / "rollout_weights").is_dir()  # the weights the server loaded
+
+
+@pytest.mark.e2e
+def test_shapes_opd_with_its_teacher_on_a_vlrl_serve_server(request, models, tmp_path):
+    """``vlrl rl --config configs/shapes_opd.yaml algo.distill.teacher=null algo.distill.teacher_urls=[URL]``: the
+    teacher (the shapes_sft checkpoint) served by ``vlrl serve`` on loopback scores every trajectory (prefill-only
+    requests: the server counts their rows; nothing else talks to it), and the run logs OPD's metrics as with the
+    teacher in-process."""
+    import httpx
+
+    teacher = request.getfixturevalue("shapes_sft").path / "checkpoints" / "final"
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "vlrl.cli", "serve", "--model", str(teacher), "--port", str(port),
+                               "--no-auth", "--threads", "1"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_port(port, server)
+        cli("rl", "--config", str(CONFIGS / "shapes_opd.yaml"), f"model.path={models['vlm']}", *RL_TINY,
+            "algo.distill.teacher=null", f"algo.distill.teacher_urls=[http://127.0.0.1:{port}]", f"out={tmp_path}")
+        served = httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=30).json()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    run = Run.read(tmp_path)
+    opd(run)
+    assert run.config["algo"]["distill"]["teacher"] is None
+    # 2 steps × 2 prompts × 4 responses, each with tokens scored once (a response may be empty); nothing sampled
+    assert served["rows"] >= 8 and served["decode_steps"] == 0, served
 
 
 def _free_port() -> int:

@@ -18,10 +18,11 @@ from PIL import Image
 from vlrl.config import RolloutConfig
 from vlrl.data import Sample, generate
 from vlrl.models import load_policy
-from vlrl.rollout import SamplingParams, Status
+from vlrl.rollout import HFEngine, SamplingParams, Status
 from vlrl.rollout.agent import RolloutEngine, build_rollout
 from vlrl.rollout.http_engine import HTTPEngine, encode_image
 from vlrl.rollout.http_settings import ClientSettings, SyncSettings
+from vlrl.rollout.teacher_client import ScoreRequest, ScoringClient
 
 from .conftest import API_KEY, running_server
 from .sglang_contract import SGLANG_VERSION, WheelUnavailable, load_contract
@@ -166,6 +167,38 @@ def test_multi_turn_contexts_pass_sglangs_schema(contract, engine, recorded):
         assert contract.generate_error(body) is None and status == 200, answer
 
 
+def test_a_teachers_scoring_bodies_pass_sglangs_schema_and_vlrl_serve_answers_in_sglangs_shape(contract, served, policy):
+    """On-policy distillation's teacher on a server (`vlrl.rollout.teacher_client`): its prefill-only bodies
+    (``max_new_tokens: 0``, ``return_logprob``, ``logprob_start_len``; text and with images) pass SGLang's gate, and
+    vlrl serve's answers — ``input_token_logprobs`` included — parse with SGLang's response schema."""
+    image = _image_samples(1)[0]
+    client = ScoringClient([served.url], ClientSettings(api_key=API_KEY))
+    try:
+        calls = []
+        original = client.pool.client.post
+
+        async def post(url, *args, json=None, **kwargs):
+            response = await original(url, *args, json=json, **kwargs)
+            calls.append((_as_json(json), response.status_code, response.json()))
+            return response
+
+        client.pool.client.post = post
+        request = HFEngine(policy).encode(image)
+        text_ids = policy.tokenizer.encode("How many shapes are there? 3")
+        ids = [int(t) for t in request.prompt_ids] + text_ids[:3]
+        scored = client.score([ScoreRequest(text_ids, [], 4),
+                               ScoreRequest(ids, [encode_image(im) for im in request.images], len(request.prompt_ids) - 1)])
+    finally:
+        client.close()
+    assert [len(values) for values in scored] == [len(text_ids) - 5, 3]
+    assert len(calls) == 2
+    for body, status, answer in calls:
+        assert contract.generate_error(body) is None, contract.generate_error(body)
+        assert body["sampling_params"]["max_new_tokens"] == 0 and status == 200, answer
+        parsed = contract.api.GenerateResponse.from_json_value(answer)
+        assert len(parsed.meta_info.input_token_logprobs) == len(body["input_ids"]) - body["logprob_start_len"]
+
+
 @pytest.mark.parametrize("mode", ["finish", "abort", "retract", "in_place"])
 def test_every_weight_call_matches_sglangs_request_structs(mode, contract, engine, recorded):
     """The disk path as sent (pause / flush / load / continue) in every ``rollout.servers.on_weight_update`` mode, and
@@ -222,6 +255,8 @@ def _refused_bodies(prompt_ids, image):
         "a float stop token id": {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [1.5]}},
         "text as a number": {"text": 5},
         "return_logprob as a string": {"input_ids": [1, 2], "return_logprob": "yes"},
+        "logprob_start_len as a string": {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": "0"},
+        "logprob_start_len as a float": {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 0.5},
     }
 
 

@@ -95,6 +95,48 @@ def _checksums_agree(vllm: VLLM, saved: Path) -> proto.ChecksumReport:
     return report
 
 
+def test_a_teacher_on_vllm_scores_as_the_in_process_teacher(vllm, monkeypatch):
+    """On-policy distillation's teacher on this vLLM server (``algo.distill.teacher_urls``: its ``prompt_logprobs``,
+    `vlrl.rollout.teacher_client`) gives the in-process teacher's log-probs of the same checkpoint on the same sampled
+    trajectories, to `LOGPROB_BOUND` (fp32). First in the module: the server still holds the checkpoint's weights
+    (checked by vLLM's own checksums)."""
+    from vlrl.config import RLStage
+    from vlrl.data import generate
+    from vlrl.models import load_policy
+    from vlrl.models.forward import PassLayout
+    from vlrl.rollout import HFEngine, SamplingParams
+    from vlrl.train.distill import load_teacher
+
+    _checksums_agree(vllm, vllm.model)
+    monkeypatch.setenv("VLRL_API_KEY", vllm.key)
+    policy = load_policy(str(vllm.model))
+    torch.manual_seed(0)
+    engine = HFEngine(policy)
+    trajectories = engine.generate([engine.encode(s) for s in generate("arith", 2)], SamplingParams(n=2, max_new_tokens=6))
+
+    def teacher(spec: dict):
+        return load_teacher(RLStage.model_validate({"algo": {"distill": spec}}).algo.distill, policy)
+
+    remote = teacher({"teacher_urls": [vllm.url]})
+    try:
+        assert remote.client.engines == {vllm.url: "vllm"}
+
+        def whole(fn):
+            return fn(trajectories, None)
+
+        served = remote.logprobs(policy, whole, temperature=1.0, layout=PassLayout())
+    finally:
+        remote.close()
+    mine = teacher({"teacher": str(vllm.model)}).logprobs(policy, whole, temperature=1.0, layout=PassLayout())
+    mask = torch.zeros_like(mine)
+    for i, t in enumerate(trajectories):
+        mask[i, : len(t.response_ids)] = 1
+    worst = float(((served - mine) * mask).abs().max())
+    print(f"vLLM prompt_logprobs vs the in-process teacher: worst {worst:.2e} over {int(mask.sum())} tokens")
+    assert mask.sum() > 0 and worst < LOGPROB_BOUND, worst
+    assert (served * (1 - mask)).abs().max() == 0
+
+
 def test_sync_rl_on_vllm(vllm, tmp_path):
     pauses, resumes = vllm.calls("/pause?mode=wait"), vllm.calls("/resume")
     records, log = _rl(vllm, tmp_path / "run", "--config", str(CONFIGS / "arith_grpo.yaml"), f"model.path={vllm.model}",

@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from cli_runner import in_process  # tests/ is on sys.path (the test packages' root)
+
 from .dist_helpers import REPO, run_checked, torchrun
 
 sys.path.insert(0, str(REPO / "tests" / "train"))
@@ -119,7 +121,7 @@ def test_a_one_process_ppo_checkpoint_resumes_on_2_ranks(tiny_vlm_dir, tmp_path)
     args = ["rl", "--config", str(REPO / "configs/shapes_ppo.yaml"), f"model.path={tiny_vlm_dir}", f"data.train={data}",
             f"data.test={data}", "train.steps=3", "train.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=6",
             "train.micro_batch_size=4", *COMMON_ARGS, f"out={tmp_path / 'run'}"]
-    run_checked([sys.executable, "-m", "vlrl.cli", *args, "train.steps=1"], timeout=300)
+    in_process(*args, "train.steps=1")  # the one process: the vlrl app in this one (tests/cli_runner.py)
     proc = run_checked(torchrun(2, "-m", "vlrl.cli", *args, "dist.strategy=fsdp", "--resume", "auto"), timeout=300)
     assert "written by 1 rank(s), resumed on 2" in proc.stdout + proc.stderr
     records = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())

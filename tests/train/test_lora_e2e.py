@@ -20,25 +20,21 @@ With the preset's former lr 2e-3 the KL to the base jumped past 1 in 3 of 5 runs
 """
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import vlrl
+from cli_runner import in_process  # tests/ is on sys.path (the test packages' root)
 
 CONFIGS = Path(vlrl.__file__).parent / "configs"
 K = 10  # steps in each window compared: the first K (the SFT policy, barely moved) and the last K
 
 
 def vlrl_cli(*args: str) -> None:
-    """``python -m vlrl.cli ARGS`` (the ``vlrl`` command) on one thread, which must succeed."""
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", *args], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-    assert done.returncode == 0, f"vlrl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    """``vlrl ARGS`` on one thread, which must succeed: the vlrl app in this process (tests/cli_runner.py)."""
+    in_process(*args)
 
 
 def rl_records(run: Path) -> list[dict]:

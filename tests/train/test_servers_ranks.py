@@ -12,11 +12,11 @@ model's 6-token responses end (21–24 characters: distinct rewards, so the adva
 import json
 import os
 import subprocess
-import sys
 
 import httpx
 import pytest
 
+from cli_runner import in_process  # tests/ is on sys.path (the test packages' root)
 from rollout.conftest import API_KEY, vlrl_serve  # tests/ is on sys.path (the test packages' root)
 from vlrl.data import generate, write_samples
 from vlrl.models import load_policy
@@ -42,11 +42,15 @@ def _write_data(path):
 
 
 def _run(cmd, out, url, data, *extra):
-    args = [*cmd, "rl", f"model.path={data['model']}", f"data.train={data['file']}", f"data.test={data['file']}",
+    """``cmd`` None: the one process is the vlrl app in this one (tests/cli_runner.py)."""
+    args = ["rl", f"model.path={data['model']}", f"data.train={data['file']}", f"data.test={data['file']}",
             *ARGS, f"rollout.servers.urls=[{url}]", f"out={out}", *extra]
-    proc = subprocess.run(args, env=quiet_env(VLRL_API_KEY=API_KEY), capture_output=True, text=True, timeout=900,
-                          cwd=REPO)
-    assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    if cmd is None:
+        in_process(*args, env={"VLRL_API_KEY": API_KEY})
+    else:
+        proc = subprocess.run([*cmd, *args], env=quiet_env(VLRL_API_KEY=API_KEY), capture_output=True, text=True,
+                              timeout=900, cwd=REPO)
+        assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r.get("stage") == "rl"]
 
@@ -65,7 +69,7 @@ def test_two_ranks_share_a_rollout_server_and_equal_the_one_rank_run(tiny_vlm_di
         # every update reached the server by broadcast (nothing written for it on disk), the last one the final weights
         assert info["weight_version"] == str(STEPS) and info["weight_checksum"] == weight_checksum(final_two.model)
         assert not (tmp_path / "two" / "rollout_weights").exists()
-        one = _run([sys.executable, "-m", "vlrl.cli"], tmp_path / "one", url, data)
+        one = _run(None, tmp_path / "one", url, data)
         info = _server_info(url)
         final_one = load_policy(str(tmp_path / "one" / "checkpoints" / "final"))
         assert info["weight_version"] == str(STEPS) and info["weight_checksum"] == weight_checksum(final_one.model)

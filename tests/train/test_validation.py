@@ -4,22 +4,20 @@ metrics.jsonl, the report's curves and the trackers, as verl's test_freq / log_v
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
+from cli_runner import in_process  # tests/ is on sys.path (the test packages' root)
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "src" / "vlrl" / "configs"
 
 
 def _cli(*args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
+    in_process(*args)  # the vlrl app in this process (tests/cli_runner.py): the checks read the files it writes
 
 
 @pytest.mark.e2e

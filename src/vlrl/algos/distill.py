@@ -86,3 +86,19 @@ def agreement_sums(student_argmax: torch.Tensor, teacher_argmax: torch.Tensor, l
     mask = loss_mask.float()
     same = (student_argmax[:, :width] == teacher_argmax[:, :width].to(student_argmax.device)).float() * mask
     return [float(same.sum()), float(mask.sum())]
+
+
+@dataclass
+class TeacherScores:
+    """The teacher's pass over a step's (B, R) response tokens, on the host: log π_T of the sampled tokens; for
+    ``topk`` its k most likely tokens' ids (B, R, k) int32 and log-probs with the rest mass last (B, R, k + 1); for
+    ``sampled`` its argmax (B, R) (``distill/agreement``)."""
+
+    logp: torch.Tensor
+    topk_logp: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+
+    def batch_fields(self) -> dict[str, torch.Tensor | None]:
+        """What the update needs of it (`vlrl.train.update.UpdateBatch`): the top-k, for the loss term."""
+        return {"teacher_topk_logp": self.topk_logp, "teacher_topk_ids": self.topk_ids}

@@ -13,7 +13,9 @@ first few of every task and the longest prompts — to check:
 - every reward name, estimator, policy loss, metric sink and dotted path (``pkg.mod:fn``, e.g. an
   environment) resolves; every verifier the data names has its optional dependencies; the procedural suite
   and its tasks exist; data files exist and parse;
-- the ``code`` reward's sandbox can have the isolation ``sandbox.isolation`` asks for (when the data uses it).
+- the ``code`` reward's sandbox can have the isolation ``sandbox.isolation`` asks for (when the data uses it);
+- on-policy distillation's teacher reads and shares the student's tokenizer, or its server answers
+  (`vlrl.check.teacher`).
 
 Every problem names the config field or the ``file:line``; all of them are listed at once.
 """
@@ -31,6 +33,7 @@ from typing import Any
 
 from vlrl.check.report import Budget, CheckReport
 from vlrl.check.samples import check_samples, load_processor, sample_location
+from vlrl.check.teacher import check_teachers
 from vlrl.config import DemoConfig, RLConfig, RLStage, RunConfig, SFTConfig, SFTStage
 from vlrl.data import DataError, MediaLimits, Sample, read_samples
 from vlrl.registry import RegistryError
@@ -62,6 +65,7 @@ def preflight(cfg: RunConfig, *, splits: dict[str, list[Sample]] | None = None,
     _check_sft_responses(report, splits.get("train", []), sft)
     _check_batches_against_data(report, cfg, splits, sft, rl)
     bundle = load_processor(report, cfg.model)
+    check_teachers(report, bundle, rl)
     if bundle is not None:
         picks = {split: _pick(samples, cfg.check.samples_per_task) for split, samples in splits.items()}
         if budgets is None:

@@ -139,10 +139,27 @@ class DistillConfig(Section):
     KL(π_θ ‖ π_teacher) on its own samples (Agarwal et al. 2024, GKD; Thinking Machines, "On-Policy Distillation",
     2025). Dense, verifier-free supervision at RL's on-policy state distribution, alone or beside GRPO."""
 
-    teacher: str = Field(description="The teacher, in-process: a model path, hub id or tiny preset (as model.path). "
-                         "Frozen, scored without gradient once per step like π_ref. It must share the student's "
-                         "tokenizer (it scores the student's token ids): another tokenizer is refused, naming both.",
-                         json_schema_extra={"path": "model"})
+    teacher: str | None = Field(
+        None, description="The teacher, in-process: a model path, hub id or tiny preset (as model.path). Frozen, "
+        "scored without gradient once per step like π_ref. It must share the student's tokenizer (it scores the "
+        "student's token ids): another tokenizer is refused, naming both. Give this or teacher_urls, not both.",
+        json_schema_extra={"path": "model"})
+    teacher_urls: list[str] | None = Field(
+        None, min_length=1, description="The teacher on rollout servers that score input tokens (SGLang's /generate "
+        "with return_logprob, logprob_start_len and max_new_tokens 0: `vlrl serve --model TEACHER`, or SGLang; "
+        "vLLM's prompt_logprobs for a text teacher), "
+        "e.g. [http://127.0.0.1:30001]: one prefill-only request per trajectory (prompt + response, its images), "
+        "spread over the servers; the server's tokenizer is checked against the student's (/server_info). SGLang "
+        "scores input tokens at temperature 1, so rollout.temperature must be 1. Give this or teacher, not both.")
+    teacher_api_key_env: str = Field(
+        "VLRL_API_KEY", description="Environment variable holding the teacher servers' bearer token (as "
+        "rollout.servers.api_key_env; never put the key itself in a config).")
+    teacher_request_timeout: float = Field(
+        300.0, gt=0, description="Seconds one teacher request may take before it counts as a failure of its server "
+        "(retried on another, up to 3 times).")
+    teacher_max_concurrent: int = Field(
+        64, ge=1, description="Teacher requests in flight at once (over all teacher_urls); the servers' own "
+        "admission bounds the rest (a full server answers 503 and is waited for).")
     coef: float = Field(1.0, ge=0, description="Weight β of the distillation term: sampled, Â_t ← w · Â_t − β · "
                         "(log π_old(y_t) − log π_teacher(y_t)) (slime --use-opd's opd_kl_coef; Thinking Machines: 1); "
                         "topk, loss += β · aggregate(D_t) by algo.loss_agg.")
@@ -163,6 +180,21 @@ class DistillConfig(Section):
         "rewards) beside the distillation term. 1: OPD + GRPO; 0: OPD alone — the rewards are still scored and "
         "logged but teach nothing.",
     )
+
+    @model_validator(mode="after")
+    def _check_teacher(self) -> DistillConfig:
+        if (self.teacher is None) == (self.teacher_urls is None):
+            raise ValueError("algo.distill: give exactly one teacher — teacher (a model, in-process) or teacher_urls "
+                             "(servers that score input tokens)" + (", not both" if self.teacher else ""))
+        if self.teacher_urls is not None:
+            for url in self.teacher_urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"algo.distill.teacher_urls: {url!r} is not an http(s) URL")
+            if self.estimator != "sampled":  # (a server returns the sampled tokens' log-probs alone)
+                raise ValueError(f"algo.distill.estimator={self.estimator}: a teacher on servers (teacher_urls) "
+                                 "gives the sampled tokens' log-probs only; use estimator sampled or an in-process "
+                                 "teacher")
+        return self
 
 
 class AlgoConfig(Section):
@@ -385,6 +417,14 @@ class RLStage(Section):
 
     @model_validator(mode="after")
     def _check_sizes(self) -> RLStage:
+        distill = self.algo.distill
+        if distill is not None and distill.teacher_urls is not None and self.rollout.temperature != 1.0:
+            raise ValueError(
+                f"algo.distill.teacher_urls with rollout.temperature={self.rollout.temperature}: a teacher server "
+                "scores input tokens at temperature 1 (SGLang's input_token_logprobs use the raw logits; vlrl serve "
+                "does the same) while the student's log-probs are at the rollout temperature; set "
+                "rollout.temperature=1 or use an in-process teacher (algo.distill.teacher), scored at the rollout "
+                "temperature")
         total = self.train.prompts_per_step * self.rollout.n
         if total % self.train.minibatches:
             raise ValueError(

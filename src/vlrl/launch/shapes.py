@@ -203,7 +203,8 @@ def memory_options(cfg, model: torch.nn.Module, adapter, w: Workload) -> Workloa
 
     options: dict[str, Any] = {"checkpointing": checkpointing_wanted(model, cfg.train.gradient_checkpointing)}
     distill = getattr(getattr(cfg, "algo", None), "distill", None)
-    if distill is not None:  # the teacher's own size, read from its config (nothing loaded)
+    if distill is not None and distill.teacher is not None:  # the in-process teacher's size, from its config
+        # (a teacher on servers, teacher_urls, takes no memory here)
         options["teacher_params"] = _count(meta_model(distill.teacher)[0])
     lora = cfg.model.lora
     if lora is not None:

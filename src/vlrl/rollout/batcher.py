@@ -28,6 +28,7 @@ import torch
 
 from vlrl.models.policy import Policy
 from vlrl.rollout.hf_engine import HFEngine
+from vlrl.rollout.prompt_logprobs import score_prompts
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
 from vlrl.rollout.weights import WeightLoadError, copy_weights, weight_checksum
 
@@ -62,6 +63,8 @@ class _Job:
     continuations: list[Request] = dataclasses.field(default_factory=list)  # ... each as prompt + its kept tokens
     cancel_step: int | None = None  # the batcher's decode step at which the future was cancelled (client gone)
     stop_step: int | None = None  # the decode step at which its rows stopped decoding early
+    logprob_start: list[int] | None = None  # per request: score its prompt after this token (SGLang logprob_start_len)
+    prompt_logp: list[torch.Tensor] | None = None  # ... those scores (`score_prompts`), on the weights of its answer
 
     @property
     def rows(self) -> int:
@@ -156,6 +159,24 @@ def join(before: Trajectory, after: Trajectory, tokenizer: Any) -> Trajectory:
         group_index=before.group_index, token_versions=torch.cat([before.versions, after.versions]))
 
 
+def prefilled(requests: Sequence[Request], version: int) -> list[Trajectory]:
+    """The answers of a prefill-only job (``max_new_tokens`` 0, SGLang's scoring request): nothing sampled, finished
+    by length (SGLang's ``FINISH_LENGTH(length=0)``)."""
+    return [Trajectory(sample=r.sample, prompt_ids=torch.as_tensor(r.prompt_ids, dtype=torch.long),
+                       response_ids=torch.zeros(0, dtype=torch.long), loss_mask=torch.zeros(0, dtype=torch.long),
+                       behaviour_logp=torch.zeros(0), vision=r.vision, images=r.images, weight_version=version,
+                       status=Status.TRUNCATED)
+            for r in requests]
+
+
+def with_prompt_logp(job: _Job, trajectories: list[Trajectory]) -> list[Trajectory]:
+    """``trajectories`` (prompt-major, n per request) with their prompt's scores, if the job asked for them."""
+    if job.prompt_logp is not None:
+        for i, t in enumerate(trajectories):
+            t.prompt_logp = job.prompt_logp[i // job.sampling.n]
+    return trajectories
+
+
 def aborted_trajectories(requests: Sequence[Request], n: int, version: int) -> list[Trajectory]:
     """``len(requests) * n`` empty ABORTED trajectories (never trained on; the caller re-queues the prompt)."""
     return [
@@ -241,11 +262,14 @@ class ContinuousBatcher:
             return sum(job.rows for job in self._pending)
 
     def submit(self, requests: Sequence[Request], sampling: SamplingParams, *, tokens: int = 0,
-               deadline: float | None = None) -> concurrent.futures.Future:
+               deadline: float | None = None, logprob_start: Sequence[int] | None = None) -> concurrent.futures.Future:
         """Queue a job; its future gives ``len(requests) × n`` trajectories. ``tokens``: what it holds against
         ``max_tokens_in_flight``; ``deadline``: a ``time.monotonic()`` past which it is aborted. Cancel the
-        future to abort the job (it stops at the next decode step)."""
-        job = _Job(list(requests), sampling, concurrent.futures.Future(), tokens=tokens, deadline=deadline)
+        future to abort the job (it stops at the next decode step). ``logprob_start`` (one per request): its
+        prompt's tokens after that one are scored on the weights that answer it (`Trajectory.prompt_logp`).
+        ``sampling.max_new_tokens == 0``: prefill only (SGLang's scoring request): nothing is sampled."""
+        job = _Job(list(requests), sampling, concurrent.futures.Future(), tokens=tokens, deadline=deadline,
+                   logprob_start=list(logprob_start) if logprob_start is not None else None)
         budget = self.max_tokens_in_flight
         if job.rows > self.max_queued_requests:
             raise TooLargeError(f"{len(job.requests)} prompt(s) × n = {sampling.n} is {job.rows} samples; the queue "
@@ -491,6 +515,17 @@ class ContinuousBatcher:
 
         return on_step
 
+    @staticmethod
+    def _score(engine: HFEngine, jobs: list[_Job]) -> None:
+        """Score the prompts of the ``jobs`` that asked (`score_prompts`; all of them in one call), once per job."""
+        wanting = [job for job in jobs if job.logprob_start is not None and job.prompt_logp is None]
+        if not wanting:
+            return
+        scores = iter(score_prompts(engine.policy, [r for job in wanting for r in job.requests],
+                                    [s for job in wanting for s in job.logprob_start]))
+        for job in wanting:
+            job.prompt_logp = [next(scores) for _ in job.requests]
+
     def _run(self, engine: HFEngine, jobs: list[_Job]) -> None:
         jobs = [job for job in jobs if not job.future.cancelled()]  # (cancelled while the batch was formed)
         if not jobs:
@@ -498,8 +533,11 @@ class ContinuousBatcher:
         rows = {id(job): job.decode_rows() for job in jobs}  # each job's sequences, one request per row (n = 1)
         owners = {id(r): job for job in jobs for r in rows[id(job)]}
         try:
-            out = engine.generate([r for job in jobs for r in rows[id(job)]], dataclasses.replace(jobs[0].sampling, n=1),
-                                  on_step=self._on_step(owners))
+            out = (engine.generate([r for job in jobs for r in rows[id(job)]], dataclasses.replace(jobs[0].sampling, n=1),
+                                   on_step=self._on_step(owners))
+                   if jobs[0].sampling.max_new_tokens > 0 else prefilled([r for job in jobs for r in rows[id(job)]],
+                                                                         engine.weight_version))
+            self._score(engine, jobs)
         except Exception as err:  # a bad batch fails its own requests, never the server
             if len(jobs) > 1:  # one bad job must not fail the others: each is decoded again on its own
                 log.warning("a batch of %d jobs failed (%s: %s); retrying them one by one", len(jobs),
@@ -518,7 +556,7 @@ class ContinuousBatcher:
             live = not job.aborted and not job.future.cancelled()
             if job.retracted and live:  # decoded again from its prompt after the pause
                 self.early_stops.append(EarlyStop("retracted", None, job.stop_step or self.decode_steps))
-                job.retracted, job.stop_step = False, None
+                job.retracted, job.stop_step, job.prompt_logp = False, None, None  # (scored again on its new weights)
                 requeue.append(job)
             elif job.interrupted and live and not job.past_deadline():  # partial: its rows go on from their tokens
                 if job.stop_step is not None:
@@ -526,14 +564,14 @@ class ContinuousBatcher:
                 if job.keep(mine, tokenizer):
                     requeue.append(job)
                 else:  # every row had ended before the interruption reached it
-                    settle(job.future, job.kept)
+                    settle(job.future, with_prompt_logp(job, job.kept))
             elif job.stop_step is not None or job.aborted:
                 if job.stop_step is not None:
                     why = "cancelled" if job.future.cancelled() else "aborted" if job.aborted else "deadline"
                     self.early_stops.append(EarlyStop(why, job.cancel_step, job.stop_step))
                 settle(job.future, aborted_trajectories(job.requests, job.sampling.n, engine.weight_version))
             else:
-                settle(job.future, job.joined(mine, tokenizer))
+                settle(job.future, with_prompt_logp(job, job.joined(mine, tokenizer)))
         if requeue:
             with self._cond:
                 closed = self._closed

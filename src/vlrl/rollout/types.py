@@ -121,6 +121,9 @@ class Trajectory:
             by a weight update and continued on the new weights with its tokens kept
             (``rollout.servers.on_weight_update=partial``) holds two or more. None: every token is
             ``weight_version``'s (`versions` gives the tensor either way).
+        prompt_logp: (P,) float, log π(prompt_ids[j] | prompt_ids[:j]) at temperature 1 for the prompt tokens a
+            request asked scored (a server's SGLang ``logprob_start_len``: j > start), NaN elsewhere (every j ≤ start,
+            j = 0 always); None when nobody asked (`vlrl.rollout.batcher.score_prompts`).
     """
 
     sample: Sample
@@ -142,6 +145,7 @@ class Trajectory:
     stop_reason: str = ""
     error: str = ""
     token_versions: torch.Tensor | None = None
+    prompt_logp: torch.Tensor | None = None
 
     @property
     def versions(self) -> torch.Tensor:

@@ -27,6 +27,8 @@ wall-time-matched one would, which flatters RL; the demo records both numbers (`
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -64,6 +66,23 @@ class _Sizes:
     vision_depth: int = 0
     vision_hidden: int = 0  # h_v
     patch: int = 14  # pixels per patch side (towers fed tiles of pixels)
+
+
+def _eager(hook: Callable) -> Callable:
+    """``torch.compiler.disable`` (a compiled decode step, rollout.engine.compile, runs the count eagerly), applied at
+    the hook's first call rather than at import: the decorator imports torch._dynamo, ~1.4 CPU-seconds of every
+    process's start (each CLI run and torchrun rank) that never compiles. The first call is always eager — a decode
+    step is compiled only after the prompt's prefill, an eager forward, has run the hooks."""
+    disabled: Callable | None = None
+
+    @functools.wraps(hook)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(hook)
+        return disabled(*args, **kwargs)
+
+    return call
 
 
 class FlopMeter:
@@ -105,7 +124,7 @@ class FlopMeter:
         else:
             self.flops.inference += forward_flops
 
-    @torch.compiler.disable  # a compiled decode step (rollout.engine.compile) runs the count eagerly
+    @_eager
     def _on_decoder(self, module, args, kwargs, output) -> None:
         s = self.sizes
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state  # (B, L, h)
@@ -115,12 +134,12 @@ class FlopMeter:
         keys = max(int(keys), L)
         self._add(2 * s.decoder_params * B * L + 4 * s.layers * s.attn_dim * B * L * keys, module)
 
-    @torch.compiler.disable
+    @_eager
     def _on_head(self, module, args, output) -> None:
         tokens = args[0].numel() // self.sizes.hidden
         self._add(2 * self.sizes.hidden * self.sizes.vocab * tokens, module)
 
-    @torch.compiler.disable
+    @_eager
     def _on_vision(self, module, args, kwargs, output) -> None:
         s = self.sizes
         pixels = args[0] if args else kwargs.get("hidden_states", kwargs.get("pixel_values"))

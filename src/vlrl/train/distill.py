@@ -17,27 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vlrl.algos.distill import agreement_sums, distill_advantages, sampled_reverse_kl
+from vlrl.algos.distill import TeacherScores, agreement_sums, distill_advantages, sampled_reverse_kl
 from vlrl.config import DistillConfig
 from vlrl.models import Policy
 from vlrl.models.forward import PassLayout, score
 from vlrl.models.logprobs import HeadQuery
-
-
-@dataclass
-class TeacherScores:
-    """The teacher's pass over a step's (B, R) response tokens, on the host: log π_T of the sampled tokens; for
-    ``topk`` its k most likely tokens' ids (B, R, k) int32 and log-probs with the rest mass last (B, R, k + 1); for
-    ``sampled`` its argmax (B, R) (``distill/agreement``)."""
-
-    logp: torch.Tensor
-    topk_logp: torch.Tensor | None = None
-    topk_ids: torch.Tensor | None = None
-    argmax: torch.Tensor | None = None
-
-    def batch_fields(self) -> dict[str, torch.Tensor | None]:
-        """What the update needs of it (`vlrl.train.update.UpdateBatch`): the top-k, for the loss term."""
-        return {"teacher_topk_logp": self.topk_logp, "teacher_topk_ids": self.topk_ids}
 
 
 @dataclass
@@ -95,8 +79,14 @@ class Teacher:
 
 def load_teacher(spec: DistillConfig, policy: Policy) -> Teacher:
     """The teacher of ``spec`` for ``policy`` (the student): loaded in the student's dtype, on its device, frozen.
-    Refuses a teacher whose tokenizer (or, for a vision-language student, whose model family) differs."""
+    Refuses a teacher whose tokenizer (or, for a vision-language student, whose model family) differs. With
+    ``teacher_urls``: a `vlrl.train.distill_remote.RemoteTeacher` (the same contract, scored on those servers)."""
     from vlrl.models import load_policy
+
+    if spec.teacher_urls is not None:
+        from vlrl.train.distill_remote import load_remote_teacher
+
+        return load_remote_teacher(spec, policy)  # type: ignore[return-value]  (Teacher's contract)
 
     parameter = next(policy.model.parameters())
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[parameter.dtype]

@@ -62,6 +62,9 @@ class Learner:
         self.algorithm.advantage_fn = GlobalAdvantage(self.algorithm.advantage_fn, rt.ctx)  # over all ranks' responses
         self.algorithm.reward_shaping = GlobalRewardShaping.over(self.algorithm.reward_shaping, rt.ctx)  # batch-level
         self.stack = ExitStack()  # train.trainable and gradient checkpointing, undone at `close`
+        teacher_close = getattr(self.algorithm.teacher, "close", None)
+        if teacher_close is not None:  # a teacher on servers (algo.distill.teacher_urls): its HTTP client
+            self.stack.callback(teacher_close)
         self.modules: StageModules = self.stack.enter_context(stage_modules(policy, stage.train))
         model = policy.model
         self.perf = self.stack.enter_context(PhaseMeter(model, rt.ctx.device, compute_dtype(model, rt.cfg.mixed_precision),

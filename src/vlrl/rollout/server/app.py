@@ -30,6 +30,7 @@ from vlrl.rollout.server.prompts import (
     decode_images,
     has_images,
     is_batched,
+    logprob_starts,
     longest_token_chars,
     model_context,
     process_images,
@@ -231,8 +232,9 @@ class GenerateRoute:
                              f"server queues at most {batcher.max_queued_requests} (vlrl serve --max-queued-requests)")
 
     async def _admit(self, body: GenerateBody, sampling: Any, bounds: PromptBounds, hold: PixelHold,
-                     scope: dict) -> tuple[concurrent.futures.Future, float]:
-        """Prepare ``body``'s requests and queue them as one job: (its future, its deadline). The images' headers are
+                     scope: dict) -> tuple[concurrent.futures.Future, float, list[int] | None]:
+        """Prepare ``body``'s requests and queue them as one job: (its future, its deadline, where each prompt's
+        scored tokens start — `logprob_starts`; the scored tokens are the prompt's, already counted). The images' headers are
         read, their pixels reserved against the server's budget of queued pixels (``hold``), then they are decoded
         and processed on the image thread, the request with the fewest pixels first; a text-only request never goes
         there (it does not wait behind an image). 400 / 503 by raising."""
@@ -247,10 +249,14 @@ class GenerateRoute:
             visions = await asyncio.wrap_future(self.images.submit(pixels, _decode_and_process, hold, body, sources,
                                                                    bounds, adapter))
         requests = await self.in_pool(self.prep, build_requests, batcher.policy, body, rids, bounds, visions)
+        starts = logprob_starts(body, requests)
+        wanted = starts is not None and any(s < len(r.prompt_ids) - 1 for s, r in zip(starts, requests, strict=True))
+        scored = starts if wanted else None  # (a start at the prompt's last token or past it scores nothing)
         tokens = sum(sampling.n * (len(r.prompt_ids) + sampling.max_new_tokens) for r in requests)
         deadline = time.monotonic() + self.limits.request_timeout
         try:  # one job: a batch's prompts decode together
-            return batcher.submit(requests, sampling, tokens=tokens, deadline=deadline), deadline
+            future = batcher.submit(requests, sampling, tokens=tokens, deadline=deadline, logprob_start=scored)
+            return future, deadline, starts
         except TooLargeError as err:
             raise BadRequest(f"field 'sampling_params': {err}") from None
         except QueueFullError as err:
@@ -271,7 +277,7 @@ class GenerateRoute:
             admitted = await _admit_or_abandon(self._admit(body, sampling, bounds, hold, request.scope), gone, hold)
             if admitted is None:  # the client left while its request was prepared: nothing more is done for it
                 return answer({"error": "client disconnected"}, 499)
-            future, deadline = admitted
+            future, deadline, starts = admitted
             future.add_done_callback(hold.release)
             trajectories = await _answer_or_abandon(gone, future)
         finally:
@@ -285,7 +291,9 @@ class GenerateRoute:
         def answers() -> list[dict[str, Any]]:
             policy = batcher.policy
             return [sglang_output(policy, t, sampling, return_logprob=body.return_logprob, abort_message=why,
-                                  return_prompt_ids=body.return_prompt_token_ids) for t in trajectories]
+                                  return_prompt_ids=body.return_prompt_token_ids, return_text=body.return_text_in_logprobs,
+                                  logprob_start=starts[k // sampling.n] if starts is not None else None)
+                    for k, t in enumerate(trajectories)]
 
         out = await self.in_pool(self.prep, answers)
         return answer(out if is_batched(body) or sampling.n > 1 else out[0])  # a batch: prompt-major, n per prompt
@@ -343,8 +351,8 @@ async def _until_disconnected(receive: collections.abc.Callable) -> None:
 
 
 async def _admit_or_abandon(admit: collections.abc.Coroutine, gone: asyncio.Future,
-                            hold: PixelHold) -> tuple[concurrent.futures.Future, float] | None:
-    """The admission's (job future, deadline), or None if the client went away first — then its pixels are
+                            hold: PixelHold) -> tuple[concurrent.futures.Future, float, list[int] | None] | None:
+    """The admission's (job future, deadline, scoring starts), or None if the client went away first — then its pixels are
     released at once (so the image thread skips its decoding) and a job admitted meanwhile is cancelled."""
     admitting = asyncio.ensure_future(admit)
     await asyncio.wait({admitting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -352,7 +360,7 @@ async def _admit_or_abandon(admit: collections.abc.Coroutine, gone: asyncio.Futu
         return admitting.result()
     hold.release()
     try:
-        future, _ = await admitting
+        future, *_ = await admitting
     except Exception:  # noqa: BLE001  (refused, or skipped as abandoned: nobody reads the answer)
         return None
     future.cancel()

@@ -16,6 +16,7 @@ from PIL import Image
 
 from vlrl.data.sample import Sample, SampleError, image_size, load_image
 from vlrl.models.policy import Policy
+from vlrl.rollout.prompt_logprobs import input_token_logprobs
 from vlrl.rollout.server.schema import BadRequest, GenerateBody, ImageItem, PromptBounds, ServeLimits
 from vlrl.rollout.types import Request, SamplingParams, Status, Trajectory
 from vlrl.rollout.versions import version_spans
@@ -322,10 +323,36 @@ def _expand_ids(policy: Policy, ids: list[int], vision) -> list[int]:
     return policy.adapter.expand_ids(ids, vision)
 
 
+def logprob_starts(body: GenerateBody, requests: Sequence[Request]) -> list[int] | None:
+    """Where each prompt's scored tokens start (SGLang's ``logprob_start_len``; -1: none, as its length), or None
+    when ``return_logprob`` is off (SGLang ignores the field then). A start past the prompt is refused (SGLang
+    aborts the request, naming the prompt's length)."""
+    if not body.return_logprob:
+        return None
+    value, count = body.logprob_start_len, len(requests)
+    if isinstance(value, list) and (not is_batched(body) or len(value) != count):
+        raise BadRequest(f"field 'logprob_start_len': a list takes one start per prompt of a batch ({count} "
+                         f"prompt(s), {len(value)} start(s))")
+    starts = value if isinstance(value, list) else [value] * count
+    out = []
+    for i, (start, request) in enumerate(zip(starts, requests, strict=True)):
+        length = len(request.prompt_ids)
+        if not -1 <= start <= length:
+            prefix = f"prompt {i} of the batch: " if is_batched(body) else ""
+            raise BadRequest(f"{prefix}field 'logprob_start_len': {start} is not in [-1, {length}] (the prompt holds "
+                             f"{length} tokens, its image tokens expanded)")
+        out.append(length if start == -1 else start)
+    return out
+
+
 def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, return_logprob: bool,
-                  abort_message: str = "aborted by a weight update", return_prompt_ids: bool = False) -> dict[str, Any]:
+                  abort_message: str = "aborted by a weight update", return_prompt_ids: bool = False,
+                  logprob_start: int | None = None, return_text: bool = False) -> dict[str, Any]:
     """One trajectory in the shape of SGLang's ``/generate`` answer (``return_prompt_ids``: with SGLang's
-    ``prompt_token_ids``, the ids it sampled from — the prompt with its image tokens expanded)."""
+    ``prompt_token_ids``, the ids it sampled from — the prompt with its image tokens expanded). With
+    ``return_logprob``: ``output_token_logprobs`` and ``input_token_logprobs`` (from ``logprob_start``, scored in
+    ``t.prompt_logp``; none scored: ``[]``); ``return_text``: each token's text in them (SGLang's
+    ``return_text_in_logprobs``)."""
     ids = t.response_ids.tolist()
     text = policy.tokenizer.decode(ids, skip_special_tokens=True)
     if t.status is Status.ABORTED:
@@ -344,7 +371,15 @@ def sglang_output(policy: Policy, t: Trajectory, sampling: SamplingParams, *, re
     if t.token_versions is not None:  # continued across a weight update (pause mode partial): each span's version
         meta["weight_versions"] = version_spans(t.token_versions)
     if return_logprob:
-        meta["output_token_logprobs"] = [[float(lp), int(i), None] for lp, i in zip(t.behaviour_logp.tolist(), ids, strict=True)]
+        texts = (lambda tokens: [policy.tokenizer.decode([k]) for k in tokens]) if return_text else (lambda _: None)
+        output_text = texts(ids) or [None] * len(ids)
+        meta["output_token_logprobs"] = [[float(lp), int(i), x] for lp, i, x in
+                                         zip(t.behaviour_logp.tolist(), ids, output_text, strict=True)]
+        prompt = t.prompt_ids.tolist()
+        start = len(prompt) if logprob_start is None else logprob_start
+        if t.prompt_logp is None and start < len(prompt) - 1:  # not scored (aborted before its batch): none
+            start = len(prompt)
+        meta["input_token_logprobs"] = input_token_logprobs(prompt, t.prompt_logp, start, texts(prompt[start:]))
     out = {"text": text, "output_ids": ids, "meta_info": meta}
     if return_prompt_ids:
         out["prompt_token_ids"] = t.prompt_ids.tolist()

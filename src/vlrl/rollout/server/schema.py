@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vlrl.rollout import dist_sync
 from vlrl.rollout.types import SamplingParams
@@ -74,7 +74,7 @@ class SamplingBody(BaseModel):
     temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(-1, ge=-1)
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(128, ge=0)  # 0: prefill only (SGLang's scoring request: input_token_logprobs)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=4096)
     logit_bias: dict[str, float] | None = Field(None, max_length=1 << 20)
@@ -103,7 +103,9 @@ ImageItem = str | bytes  # a data URL, base64, or a server path; bytes: already 
 
 class GenerateBody(BaseModel):
     """SGLang's ``GenerateReqInput``: one prompt, or a batch (``text`` / ``input_ids`` a list of prompts, then
-    ``image_data`` and ``rid`` one item per prompt) sharing one ``sampling_params``."""
+    ``image_data`` and ``rid`` one item per prompt) sharing one ``sampling_params``. With ``return_logprob``,
+    ``logprob_start_len`` ≥ 0 scores the prompt's tokens from there on (``meta_info.input_token_logprobs``;
+    `vlrl.rollout.prompt_logprobs`), and ``max_new_tokens`` 0 prefills only — SGLang's scoring request."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # (SGLang's schema coerces nothing either: "1" is no id)
     text: str | list[str] | None = None
@@ -114,9 +116,17 @@ class GenerateBody(BaseModel):
     return_prompt_token_ids: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
-    logprob_start_len: int = -1
+    logprob_start_len: int | list[int] = -1  # (a batch: one per prompt, as SGLang takes it)
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+
+    @field_validator("top_logprobs_num")
+    @classmethod
+    def _no_top_logprobs(cls, value: int) -> int:
+        if value != 0:  # refused, never answered without them
+            raise ValueError("vlrl's server does not compute each position's top log-probs (SGLang's "
+                             "input/output_top_logprobs); send 0")
+        return value
 
 
 class UpdateWeightsBody(BaseModel):
