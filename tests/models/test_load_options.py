@@ -47,7 +47,9 @@ def test_revision_reaches_every_file_transformers_reads(tiny_vlm_dir, monkeypatc
     import transformers
 
     seen: dict[str, dict] = {}
-    for name in ("AutoConfig", "AutoTokenizer", "AutoImageProcessor", "AutoModelForImageTextToText"):
+    # a saved preset's tokenizer is read as the backend it was saved as (vlrl.models.policy._saved_tokenizer), a
+    # hub checkpoint's by AutoTokenizer
+    for name in ("AutoConfig", "AutoTokenizer", "TokenizersBackend", "AutoImageProcessor", "AutoModelForImageTextToText"):
         cls = getattr(transformers, name)
         real = cls.from_pretrained.__func__
 
@@ -58,7 +60,7 @@ def test_revision_reaches_every_file_transformers_reads(tiny_vlm_dir, monkeypatc
         monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
     load_policy(str(tiny_vlm_dir), options=LoadOptions(revision="v2"))
     assert {name: kwargs.get("revision") for name, kwargs in seen.items()} == {
-        "AutoConfig": "v2", "AutoTokenizer": "v2", "AutoImageProcessor": "v2", "AutoModelForImageTextToText": "v2"}
+        "AutoConfig": "v2", "TokenizersBackend": "v2", "AutoImageProcessor": "v2", "AutoModelForImageTextToText": "v2"}
     assert all(kwargs.get("trust_remote_code") is False for kwargs in seen.values())
 
 

@@ -26,8 +26,13 @@ def test_preset_round_trips_through_plain_transformers(name, tmp_path):
     policy.model.eval()
     with torch.no_grad():
         assert torch.equal(policy.model(**kwargs).logits, reloaded(**kwargs).logits)
-    # and vlrl's own loader gives the same policy back
-    assert load_policy(str(tmp_path)).adapter.family == policy.adapter.family
+    # and vlrl's own loader gives the same policy back — its tokenizer too, numbers included: transformers'
+    # AutoTokenizer reads a tiny-qwen2 checkpoint with Qwen2Tokenizer, which splits "17" into digits the preset's
+    # tokenizer never made (a saved arith checkpoint fell from 0.486 to 0.127 strict); vlrl loads the saved backend
+    back = load_policy(str(tmp_path))
+    assert back.adapter.family == policy.adapter.family
+    text = "17+25=42 <answer>120</answer>"
+    assert back.tokenizer(text)["input_ids"] == policy.tokenizer(text)["input_ids"]
 
 
 def test_parameter_counts_match_the_preset_table():

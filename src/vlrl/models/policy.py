@@ -226,7 +226,7 @@ def load_parts(path: str, options: LoadOptions | None = None) -> tuple[Any, Any,
         raise ValueError(problem)
     with _remote_code_refusal(path):
         config = AutoConfig.from_pretrained(path, **options.hub())
-        tokenizer = AutoTokenizer.from_pretrained(path, **options.hub())
+        tokenizer = _saved_tokenizer(path, options) or AutoTokenizer.from_pretrained(path, **options.hub())
     if not hasattr(config, "vision_config"):
         return config, tokenizer, None, None
     from vlrl.models.processor import build_processor, load_processor_settings
@@ -234,6 +234,26 @@ def load_parts(path: str, options: LoadOptions | None = None) -> tuple[Any, Any,
     image_processor = load_image_processor(path, options)
     settings = load_processor_settings(path, revision=options.revision)
     return config, tokenizer, image_processor, build_processor(config, tokenizer, image_processor, **settings)
+
+
+def _saved_tokenizer(path: str, options: LoadOptions) -> Any | None:
+    """A local checkpoint whose tokenizer_config.json names transformers' generic backend (``TokenizersBackend``,
+    what a tokenizer built from its tokenizer.json alone saves as — the tiny presets') loads as that class, from its
+    tokenizer.json. `AutoTokenizer` would take the model type's own class instead (Qwen2Tokenizer for a tiny-qwen2
+    checkpoint), whose pre-tokenizer splits numbers into digits: a saved arith checkpoint then read "17" as two
+    tokens it was never trained on (0.486 strict in memory, 0.127 reloaded, the same weights). None otherwise."""
+    file = Path(path) / "tokenizer_config.json"
+    if not file.is_file() or not (Path(path) / "tokenizer.json").is_file():
+        return None
+    try:
+        named = json.loads(file.read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    if named not in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return None
+    import transformers
+
+    return getattr(transformers, named).from_pretrained(path, **options.hub())
 
 
 def remote_code_problem(path: str, trust_remote_code: bool) -> str | None:
