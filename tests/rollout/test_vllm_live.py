@@ -124,10 +124,10 @@ def test_a_teacher_on_vllm_scores_as_the_in_process_teacher(vllm, monkeypatch):
         def whole(fn):
             return fn(trajectories, None)
 
-        served = remote.logprobs(policy, whole, temperature=1.0, layout=PassLayout())
+        served = remote.score(policy, whole, temperature=1.0, layout=PassLayout()).logp
     finally:
         remote.close()
-    mine = teacher({"teacher": str(vllm.model)}).logprobs(policy, whole, temperature=1.0, layout=PassLayout())
+    mine = teacher({"teacher": str(vllm.model)}).score(policy, whole, temperature=1.0, layout=PassLayout()).logp
     mask = torch.zeros_like(mine)
     for i, t in enumerate(trajectories):
         mask[i, : len(t.response_ids)] = 1
