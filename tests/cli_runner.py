@@ -12,26 +12,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def in_process(*args: str, env: dict[str, str] | None = None) -> str:
-    """``vlrl ARGS`` run by the ``vlrl`` app in this process (typer's runner, the way tests/test_readme_commands.py runs
-    the README's commands) at one torch thread, as the subprocess ran it: a process of its own paid ~5 CPU-s for its
-    imports of torch, transformers and vlrl before the run's own ~3 (measured: 8.4 CPU-s a run as a process) — the
-    imports are now paid once per worker. The run writes the same files; the checks read them. Returns what it
-    printed, stdout and stderr, its whitespace collapsed."""
+def invoke(*args: str, env: dict[str, str] | None = None):
+    """``vlrl ARGS`` through the ``vlrl`` app in this process (typer's runner), at one torch thread, offline (the
+    recipes name hub models; model.path points at their tiny presets), from the repository, with ``env``'s
+    variables set for the run: typer's Result (exit_code, stdout, stderr, output, exception)."""
     import torch
     from typer.testing import CliRunner
 
     from vlrl.cli import app
 
     threads, cwd = torch.get_num_threads(), os.getcwd()
-    # the recipes name hub models; model.path points at their tiny presets. ``env``: more variables for the run.
     extra = {"HF_HUB_OFFLINE": "1", **(env or {})}
     saved = {name: os.environ.get(name) for name in extra}
     torch.set_num_threads(1)
     os.environ.update(extra)
     os.chdir(REPO)
     try:
-        result = CliRunner().invoke(app, list(args))
+        return CliRunner().invoke(app, list(args))
     finally:
         os.chdir(cwd)
         torch.set_num_threads(threads)
@@ -40,6 +37,14 @@ def in_process(*args: str, env: dict[str, str] | None = None) -> str:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def in_process(*args: str, env: dict[str, str] | None = None) -> str:
+    """``vlrl ARGS`` by `invoke`, which must succeed, as the subprocess ran it: a process of its own paid ~5 CPU-s for
+    its imports of torch, transformers and vlrl before the run's own ~3 (measured: 8.4 CPU-s a run as a process) —
+    the imports are now paid once per worker. The run writes the same files; the checks read them. Returns what it
+    printed, stdout and stderr, its whitespace collapsed."""
+    result = invoke(*args, env=env)
     if result.exit_code != 0:
         import traceback
 

@@ -9,13 +9,14 @@ whose answer is missed (or read from the wrong column) trains with reward 0 ever
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
+
+from cli_runner import invoke  # tests/ is on sys.path (the test packages' root)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import foreign  # noqa: E402
@@ -32,24 +33,7 @@ def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     """``vlrl ARGS`` through the ``vlrl`` app in this process (typer's runner; stdout and stderr kept apart), at one
     torch thread, offline, from the repository: the imports of torch, transformers and vlrl (~5 CPU-s a process)
     paid once for the module instead of once per command."""
-    import torch
-    from typer.testing import CliRunner
-
-    from vlrl.cli import app
-
-    threads, cwd, offline = torch.get_num_threads(), os.getcwd(), os.environ.get("HF_HUB_OFFLINE")
-    torch.set_num_threads(1)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.chdir(REPO)
-    try:
-        result = CliRunner().invoke(app, list(args))
-    finally:
-        os.chdir(cwd)
-        torch.set_num_threads(threads)
-        if offline is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = offline
+    result = invoke(*args)
     done = subprocess.CompletedProcess(["vlrl", *args], result.exit_code, result.stdout, result.stderr)
     if ok:
         trace = "".join(traceback.format_exception(result.exception)) if result.exit_code and result.exception else ""
