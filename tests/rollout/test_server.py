@@ -10,7 +10,7 @@ import torch
 from vlrl.data import generate
 from vlrl.rollout import HFEngine, SamplingParams, Status
 from vlrl.rollout.batcher import ContinuousBatcher, QueueFullError, private_copy
-from vlrl.rollout.http_engine import encode_image
+from vlrl.rollout.image_url import encode_image
 from vlrl.rollout.server import create_app
 from vlrl.rollout.weights import weight_checksum
 from vlrl.serving import ServerThread

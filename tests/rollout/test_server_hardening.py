@@ -28,7 +28,7 @@ from PIL import Image
 from vlrl.data import generate
 from vlrl.rollout import HFEngine
 from vlrl.rollout.batcher import ContinuousBatcher, private_copy
-from vlrl.rollout.http_engine import encode_image
+from vlrl.rollout.image_url import encode_image
 from vlrl.rollout.server import ServeLimits, create_app
 from vlrl.serving import ServerThread
 

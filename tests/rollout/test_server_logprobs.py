@@ -14,7 +14,7 @@ import torch
 from vlrl.data import generate
 from vlrl.models.forward import score
 from vlrl.rollout import HFEngine
-from vlrl.rollout.http_engine import encode_image
+from vlrl.rollout.image_url import encode_image
 
 from .conftest import API_KEY, running_server
 

@@ -13,7 +13,7 @@ from vlrl.data import generate
 from vlrl.models import load_policy
 from vlrl.models.forward import PassLayout
 from vlrl.rollout import HFEngine, SamplingParams
-from vlrl.rollout.http_engine import encode_image
+from vlrl.rollout.image_url import encode_image
 from vlrl.train.batch import build_algorithm, prepare_batch
 from vlrl.train.distill import load_teacher
 

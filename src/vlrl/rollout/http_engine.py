@@ -29,11 +29,9 @@ The engine's pool owns an asyncio loop on a background thread: `generate` (the s
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import concurrent.futures
 import functools
-import io
 import logging
 import threading
 import time
@@ -41,13 +39,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from PIL import Image
 
 from vlrl.data.sample import Sample
 from vlrl.models.policy import Policy
 from vlrl.rollout.batcher import sampling_key, settle
 from vlrl.rollout.hf_engine import HFEngine
 from vlrl.rollout.http_settings import ClientSettings, SyncSettings
+from vlrl.rollout.image_url import encode_image
 from vlrl.rollout.prompt_check import PromptCheck
 from vlrl.rollout.publish import ServerWeights, SyncStats
 from vlrl.rollout.server_pool import RolloutRequestError, ServerPool, ServerState
@@ -73,13 +71,6 @@ def _chunks(prompts: list, size: int, max_pixels: int | None) -> list[list]:
         out[-1].append(prompt)
         pixels += own
     return [chunk for chunk in out if chunk]
-
-
-def encode_image(image: Image.Image) -> str:
-    """A PNG data URL, the form the HTTP engine sends images in."""
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 class HTTPEngine:

@@ -29,8 +29,8 @@ from vlrl.algos.distill import TeacherScores, distill_advantages, sampled_revers
 from vlrl.config import DistillConfig
 from vlrl.models import Policy
 from vlrl.models.forward import PassLayout
-from vlrl.rollout.http_engine import encode_image
 from vlrl.rollout.http_settings import ClientSettings
+from vlrl.rollout.image_url import encode_image
 from vlrl.rollout.teacher_client import ScoreRequest, ScoringClient
 from vlrl.rollout.types import Trajectory
 
