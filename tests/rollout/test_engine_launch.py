@@ -62,7 +62,17 @@ def test_a_server_never_ready_times_out_and_is_stopped(tmp_path):
 def test_engine_commands():
     vllm = engine_command("vllm", "/v/python", model="/m", host="127.0.0.1", port=9, dtype="float32", api_key="k")
     assert vllm[:3] == ["/v/python", "-m", "vllm.entrypoints.openai.api_server"]  # (the `vllm` command crashes)
-    assert "--enable-scale-out" in vllm and vllm[vllm.index("--api-key") + 1] == "k"
+    assert "--enable-scale-out" in vllm and "--api-key=k" in vllm
+    # a generated key may begin with "-": as "--api-key KEY" argparse (vLLM's and SGLang's parsers; vLLM's takes one
+    # or more keys) took it for an option and the server exited with code 2 — one run of the suite on 2026-12-07
+    import argparse
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--api-key", nargs="+")
+    for engine in ("vllm", "sglang"):
+        command = engine_command(engine, "/v/python", model="/m", host="h", port=9, dtype="float32", api_key="-wp5w")
+        key = next(part for part in command if part.startswith("--api-key"))
+        assert parser.parse_args([key]).api_key == ["-wp5w"]
     vlrl = engine_command("vlrl", "/p", model="tiny", host="127.0.0.1", port=9, dtype="float32", api_key="k")
     assert vlrl[1:4] == ["-m", "vlrl.cli", "serve"] and "--api-key" not in vlrl  # vlrl serve reads $VLRL_API_KEY
     assert engine_python("vlrl", None) == sys.executable and engine_python("vllm", "/x/python") == "/x/python"

@@ -105,6 +105,6 @@ def test_vllm_servers_get_their_own_command_environment_and_port():
     plan = server_plan(cfg, "rl")
     command = plan.command(1)
     assert command[:3] == ["/v/python", "-m", "vllm.entrypoints.openai.api_server"] and "--enable-scale-out" in command
-    assert command[command.index("--port") + 1] == "{port}" and command[command.index("--api-key") + 1] == "{api_key}"
+    assert command[command.index("--port") + 1] == "{port}" and "--api-key={api_key}" in command
     assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}' and plan.env == (("A", "1"),)
     assert "--attn-implementation" not in command  # vlrl serve's flags are not vLLM's

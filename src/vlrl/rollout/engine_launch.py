@@ -63,14 +63,16 @@ def engine_python(engine: str, python: str | None) -> str:
 
 def engine_command(engine: str, python: str, *, model: str, host: str, port: int, dtype: str, api_key: str,
                    device: str = "cpu") -> list[str]:
-    """The engine's own server command (before ``launch.args``)."""
+    """The engine's own server command (before ``launch.args``). The key goes as ``--api-key=KEY``: a generated key
+    may begin with "-" (token_urlsafe), which argparse takes for an option after a bare ``--api-key`` (a vLLM
+    server of the suite's run of 2026-12-07 exited with "argument --api-key: expected at least one argument")."""
     base = [python, *ENGINE_MODULES[engine]]
     if engine == "vlrl":
         return [*base, "--model", model, "--host", host, "--port", str(port), "--dtype", dtype, "--device", device]
     if engine == "vllm":  # --enable-scale-out: /inference/v1/generate (token ids in and out)
-        return [*base, "--model", model, "--host", host, "--port", str(port), "--dtype", dtype, "--api-key", api_key,
+        return [*base, "--model", model, "--host", host, "--port", str(port), "--dtype", dtype, f"--api-key={api_key}",
                 "--enable-scale-out"]
-    return [*base, "--model-path", model, "--host", host, "--port", str(port), "--dtype", dtype, "--api-key", api_key]
+    return [*base, "--model-path", model, "--host", host, "--port", str(port), "--dtype", dtype, f"--api-key={api_key}"]
 
 
 def _fill(part: str, values: Mapping[str, str]) -> str:
