@@ -34,7 +34,6 @@ import concurrent.futures
 import functools
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -315,52 +314,23 @@ class HTTPEngine:
             self._images.popitem(last=False)
         return encoded
 
-    def _pick(self, tried: set[str]) -> ServerState:
-        live = self.pool.live()
-        if not live:
-            raise self.pool.no_servers_left()
-        fresh = [s for s in live if s.url not in tried] or live
-        return min(fresh, key=lambda s: (s.in_flight, s.failures, s.served))
-
     async def _generate_chunk(self, requests: Sequence[Request], sampling: SamplingParams, *,
                               first: str | None = None) -> list[Trajectory]:
-        """One batched request to server ``first`` (retried whole on others); its trajectories, prompt-major."""
+        """One batched request to server ``first`` (retried whole on others: `ServerPool.with_failover`); its
+        trajectories, prompt-major."""
         payload = self._payload(requests, sampling)
-        tried: set[str] = set()
-        attempts, deadline = 0, None
-        while True:
-            await self.pool.gate.wait()  # (a weight update in progress holds new requests back: `_pause`)
-            deadline = deadline or time.monotonic() + 4 * self.pool.settings.request_timeout
-            server = next((s for s in self.pool.live() if s.url == first), None) if not tried else None
-            server = server or self._pick(tried)
-            version_at_start = self.weight_version
-            server.in_flight += len(requests)
-            try:
-                response = await (self.vllm.post_generate(server, payload, self.pool.settings.request_timeout)
-                                  if self.vllm is not None else
-                                  self.pool.client.post(f"{server.url}/generate", json=payload, headers=self.pool.headers))
-            except Exception as err:  # connection refused/reset, timeout: the server is down or stalled
-                if self.pool.closing:  # our own client was closed under the request: not the server's failure
-                    raise RolloutRequestError("the HTTP engine was closed") from err
-                failure = f"{type(err).__name__}: {err}"
-            else:
-                if response.status_code in (429, 503) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)  # queue full: wait, not a failure
-                    continue
-                if response.status_code < 400:
-                    server.failures, server.served = 0, server.served + len(requests)
-                    return self._parse(response.json(), requests, sampling, version_at_start, server)
-                if response.status_code < 500:
-                    raise RolloutRequestError(f"{server.url}/generate rejected the request: "
-                                              f"{response.status_code} {response.text[:500]}")
-                failure = f"HTTP {response.status_code}: {response.text[:200]}"
-            finally:
-                server.in_flight -= len(requests)
-            self.pool.record_failure(server, failure)
-            tried.add(server.url)
-            attempts += 1
-            if attempts > self.pool.settings.max_retries:
-                raise RolloutRequestError(f"request failed {attempts} times; last on {server.url}: {failure}")
+        version_at_start: dict[str, int] = {}
+
+        async def send(server: ServerState):
+            version_at_start[server.url] = self.weight_version
+            if self.vllm is not None:
+                return await self.vllm.post_generate(server, payload, self.pool.settings.request_timeout)
+            return await self.pool.client.post(f"{server.url}/generate", json=payload, headers=self.pool.headers)
+
+        return await self.pool.with_failover(
+            send, lambda response, server: self._parse(response.json(), requests, sampling,
+                                                       version_at_start[server.url], server),
+            rows=len(requests), first=first, what="/generate")
 
     def _parse(self, body: Any, requests: Sequence[Request], sampling: SamplingParams, version_at_start: int,
                server: ServerState) -> list[Trajectory]:

@@ -14,11 +14,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from vlrl.rollout.http_settings import ClientSettings
 from vlrl.serving import ADMIN_API_KEY_ENV, API_KEY_ENV
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +188,56 @@ class ServerPool:
         if (url, what) not in self._warned:
             self._warned.add((url, what))
             log.warning(message, *args)
+
+    # -------------------------------------------------------------------------------------------- requests
+    def pick(self, tried: set[str]) -> ServerState:
+        """The live server with the fewest requests in flight, one not ``tried`` yet where there is one."""
+        live = self.live()
+        if not live:
+            raise self.no_servers_left()
+        fresh = [s for s in live if s.url not in tried] or live
+        return min(fresh, key=lambda s: (s.in_flight, s.failures, s.served))
+
+    async def with_failover(self, send: Callable[[ServerState], Awaitable[Any]],
+                            accept: Callable[[Any, ServerState], T], *, rows: int = 1, first: str | None = None,
+                            what: str = "request") -> T:
+        """``accept(response, server)`` of ``send(server)``'s answer, on server ``first`` (else `pick`'s): ``rows``
+        count in the server's in-flight while it runs. A full server (429/503) is waited out until 4 ×
+        ``request_timeout``; a transport error, timeout or 5xx counts as a failure of that server and the request
+        goes to another (up to ``max_retries`` times); another 4xx raises with the server's message. New requests
+        wait while a weight update holds them back (``gate``)."""
+        tried: set[str] = set()
+        attempts, deadline = 0, None
+        while True:
+            await self.gate.wait()
+            deadline = deadline or time.monotonic() + 4 * self.settings.request_timeout
+            server = next((s for s in self.live() if s.url == first), None) if not tried else None
+            server = server or self.pick(tried)
+            server.in_flight += rows
+            try:
+                response = await send(server)
+            except Exception as err:  # connection refused/reset, timeout: the server is down or stalled
+                if self.closing:  # our own client was closed under the request: not the server's failure
+                    raise RolloutRequestError("the HTTP engine was closed") from err
+                failure = f"{type(err).__name__}: {err}"
+            else:
+                if response.status_code in (429, 503) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)  # full: wait, not a failure
+                    continue
+                if response.status_code < 400:
+                    server.failures, server.served = 0, server.served + rows
+                    return accept(response, server)
+                if response.status_code < 500:
+                    raise RolloutRequestError(f"{server.url}: {what} refused: {response.status_code} "
+                                              f"{response.text[:500]}")
+                failure = f"HTTP {response.status_code}: {response.text[:200]}"
+            finally:
+                server.in_flight -= rows
+            self.record_failure(server, failure)
+            tried.add(server.url)
+            attempts += 1
+            if attempts > self.settings.max_retries:
+                raise RolloutRequestError(f"{what} failed {attempts} times; last on {server.url}: {failure}")
 
     # -------------------------------------------------------------------------------------------- weight calls
     async def post_each(self, servers: list[ServerState], path: str, bodies: list[dict], *, timeout: float,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,39 +87,18 @@ class ScoringClient:
         return "/generate", body
 
     async def _score_one(self, request: ScoreRequest) -> list[float]:
-        pool, settings = self.pool, self.pool.settings
-        tried: set[str] = set()
-        attempts, deadline = 0, time.monotonic() + 4 * settings.request_timeout
-        while True:
-            live = pool.live()
-            if not live:
-                raise pool.no_servers_left()
-            server = min([s for s in live if s.url not in tried] or live, key=lambda s: (s.in_flight, s.failures))
+        """One scoring request, retried on another server after a failure (`ServerPool.with_failover`)."""
+        pool = self.pool
+
+        async def send(server: ServerState):
             path, body = self._request(request, server.url)
-            server.in_flight += 1
-            try:
-                response = await pool.client.post(f"{server.url}{path}", json=body, headers=pool.headers)
-            except Exception as err:  # connection refused/reset, timeout: the server is down or stalled
-                failure = f"{type(err).__name__}: {err}"
-            else:
-                if response.status_code in (429, 503) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)  # full: wait, not a failure
-                    continue
-                if response.status_code < 400:
-                    server.failures, server.served = 0, server.served + 1
-                    parse = parse_prompt_logprobs if self.engines[server.url] == "vllm" else parse_scores
-                    return parse(response.json(), request, server.url)
-                if response.status_code < 500:
-                    raise RolloutRequestError(f"teacher server {server.url}{path} refused a scoring request: "
-                                              f"{response.status_code} {response.text[:500]}")
-                failure = f"HTTP {response.status_code}: {response.text[:200]}"
-            finally:
-                server.in_flight -= 1
-            pool.record_failure(server, failure)
-            tried.add(server.url)
-            attempts += 1
-            if attempts > settings.max_retries:
-                raise RolloutRequestError(f"teacher request failed {attempts} times; last on {server.url}: {failure}")
+            return await pool.client.post(f"{server.url}{path}", json=body, headers=pool.headers)
+
+        def accept(response, server: ServerState) -> list[float]:
+            parse = parse_prompt_logprobs if self.engines[server.url] == "vllm" else parse_scores
+            return parse(response.json(), request, server.url)
+
+        return await pool.with_failover(send, accept, what="teacher scoring request")
 
 
 def parse_scores(answer: Any, request: ScoreRequest, url: str) -> list[float]:
