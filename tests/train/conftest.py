@@ -40,5 +40,5 @@ def two_ranks(tiny_vlm_dir, tmp_path_factory):
     torch.save(rl_trajectories(load_policy(str(tiny_vlm_dir))), out / "trajectories.pt")
     write_rl_data(out / "rl_data" / "train.jsonl")
     job = torchrun(2, str(REPO / "tests/train/dist_worker.py"), str(tiny_vlm_dir), str(out))
-    run_checked(job, timeout=900, retry_native_abort=True)
+    run_checked(job, timeout=900, retry_native_abort=True, real_torchrun=True)  # the real launcher, once
     return out, one_rank

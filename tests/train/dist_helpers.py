@@ -42,12 +42,20 @@ NATIVE_ABORT = re.compile(r"unaligned (fastbin|tcache) chunk|malloc\(\)|free\(\)
 
 
 def run_checked(cmd: list[str], *, timeout: float = 300, retry_native_abort: bool = False,
-                env_extra: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``cmd`` quietly; AssertionError with its output tails when it fails. ``retry_native_abort``: a job
+                env_extra: dict[str, str] | None = None, real_torchrun: bool = False,
+                cwd=None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` quietly; AssertionError with its output tails when it fails. A `torchrun` or ``python -m
+    vlrl.cli`` command runs on processes forked from an already-imported one (tests/forked_runs.py: vlrl's code,
+    torchrun's environment, ~5 CPU-s less a process) unless ``real_torchrun``. ``retry_native_abort``: a job
     whose outputs start from nothing (a fresh directory) runs again once when a rank died in a `NATIVE_ABORT`,
     said in the warnings summary; a second abort, or any other failure, fails."""
-    proc = subprocess.run(cmd, env=quiet_env(**(env_extra or {})), capture_output=True, text=True, timeout=timeout,
-                          **kwargs)
+    import forked_runs  # noqa: PLC0415 (tests/ is on sys.path under pytest; a rank never launches)
+
+    env = quiet_env(**(env_extra or {}))
+    if real_torchrun:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    else:
+        proc = forked_runs.run(cmd, env=env, cwd=cwd, timeout=timeout)
     if proc.returncode == 0:
         return proc
     message = (f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
@@ -56,7 +64,7 @@ def run_checked(cmd: list[str], *, timeout: float = 300, retry_native_abort: boo
     if not (retry_native_abort and aborted):
         raise AssertionError(message)
     warnings.warn(f"a rank aborted in native code; ran the job again once:\n{message[-2000:]}", stacklevel=2)
-    return run_checked(cmd, timeout=timeout, env_extra=env_extra, **kwargs)
+    return run_checked(cmd, timeout=timeout, env_extra=env_extra, real_torchrun=real_torchrun, cwd=cwd)
 
 
 def kill_process_tree(pid: int) -> None:
