@@ -1,26 +1,29 @@
-"""Processes of vlrl for the tests that start already imported: a stand-in for ``torchrun --standalone
---nproc_per_node N`` and for ``python -m vlrl.cli …`` run to its end.
+"""Processes of vlrl for the tests that start already imported: stand-ins for ``torchrun --standalone
+--nproc_per_node N …`` and ``python -m vlrl.cli …`` run to their end (`run`), and for a `vlrl serve` process the
+test stops itself (`popen`).
 
 Each process of a real job pays ~5 CPU-s before its first line of vlrl runs (python, torch, the transformers modelling
 modules, which pull in torch._dynamo, sympy and scipy), and torchrun's launcher ~2 more: ~12 CPU-s of a 2-rank job
 that trains for 3-8 CPU-s — most of the cost of the suite's ~40 torchrun jobs on 2 cores (measured: the 13 files with
-2-rank jobs, 907 → 442 CPU-s). Here one process per pytest worker (the *zygote*, this file run as a script) imports all
-of that once and then, for each job, forks an *agent* that forks the processes.
+2-rank jobs, 907 → 442 CPU-s; test_dist_sync.py with its 10 `vlrl serve` processes, 66 → 17). Here a process per
+pytest worker and import-time environment (the *zygote*, this file run as a script) imports all of that once, then
+forks what each job runs; a zygote whose forked server is alive waits on it, and the next job goes to another.
 
-A torchrun job's ranks are started as torchrun's elastic agent starts them: each in a session of its own, with
-torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR,
-MASTER_PORT, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE: the agent hosts the
-TCPStore the ranks rendezvous on, as torchrun's agent does), stdin from /dev/null, every rank's stdout and stderr into
-the job's two streams; when one rank fails the agent stops the others (SIGTERM, then SIGKILL) and exits 1 naming the
-rank and its exit code or signal ("SIGABRT" included, which `train.dist_helpers.run_checked` retries on). A plain
-``python -m vlrl.cli …`` is one forked process with the caller's environment and working directory.
+A torchrun job's ranks are started as torchrun's elastic agent starts them, by a forked agent: each rank in a session
+of its own, with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE: the agent
+hosts the TCPStore the ranks rendezvous on, as torchrun's agent does), stdin from /dev/null, every rank's stdout and
+stderr into the job's two streams; when one rank fails the agent stops the others (SIGTERM, then SIGKILL) and exits 1
+naming the rank and its exit code or signal ("SIGABRT" included, which `train.dist_helpers.run_checked` retries on).
+A plain ``python -m vlrl.cli …`` is one forked process with the caller's environment and working directory; its exit
+code is the process's (a signal's: minus its number, as `subprocess` says it).
 
 The code that runs is vlrl's own (``-m vlrl.cli …`` or a worker script, through `runpy`, as ``python`` runs them),
 so what the tests assert is unchanged; what is not exercised is torchrun itself and a cold interpreter start — the
 session's shared 2-rank job (tests/train/conftest.py ``two_ranks``), the runs the tests kill (tests/train/
 test_resume.py, test_syn_grpo_ranks.py's ``run_killed``), test_launcher.py's torchrun-vs-Ray comparison, the
-numerics and environment tests and the demo's end-to-end run still start real processes (``VLRL_TEST_FORK=0`` runs
-every job so).
+numerics and environment tests, the README's commands and the demo's end-to-end run still start real processes
+(``VLRL_TEST_FORK=0`` runs every job so).
 
 The zygote runs no tensor operation before it forks (so ``numerics: portable`` can still pin the kernels in each
 process, and no OpenMP pool exists to be copied) and holds no thread (fork copies only the calling one).
@@ -54,11 +57,13 @@ IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP
 
 
 class Zygote:
-    """A pytest worker's handle on one zygote process: started at its first job, restarted after a timeout."""
+    """A pytest worker's handle on one zygote process: started at its first job, restarted after a timeout. While a
+    process it spawned (`popen`) lives, it waits on that one and takes no other job (``busy``)."""
 
     def __init__(self, env: dict[str, str]):
         self.env = env
         self.proc: subprocess.Popen | None = None
+        self.busy = False
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -67,43 +72,81 @@ class Zygote:
             kill_process_tree(self.proc.pid)
             self.proc.kill()
             self.proc.wait()
-        self.proc = None
+        self.proc, self.busy = None, False
 
-    def run(self, cmd: list[str], *, nproc: int, target: list[str], env: dict[str, str], cwd, timeout: float
-            ) -> tuple[subprocess.CompletedProcess, float]:
-        """Run ``target`` (``["-m", module, *args]`` or ``[script, *args]``) on ``nproc`` forked ranks (0: one
-        plain process); (the result as `subprocess.run` gives it for ``cmd``, the CPU-seconds it took)."""
+    def send(self, request: dict) -> None:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          env=self.env, text=True, bufsize=1)
-        job = uuid.uuid4().hex[:8]
-        out, err = (Path(tempfile.gettempdir()) / f"forked_runs_{job}.{name}" for name in ("out", "err"))
-        request = {"nproc": nproc, "target": target, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": str(out),
-                   "stderr": str(err), "run_id": job}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
+
+    def answer(self, timeout: float | None) -> dict | None:
+        """The zygote's next answer; None when ``timeout`` passed first. RuntimeError when the zygote died."""
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        try:
-            if not line:
-                self.close()
-                if ready:  # the zygote itself died
-                    raise RuntimeError(f"the zygote (tests/forked_runs.py) exited; the job's stderr:\n{_read(err)[-4000:]}")
-                raise subprocess.TimeoutExpired(cmd, timeout, _read(out), _read(err))
-            answer = json.loads(line)
-            return subprocess.CompletedProcess(cmd, answer["rc"], _read(out), _read(err)), answer["cpu"]
-        finally:
-            out.unlink(missing_ok=True)
-            err.unlink(missing_ok=True)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.close()
+            raise RuntimeError("the zygote (tests/forked_runs.py) exited")
+        return json.loads(line)
+
+
+class ForkedProcess:
+    """What `popen` gives for a forkable command: the parts of `subprocess.Popen` the tests use."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]):
+        self.zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def _ended(self, timeout: float | None) -> bool:
+        if self.returncode is None:
+            answer = self.zygote.answer(timeout)
+            if answer is None:
+                return False
+            self.returncode = answer["rc"]
+            CPU_SECONDS[0] += answer["cpu"]
+            self.zygote.busy = False
+        return True
+
+    def poll(self) -> int | None:
+        self._ended(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-_ZYGOTES: dict[frozenset, Zygote] = {}
+_ZYGOTES: dict[frozenset, list[Zygote]] = {}
 _LOCK = threading.Lock()
 CPU_SECONDS = [0.0]  # every forked job's CPU time in this pytest worker (tests/conftest.py adds it to a test's)
+
+
+def _idle_zygote(env: dict[str, str]) -> Zygote:
+    """An idle zygote started with ``env``'s import-time variables (a new one if every such zygote is busy)."""
+    pool = _ZYGOTES.setdefault(frozenset((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME)), [])
+    for zygote in pool:
+        if not zygote.busy:
+            return zygote
+    pool.append(Zygote(env))
+    return pool[-1]
 
 
 def forkable(cmd: list[str]) -> tuple[int, list[str]] | None:
@@ -119,19 +162,51 @@ def forkable(cmd: list[str]) -> tuple[int, list[str]] | None:
     return None
 
 
-def run(cmd: list[str], *, env: dict[str, str] | None = None, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run(cmd: list[str], *, env: dict[str, str] | None = None, cwd=None, timeout: float = 600
+        ) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)``, on forked
     processes where the command is `forkable`."""
     env = dict(os.environ) if env is None else env
     forked = forkable(cmd)
     if forked is None:
         return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    key = frozenset((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME))
+    job = uuid.uuid4().hex[:8]
+    out, err = (Path(tempfile.gettempdir()) / f"forked_runs_{job}.{name}" for name in ("out", "err"))
     with _LOCK:
-        zygote = _ZYGOTES.setdefault(key, Zygote(env))
-        done, cpu = zygote.run(cmd, nproc=forked[0], target=forked[1], env=env, cwd=cwd, timeout=timeout)
-        CPU_SECONDS[0] += cpu
-        return done
+        zygote = _idle_zygote(env)
+        zygote.send({"nproc": forked[0], "target": forked[1], "env": env, "cwd": str(cwd or os.getcwd()),
+                     "stdout": str(out), "stderr": str(err), "run_id": job})
+        try:
+            answer = zygote.answer(timeout)
+            if answer is None:
+                zygote.close()
+                raise subprocess.TimeoutExpired(cmd, timeout, _read(out), _read(err))
+            CPU_SECONDS[0] += answer["cpu"]
+            return subprocess.CompletedProcess(cmd, answer["rc"], _read(out), _read(err))
+        finally:
+            out.unlink(missing_ok=True)
+            err.unlink(missing_ok=True)
+
+
+def popen(cmd: list[str], *, log: Path, env: dict[str, str] | None = None, cwd=None
+          ) -> subprocess.Popen | ForkedProcess:
+    """``subprocess.Popen(cmd, env=env, cwd=cwd, stdout=<log>, stderr=STDOUT)`` (``log`` appended to), as a forked
+    process where the command is a plain `forkable` one (a server: `vlrl serve`)."""
+    env = dict(os.environ) if env is None else env
+    forked = forkable(cmd)
+    if forked is None or forked[0]:
+        with open(log, "a") as stream:
+            return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=stream, stderr=subprocess.STDOUT)
+    with _LOCK:
+        zygote = _idle_zygote(env)
+        zygote.send({"nproc": 0, "spawn": True, "target": forked[1], "env": env, "cwd": str(cwd or os.getcwd()),
+                     "stdout": str(log), "stderr": str(log), "run_id": uuid.uuid4().hex[:8]})
+        answer = zygote.answer(120)
+        if answer is None:
+            zygote.close()
+            raise RuntimeError(f"the zygote did not start {cmd}")
+        zygote.busy = True
+        return ForkedProcess(zygote, answer["pid"], cmd)
 
 
 # ------------------------------------------------------------------------------------------------ the zygote side
@@ -277,7 +352,10 @@ def serve() -> None:
     import importlib
 
     for name in PRELOAD:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an extra not installed (peft): the processes that need it fail as they would anyway
+            pass
     assert threading.active_count() == 1, threading.enumerate()
     requests, answers = sys.stdin, sys.stdout
     for line in requests:
@@ -288,6 +366,9 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:  # a torchrun job's agent, or the one process of a plain command
             _agent(request) if request["nproc"] else _process(request)
+        if request.get("spawn"):  # the caller waits for the process's end in its own time
+            answers.write(json.dumps({"pid": pid}) + "\n")
+            answers.flush()
         _, status = os.waitpid(pid, 0)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)

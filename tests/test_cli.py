@@ -3,6 +3,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.cli import app
 
 runner = CliRunner()
@@ -231,7 +232,6 @@ def test_hostile_and_broken_overrides_are_one_line_naming_the_override_or_field(
     """Issue 22's probes through the real `vlrl` entry point (a subprocess: no test-runner wrapping): each ends
     with exit 2 and one line on stderr, never a traceback; `.inf`/`.nan` anywhere (also inside betas and
     module_lr) and out-of-range seeds are refused at load; a `!!python` tag is refused by the YAML parser."""
-    import subprocess
     import sys
 
     cases = {
@@ -249,8 +249,8 @@ def test_hostile_and_broken_overrides_are_one_line_naming_the_override_or_field(
         "seed=-1": "config field 'seed': Input should be greater than or equal to 0",
     }
     for override, message in cases.items():
-        done = subprocess.run([sys.executable, "-m", "vlrl.cli", "rl", override, f"out={tmp_path / 'run'}"],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        done = forked_runs.run([sys.executable, "-m", "vlrl.cli", "rl", override, f"out={tmp_path / 'run'}"],
+                               timeout=120, cwd=tmp_path)
         assert done.returncode == 2, (override, done.stderr[-1500:])
         assert done.stderr.strip().splitlines() == [done.stderr.strip()] and message in done.stderr, (override, done.stderr)
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "run").exists()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 from typer.testing import CliRunner
+
+import forked_runs  # tests/ is on sys.path
 
 ROOT = Path(__file__).parents[1]
 PHOTOS = ["astronaut", "coffee", "chelsea", "camera", "rocket", "coins", "text", "page", "moon", "brick", "grass",
@@ -150,8 +151,7 @@ def _vlrl(*args, cwd):
     """`vlrl ARGS` as a user runs it (a process of its own): (exit code, stdout + stderr)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = forked_runs.run([sys.executable, "-m", "vlrl.cli", *args], cwd=cwd, env=env, timeout=600)
     assert "Traceback" not in done.stderr and "╭─" not in done.stderr, done.stderr[-3000:]
     return done.returncode, done.stdout + done.stderr
 

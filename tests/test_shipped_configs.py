@@ -28,8 +28,8 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import forked_runs  # tests/ is on sys.path
 import vlrl
 from cli_runner import in_process  # tests/ is on sys.path (the test packages' root)
 from vlrl.numerics import portable_obstacle
@@ -83,9 +84,8 @@ def cli(*args: str, env: dict | None = None, timeout: float = 600) -> None:
     if args[0] in ("sft", "rl") and env is None:
         in_process(*args)
         return
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
-                          cwd=REPO)
+    done = forked_runs.run([sys.executable, "-m", "vlrl.cli", *args], timeout=timeout, cwd=REPO,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     assert done.returncode == 0, f"vlrl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}"
 
 
@@ -513,11 +513,9 @@ def test_the_multi_turn_preset_asynchronous_against_a_vlrl_serve_server(request,
     model = request.getfixturevalue("shapes_sft").path / "checkpoints" / "final"
     key = {"VLRL_API_KEY": "shipped-configs-test"}
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "vlrl.cli", "serve", "--model", str(model), "--port", str(port)],
-                              env={**os.environ, "OMP_NUM_THREADS": "1", **key}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    server, log = _serve(["--model", str(model), "--port", str(port)], {**os.environ, "OMP_NUM_THREADS": "1", **key})
     try:
-        _wait_for_port(port, server)
+        _wait_for_port(port, server, log)
         cli("rl", "--config", str(CONFIGS / "shapes_feedback_grpo.yaml"), f"model.path={model}", *RL_TINY,
             "rollout.mode=async", "staleness.eta=1", f"rollout.servers.urls=[http://127.0.0.1:{port}]",
             f"out={tmp_path}", env=key)
@@ -540,11 +538,10 @@ def test_shapes_opd_with_its_teacher_on_a_vlrl_serve_server(request, models, tmp
 
     teacher = request.getfixturevalue("shapes_sft").path / "checkpoints" / "final"
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "vlrl.cli", "serve", "--model", str(teacher), "--port", str(port),
-                               "--no-auth", "--threads", "1"], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server, log = _serve(["--model", str(teacher), "--port", str(port), "--no-auth", "--threads", "1"],
+                         {**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        _wait_for_port(port, server)
+        _wait_for_port(port, server, log)
         cli("rl", "--config", str(CONFIGS / "shapes_opd.yaml"), f"model.path={models['vlm']}", *RL_TINY,
             "algo.distill.teacher=null", f"algo.distill.teacher_urls=[http://127.0.0.1:{port}]", f"out={tmp_path}")
         served = httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=30).json()
@@ -564,11 +561,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_port(port: int, process: subprocess.Popen, timeout: float = 120) -> None:
+def _serve(args: list[str], env: dict) -> tuple:
+    """``vlrl serve ARGS`` (a process forked from an already-imported one: tests/forked_runs.py); (process, its log)."""
+    log = Path(tempfile.mkdtemp(prefix="vlrl-serve-")) / "serve.log"
+    return forked_runs.popen([sys.executable, "-m", "vlrl.cli", "serve", *args], log=log, env=env), log
+
+
+def _wait_for_port(port: int, process, log: Path, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
-            raise AssertionError(f"vlrl serve exited ({process.returncode}):\n{process.stderr.read()[-3000:]}")
+            raise AssertionError(f"vlrl serve exited ({process.returncode}):\n{log.read_text()[-3000:]}")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -700,9 +703,9 @@ def recipe_runs(tmp_path_factory, recipe_data):
 
 
 def _cli_log(*args: str, env: dict | None = None) -> str:
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", *args], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                               "HF_HUB_OFFLINE": "1", **(env or {})}, cwd=REPO)
+    done = forked_runs.run([sys.executable, "-m", "vlrl.cli", *args], timeout=900, cwd=REPO,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                                "HF_HUB_OFFLINE": "1", **(env or {})})
     assert done.returncode == 0, f"vlrl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return " ".join((done.stdout + done.stderr).split())  # rich wraps long lines
 
@@ -711,11 +714,10 @@ def _with_server(model: str, args: list[str]) -> str:
     """The run against one `vlrl serve` of ``model`` (rollout.servers.urls; the launch's servers stood in for)."""
     key = {"VLRL_API_KEY": "recipes-test"}
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "vlrl.cli", "serve", "--model", model, "--port", str(port),
-                               "--attn-implementation", "sdpa"], env={**os.environ, "OMP_NUM_THREADS": "1", **key},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server, log = _serve(["--model", model, "--port", str(port), "--attn-implementation", "sdpa"],
+                         {**os.environ, "OMP_NUM_THREADS": "1", **key})
     try:
-        _wait_for_port(port, server)
+        _wait_for_port(port, server, log)
         return _cli_log(*args, f"rollout.servers.urls=[http://127.0.0.1:{port}]", env=key)
     finally:
         server.terminate()

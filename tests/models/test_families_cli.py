@@ -12,6 +12,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.cli import app
 from vlrl.models import load_policy
 from vlrl.models.presets import FAMILY_PRESETS
@@ -92,7 +93,6 @@ def test_fsdp2_shards_every_family_exactly(tmp_path):
     vision tower a unit of its own) gives the unsharded model's log-probs and full gradients on the same batch
     (rows sharing an image included), and greedy generation — which encodes images before the decoder's first
     forward — gives the same tokens."""
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -102,8 +102,8 @@ def test_fsdp2_shards_every_family_exactly(tmp_path):
     out = tmp_path / "fsdp.json"
     worker = Path(__file__).with_name("fsdp_families_worker.py")
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(worker), str(out), *dirs], capture_output=True, text=True, timeout=600, env=env)
+    proc = forked_runs.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(worker), str(out), *dirs], timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads(out.read_text())
     assert sorted(results) == sorted(dirs)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.models import load_policy
 from vlrl.models.policy import LoadOptions, load_processor
 
@@ -201,8 +202,8 @@ def test_launch_gives_the_servers_the_model_options():
 
 
 def _cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, cwd=REPO)
+    done = forked_runs.run([sys.executable, "-m", "vlrl.cli", *args], timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, cwd=REPO)
     if ok:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done

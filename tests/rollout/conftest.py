@@ -2,9 +2,11 @@
 
 import contextlib
 import dataclasses
+from pathlib import Path
 
 import pytest
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.rollout.batcher import ContinuousBatcher, private_copy
 from vlrl.rollout.http_engine import HTTPEngine
 from vlrl.rollout.http_settings import ClientSettings, SyncSettings
@@ -69,12 +71,12 @@ def vlrl_serve(model: str, log_dir, n: int = 1, *, api_key: str = API_KEY, timeo
     started = []
     try:
         for i in range(n):
-            log = open(f"{log_dir}/serve{i}.log", "w+")
-            process = subprocess.Popen(
+            path = Path(log_dir) / f"serve{i}.log"
+            path.write_text("")
+            process = forked_runs.popen(  # a process forked from an already-imported one: tests/forked_runs.py
                 [sys.executable, "-m", "vlrl.cli", "serve", "--model", model, "--port", "0", "--threads", "1", *args],
-                stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "VLRL_API_KEY": api_key, "OMP_NUM_THREADS": "1", **(env[i] if env else {})})
-            started.append((process, log))
+                log=path, env={**os.environ, "VLRL_API_KEY": api_key, "OMP_NUM_THREADS": "1", **(env[i] if env else {})})
+            started.append((process, open(path)))
         urls = []
         for process, log in started:
             deadline = time.time() + timeout

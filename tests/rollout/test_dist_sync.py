@@ -6,6 +6,7 @@ import httpx
 import pytest
 import torch
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.data import generate
 from vlrl.models import load_policy
 from vlrl.rollout import SamplingParams
@@ -134,7 +135,6 @@ def test_vlrl_rl_with_distributed_weight_sync_leaves_the_servers_with_the_final_
     update goes by broadcast (nothing under rollout_weights/), and both servers end with the checksum of the
     exported final weights."""
     import os
-    import subprocess
     import sys
 
     out = tmp_path / "run"
@@ -144,8 +144,7 @@ def test_vlrl_rl_with_distributed_weight_sync_leaves_the_servers_with_the_final_
                 "check.enabled=false", "eval.samples=1", "eval.max_new_tokens=2", f"rollout.servers.urls=[{','.join(urls)}]",
                 "rollout.weight_sync.method=distributed", f"out={out}"]
         env = {**os.environ, "VLRL_API_KEY": API_KEY, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, "-m", "vlrl.cli", "rl", *args], env=env, capture_output=True, text=True,
-                              timeout=600)
+        proc = forked_runs.run([sys.executable, "-m", "vlrl.cli", "rl", *args], env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         final = load_policy(str(out / "checkpoints" / "final"))
         for url in urls:

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.rollout.engine_launch import ServerLaunchError, engine_command, engine_python, launch_servers
 
 HEALTHY = """
@@ -85,15 +86,13 @@ def test_vlrl_rl_launches_its_servers_and_stops_them(tmp_path):
     import json
     import os
     import re
-    import subprocess
 
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", "rl", "--config", "configs/arith_grpo.yaml",
+    done = forked_runs.run([sys.executable, "-m", "vlrl.cli", "rl", "--config", "configs/arith_grpo.yaml",
                            "rollout.servers.launch.count=1", "rollout.servers.engine=auto", "train.steps=2",
                            "train.prompts_per_step=2", "rollout.n=4", "data.n_train=8", "data.n_test=2", "eval.samples=1",
                            "train.log_every=1", "report.html=false", "checkpoint.every=0", f"out={out}"],
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           timeout=600, cwd=Path(__file__).resolve().parents[2], env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "rollout_model" / "config.json").is_file()  # the preset, saved for the server to load
     log = (out / "rollout_servers" / "server-0.log").read_text()

@@ -12,7 +12,6 @@ good version serving (and says so); weights other than the trainer's make the mi
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.rollout import vllm_protocol as proto
 from vlrl.rollout.vllm_client import checkpoint_state
 
@@ -72,9 +72,8 @@ def vllm(tmp_path_factory):
 
 def _rl(vllm: VLLM, out: Path, *args: str) -> tuple[list[dict], str]:
     """``vlrl rl`` with ``args``; (metrics.jsonl's records, the log)."""
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", "rl", *args, f"out={out}"], capture_output=True,
-                          text=True, timeout=900, cwd=ROOT,
-                          env={**os.environ, "VLRL_API_KEY": vllm.key, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    done = forked_runs.run([sys.executable, "-m", "vlrl.cli", "rl", *args, f"out={out}"], timeout=900, cwd=ROOT,
+                           env={**os.environ, "VLRL_API_KEY": vllm.key, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return records, done.stdout + done.stderr

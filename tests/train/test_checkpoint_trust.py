@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.config import CheckpointConfig
 from vlrl.train.checkpoint import (
     Checkpointer,
@@ -170,8 +171,7 @@ def test_a_save_on_a_full_disk_names_the_file_and_the_cause_and_keeps_the_previo
 
 # ----------------------------------------------------------------------------------------------- through the CLI
 def _vlrl(*args):
-    return subprocess.run([sys.executable, "-m", "vlrl.cli", "sft", *args], env=quiet_env(), capture_output=True,
-                          text=True, timeout=600)
+    return forked_runs.run([sys.executable, "-m", "vlrl.cli", "sft", *args], env=quiet_env(), timeout=600)
 
 
 def _steps(run_dir):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.models import load_policy
 from vlrl.rollout.weights import weight_checksum
 
@@ -129,6 +130,6 @@ def test_a_server_that_cannot_start_ends_the_launch_before_the_ranks(tmp_path):
 ])
 def test_settings_the_servers_cannot_honour_are_refused_before_anything_starts(tmp_path, config, extra, code, message):
     cmd = [sys.executable, "-m", "vlrl.cli", "launch", str(REPO / "configs" / config), f"out={tmp_path}", *extra]
-    proc = subprocess.run(cmd, env=quiet_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = forked_runs.run(cmd, env=quiet_env(), timeout=120, cwd=REPO)
     assert proc.returncode == code and message in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "starting" not in proc.stdout  # no server was started

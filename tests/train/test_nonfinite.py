@@ -5,12 +5,12 @@ before the optimizer applies it — `train.on_nonfinite=stop` ends the run namin
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.config import OptimConfig, SFTStage
 from vlrl.data import generate
 from vlrl.models import load_policy
@@ -107,8 +107,8 @@ def test_rl_update_skip_and_stop(rollout):  # noqa: F811
 # ----------------------------------------------------------------------------------------------- through the CLI
 def _run(recipe, tmp_path, *args):
     out = tmp_path / recipe
-    done = subprocess.run([sys.executable, "-m", "vlrl.cli", recipe, *args, f"out={out}", "report.html=false"],
-                          env=quiet_env(), capture_output=True, text=True, timeout=600)
+    done = forked_runs.run([sys.executable, "-m", "vlrl.cli", recipe, *args, f"out={out}", "report.html=false"],
+                           env=quiet_env(), timeout=600)
     return done, out
 
 
@@ -153,8 +153,8 @@ def test_cli_rl_with_a_nan_loss_stops_at_step_1_or_skips_every_update(tmp_path, 
 
     def run(name, *extra):
         out = tmp_path / name
-        return subprocess.run([sys.executable, "-m", "vlrl.cli", "rl", *args, *extra, f"out={out}"], env=env,
-                              capture_output=True, text=True, timeout=600), out
+        return forked_runs.run([sys.executable, "-m", "vlrl.cli", "rl", *args, *extra, f"out={out}"], env=env,
+                               timeout=600), out
 
     done, out = run("stop")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
