@@ -67,10 +67,13 @@ demo: $(DEMO_BIN)/.vlrl-installed
 demo-seeds: $(DEMO_BIN)/.vlrl-installed
 	$(DEMO_BIN)/python benchmarks/demo_seeds.py --seeds $(SEEDS) --threads 1 2 --out runs/demo_seeds
 
-# One pytest-xdist worker per core (a file's tests stay on one worker: its module fixtures are built once). Files are
+# pytest-xdist workers: one more than the 2 cores of the machines CI runs on — much of the suite waits (servers and
+# vLLM starting, Ray, runs polled until they checkpoint), and a third worker's tests fill those waits: the 2,140 tests
+# of d589d84 took 20:04 at -n 2 and 18:28 at -n 3 (quiet 2-core Intel Xeon, 2026-12-07, one after the other). Elsewhere
+# `make test WORKERS=<cores + 1>`. A file's tests stay on one worker (its module fixtures are built once); files are
 # handed out in the order tests/conftest.py puts them, longest first (xdist's own reorder sorts by test count, which
 # left the demo's two 6-minute runs for last, alone on one worker).
-WORKERS ?= 2
+WORKERS ?= 3
 # The two environments are built side by side (-j2: each install waits on downloads much of its time; ~2.5 min each on
 # 2 cores one after the other, 2026-12-07); a failed .venv-vllm does not stop the suite, a failed .venv does.
 test:

@@ -190,16 +190,18 @@ def run(cmd: list[str], *, env: dict[str, str] | None = None, cwd=None, timeout:
 
 def popen(cmd: list[str], *, log: Path, env: dict[str, str] | None = None, cwd=None
           ) -> subprocess.Popen | ForkedProcess:
-    """``subprocess.Popen(cmd, env=env, cwd=cwd, stdout=<log>, stderr=STDOUT)`` (``log`` appended to), as a forked
-    process where the command is a plain `forkable` one (a server: `vlrl serve`)."""
+    """``subprocess.Popen(cmd, env=env, cwd=cwd, stdout=<log>, stderr=STDOUT, start_new_session=True)`` (``log``
+    appended to), forked where the command is `forkable`: a `vlrl serve` the test stops, a run it kills (a torchrun
+    job's agent is the process, its ranks its children: `train.dist_helpers.kill_process_tree` kills them all)."""
     env = dict(os.environ) if env is None else env
     forked = forkable(cmd)
-    if forked is None or forked[0]:
+    if forked is None:
         with open(log, "a") as stream:
-            return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=stream, stderr=subprocess.STDOUT)
+            return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=stream, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
     with _LOCK:
         zygote = _idle_zygote(env)
-        zygote.send({"nproc": 0, "spawn": True, "target": forked[1], "env": env, "cwd": str(cwd or os.getcwd()),
+        zygote.send({"nproc": forked[0], "spawn": True, "target": forked[1], "env": env, "cwd": str(cwd or os.getcwd()),
                      "stdout": str(log), "stderr": str(log), "run_id": uuid.uuid4().hex[:8]})
         answer = zygote.answer(120)
         if answer is None:
@@ -217,12 +219,11 @@ def _free_port() -> int:
 
 
 def _process(request: dict, rank: int | None = None, nproc: int = 0, port: int = 0) -> None:
-    """In a forked process: its streams, working directory and environment (a rank's: torchrun's, in a session of
-    its own), then the target as ``python`` runs it. Never returns."""
+    """In a forked process, in a session of its own: its streams, working directory and environment (a rank's:
+    torchrun's), then the target as ``python`` runs it. Never returns."""
     code = 1
     try:
-        if rank is not None:
-            os.setsid()
+        os.setsid()  # as torchrun starts a rank, and `start_new_session=True` a process the tests kill as a tree
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):

@@ -14,7 +14,6 @@ The 2-rank ≡ 1-rank check of the logged numbers is `test_async_two_ranks_log_w
 (tests/train/dist_async_worker.py: η = 0 with a scripted engine, where the batches do not depend on timing)."""
 
 import json
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,7 @@ import httpx
 import pytest
 import torch
 
+import forked_runs  # tests/ is on sys.path
 from rollout.conftest import API_KEY, vlrl_serve  # tests/ is on sys.path (the test packages' root)
 from vlrl.data import generate, write_samples
 from vlrl.feed.records import AsyncFeedState
@@ -107,17 +107,18 @@ def test_async_on_two_ranks_with_two_servers_one_killed_mid_run(tiny_vlm_dir, tm
         # weights by disk here: with the broadcast, a server killed mid-broadcast can leave the survivor waiting in
         # gloo for minutes (seen once in ~8 runs under load: the test took 360 s and failed) — a weight-sync matter,
         # not the rollout driver's, which this test is about
-        proc = subprocess.Popen(_cmd(tiny_vlm_dir, urls, out, _data(tmp_path), f"train.steps={steps}",
-                                     f"checkpoint.every={steps}", "rollout.weight_sync.method=disk"),
-                                env=quiet_env(VLRL_API_KEY=API_KEY), cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        log = tmp_path / "run.log"
+        proc = forked_runs.popen(_cmd(tiny_vlm_dir, urls, out, _data(tmp_path), f"train.steps={steps}",
+                                      f"checkpoint.every={steps}", "rollout.weight_sync.method=disk"),
+                                 log=log, env=quiet_env(VLRL_API_KEY=API_KEY), cwd=REPO)
         try:
             deadline = time.time() + 600
             while not ((out / "metrics.jsonl").exists() and len(_records(out)) >= 2):
-                assert proc.poll() is None and time.time() < deadline, (proc.poll(), proc.stdout.read()[-6000:])
+                assert proc.poll() is None and time.time() < deadline, (proc.poll(), log.read_text()[-6000:])
                 time.sleep(0.1)
             servers[1].kill()
-            text, _ = proc.communicate(timeout=900)
+            proc.wait(timeout=900)
+            text = log.read_text()
         finally:
             kill_process_tree(proc.pid)
         assert proc.returncode == 0, text[-8000:]
@@ -152,8 +153,8 @@ def test_async_two_ranks_killed_and_resumed(tiny_vlm_dir, tmp_path):
     out, steps, data = tmp_path / "run", 6, _data(tmp_path)
     extra = [f"train.steps={steps}", "checkpoint.every=1", "checkpoint.keep=10"]
     with vlrl_serve(str(tiny_vlm_dir), tmp_path, n=2) as urls:
-        proc = subprocess.Popen(_cmd(tiny_vlm_dir, urls, out, data, *extra), env=quiet_env(VLRL_API_KEY=API_KEY), cwd=REPO,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = forked_runs.popen(_cmd(tiny_vlm_dir, urls, out, data, *extra), log=tmp_path / "killed.log",
+                                 env=quiet_env(VLRL_API_KEY=API_KEY), cwd=REPO)
         try:
             deadline = time.time() + 600
             while True:
@@ -169,8 +170,8 @@ def test_async_two_ranks_killed_and_resumed(tiny_vlm_dir, tmp_path):
         killed_at = latest_checkpoint(out / "checkpoints")
         killed = read_checkpoint_carry_over(killed_at).feed
         assert isinstance(killed, AsyncFeedState) and _accounted(killed)
-        resumed = subprocess.run([*_cmd(tiny_vlm_dir, urls, out, data, *extra), "--resume", "auto"], capture_output=True,
-                                 text=True, timeout=900, cwd=REPO, env=quiet_env(VLRL_API_KEY=API_KEY))
+        resumed = forked_runs.run([*_cmd(tiny_vlm_dir, urls, out, data, *extra), "--resume", "auto"], timeout=900,
+                                  cwd=REPO, env=quiet_env(VLRL_API_KEY=API_KEY))
         assert resumed.returncode == 0, f"{resumed.stdout[-3000:]}\n{resumed.stderr[-6000:]}"
         infos = [_info(url) for url in urls]
     k = int(killed_at.name.split("_")[-1])

@@ -2,7 +2,8 @@
 per-step metrics (loss, grad norm, reward, …) and ends with the same weights as the same run left alone — for
 SFT and GRPO, on 1 process and on 2 ranks (SFT with FSDP2, GRPO with DDP and a KL reference).
 
-The killed run is always a real `vlrl` process tree, SIGKILLed mid-run (every process group of it). The
+The killed run is always a `vlrl` process tree of its own, SIGKILLed mid-run (every process group of it): processes
+forked from the already-imported zygote (tests/forked_runs.py; a 2-rank run is an agent and its two ranks). The
 uninterrupted 2-rank runs come from the shared torchrun job (`dist_worker.py`, which calls the recipes exactly
 as `vlrl sft|rl` does); the 1-process reference and resumed runs run in this process (one torch thread, like
 the subprocess), which saves two interpreter start-ups per test.
@@ -10,7 +11,6 @@ the subprocess), which saves two interpreter start-ups per test.
 
 import json
 import random
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import forked_runs  # tests/ is on sys.path
 from vlrl.config import RLConfig, SFTConfig, load_config
 from vlrl.recipes import run_rl, run_sft
 
@@ -64,8 +65,8 @@ def in_process(recipe: str, args: list[str]) -> None:
 
 def run_killed(cmd: list[str], run_dir, stage: str, kill_after: int, timeout: float = 600) -> None:
     """Start ``cmd`` in a session of its own; SIGKILL all of its processes once ``kill_after`` steps are logged."""
-    proc = subprocess.Popen(cmd, env=quiet_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    log = run_dir.with_name(f"{run_dir.name}.log")
+    proc = forked_runs.popen(cmd, log=log, env=quiet_env())  # its own session; forked: tests/forked_runs.py
     deadline = time.time() + timeout
     try:
         while time.time() < deadline:
@@ -74,7 +75,7 @@ def run_killed(cmd: list[str], run_dir, stage: str, kill_after: int, timeout: fl
                 break
             if proc.poll() is not None:
                 raise AssertionError(f"the run ended (exit {proc.returncode}) before it could be killed:\n"
-                                     f"{proc.stderr.read()[-3000:]}")
+                                     f"{log.read_text()[-3000:]}")
             time.sleep(0.02)
         else:
             raise AssertionError("the run logged no steps in time")

@@ -17,12 +17,12 @@ the originals and synthesise each, steps 3-4 draw only synthesised samples (``sy
 import dataclasses
 import json
 import random
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+import forked_runs  # tests/ is on sys.path
 import vlrl
 from vlrl.data import generate, write_samples
 from vlrl.synth.workflow import apply_syn_template
@@ -59,14 +59,14 @@ def syn_model(tmp_path_factory, tiny_vlm_dir):
 def run_killed(cmd: list[str], run_dir, step: int, timeout: float = 600) -> None:
     """Start ``cmd`` in a session of its own; SIGKILL all of its processes (ranks, the synthesis server's
     workers) as soon as the checkpoint of ``step`` is complete — the resume then has a checkpoint to start from."""
-    proc = subprocess.Popen(cmd, env=quiet_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    log = run_dir.with_name(f"{run_dir.name}.log")
+    proc = forked_runs.popen(cmd, log=log, env=quiet_env())  # its own session; forked: tests/forked_runs.py
     deadline = time.time() + timeout
     try:
         while not (run_dir / "checkpoints" / f"step_{step:08d}" / "manifest.json").exists():
             if proc.poll() is not None:
                 raise AssertionError(f"the run ended (exit {proc.returncode}) before it could be killed:\n"
-                                     f"{proc.stderr.read()[-3000:]}")
+                                     f"{log.read_text()[-3000:]}")
             assert time.time() < deadline, "no checkpoint in time"
             time.sleep(0.02)
         kill_process_tree(proc.pid)
