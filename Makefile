@@ -75,10 +75,13 @@ demo-seeds: $(DEMO_BIN)/.vlrl-installed
 # left the demo's two 6-minute runs for last, alone on one worker).
 WORKERS ?= 3
 # The two environments are built side by side (-j2: each install waits on downloads much of its time; ~2.5 min each on
-# 2 cores one after the other, 2026-12-07); a failed .venv-vllm does not stop the suite, a failed .venv does.
+# 2 cores one after the other, 2026-12-07); a failed .venv-vllm does not stop the suite, a failed .venv does. pip
+# compiles the bytecode of what it installs but not of the editable src/: with PYTHONDONTWRITEBYTECODE set (as in the
+# environment of the machines here) every process of the suite compiled vlrl's modules again (~0.4 CPU-s each); now once.
 test:
 	$(MAKE) -j2 -k $(BIN)/.vlrl-installed .venv-vllm || { $(MAKE) $(BIN)/.vlrl-installed && \
 		echo "make test: .venv-vllm could not be built; the live vLLM tests will skip"; }
+	$(BIN)/python -m compileall -q src
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The suite with every test's CPU-seconds logged (tests/conftest.py), then the cost per file: printed, and stored in

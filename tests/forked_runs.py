@@ -53,7 +53,7 @@ STOP_GRACE = 10.0  # seconds between SIGTERM and SIGKILL for the surviving ranks
 # Variables read when the modules are imported (huggingface_hub's HF_HUB_OFFLINE, HF_HOME, …) or when the native
 # libraries load (OpenMP, MKL): a job whose values differ from a zygote's gets a zygote of its own.
 IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "KMP_", "MKL_", "ATEN_", "ONEDNN_",
-               "DNNL_", "TOKENIZERS_", "PYTHON", "LD_")
+               "DNNL_", "PYTHONPATH", "PYTHONHASHSEED", "LD_")
 
 
 class Zygote:
